@@ -1,0 +1,93 @@
+"""Encode and decode messages as ZMQ multipart frames: msgpack first, then one frame per array.
+
+Every `np.ndarray` inside a message is replaced in the msgpack by a `TensorHeader` (dtype, shape,
+frame index) and its buffer is sent as its own frame with `copy=False`; the receiver rebuilds it
+with `np.frombuffer` over the received frame, without a copy. A codec is built once by the object
+that owns the socket and is not shared between threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import numpy as np
+
+from protocol.errors import RequestError
+
+T = TypeVar("T")
+
+# Arrays whose dtype is not in this set are refused: it keeps `frombuffer` to plain numbers.
+_ALLOWED_DTYPES = frozenset(
+    np.dtype(t).str for t in ("u1", "i1", "i2", "i4", "i8", "f2", "f4", "f8", "bool")
+)
+
+
+class TensorHeader(msgspec.Struct, array_like=True, frozen=True):
+    """What stands in the msgpack for an array: its dtype, shape and frame number."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    frame: int
+
+
+class Codec(Generic[T]):
+    """Encoder for any message, typed decoder for one union (the messages of one socket)."""
+
+    def __init__(self, decode_type: Any) -> None:
+        self._out_frames: list[memoryview] = []
+        self._in_frames: Sequence[Any] = ()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_array)
+        self._decoder = msgspec.msgpack.Decoder(decode_type, dec_hook=self._dec_array)
+
+    def encode(self, message: msgspec.Struct) -> list[Any]:
+        """Return the frames to send: the msgpack body, then each array's buffer."""
+        self._out_frames = []
+        try:
+            body = self._encoder.encode(message)
+            return [body, *self._out_frames]
+        finally:
+            self._out_frames = []
+
+    def decode(self, frames: Sequence[Any]) -> T:
+        """Rebuild a message from received frames (bytes or zmq.Frame); raises RequestError."""
+        if not frames:
+            raise RequestError("empty message", code="invalid_message")
+        self._in_frames = frames
+        try:
+            return self._decoder.decode(_buffer(frames[0]))
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"undecodable message: {exc}", code="invalid_message") from exc
+        finally:
+            self._in_frames = ()
+
+    def _enc_array(self, obj: Any) -> Any:
+        if not isinstance(obj, np.ndarray):
+            raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+        array = np.ascontiguousarray(obj)
+        self._out_frames.append(memoryview(array).cast("B"))
+        return TensorHeader(array.dtype.str, array.shape, len(self._out_frames))
+
+    def _dec_array(self, type_: type, obj: Any) -> Any:
+        if type_ is not np.ndarray:
+            raise NotImplementedError(f"cannot decode {type_!r}")
+        header = msgspec.convert(obj, TensorHeader)
+        if header.dtype not in _ALLOWED_DTYPES:
+            raise ValueError(f"unsupported tensor dtype {header.dtype!r}")
+        if not 0 < header.frame < len(self._in_frames):
+            raise ValueError(f"tensor frame {header.frame} missing ({len(self._in_frames)} frames)")
+        buffer = _buffer(self._in_frames[header.frame])
+        dtype = np.dtype(header.dtype)
+        expected = dtype.itemsize * int(np.prod(header.shape, dtype=np.int64))
+        if any(d < 0 for d in header.shape) or len(buffer) != expected:
+            raise ValueError(
+                f"tensor frame {header.frame} holds {len(buffer)} bytes, "
+                f"shape {header.shape} of {header.dtype} needs {expected}"
+            )
+        return np.frombuffer(buffer, dtype=dtype).reshape(header.shape)
+
+
+def _buffer(frame: Any) -> Any:
+    """The bytes of a frame without copying (zmq.Frame exposes `.buffer`)."""
+    return getattr(frame, "buffer", frame)

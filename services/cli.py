@@ -1,0 +1,235 @@
+"""The `mmlane` command: one subcommand per role, the launcher, the client and the model builder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from protocol.errors import MMLaneError
+from services.common.config import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    EngineConfig,
+    FrontendConfig,
+    MMWorkerConfig,
+    load_config,
+)
+from services.common.lifecycle import run_role
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", metavar="DIR",
+        help="local Hugging Face model directory (default: the embedded tiny-qwen2-vl, built "
+        "once into $MMLANE_HOME, default ~/.cache/mmlane)",
+    )
+
+
+def _add_ready(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ready-endpoint", help=argparse.SUPPRESS)  # set by `mmlane serve`
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda[:N]")
+    g.add_argument("--max-batch-size", type=int, default=8, help="requests per decode step")
+    g.add_argument(
+        "--max-queued-requests", type=int, default=1024,
+        help="requests the engine holds before answering 'overloaded'",
+    )
+
+
+def _add_mm_worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mm worker")
+    g.add_argument(
+        "--allowed-media-dir", metavar="DIR",
+        help="allow file:// image URLs under DIR (default: file:// is refused)",
+    )
+    g.add_argument(
+        "--max-image-pixels", type=int, default=64_000_000,
+        help="refuse larger images before decoding them (default 64 megapixels)",
+    )
+    g.add_argument(
+        "--max-image-bytes", type=int, default=64 * 1024 * 1024,
+        help="refuse larger encoded images (default 64 MiB)",
+    )
+
+
+def _add_frontend_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("frontend")
+    g.add_argument("--host", default=DEFAULT_HOST, help="native client API host")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help="native client API port")
+    g.add_argument("--tokenizer-workers", type=int, default=4, help="tokenizer threads")
+    g.add_argument(
+        "--max-images-per-request", type=int, default=8, help="refuse requests with more images"
+    )
+    g.add_argument(
+        "--request-timeout", type=float, default=600.0,
+        help="seconds before a request without a reply gets a 'timeout' error",
+    )
+    g.add_argument(
+        "--max-inflight-requests", type=int, default=1024,
+        help="requests held at once before answering 'overloaded'",
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return load_config(EngineConfig, {
+        "model": args.model, "input_endpoint": args.engine_endpoint or "",
+        "device": args.device, "max_batch_size": args.max_batch_size,
+        "max_queued_requests": args.max_queued_requests,
+    })
+
+
+def mm_worker_config(args: argparse.Namespace) -> MMWorkerConfig:
+    return load_config(MMWorkerConfig, {
+        "model": args.model, "job_endpoint": args.mm_worker_endpoint or "",
+        "engine_endpoint": args.engine_endpoint or "",
+        "allowed_media_dir": args.allowed_media_dir, "max_image_pixels": args.max_image_pixels,
+        "max_image_bytes": args.max_image_bytes,
+    })
+
+
+def frontend_config(args: argparse.Namespace) -> FrontendConfig:
+    return load_config(FrontendConfig, {
+        "model": args.model, "client_endpoint": f"tcp://{args.host}:{args.port}",
+        "output_endpoint": args.output_endpoint or "", "engine_endpoint": args.engine_endpoint or "",
+        "mm_worker_endpoints": [args.mm_worker_endpoint] if args.mm_worker_endpoint else [],
+        "tokenizer_workers": args.tokenizer_workers,
+        "max_images_per_request": args.max_images_per_request,
+        "request_timeout_s": args.request_timeout,
+        "max_inflight_requests": args.max_inflight_requests,
+    })
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from services.engine import Engine
+
+    config = engine_config(args)
+    return run_role("engine", lambda: Engine(config), args.ready_endpoint)
+
+
+def _cmd_mm_worker(args: argparse.Namespace) -> int:
+    from services.mm_worker import MMWorker
+
+    config = mm_worker_config(args)
+    return run_role("mm-worker", lambda: MMWorker(config), args.ready_endpoint)
+
+
+def _cmd_frontend(args: argparse.Namespace) -> int:
+    from services.frontend import Frontend
+
+    config = frontend_config(args)
+    return run_role("frontend", lambda: Frontend(config), args.ready_endpoint)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from services.launcher import serve
+
+    return serve(args)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from services.client import chat_command
+
+    return chat_command(args)
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from services.model import build_tiny_model
+
+    out = build_tiny_model(args.out, family=args.family, seed=args.seed)
+    print(out)
+    return 0
+
+
+def _add_endpoint_args(p: argparse.ArgumentParser, *names: str) -> None:
+    g = p.add_argument_group("internal addresses (default: ipc:// sockets in $MMLANE_RUN_DIR)")
+    helps = {
+        "engine": "the engine's request socket",
+        "mm-worker": "the MM worker's job socket",
+        "output": "this frontend's reply socket",
+    }
+    for name in names:
+        g.add_argument(f"--{name}-endpoint", metavar="ADDR", help=helps[name])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmlane",
+        description="Multi-process preprocessing for vision-language model serving: the frontend "
+        "tokenizes text, a FIFO MM worker preprocesses images, the engine runs the model.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> Any:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("serve", _cmd_serve, "run frontend, MM worker and engine on this machine")
+    _add_model(p)
+    _add_frontend_args(p)
+    _add_mm_worker_args(p)
+    _add_engine_args(p)
+    _add_endpoint_args(p, "engine", "mm-worker")
+    p.add_argument("--run-dir", help="folder for the internal ipc:// sockets (default: a new temp dir)")
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0,
+        help="seconds to wait for every role to report ready",
+    )
+
+    p = add("frontend", _cmd_frontend, "run one frontend (client API, chat template, tokenizer)")
+    _add_model(p)
+    _add_frontend_args(p)
+    _add_endpoint_args(p, "engine", "mm-worker", "output")
+    _add_ready(p)
+
+    p = add("mm-worker", _cmd_mm_worker, "run one MM worker (FIFO image preprocessing)")
+    _add_model(p)
+    _add_mm_worker_args(p)
+    _add_endpoint_args(p, "engine", "mm-worker")
+    _add_ready(p)
+
+    p = add("engine", _cmd_engine, "run the engine (the model, on CUDA when present, else CPU)")
+    _add_model(p)
+    _add_engine_args(p)
+    _add_endpoint_args(p, "engine")
+    _add_ready(p)
+
+    p = add("chat", _cmd_chat, "send one chat request to a running mmlane and print the reply")
+    p.add_argument("prompt", help="the user message")
+    p.add_argument(
+        "--endpoint", default=f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}",
+        help="native API address (default: serve's default)",
+    )
+    p.add_argument(
+        "--image", action="append", default=[], metavar="PATH_OR_URL",
+        help="an image: a local path (read here and sent inline) or a data:/file:// URL; repeatable",
+    )
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reply")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+    p = add("tiny-model", _cmd_tiny_model, "write the embedded tiny model (built offline) to a folder")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "llava"])
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MMLaneError as exc:
+        print(f"mmlane {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

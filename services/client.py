@@ -1,0 +1,166 @@
+"""A Python client for mmlane's native API (ZMQ DEALER, msgspec), and the `mmlane chat` command."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import mimetypes
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from protocol.codec import Codec
+from protocol.errors import MMLaneError, RetryableError, from_info
+from protocol.messages import (
+    ChatError,
+    ChatMessage,
+    ChatOutput,
+    ChatRequest,
+    ClientReply,
+    ImagePart,
+    ImageUrl,
+    TextPart,
+)
+from services.common.sockets import make_socket
+
+
+@dataclass
+class ChatResult:
+    """A finished reply: the whole text and tokens, and the prompt as the engine received it."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+    error: MMLaneError | None = None
+
+    def to_json(self) -> dict:
+        if self.error is not None:
+            return {"error": {"code": self.error.code, "message": self.error.message}}
+        return {
+            "text": self.text, "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason, "prompt_token_ids": self.prompt_token_ids,
+        }
+
+
+def image_url(source: str) -> ImageUrl:
+    """A `data:`/`file://` URL as given, or a local file read here and sent inline."""
+    if source.startswith(("data:", "file://", "http://", "https://")):
+        return ImageUrl(url=source)
+    path = Path(source)
+    mime = mimetypes.guess_type(path.name)[0] or "image/png"
+    return ImageUrl(url=f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}")
+
+
+def user_message(prompt: str, images: list[str] = ()) -> ChatMessage:  # type: ignore[assignment]
+    parts: list = [ImagePart(image_url=image_url(src)) for src in images]
+    parts.append(TextPart(text=prompt))
+    return ChatMessage(role="user", content=parts)
+
+
+class Client:
+    """Sends chat requests and gathers their streamed replies. One socket; not thread-safe."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 600.0) -> None:
+        self._ctx = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, endpoint, bind=False, linger_ms=0)
+        self._codec: Codec[ClientReply] = Codec(ClientReply)
+        self._timeout_s = timeout_s
+        self._partial: dict[str, ChatResult] = {}
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+    def submit(self, messages: list[ChatMessage], **sampling: object) -> str:
+        """Send one request without waiting; returns its request id."""
+        request_id = uuid.uuid4().hex
+        self.send_raw(self._codec.encode(ChatRequest(
+            request_id=request_id, messages=messages, **sampling  # type: ignore[arg-type]
+        )))
+        return request_id
+
+    def send_raw(self, frames: list) -> None:
+        """Send frames as they are (tests use it for malformed messages)."""
+        self._sock.send_multipart(frames, copy=False)
+
+    def collect(self, request_ids: list[str]) -> dict[str, ChatResult]:
+        """Wait for the terminal reply of each request id."""
+        deadline = time.monotonic() + self._timeout_s
+        waiting = set(request_ids)
+        done: dict[str, ChatResult] = {}
+        while waiting:
+            result = self.next_finished(deadline)
+            done[result.request_id] = result
+            waiting.discard(result.request_id)
+        return done
+
+    def next_finished(self, deadline: float | None = None) -> ChatResult:
+        """Wait for whichever request finishes next (replies to others are kept meanwhile)."""
+        deadline = deadline or time.monotonic() + self._timeout_s
+        while True:
+            reply = self._recv(deadline)
+            result = self._partial.setdefault(reply.request_id, ChatResult(reply.request_id))
+            if _apply(result, reply):
+                return self._partial.pop(reply.request_id)
+
+    def chat(self, messages: list[ChatMessage], **sampling: object) -> ChatResult:
+        """Send one request and wait for its reply; raises the reply's error as an exception."""
+        request_id = self.submit(messages, **sampling)
+        result = self.collect([request_id])[request_id]
+        if result.error is not None:
+            raise result.error
+        return result
+
+    def _recv(self, deadline: float) -> ChatOutput | ChatError:
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        if not self._sock.poll(remaining_ms):
+            raise RetryableError(f"no reply within {self._timeout_s} s", code="timeout")
+        return self._codec.decode(self._sock.recv_multipart(copy=False))
+
+
+def _apply(result: ChatResult, reply: ChatOutput | ChatError) -> bool:
+    """Fold one reply into its result; True when it was the terminal one."""
+    if isinstance(reply, ChatError):
+        result.error = from_info(reply.error)
+        return True
+    result.text += reply.text
+    result.token_ids.extend(reply.token_ids)
+    if reply.prompt_token_ids is not None:
+        result.prompt_token_ids = reply.prompt_token_ids
+    if reply.finished:
+        result.finish_reason = reply.finish_reason
+    return reply.finished
+
+
+def chat_command(args: argparse.Namespace) -> int:
+    """`mmlane chat`: one request, the reply printed as text or as one JSON object."""
+    try:
+        message = user_message(args.prompt, args.image)
+        with Client(args.endpoint, timeout_s=args.timeout) as client:
+            result = client.chat(
+                [message], max_tokens=args.max_tokens, temperature=args.temperature,
+                seed=args.seed,
+            )
+    except MMLaneError as exc:
+        result = ChatResult("", error=exc)
+    except OSError as exc:
+        result = ChatResult("", error=MMLaneError(f"cannot read image: {exc}", code="bad_image"))
+    if args.json:
+        print(json.dumps(result.to_json()))
+    elif result.error is not None:
+        print(f"error ({result.error.code}): {result.error.message}", file=sys.stderr)
+    else:
+        print(result.text)
+    return 1 if result.error is not None else 0

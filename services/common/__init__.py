@@ -1,0 +1,1 @@
+"""Runtime pieces every role uses: the socket factory, reply routing and the process lifecycle."""

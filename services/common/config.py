@@ -1,0 +1,116 @@
+"""Typed, validated configuration of every role. Unknown keys are rejected; each field says why.
+
+The command line (`services/cli.py`) builds these with `load_config`, so a bad value fails at
+startup with a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from protocol.errors import FatalError
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+
+
+def default_run_dir() -> Path:
+    """Where internal ipc:// sockets live unless addresses are given: `$MMLANE_RUN_DIR`."""
+    return Path(os.environ.get("MMLANE_RUN_DIR") or Path(tempfile.gettempdir()) / "mmlane")
+
+
+def ipc(name: str, run_dir: Path | None = None) -> str:
+    return f"ipc://{(run_dir or default_run_dir()) / name}.sock"
+
+
+def client_endpoint(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> str:
+    return f"tcp://{host}:{port}"
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    """Local Hugging Face model directory; None builds and uses the embedded tiny-qwen2-vl."""
+    input_endpoint: str = ""
+    """Where the engine binds its request socket (PULL); frontends and MM workers connect."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
+    max_batch_size: int = 8
+    """How many ready requests one decode step runs together at most."""
+    max_queued_requests: int = 1024
+    """Requests held at once; above it new ones get an 'overloaded' error."""
+
+    def __post_init__(self) -> None:
+        self.input_endpoint = self.input_endpoint or ipc("engine")
+        _positive(self, "max_batch_size", "max_queued_requests")
+
+
+class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    """Local Hugging Face model directory (its tokenizer and image processor are used)."""
+    job_endpoint: str = ""
+    """Where this MM worker binds its job socket (PULL); frontends connect."""
+    engine_endpoint: str = ""
+    """The engine's request socket."""
+    allowed_media_dir: str | None = None
+    """file:// image paths are allowed only under this folder; None refuses every file:// URL."""
+    max_image_pixels: int = 64_000_000
+    """Images with more pixels are refused before the full decode (decompression-bomb guard)."""
+    max_image_bytes: int = 64 * 1024 * 1024
+    """Largest encoded image accepted, in bytes."""
+
+    def __post_init__(self) -> None:
+        self.job_endpoint = self.job_endpoint or ipc("mm-worker")
+        self.engine_endpoint = self.engine_endpoint or ipc("engine")
+        _positive(self, "max_image_pixels", "max_image_bytes")
+        if self.allowed_media_dir is not None and not Path(self.allowed_media_dir).is_dir():
+            raise ValueError(f"allowed_media_dir {self.allowed_media_dir!r} is not a directory")
+
+
+class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    """Local Hugging Face model directory (its tokenizer and chat template are used)."""
+    client_endpoint: str = ""
+    """Where the native client API (ROUTER, msgspec) binds."""
+    output_endpoint: str = ""
+    """Where this frontend binds the socket that engine and MM workers reply to (`reply_to`)."""
+    engine_endpoint: str = ""
+    mm_worker_endpoints: list[str] = []
+    """Job sockets of the MM workers; jobs are spread over them."""
+    tokenizer_workers: int = 4
+    """Threads that apply the chat template and tokenize."""
+    max_images_per_request: int = 8
+    request_timeout_s: float = 600.0
+    """A request without its terminal reply after this long gets a 'timeout' error."""
+    max_inflight_requests: int = 1024
+    """Requests held at once; above it new ones get an 'overloaded' error."""
+
+    def __post_init__(self) -> None:
+        self.client_endpoint = self.client_endpoint or client_endpoint()
+        self.output_endpoint = self.output_endpoint or ipc(f"frontend-{os.getpid()}")
+        self.engine_endpoint = self.engine_endpoint or ipc("engine")
+        self.mm_worker_endpoints = self.mm_worker_endpoints or [ipc("mm-worker")]
+        _positive(
+            self, "tokenizer_workers", "max_images_per_request", "request_timeout_s",
+            "max_inflight_requests",
+        )
+
+
+def load_config(config_type: type[C], values: dict[str, Any]) -> C:
+    """Build a config from settings, refusing unknown keys and bad values by name."""
+    try:
+        return msgspec.convert(values, config_type)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise FatalError(f"invalid {config_type.__name__}: {exc}", code="bad_config") from exc
+
+
+def _positive(config: msgspec.Struct, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(config, name)}")

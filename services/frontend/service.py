@@ -1,0 +1,283 @@
+"""The frontend process: one I/O thread owns every socket; a thread pool renders and tokenizes.
+
+The I/O loop, in order, each turn:
+  1. read client requests (ROUTER), validate them and hand them to the tokenizer pool;
+  2. take finished tokenizations and route them: text-only to the engine, images to an MM worker;
+  3. read replies from the engine and MM workers, detokenize and forward them to the client;
+  4. fail requests whose deadline passed.
+Every accepted request is held in `_inflight` until exactly one terminal reply has gone out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import zmq
+
+from protocol.codec import Codec
+from protocol.errors import ErrorInfo, MMLaneError, RequestError, RetryableError
+from protocol.messages import (
+    ChatError,
+    ChatOutput,
+    ChatRequest,
+    ClientRequest,
+    EngineOutput,
+    EngineRequest,
+    FrontendInput,
+    MMJob,
+    RequestFailed,
+)
+from services.common.config import FrontendConfig
+from services.common.sockets import make_socket
+from services.frontend.requests import CheckedRequest, check_request
+from services.model import load_preprocessor, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 50
+
+
+@dataclass
+class InFlight:
+    """A request accepted from a client and not yet answered."""
+
+    client: bytes
+    client_request_id: str
+    deadline: float
+    checked: CheckedRequest
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """What a tokenizer thread hands back: prompt token ids, or the error that stopped it."""
+
+    request_id: str
+    token_ids: list[int] | None = None
+    error: MMLaneError | None = None
+
+
+class Frontend:
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.endpoint = config.client_endpoint
+        self._pre = load_preprocessor(resolve_model_dir(config.model))
+        self._ctx = zmq.Context()
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid()}-{id(self):x}"
+        self._inflight: dict[str, InFlight] = {}
+        self._tokenized: queue.SimpleQueue[Tokenized] = queue.SimpleQueue()
+        self._wake_endpoint = f"inproc://frontend-wake-{self._prefix}"
+        self._wake_local = threading.local()
+        self._client_codec: Codec[ClientRequest] = Codec(ClientRequest)
+        self._output_codec: Codec[FrontendInput] = Codec(FrontendInput)
+        self._open_sockets()
+        self._pool = ThreadPoolExecutor(
+            config.tokenizer_workers, thread_name_prefix="frontend-tokenizer"
+        )
+
+    def _open_sockets(self) -> None:
+        c = self.config
+        self._wake = make_socket(self._ctx, zmq.PULL, self._wake_endpoint, bind=True)
+        self._output = make_socket(self._ctx, zmq.PULL, c.output_endpoint, bind=True)
+        self._engine = make_socket(self._ctx, zmq.PUSH, c.engine_endpoint, bind=False)
+        self._mm = make_socket(self._ctx, zmq.PUSH, c.mm_worker_endpoints[0], bind=False)
+        for endpoint in c.mm_worker_endpoints[1:]:
+            self._mm.connect(endpoint)
+        # The client socket binds last: once clients can reach us, everything else is ready.
+        self._client = make_socket(self._ctx, zmq.ROUTER, c.client_endpoint, bind=True)
+
+    # ------------------------------------------------------------------ the I/O loop
+
+    def serve(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        for sock in (self._client, self._wake, self._output):
+            poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            ready = dict(poller.poll(_POLL_MS))
+            if self._client in ready:
+                self._read_clients()
+            if self._wake in ready:
+                self._route_tokenized()
+            if self._output in ready:
+                self._read_outputs()
+            self._expire(time.monotonic())
+
+    def _read_clients(self) -> None:
+        while True:
+            try:
+                frames = self._client.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._accept(frames[0].bytes, frames[1:])
+
+    def _accept(self, client: bytes, frames: list) -> None:
+        try:
+            request = self._client_codec.decode(frames)
+        except RequestError as exc:
+            log.warning("unreadable client message: %s", exc)
+            self._reply(client, ChatError(request_id="", error=exc.to_info()))
+            return
+        try:
+            checked = self._admit(request)
+        except MMLaneError as exc:
+            self._reply(client, ChatError(request_id=request.request_id, error=exc.to_info()))
+            return
+        request_id = f"{self._prefix}-{next(self._ids)}"
+        deadline = time.monotonic() + self.config.request_timeout_s
+        self._inflight[request_id] = InFlight(client, request.request_id, deadline, checked)
+        self._pool.submit(self._tokenize, request_id, checked)
+
+    def _admit(self, request: ChatRequest) -> CheckedRequest:
+        if len(self._inflight) >= self.config.max_inflight_requests:
+            raise RetryableError(
+                f"frontend overloaded: {len(self._inflight)} requests in flight "
+                f"(max_inflight_requests={self.config.max_inflight_requests})",
+                code="overloaded",
+            )
+        return check_request(request, max_images=self.config.max_images_per_request)
+
+    # ------------------------------------------------------------------ tokenizer pool
+
+    def _tokenize(self, request_id: str, checked: CheckedRequest) -> None:
+        """Runs on a pool thread: render the chat template, tokenize, hand the result back."""
+        try:
+            prompt = self._pre.render_prompt(checked.template_messages)
+            token_ids = self._pre.tokenize_batch([prompt])[0]
+            self._check_length(len(token_ids), checked)
+            result = Tokenized(request_id, token_ids=token_ids)
+        except MMLaneError as exc:
+            result = Tokenized(request_id, error=exc)
+        except Exception as exc:  # a template or tokenizer failure is this request's fault
+            result = Tokenized(request_id, error=RequestError(f"cannot render prompt: {exc}"))
+        self._tokenized.put(result)
+        self._wake_socket().send(b"", zmq.NOBLOCK)
+
+    def _check_length(self, prompt_tokens: int, checked: CheckedRequest) -> None:
+        needed = prompt_tokens + checked.sampling.max_tokens
+        if not checked.images and needed > self._pre.max_context:
+            raise RequestError(
+                f"prompt too long: {prompt_tokens} prompt tokens + max_tokens "
+                f"{checked.sampling.max_tokens} exceed the model's context of "
+                f"{self._pre.max_context} tokens",
+                code="prompt_too_long",
+            )
+
+    def _wake_socket(self) -> zmq.Socket:
+        sock = getattr(self._wake_local, "sock", None)
+        if sock is None:
+            sock = make_socket(self._ctx, zmq.PUSH, self._wake_endpoint, bind=False, linger_ms=0)
+            self._wake_local.sock = sock
+        return sock
+
+    def _route_tokenized(self) -> None:
+        while True:
+            try:
+                self._wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while not self._tokenized.empty():
+            result = self._tokenized.get_nowait()
+            pending = self._inflight.get(result.request_id)
+            if pending is None:  # timed out meanwhile
+                continue
+            if result.error is not None:
+                self._fail(result.request_id, result.error)
+            else:
+                self._dispatch(result.request_id, pending, result.token_ids or [])
+
+    def _dispatch(self, request_id: str, pending: InFlight, token_ids: list[int]) -> None:
+        checked = pending.checked
+        reply_to = self.config.output_endpoint
+        if checked.images:
+            message = MMJob(
+                request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
+                images=checked.images, sampling=checked.sampling,
+            )
+            sock = self._mm
+        else:
+            message = EngineRequest(
+                request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
+                sampling=checked.sampling,
+            )
+            sock = self._engine
+        try:
+            sock.send_multipart(self._client_codec.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            lane = "MM worker" if checked.images else "engine"
+            self._fail(request_id, RetryableError(f"{lane} queue full", code="overloaded"))
+
+    # ------------------------------------------------------------------ replies
+
+    def _read_outputs(self) -> None:
+        while True:
+            try:
+                frames = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = self._output_codec.decode(frames)
+            except RequestError as exc:
+                log.warning("dropped unreadable reply: %s", exc)
+                continue
+            if isinstance(message, RequestFailed):
+                if message.request_id in self._inflight:
+                    self._finish_with_error(message.request_id, message.error)
+            else:
+                self._forward_output(message)
+
+    def _forward_output(self, output: EngineOutput) -> None:
+        pending = self._inflight.get(output.request_id)
+        if pending is None:
+            return
+        pending.output_ids.extend(output.token_ids)
+        text = self._pre.decode(pending.output_ids)
+        # Hold back a trailing replacement char: it is half of a multi-byte character.
+        stable = text[:-1] if text.endswith("\ufffd") and not output.finished else text
+        delta, pending.text = stable[len(pending.text):], stable
+        reply = ChatOutput(
+            request_id=pending.client_request_id, token_ids=list(output.token_ids), text=delta,
+            finished=output.finished, finish_reason=output.finish_reason,
+            prompt_token_ids=output.prompt_token_ids,
+        )
+        if output.finished:
+            del self._inflight[output.request_id]
+        self._reply(pending.client, reply)
+
+    def _fail(self, request_id: str, error: MMLaneError) -> None:
+        self._finish_with_error(request_id, error.to_info())
+
+    def _finish_with_error(self, request_id: str, error: ErrorInfo) -> None:
+        pending = self._inflight.pop(request_id)
+        self._reply(pending.client, ChatError(request_id=pending.client_request_id, error=error))
+
+    def _expire(self, now: float) -> None:
+        expired = [rid for rid, p in self._inflight.items() if p.deadline <= now]
+        for request_id in expired:
+            self._fail(
+                request_id,
+                RetryableError(
+                    f"no reply within request_timeout_s={self.config.request_timeout_s}",
+                    code="timeout",
+                ),
+            )
+
+    def _reply(self, client: bytes, message: ChatOutput | ChatError) -> None:
+        try:
+            self._client.send_multipart(
+                [client, *self._client_codec.encode(message)], zmq.NOBLOCK, copy=False
+            )
+        except zmq.ZMQError as exc:  # client gone (ROUTER drops unknown peers) or not reading
+            log.warning("reply to client dropped: %s", exc)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ctx.destroy(linger=500)

@@ -1,0 +1,172 @@
+"""`mmlane serve`: start engine, MM worker and frontend as child processes on one machine.
+
+Startup waits for each child's `Ready` on a ready socket while watching for early exits: a child
+that fails makes serve stop the others and exit 1 with that child's reason. Once all are ready,
+serve prints one `ready` line with the client endpoint, then waits for SIGINT/SIGTERM (exit 0
+after stopping every child) or for a child to die (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from protocol.errors import FatalError
+from protocol.messages import LauncherInput, StartupFailed
+from services.common.config import ipc
+from services.common.lifecycle import setup_logging
+from services.common.sockets import make_socket
+from services.model import resolve_model_dir
+
+_STOP_GRACE_S = 10.0
+
+
+class Child:
+    """One role's process and the name it is known by."""
+
+    def __init__(self, role: str, argv: list[str]) -> None:
+        self.role = role
+        self.process = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _opt(name: str, value: object) -> list[str]:
+    return [] if value is None else [f"--{name}", str(value)]
+
+
+def child_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, list[str]]:
+    """The command line of each role, from serve's own arguments."""
+    engine = args.engine_endpoint or ipc("engine", run_dir)
+    mm_worker = args.mm_worker_endpoint or ipc("mm-worker", run_dir)
+    common = ["--model", str(model_dir), "--engine-endpoint", engine]
+    return {
+        "engine": [
+            *common, "--device", args.device, *_opt("max-batch-size", args.max_batch_size),
+            *_opt("max-queued-requests", args.max_queued_requests),
+        ],
+        "mm-worker": [
+            *common, "--mm-worker-endpoint", mm_worker,
+            *_opt("allowed-media-dir", args.allowed_media_dir),
+            *_opt("max-image-pixels", args.max_image_pixels),
+            *_opt("max-image-bytes", args.max_image_bytes),
+        ],
+        "frontend": [
+            *common, "--mm-worker-endpoint", mm_worker,
+            "--output-endpoint", ipc("frontend-0", run_dir),
+            "--host", args.host, "--port", str(args.port),
+            *_opt("tokenizer-workers", args.tokenizer_workers),
+            *_opt("max-images-per-request", args.max_images_per_request),
+            *_opt("request-timeout", args.request_timeout),
+            *_opt("max-inflight-requests", args.max_inflight_requests),
+        ],
+    }
+
+
+def serve(args: argparse.Namespace) -> int:
+    log = setup_logging("serve")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    children: list[Child] = []
+    try:
+        model_dir = resolve_model_dir(args.model)  # build the default model once, not per child
+        run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="mmlane-"))
+        children = start_roles(child_argv(args, model_dir, run_dir), run_dir,
+                               args.startup_timeout, stop)
+        if stop.is_set():
+            return 0
+        print(
+            f"mmlane ready: client endpoint tcp://{args.host}:{args.port} (model {model_dir})",
+            flush=True,
+        )
+        return _watch(children, stop, log)
+    except FatalError as exc:
+        print(f"mmlane serve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop_all(children)
+
+
+def start_roles(
+    roles: dict[str, list[str]],
+    run_dir: Path,
+    timeout_s: float,
+    stop: threading.Event | None = None,
+) -> list[Child]:
+    """Start `mmlane ROLE ARGV` for each role and wait until every one reports ready.
+
+    Raises FatalError with the failing child's reason (after stopping the others) when a child
+    reports a startup failure, exits, or is not ready within `timeout_s`.
+    """
+    ctx = zmq.Context.instance()
+    ready_endpoint = ipc(f"ready-{time.monotonic_ns()}", run_dir)
+    children: list[Child] = []
+    with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:
+        try:
+            for role, argv in roles.items():
+                children.append(Child(role, [*argv, "--ready-endpoint", ready_endpoint]))
+            _wait_ready(sock, children, stop or threading.Event(), timeout_s)
+        except BaseException:
+            stop_all(children)
+            raise
+    return children
+
+
+def _wait_ready(
+    sock: zmq.Socket, children: list[Child], stop: threading.Event, timeout_s: float
+) -> None:
+    decoder = msgspec.msgpack.Decoder(LauncherInput)
+    waiting = {child.role for child in children}
+    deadline = time.monotonic() + timeout_s
+    while waiting and not stop.is_set():
+        if sock.poll(100):
+            message = decoder.decode(sock.recv())
+            if isinstance(message, StartupFailed):
+                raise FatalError(f"{message.role} failed to start: {message.message}")
+            waiting.discard(message.role)
+            continue
+        for child in children:
+            code = child.process.poll()
+            if code is not None and not sock.poll(500):  # its StartupFailed may still be coming
+                raise FatalError(f"{child.role} exited with status {code} during startup")
+        if time.monotonic() > deadline:
+            raise FatalError(f"{', '.join(sorted(waiting))} not ready after {timeout_s} s")
+
+
+def _watch(children: list[Child], stop: threading.Event, log: logging.Logger) -> int:
+    while not stop.wait(0.2):
+        for child in children:
+            code = child.process.poll()
+            if code is not None:
+                log.error("%s exited with status %s; stopping the others", child.role, code)
+                return 1
+    log.info("stopping")
+    return 0
+
+
+def stop_all(children: list[Child]) -> None:
+    for child in children:
+        child.stop()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for child in children:
+        child.wait_or_kill(deadline)

@@ -1,0 +1,33 @@
+"""The model package every role uses: loading a model directory, the per-family placeholder
+description, image preprocessing, and the offline tiny-model builder."""
+
+from services.model.families import FAMILIES, Family, UnsupportedModelError, family_for
+from services.model.loading import (
+    ImageError,
+    ImageItem,
+    ModelDirError,
+    Preprocessor,
+    PromptError,
+    load_model,
+    load_preprocessor,
+    resolve_model_dir,
+)
+from services.model.tiny import build_tiny_model, default_model_dir, ensure_default_model
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "ImageError",
+    "ImageItem",
+    "ModelDirError",
+    "Preprocessor",
+    "PromptError",
+    "UnsupportedModelError",
+    "build_tiny_model",
+    "default_model_dir",
+    "ensure_default_model",
+    "family_for",
+    "load_model",
+    "load_preprocessor",
+    "resolve_model_dir",
+]

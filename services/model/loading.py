@@ -1,0 +1,270 @@
+"""Loading a model directory, and the preprocessing every role shares.
+
+The tiny default model and any real Hugging Face model directory go through the same code.
+Errors from transformers, jinja and PIL are translated here into ValueErrors that say what is
+wrong in mmlane's terms:
+
+    ValueError
+    ├── ModelDirError          the model directory is missing or unusable (fatal at startup)
+    ├── UnsupportedModelError  its model_type has no family (families.py; fatal at startup)
+    ├── PromptError            the request's messages cannot become a prompt (the client's fault)
+    └── ImageError             the image processor rejects an image (the client's fault)
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import jinja2
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+)
+
+from services.model.families import Family, TokenCounter, UnsupportedModelError, family_for
+from services.model.tiny import ensure_default_model
+
+
+class ModelDirError(ValueError):
+    """The model directory is missing, incomplete or unusable."""
+
+
+class PromptError(ValueError):
+    """The messages cannot be rendered, or their placeholders do not match the images."""
+
+
+class ImageError(ValueError):
+    """The image processor rejected an image."""
+
+
+@dataclass(frozen=True, eq=False)
+class ImageItem:
+    """One processed image: the model's tensors for it and its placeholder expansion length."""
+
+    tensors: dict[str, np.ndarray]
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.tensors.values())
+
+
+@dataclass(frozen=True, eq=False)
+class Preprocessor:
+    """Everything between a chat request and the model's inputs; holds no model weights."""
+
+    model_id: str
+    family: Family
+    tokenizer: PreTrainedTokenizerBase
+    image_processor: Any
+    chat_template: str
+    image_token_id: int
+    eos_token_ids: list[int]
+    max_context: int
+    count_image_tokens: TokenCounter
+    # Special tokens the tokenizer adds around a text when asked (e.g. Llama's BOS).
+    special_prefix: list[int]
+    special_suffix: list[int]
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except jinja2.TemplateError as exc:
+            raise PromptError(f"cannot apply the chat template of {self.model_id}: {exc}") from exc
+        return cast(str, prompt)
+
+    def tokenize_batch(self, prompts: list[str]) -> list[list[int]]:
+        # The Rust batch call releases the GIL, so tokenizer threads run in parallel.
+        encodings = self.tokenizer.backend_tokenizer.encode_batch_fast(
+            prompts, add_special_tokens=False
+        )
+        return [
+            self._add_special_tokens(prompt, encoding.ids)
+            for prompt, encoding in zip(prompts, encodings, strict=True)
+        ]
+
+    def _add_special_tokens(self, prompt: str, ids: list[int]) -> list[int]:
+        # Same rule as the HF processor: add the tokenizer's special tokens unless the chat
+        # template already wrote the BOS token itself.
+        bos_token = self.tokenizer.bos_token
+        if bos_token is not None and prompt.startswith(bos_token):
+            return ids
+        return self.special_prefix + ids + self.special_suffix
+
+    def process_image(self, image: Image.Image) -> ImageItem:
+        try:
+            batch = self.image_processor(images=[image], return_tensors="np")
+        except (ValueError, OSError) as exc:
+            raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
+        tensors = {field: batch[field] for field in self.family.item_fields}
+        return ImageItem(tensors=tensors, num_tokens=self.count_image_tokens(tensors))
+
+    def expand_placeholders(self, token_ids: list[int], items: list[ImageItem]) -> list[int]:
+        """Replace the i-th image placeholder with items[i].num_tokens copies of it."""
+        placeholders = token_ids.count(self.image_token_id)
+        if placeholders != len(items):
+            raise PromptError(
+                f"the prompt has {placeholders} image placeholders "
+                f"but the request has {len(items)} images"
+            )
+        expanded: list[int] = []
+        images = iter(items)
+        for token in token_ids:
+            if token == self.image_token_id:
+                expanded.extend([token] * next(images).num_tokens)
+            else:
+                expanded.append(token)
+        return expanded
+
+    def decode(self, token_ids: list[int]) -> str:
+        return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """The directory to load: the embedded default when `model` is None, else `model` checked."""
+    if model is None:
+        return ensure_default_model()
+    model_dir = Path(model).expanduser()
+    if not model_dir.is_dir():
+        raise ModelDirError(f"model directory {model_dir} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise ModelDirError(
+            f"{model_dir} has no config.json; expected a Hugging Face model directory"
+        )
+    return model_dir
+
+
+def load_preprocessor(model_dir: str | Path) -> Preprocessor:
+    model_dir = resolve_model_dir(model_dir)
+    family, config = _load_config(model_dir)
+    tokenizer = _load_tokenizer(model_dir)
+    image_processor = _load_image_processor(model_dir)
+    special_prefix, special_suffix = _added_special_ids(tokenizer)
+    return Preprocessor(
+        model_id=model_dir.name,
+        family=family,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        chat_template=_read_chat_template(model_dir, tokenizer),
+        image_token_id=_image_token_id(model_dir, tokenizer, family),
+        eos_token_ids=_eos_token_ids(model_dir, config, tokenizer),
+        max_context=_max_context(model_dir, config),
+        count_image_tokens=family.token_counter(model_dir, config, image_processor),
+        special_prefix=special_prefix,
+        special_suffix=special_suffix,
+    )
+
+
+def load_model(model_dir: str | Path, device: str) -> torch.nn.Module:
+    model_dir = resolve_model_dir(model_dir)
+    _load_config(model_dir)  # refuse unsupported families before loading weights
+    # CPUs run float32 well and half precision poorly; accelerators keep the checkpoint's dtype.
+    dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
+    try:
+        model: torch.nn.Module = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelDirError(f"cannot load model weights from {model_dir}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def _load_config(model_dir: Path) -> tuple[Family, Any]:
+    # Resolve the family from the raw file first, so an unknown model_type gets our message
+    # rather than AutoConfig's.
+    raw = _read_json(model_dir / "config.json")
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ModelDirError(f"{model_dir / 'config.json'} has no model_type")
+    try:
+        family = family_for(model_type)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{model_dir}: {exc}") from None
+    return family, AutoConfig.from_pretrained(model_dir)
+
+
+def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ModelDirError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise ModelDirError(f"{model_dir} needs a fast tokenizer (tokenizer.json)")
+    return tokenizer
+
+
+def _load_image_processor(model_dir: Path) -> Any:
+    # The PIL backend works without torchvision, and its output is the reference HF computes.
+    try:
+        return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    except (OSError, ValueError) as exc:
+        raise ModelDirError(f"cannot load the image processor in {model_dir}: {exc}") from exc
+
+
+def _read_chat_template(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> str:
+    # Same precedence as AutoProcessor: the processor's template files, then the tokenizer's.
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    json_file = model_dir / "chat_template.json"
+    if json_file.is_file():
+        return _read_json(json_file)["chat_template"]
+    if isinstance(tokenizer.chat_template, str):
+        return tokenizer.chat_template
+    raise ModelDirError(f"{model_dir} has no chat template")
+
+
+def _image_token_id(model_dir: Path, tokenizer: PreTrainedTokenizerBase, family: Family) -> int:
+    token_id = tokenizer.backend_tokenizer.token_to_id(family.image_token)
+    if token_id is None:
+        raise ModelDirError(
+            f"the tokenizer in {model_dir} lacks the image token {family.image_token!r}"
+        )
+    return token_id
+
+
+def _eos_token_ids(model_dir: Path, config: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    # generation_config.json is what HF generate() stops on; it often lists several ids.
+    eos: Any = None
+    if (model_dir / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    if eos is None:
+        eos = getattr(config.get_text_config(), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return list(dict.fromkeys(token_id for token_id in ids if token_id is not None))
+
+
+def _max_context(model_dir: Path, config: Any) -> int:
+    max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is None:
+        raise ModelDirError(f"{model_dir / 'config.json'} has no max_position_embeddings")
+    return max_positions
+
+
+def _added_special_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a single text."""
+    backend = tokenizer.backend_tokenizer
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    start = next(index for index in range(len(full)) if full[index : index + len(plain)] == plain)
+    return full[:start], full[start + len(plain) :]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelDirError(f"cannot read {path}: {exc}") from exc

@@ -1,0 +1,316 @@
+"""Offline, deterministic builder for tiny model directories.
+
+A tiny model is a real Hugging Face model directory (tokenizer, image processor config, chat
+template, config and safetensors weights) with a few MB of randomly initialised weights, so every
+role can run end to end without a download. The same seed always gives byte-identical files.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    CLIPVisionConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+DEFAULT_MODEL_NAME = "tiny-qwen2-vl"
+CORPUS_PATH = Path(__file__).with_name("corpus.txt")
+BPE_VOCAB_SIZE = 1500
+MAX_POSITIONS = 4096
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+QWEN2_VL_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# The chat template that Qwen2-VL-Instruct ships.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# LLaVA-1.5's "USER: <image>\n... ASSISTANT:" format; unlike the hub template it also accepts
+# plain-string content.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
+    "{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+# Stock Qwen2-VL preprocessor_config.json.
+QWEN2_VL_IMAGE_PROCESSOR = {
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+}
+
+# Stock LLaVA-1.5 preprocessor_config.json and processor_config.json.
+LLAVA_IMAGE_PROCESSOR = {
+    "crop_size": {"height": 336, "width": 336},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": CLIP_MEAN,
+    "image_std": CLIP_STD,
+    "image_processor_type": "CLIPImageProcessor",
+    "processor_class": "LlavaProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"shortest_edge": 336},
+}
+LLAVA_PROCESSOR = {
+    "image_token": "<image>",
+    "num_additional_image_tokens": 1,
+    "patch_size": 14,
+    "processor_class": "LlavaProcessor",
+    "vision_feature_select_strategy": "default",
+}
+
+
+def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
+    """Write a complete tiny model directory for `family` into `out_dir` and return it."""
+    builder = _BUILDERS.get(family)
+    if builder is None:
+        raise ValueError(f"no tiny model for family {family!r}; choose one of {sorted(_BUILDERS)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    builder(out_dir, seed)
+    return out_dir
+
+
+def default_model_dir() -> Path:
+    home = Path(os.environ.get("MMLANE_HOME", Path.home() / ".cache" / "mmlane"))
+    return home / DEFAULT_MODEL_NAME
+
+
+def ensure_default_model() -> Path:
+    """Build the embedded default model once; later calls (and concurrent starts) reuse it."""
+    target = default_model_dir()
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: readers never see a half-written directory, and when
+    # two processes race, the loser's rename fails and it uses the winner's identical build.
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    try:
+        build_tiny_model(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _build_qwen2_vl(out_dir: Path, seed: int) -> None:
+    bpe = _train_bpe(QWEN2_VL_SPECIAL_TOKENS)
+    _save_tokenizer(
+        out_dir, bpe, QWEN2_VL_CHAT_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    _write_json(out_dir / "preprocessor_config.json", QWEN2_VL_IMAGE_PROCESSOR)
+    ids = bpe.get_vocab(with_added_tokens=True)
+    head_dim = 16
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
+            "hidden_size": 4 * head_dim,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": MAX_POSITIONS,
+            # mrope splits each head's rotary half into (temporal, height, width) sections.
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [2, 3, 3],
+            },
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 32,
+            "num_heads": 2,
+            "hidden_size": 4 * head_dim,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    generation = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+    )
+    _save_model(out_dir, Qwen2VLForConditionalGeneration, config, generation, seed)
+
+
+def _build_llava(out_dir: Path, seed: int) -> None:
+    bpe = _train_bpe(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
+    # Llama tokenizers prepend BOS when asked for special tokens; keep that so the tiny LLaVA
+    # exercises the same path as a real one.
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bpe.token_to_id("<s>"))]
+    )
+    _save_tokenizer(
+        out_dir,
+        bpe,
+        LLAVA_CHAT_TEMPLATE,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    _write_json(out_dir / "preprocessor_config.json", LLAVA_IMAGE_PROCESSOR)
+    _write_json(out_dir / "processor_config.json", LLAVA_PROCESSOR)
+    ids = bpe.get_vocab(with_added_tokens=True)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            image_size=336,
+            patch_size=14,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            projection_dim=32,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=bpe.get_vocab_size(with_added_tokens=True),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=MAX_POSITIONS,
+            bos_token_id=ids["<s>"],
+            eos_token_id=ids["</s>"],
+            pad_token_id=ids["<pad>"],
+        ),
+        image_token_index=ids["<image>"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+    )
+    generation = GenerationConfig(
+        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]
+    )
+    _save_model(out_dir, LlavaForConditionalGeneration, config, generation, seed)
+
+
+def _train_bpe(special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE trained on the shipped corpus, with `special_tokens` appended after it."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = CORPUS_PATH.read_text(encoding="utf-8").splitlines()
+    tokenizer.train_from_iterator(lines, trainer)
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in special_tokens]
+    )
+    return tokenizer
+
+
+def _save_tokenizer(out_dir: Path, bpe: Tokenizer, chat_template: str, **special_tokens) -> None:
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        chat_template=chat_template,
+        model_max_length=MAX_POSITIONS,
+        **special_tokens,
+    )
+    tokenizer.save_pretrained(out_dir)
+
+
+def _save_model(
+    out_dir: Path,
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    generation: GenerationConfig,
+    seed: int,
+) -> None:
+    # A private RNG stream: the weights depend on `seed` alone, and callers' RNG state is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).eval()
+    model.generation_config = generation
+    model.save_pretrained(out_dir)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+_BUILDERS: dict[str, Callable[[Path, int], None]] = {
+    "qwen2_vl": _build_qwen2_vl,
+    "llava": _build_llava,
+}

@@ -1,0 +1,93 @@
+"""Shared fixtures: the tiny models (built once), free loopback ports, and real role processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor, Qwen2VLProcessor
+
+from services.launcher import Child, start_roles, stop_all
+
+REPO = Path(__file__).resolve().parent.parent
+# Every test process and child shares one model cache, kept in an ignored folder of the repo.
+os.environ.setdefault("MMLANE_HOME", str(REPO / ".mmlane"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without its video processor, which needs torchvision.
+
+    ProcessorMixin pairs positional sub-processors with the attributes named in __init__'s
+    signature, so the parent's `video_processor=None` argument is simply dropped.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(qwen_dir: Path, llava_dir: Path) -> dict[str, Path]:
+    return {"qwen2_vl": qwen_dir, "llava": llava_dir}
+
+
+@pytest.fixture(scope="session")
+def hf_processors(model_dirs: dict[str, Path]) -> dict:
+    """The in-process Hugging Face processors that mmlane's preprocessing must match exactly."""
+    qwen_dir = model_dirs["qwen2_vl"]
+    tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
+    qwen = ImageOnlyQwen2VLProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(qwen_dir, backend="pil"),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+    return {"qwen2_vl": qwen, "llava": LlavaProcessor.from_pretrained(model_dirs["llava"])}
+
+
+@pytest.fixture(scope="session")
+def qwen_dir() -> Path:
+    from services.model import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def llava_dir() -> Path:
+    from services.model import build_tiny_model
+
+    target = Path(os.environ["MMLANE_HOME"]) / "tiny-llava"
+    if not (target / "config.json").exists():
+        build_tiny_model(target, family="llava")
+    return target
+
+
+def start_role(role: str, args: list[str], run_dir: Path, timeout_s: float = 180) -> Child:
+    """Start `mmlane ROLE ARGS` as a real process and wait for its ready handshake."""
+    (child,) = start_roles({role: args}, run_dir, timeout_s)
+    return child
+
+
+def stop_role(child: Child) -> int:
+    stop_all([child])
+    return child.process.returncode
+
+
+def _short_tmp_dir() -> Iterator[Path]:
+    # ipc:// paths must stay short (about 100 bytes), so not under pytest's long tmp paths.
+    path = Path(tempfile.mkdtemp(prefix="mml-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+run_dir = pytest.fixture(_short_tmp_dir, name="run_dir")
+module_run_dir = pytest.fixture(_short_tmp_dir, name="module_run_dir", scope="module")

@@ -1,0 +1,221 @@
+"""services.model: tiny-model building, families, and parity of our preprocessing with HF's."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from services.model import (
+    ImageError,
+    ModelDirError,
+    PromptError,
+    UnsupportedModelError,
+    build_tiny_model,
+    ensure_default_model,
+    family_for,
+    load_model,
+    load_preprocessor,
+    resolve_model_dir,
+)
+
+FAMILIES = ["qwen2_vl", "llava"]
+
+
+@pytest.fixture(scope="session")
+def preprocessors(model_dirs):
+    return {family: load_preprocessor(path) for family, path in model_dirs.items()}
+
+
+def noise_image(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+    }
+
+
+def chat(num_images: int) -> list[dict]:
+    content = [{"type": "text", "text": "Look at these pictures, please."}]
+    for _ in range(num_images):
+        content += [{"type": "image"}, {"type": "text", "text": "And this one?"}]
+    return [
+        {"role": "user", "content": "Hello there!"},
+        {"role": "assistant", "content": "Hi. What can I do for you?"},
+        {"role": "user", "content": content},
+    ]
+
+
+class TestTinyModel:
+    @pytest.mark.parametrize("family", FAMILIES)
+    def test_same_seed_gives_identical_files(self, model_dirs, tmp_path, family):
+        rebuilt = build_tiny_model(tmp_path / family, family=family, seed=0)
+        assert file_hashes(rebuilt) == file_hashes(model_dirs[family])
+
+    def test_default_model_is_built_once(self, tmp_path, monkeypatch):
+        monkeypatch.setenv("MMLANE_HOME", str(tmp_path))
+        built = ensure_default_model()
+        config = built / "config.json"
+        built_at = config.stat().st_mtime_ns
+        assert ensure_default_model() == built
+        assert config.stat().st_mtime_ns == built_at
+        assert built.name == "tiny-qwen2-vl"
+        assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+
+    def test_unknown_family_is_refused(self, tmp_path):
+        with pytest.raises(ValueError, match="'gpt2'"):
+            build_tiny_model(tmp_path, family="gpt2")
+
+    def test_qwen_config_matches_tokenizer(self, model_dirs, preprocessors):
+        config = json.loads((model_dirs["qwen2_vl"] / "config.json").read_text())
+        tokenizer = preprocessors["qwen2_vl"].tokenizer
+        assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        assert config["vision_start_token_id"] == tokenizer.convert_tokens_to_ids(
+            "<|vision_start|>"
+        )
+        assert config["text_config"]["vocab_size"] == len(tokenizer)
+        assert preprocessors["qwen2_vl"].eos_token_ids[0] == tokenizer.convert_tokens_to_ids(
+            "<|im_end|>"
+        )
+
+
+class TestParity:
+    """Our split path (render, tokenize, per-image processing, expansion) equals HF's one call."""
+
+    @pytest.mark.parametrize("family", FAMILIES)
+    @pytest.mark.parametrize(
+        "sizes",
+        [[], [(56, 56)], [(333, 500)], [(1024, 768)], [(56, 56), (333, 500), (1024, 768)]],
+        ids=["text-only", "56x56", "333x500", "1024x768", "three-images"],
+    )
+    def test_matches_hf_processor(self, preprocessors, hf_processors, family, sizes):
+        preprocessor, processor = preprocessors[family], hf_processors[family]
+        images = [noise_image(width, height, seed) for seed, (width, height) in enumerate(sizes)]
+        messages = chat(len(images))
+
+        expected_prompt = processor.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        expected = processor(text=expected_prompt, images=images or None, return_tensors="np")
+
+        prompt = preprocessor.render_prompt(messages)
+        [token_ids] = preprocessor.tokenize_batch([prompt])
+        items = [preprocessor.process_image(image) for image in images]
+
+        assert prompt == expected_prompt
+        assert (
+            preprocessor.expand_placeholders(token_ids, items) == expected["input_ids"][0].tolist()
+        )
+        if images:
+            joined = preprocessor.family.join_items([item.tensors for item in items])
+            for field in preprocessor.family.item_fields:
+                assert joined[field].dtype == expected[field].dtype
+                assert np.array_equal(joined[field], expected[field])
+
+    @pytest.mark.parametrize("family", FAMILIES)
+    def test_split_items_inverts_batch(self, preprocessors, family):
+        preprocessor = preprocessors[family]
+        images = [
+            noise_image(width, height, seed)
+            for seed, (width, height) in enumerate([(56, 56), (90, 300)])
+        ]
+        batch = preprocessor.image_processor(images=images, return_tensors="np")
+        items = [preprocessor.process_image(image) for image in images]
+        for split, item in zip(preprocessor.family.split_items(batch), items, strict=True):
+            assert split.keys() == item.tensors.keys()
+            assert all(np.array_equal(split[field], item.tensors[field]) for field in split)
+
+    def test_batch_tokenization_matches_tokenizer_call(self, preprocessors):
+        preprocessor = preprocessors["qwen2_vl"]
+        prompts = ["The harbour was quiet.", "Numbers: 12, XII, 0b1100 — and émigré café!", ""]
+        expected = preprocessor.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        assert preprocessor.tokenize_batch(prompts) == expected
+        assert preprocessor.decode(expected[1]) == prompts[1]
+
+
+class TestPreprocessor:
+    @pytest.mark.parametrize(
+        ("family", "size", "num_tokens"),
+        [
+            ("qwen2_vl", (56, 56), 4),
+            ("qwen2_vl", (500, 333), 216),
+            ("llava", (56, 56), 576),
+            ("llava", (1024, 768), 576),
+        ],
+    )
+    def test_num_tokens(self, preprocessors, family, size, num_tokens):
+        assert (
+            preprocessors[family].process_image(noise_image(*size, seed=0)).num_tokens == num_tokens
+        )
+
+    def test_expand_refuses_placeholder_count_mismatch(self, preprocessors):
+        preprocessor = preprocessors["qwen2_vl"]
+        [token_ids] = preprocessor.tokenize_batch([preprocessor.render_prompt(chat(2))])
+        item = preprocessor.process_image(noise_image(56, 56, seed=0))
+        with pytest.raises(PromptError, match="2 image placeholders but the request has 1 images"):
+            preprocessor.expand_placeholders(token_ids, [item])
+
+    def test_bos_is_not_doubled(self, preprocessors):
+        preprocessor = preprocessors["llava"]
+        bos = preprocessor.tokenizer.bos_token_id
+        assert preprocessor.tokenize_batch(["USER: hi"])[0][:2] != [bos, bos]
+        assert preprocessor.tokenize_batch(["<s>USER: hi"])[0][:2] != [bos, bos]
+
+    def test_bad_aspect_ratio_is_an_image_error(self, preprocessors):
+        with pytest.raises(ImageError, match="1x300"):
+            preprocessors["qwen2_vl"].process_image(noise_image(1, 300, seed=0))
+
+    def test_metadata(self, preprocessors):
+        qwen = preprocessors["qwen2_vl"]
+        assert (qwen.model_id, qwen.family.name, qwen.max_context) == (
+            "tiny-qwen2-vl",
+            "qwen2_vl",
+            4096,
+        )
+        assert qwen.tokenizer.convert_ids_to_tokens(qwen.image_token_id) == "<|image_pad|>"
+
+
+class TestErrors:
+    def test_family_for_unknown_model_type_names_it(self):
+        with pytest.raises(UnsupportedModelError, match="'mamba'"):
+            family_for("mamba")
+
+    def test_qwen2_5_vl_shares_the_qwen2_vl_family(self):
+        assert family_for("qwen2_5_vl") is family_for("qwen2_vl")
+
+    def test_missing_directory(self, tmp_path):
+        with pytest.raises(ModelDirError, match="does not exist"):
+            resolve_model_dir(tmp_path / "nowhere")
+
+    def test_directory_without_config(self, tmp_path):
+        with pytest.raises(ModelDirError, match="no config.json"):
+            resolve_model_dir(tmp_path)
+
+    def test_unsupported_model_type_names_path_and_type(self, tmp_path):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+        with pytest.raises(UnsupportedModelError, match=f"{tmp_path}.*'bert'"):
+            load_preprocessor(tmp_path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_forward_on_processed_image(model_dirs, preprocessors, family):
+    preprocessor = preprocessors[family]
+    model = load_model(model_dirs[family], "cpu")
+    item = preprocessor.process_image(noise_image(90, 60, seed=0))
+    [token_ids] = preprocessor.tokenize_batch([preprocessor.render_prompt(chat(1))])
+    input_ids = torch.tensor([preprocessor.expand_placeholders(token_ids, [item])])
+    inputs = {name: torch.from_numpy(tensor) for name, tensor in item.tensors.items()}
+    if family == "qwen2_vl":
+        # transformers 5's Qwen2-VL needs each token's modality to build its 3D (M-RoPE) positions.
+        inputs["mm_token_type_ids"] = (input_ids == preprocessor.image_token_id).long()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, **inputs).logits
+    assert logits.shape == (1, input_ids.shape[1], model.config.get_text_config().vocab_size)
+    assert torch.isfinite(logits).all()

@@ -1,0 +1,117 @@
+"""What the engine receives equals what the in-process Hugging Face processor produces.
+
+Real frontend and MM worker processes for each family; this test binds the engine's socket and
+compares every EngineRequest with `processor.apply_chat_template` + `processor(text, images)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import free_port, start_role
+from media import data_uri, encode, jpeg_uri, make_image
+from protocol.codec import Codec
+from protocol.messages import EngineInput, EngineRequest
+from services.client import Client, user_message
+from services.launcher import stop_all
+
+
+@dataclass
+class Lane:
+    client: Client
+    engine: zmq.Socket
+    codec: Codec
+
+    def received(self) -> EngineRequest:
+        assert self.engine.poll(60_000), "nothing reached the engine socket"
+        frames = self.engine.recv_multipart(copy=False)
+        request = self.codec.decode(frames)
+        tensors = sum(len(item.tensors) for item in request.mm_items)
+        assert len(frames) == 1 + tensors  # the msgpack body, then one frame per array
+        return request
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def lane(request, module_run_dir: Path, model_dirs: dict[str, Path]) -> Iterator[Lane]:
+    family = request.param
+    run = module_run_dir / family
+    model = ["--model", str(model_dirs[family])]
+    engine_endpoint = f"ipc://{run}/engine.sock"
+    mm_endpoint = f"ipc://{run}/mm.sock"
+    ctx = zmq.Context.instance()
+    engine = ctx.socket(zmq.PULL)
+    run.mkdir()
+    engine.bind(engine_endpoint)
+    port = free_port()
+    children = [
+        start_role("mm-worker", [*model, "--engine-endpoint", engine_endpoint,
+                                 "--mm-worker-endpoint", mm_endpoint], run),
+        start_role("frontend", [*model, "--engine-endpoint", engine_endpoint,
+                                "--mm-worker-endpoint", mm_endpoint,
+                                "--output-endpoint", f"ipc://{run}/out.sock",
+                                "--port", str(port)], run),
+    ]
+    client = Client(f"tcp://127.0.0.1:{port}")
+    yield Lane(client, engine, Codec(EngineInput))
+    client.close()
+    stop_all(children)
+    engine.close(linger=0)
+
+
+SIZES = [(56, 56), (333, 500), (1024, 768), (1200, 90)]
+
+
+@pytest.mark.parametrize(
+    "sizes", [[SIZES[0]], [SIZES[1]], [SIZES[2]], [SIZES[3]], SIZES[:3]],
+    ids=["56x56", "333x500", "1024x768", "1200x90", "three"],
+)
+def test_engine_receives_what_the_hf_processor_makes(
+    lane: Lane, hf_processors: dict, request: pytest.FixtureRequest, sizes: list
+) -> None:
+    family = request.node.callspec.params["lane"]
+    processor = hf_processors[family]
+    images = [make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
+    # Send lossless PNGs so the worker decodes exactly the pixels the reference sees.
+    urls = [data_uri(encode(image, "PNG"), "image/png") for image in images]
+    lane.client.submit([user_message("Compare these.", urls)], max_tokens=4)
+    got = lane.received()
+
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Compare these."}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    expected = processor(text=[prompt], images=images, return_tensors="np")
+    assert got.prompt_token_ids == expected["input_ids"][0].tolist()
+    for name in got.mm_items[0].tensors:
+        joined = np.concatenate([item.tensors[name] for item in got.mm_items])
+        assert joined.dtype == expected[name].dtype
+        assert np.array_equal(joined, expected[name]), name
+
+
+def test_text_only_request_goes_straight_to_the_engine(lane: Lane, hf_processors: dict,
+                                                       request: pytest.FixtureRequest) -> None:
+    processor = hf_processors[request.node.callspec.params["lane"]]
+    lane.client.submit([user_message("Just text.")], max_tokens=4)
+    got = lane.received()
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Just text."}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert got.mm_items == []
+    assert got.prompt_token_ids == processor(text=[prompt])["input_ids"][0]
+
+
+def test_jpeg_items_carry_offsets_into_the_expanded_prompt(lane: Lane) -> None:
+    lane.client.submit([user_message("Two.", [jpeg_uri(100, 80), jpeg_uri(80, 100)])])
+    got = lane.received()
+    ids = got.prompt_token_ids
+    for item in got.mm_items:
+        span = ids[item.offset: item.offset + item.length]
+        assert len(set(span)) == 1 and item.length > 0
+    assert got.mm_items[0].offset + got.mm_items[0].length <= got.mm_items[1].offset
