@@ -63,9 +63,9 @@ def qwen_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def llava_dir() -> Path:
-    from services.model import build_tiny_model
+    from services.model import build_tiny_model, default_model_dir
 
-    target = Path(os.environ["MMLANE_HOME"]) / "tiny-llava"
+    target = default_model_dir().parent / "tiny-llava"
     if not (target / "config.json").exists():
         build_tiny_model(target, family="llava")
     return target

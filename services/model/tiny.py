@@ -88,10 +88,14 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
-# Stock Qwen2-VL preprocessor_config.json.
+BUILDER_VERSION = 2  # bump whenever the built files change
+
+# Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
+# serving (1280 * 28 * 28), so a 12-megapixel photo becomes 1,280 tokens instead of 15,552 —
+# which a few-MB model on a CPU can prefill, and which matches common deployments.
 QWEN2_VL_IMAGE_PROCESSOR = {
     "min_pixels": 3136,
-    "max_pixels": 12845056,
+    "max_pixels": 1280 * 28 * 28,
     "patch_size": 14,
     "temporal_patch_size": 2,
     "merge_size": 2,
@@ -139,7 +143,8 @@ def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> 
 
 def default_model_dir() -> Path:
     home = Path(os.environ.get("MMLANE_HOME", Path.home() / ".cache" / "mmlane"))
-    return home / DEFAULT_MODEL_NAME
+    # The builder's version is part of the path, so a changed builder never reuses a stale cache.
+    return home / f"builder-v{BUILDER_VERSION}" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model() -> Path:

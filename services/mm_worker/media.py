@@ -1,0 +1,242 @@
+"""Reading an image's bytes and decoding them to RGB: where foreign errors become ours.
+
+    load_image_bytes(url, index, policy)   data:image/...;base64 URI or allow-listed file:// path
+    decode_image(data, index, max_pixels)  encoded bytes -> upright RGB PIL image
+
+Every failure here is the request's fault and leaves as a `RequestError` whose message starts
+with the image's position in the request (`image 2: ...`), so a client sending several images
+knows which one was wrong. Codes: `invalid_image` (unreadable data, missing file),
+`media_not_allowed` (a scheme or path we refuse) and `image_too_large` (bytes or pixels).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import stat
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from protocol.errors import RequestError
+from services.common.config import MMWorkerConfig
+
+# Modes whose alpha channel is composited on white; other modes carrying a `transparency`
+# entry (P, L, RGB with a tRNS colour key) are composited too.
+_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+_16_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class MediaPolicy:
+    """Which image sources are allowed and how big they may be."""
+
+    allowed_media_dir: Path | None
+    """Resolved folder that file:// paths must stay inside; None refuses file:// URLs."""
+    max_image_bytes: int
+    max_image_pixels: int
+
+    @classmethod
+    def from_config(cls, config: MMWorkerConfig) -> MediaPolicy:
+        folder = config.allowed_media_dir
+        return cls(
+            allowed_media_dir=Path(os.path.realpath(folder)) if folder is not None else None,
+            max_image_bytes=config.max_image_bytes,
+            max_image_pixels=config.max_image_pixels,
+        )
+
+
+def configure_pillow(max_image_pixels: int) -> None:
+    """Make Pillow's own bomb guard agree with ours (it is process-wide, so set it once).
+
+    `Image.open` raises `DecompressionBombError` above twice this limit and only warns between
+    one and two times it; `decode_image` refuses that band itself, so the warning is noise.
+    """
+    Image.MAX_IMAGE_PIXELS = max_image_pixels
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+
+
+# ---------------------------------------------------------------- reading the bytes
+
+
+def load_image_bytes(url: str, index: int, policy: MediaPolicy) -> bytes:
+    """The encoded bytes an image URL points to; raises RequestError naming the image."""
+    scheme, colon, _ = url.partition(":")
+    scheme = scheme.lower() if colon else ""
+    if scheme == "data":
+        return _read_data_uri(url, index, policy.max_image_bytes)
+    if scheme == "file":
+        return _read_file_url(url, index, policy)
+    shown = f"{_shorten(scheme, 20)!r} URLs are" if scheme else "a URL without a scheme is"
+    raise RequestError(
+        f"image {index}: {shown} not supported; send a data:image/<format>;base64,... URI "
+        "or a file:// path",
+        code="media_not_allowed",
+    )
+
+
+def _read_data_uri(url: str, index: int, max_bytes: int) -> bytes:
+    header, comma, payload = url[len("data:"):].partition(",")
+    media_type, *params = (part.strip().lower() for part in header.split(";"))
+    if not comma:
+        raise _invalid(index, "data URI has no ',' before its data")
+    if not media_type.startswith("image/"):
+        raise _invalid(index, f"data URI has media type {_shorten(media_type, 40)!r}, not image/*")
+    if "base64" not in params:
+        raise _invalid(index, "data URI is not base64 (expected data:image/<format>;base64,...)")
+    if len(payload) // 4 * 3 > max_bytes + 3:  # refuse before decoding megabytes for nothing
+        raise _too_large(index, f"about {len(payload) // 4 * 3} bytes", max_bytes)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _invalid(index, "data URI is not valid base64") from exc
+    if len(data) > max_bytes:
+        raise _too_large(index, f"{len(data)} bytes", max_bytes)
+    return data
+
+
+def _read_file_url(url: str, index: int, policy: MediaPolicy) -> bytes:
+    folder = policy.allowed_media_dir
+    if folder is None:
+        raise RequestError(
+            f"image {index}: file:// URLs are disabled; start with --allowed-media-dir",
+            code="media_not_allowed",
+        )
+    path = _file_url_path(url, index)
+    # realpath resolves '..' and every symlink, so a link inside the folder that points
+    # outside it is refused like the outside path itself.
+    resolved = Path(os.path.realpath(path))
+    if not resolved.is_relative_to(folder):
+        raise RequestError(
+            f"image {index}: {_shorten(url, 120)} is outside the allowed media folder",
+            code="media_not_allowed",
+        )
+    return _read_regular_file(resolved, url, index, policy.max_image_bytes)
+
+
+def _file_url_path(url: str, index: int) -> str:
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise RequestError(
+            f"image {index}: file:// URL names host {_shorten(parts.netloc, 40)!r}; "
+            "only local paths are allowed",
+            code="media_not_allowed",
+        )
+    if parts.query or parts.fragment:
+        raise _invalid(index, "file:// URL has a query or fragment (percent-encode '?' and '#')")
+    path = unquote(parts.path)
+    if not path.startswith("/") or "\x00" in path:
+        raise _invalid(index, f"file:// URL {_shorten(url, 120)} is not an absolute path")
+    return path
+
+
+def _read_regular_file(path: Path, url: str, index: int, max_bytes: int) -> bytes:
+    # O_NONBLOCK: opening a FIFO someone placed in the folder must not stall the loop.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise _invalid(index, f"no such file: {_shorten(url, 120)}") from exc
+    except OSError as exc:
+        raise _invalid(index, f"cannot open {_shorten(url, 120)}: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _invalid(index, f"{_shorten(url, 120)} is not a regular file")
+        if info.st_size > max_bytes:
+            raise _too_large(index, f"{info.st_size} bytes", max_bytes)
+        with open(fd, "rb", closefd=False) as file:  # reads until EOF, unlike one os.read
+            data = file.read(max_bytes + 1)
+    except OSError as exc:
+        raise _invalid(index, f"cannot read {_shorten(url, 120)}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # the file grew after fstat
+        raise _too_large(index, f"more than {max_bytes} bytes", max_bytes)
+    return data
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
+    """Decode encoded bytes into an upright RGB image; raises RequestError naming the image.
+
+    The pixel count is checked from the header, before the pixels are decoded.
+    """
+    if not data:
+        raise _invalid(index, "image is empty (0 bytes)")
+    image = _open(data, index, max_pixels)
+    _check_pixels(image, index, max_pixels)
+    try:
+        image.load()
+    except Exception as exc:  # decoders of hostile data raise anything: OSError, ValueError, ...
+        raise _invalid(index, f"cannot decode the {image.format} data: {exc}") from exc
+    try:
+        ImageOps.exif_transpose(image, in_place=True)
+        return to_rgb(image)
+    except Exception as exc:
+        raise _invalid(index, f"cannot convert the {image.mode} image to RGB: {exc}") from exc
+
+
+def _open(data: bytes, index: int, max_pixels: int) -> Image.Image:
+    """Read the header only (Image.open is lazy)."""
+    try:
+        return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:  # Pillow's guard, at twice max_image_pixels
+        raise RequestError(
+            f"image {index}: more pixels than max_image_pixels {max_pixels} ({exc})",
+            code="image_too_large",
+        ) from exc
+    except UnidentifiedImageError as exc:
+        raise _invalid(index, "not an image in a format we can read") from exc
+    except Exception as exc:
+        raise _invalid(index, f"unreadable image header: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_pixels(image: Image.Image, index: int, max_pixels: int) -> None:
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise _invalid(index, f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise RequestError(
+            f"image {index}: {width}x{height} is {width * height} pixels, "
+            f"more than max_image_pixels {max_pixels}",
+            code="image_too_large",
+        )
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any mode to RGB; transparent pixels are composited on white, 16-bit gray scaled down."""
+    if image.mode in _16_BIT_MODES:
+        # Pillow's own conversion clips 16-bit values at 255, turning most pixels white.
+        image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
+    if image.mode in _ALPHA_MODES or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _invalid(index: int, problem: str) -> RequestError:
+    return RequestError(f"image {index}: {problem}", code="invalid_image")
+
+
+def _too_large(index: int, size: str, max_bytes: int) -> RequestError:
+    return RequestError(
+        f"image {index}: encoded image is {size}, more than max_image_bytes {max_bytes}",
+        code="image_too_large",
+    )
+
+
+def _shorten(text: str, limit: int) -> str:
+    """Client text quoted in an error, cut so a huge URL cannot flood logs and replies."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,82 @@
+"""From a job and its processed images to the `EngineRequest` the engine runs (pure logic).
+
+    check_job(job, ...)           the cheap checks, before any image work
+    render_request(job, items, p) expand placeholders, place each item, check the length
+"""
+
+from __future__ import annotations
+
+from protocol.errors import MMLaneError, RequestError
+from protocol.messages import EngineRequest, MMItem, MMJob
+from services.model import ImageItem, Preprocessor
+
+
+def check_job(job: MMJob, *, image_token_id: int, max_context: int) -> None:
+    """Refuse a job whose placeholders do not match its images, or already too long."""
+    placeholders = job.prompt_token_ids.count(image_token_id)
+    if placeholders != len(job.images):
+        raise RequestError(
+            f"prompt has {_count(placeholders, 'image placeholder token')} but the job carries "
+            f"{_count(len(job.images), 'image')}",
+            code="invalid_request",
+        )
+    if len(job.prompt_token_ids) > max_context:
+        raise _too_long(len(job.prompt_token_ids), max_context, "before expanding its images")
+
+
+def render_request(job: MMJob, items: list[ImageItem], model: Preprocessor) -> EngineRequest:
+    """The job's prompt with each placeholder expanded, and each image placed at its tokens."""
+    prompt = model.expand_placeholders(job.prompt_token_ids, items)
+    if len(prompt) > model.max_context:
+        raise _too_long(len(prompt), model.max_context, _after_expanding(len(items)))
+    lengths = [item.num_tokens for item in items]
+    offsets = placeholder_offsets(job.prompt_token_ids, model.image_token_id, lengths)
+    _check_expansion(prompt, offsets, lengths, model.image_token_id)
+    mm_items = [
+        MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors)
+        for offset, item in zip(offsets, items, strict=True)
+    ]
+    return EngineRequest(
+        request_id=job.request_id,
+        reply_to=job.reply_to,
+        prompt_token_ids=prompt,
+        sampling=job.sampling,
+        mm_items=mm_items,
+    )
+
+
+def placeholder_offsets(token_ids: list[int], placeholder: int, lengths: list[int]) -> list[int]:
+    """Where each image's first token lands once the i-th placeholder becomes lengths[i] tokens."""
+    positions = [i for i, token in enumerate(token_ids) if token == placeholder]
+    offsets, shift = [], 0
+    for position, length in zip(positions, lengths, strict=True):
+        offsets.append(position + shift)
+        shift += length - 1
+    return offsets
+
+
+def _check_expansion(
+    prompt: list[int], offsets: list[int], lengths: list[int], placeholder: int
+) -> None:
+    # The model package owns expansion; a mismatch here is a bug there, not the request's fault.
+    for offset, length in zip(offsets, lengths, strict=True):
+        if prompt[offset:offset + length] != [placeholder] * length:
+            raise MMLaneError(
+                f"placeholder expansion does not put {length} image tokens at {offset}",
+                code="internal",
+            )
+
+
+def _after_expanding(images: int) -> str:
+    return f"after expanding {_count(images, 'image')}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _too_long(length: int, max_context: int, when: str) -> RequestError:
+    return RequestError(
+        f"prompt is {length} tokens {when}, more than the model's context of {max_context}",
+        code="prompt_too_long",
+    )

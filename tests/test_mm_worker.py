@@ -1,0 +1,656 @@
+"""The MM worker, as real processes on real ipc sockets with the real image processor.
+
+The worker runs as `python -m services.cli mm-worker`; the test plays both of its peers: it binds
+a stand-in engine socket (decoding with the real codec) and a frontend reply socket, and pushes
+`MMJob`s whose prompt ids come from the real chat template and tokenizer. What arrives is compared
+with the same preprocessing run in this process.
+
+    TestRendering      an image job arrives rendered: expanded prompt, placed items, same tensors
+    TestBadInput       every bad job gets a RequestFailed naming the problem; the next job passes
+    TestJobSocket      garbage on the job socket is dropped; the worker serves on
+    TestFilesDisabled  a worker started without --allowed-media-dir refuses file:// URLs
+    TestMedia, TestRender  the loading/decoding boundary and the placeholder arithmetic, in-process
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from PIL import Image, ImageOps
+
+from protocol.codec import Codec
+from protocol.errors import RequestError
+from protocol.messages import (
+    EngineInput,
+    EngineRequest,
+    FrontendInput,
+    ImageUrl,
+    LauncherInput,
+    MMJob,
+    Ready,
+    RequestFailed,
+    SamplingParams,
+)
+from services.mm_worker.media import MediaPolicy, decode_image, load_image_bytes, to_rgb
+from services.mm_worker.render import placeholder_offsets
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_IMAGE_PIXELS = 4_000_000  # small, so an over-limit image is cheap to make
+STARTUP_TIMEOUT_S = 120.0
+RECV_TIMEOUT_MS = 30_000
+
+
+# ---------------------------------------------------------------- images
+
+
+def noise(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    channels = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), np.uint8)
+    return Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels)
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **save_args: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save_args)
+    return buffer.getvalue()
+
+
+def data_uri(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def rgb_from(data: bytes) -> Image.Image:
+    """Decode encoded bytes the plain way, for images that need no orientation or alpha."""
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+# ---------------------------------------------------------------- processes and sockets
+
+
+@pytest.fixture(scope="module")
+def preprocessor(qwen_dir: Path) -> Any:
+    """The tiny model's preprocessor, in this process (conftest builds the model once)."""
+    from services.model import load_preprocessor
+
+    return load_preprocessor(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def media_dir(module_run_dir: Path) -> Path:
+    folder = module_run_dir / "media"
+    folder.mkdir()
+    return folder
+
+
+@dataclass
+class Worker:
+    process: subprocess.Popen[bytes]
+    job_endpoint: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM, then kill if it does not stop; returns the exit status."""
+        self.process.terminate()
+        try:
+            return self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return -9
+
+
+def start_worker(
+    name: str, run_dir: Path, model_dir: Path, engine_endpoint: str, *extra: str
+) -> Worker:
+    """Start `mmlane mm-worker` and wait for its Ready on a ready socket we bind."""
+    job_endpoint = f"ipc://{run_dir}/{name}.sock"
+    ready_endpoint = f"ipc://{run_dir}/{name}-ready.sock"
+    log_path = run_dir / f"{name}.log"
+    ctx: zmq.Context = zmq.Context.instance()
+    with ctx.socket(zmq.PULL) as ready:
+        ready.bind(ready_endpoint)
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [
+                    sys.executable, "-m", "services.cli", "mm-worker",
+                    "--mm-worker-endpoint", job_endpoint, "--engine-endpoint", engine_endpoint,
+                    "--ready-endpoint", ready_endpoint, "--model", str(model_dir), *extra,
+                ],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "MMLANE_LOG_LEVEL": "DEBUG"},
+            )
+        worker = Worker(process, job_endpoint, log_path)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not ready.poll(200):
+            if process.poll() is not None or time.monotonic() > deadline:
+                worker.stop()
+                pytest.fail(f"{name} did not start:\n{worker.log()}")
+        message = msgspec.msgpack.Decoder(LauncherInput).decode(ready.recv())
+    if not isinstance(message, Ready):
+        worker.stop()
+        pytest.fail(f"{name} failed to start: {message.message}\n{worker.log()}")
+    return worker
+
+
+class Peers:
+    """The worker's peers, played by the test: a stand-in engine, a frontend, a job sender."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.ctx: zmq.Context = zmq.Context.instance()
+        self.engine_endpoint = f"ipc://{run_dir}/engine.sock"
+        self.reply_to = f"ipc://{run_dir}/frontend.sock"
+        self.engine = self._bind(self.engine_endpoint)
+        self.replies = self._bind(self.reply_to)
+        self.senders: dict[str, zmq.Socket] = {}
+        self.engine_codec: Codec[EngineRequest] = Codec(EngineInput)
+        self.reply_codec: Codec[Any] = Codec(FrontendInput)
+
+    def _bind(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.bind(endpoint)
+        return sock
+
+    def send(self, worker: Worker, *messages: MMJob | bytes | list[bytes]) -> None:
+        sock = self.senders.get(worker.job_endpoint)
+        if sock is None:
+            sock = self.senders[worker.job_endpoint] = self.ctx.socket(zmq.PUSH)
+            sock.connect(worker.job_endpoint)
+        for message in messages:
+            if isinstance(message, MMJob):
+                sock.send(msgspec.msgpack.encode(message))
+            else:
+                sock.send_multipart(message if isinstance(message, list) else [message])
+
+    def next_request(self) -> tuple[EngineRequest, int]:
+        """The next message at the engine socket, and how many frames it came in."""
+        frames = self._recv(self.engine, "engine")
+        return self.engine_codec.decode(frames), len(frames)
+
+    def next_failure(self) -> RequestFailed:
+        reply = self.reply_codec.decode(self._recv(self.replies, "frontend"))
+        assert isinstance(reply, RequestFailed), reply
+        return reply
+
+    def assert_quiet(self, wait_ms: int = 200) -> None:
+        assert not self.engine.poll(wait_ms), "unexpected message at the engine"
+        assert not self.replies.poll(0), "unexpected reply at the frontend"
+
+    @staticmethod
+    def _recv(sock: zmq.Socket, name: str) -> list[zmq.Frame]:
+        if not sock.poll(RECV_TIMEOUT_MS):
+            raise AssertionError(f"nothing arrived at the {name} socket in {RECV_TIMEOUT_MS} ms")
+        return sock.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        for sock in [self.engine, self.replies, *self.senders.values()]:
+            sock.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def peers(module_run_dir: Path) -> Iterator[Peers]:
+    peers = Peers(module_run_dir)
+    yield peers
+    peers.close()
+
+
+@pytest.fixture(scope="module")
+def worker(
+    module_run_dir: Path, qwen_dir: Path, media_dir: Path, peers: Peers
+) -> Iterator[Worker]:
+    worker = start_worker(
+        "mm-worker", module_run_dir, qwen_dir, peers.engine_endpoint,
+        "--allowed-media-dir", str(media_dir), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
+    )
+    yield worker
+    assert worker.stop() == 0, worker.log()
+
+
+@pytest.fixture(scope="module")
+def worker_without_files(
+    module_run_dir: Path, qwen_dir: Path, peers: Peers
+) -> Iterator[Worker]:
+    worker = start_worker("mm-worker-no-files", module_run_dir, qwen_dir, peers.engine_endpoint)
+    yield worker
+    assert worker.stop() == 0, worker.log()
+
+
+# ---------------------------------------------------------------- jobs
+
+
+class Jobs:
+    """Builds `MMJob`s the way the frontend does: chat template, then the tokenizer."""
+
+    def __init__(self, preprocessor: Any, reply_to: str) -> None:
+        self.preprocessor = preprocessor
+        self.reply_to = reply_to
+        self.count = 0
+
+    def prompt_ids(self, images: int, text: str = "What is in the picture?") -> list[int]:
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": "unused"}} for _ in range(images)
+        ]
+        parts.append({"type": "text", "text": text})
+        prompt = self.preprocessor.render_prompt([{"role": "user", "content": parts}])
+        [ids] = self.preprocessor.tokenize_batch([prompt])
+        return list(ids)
+
+    def job(self, *urls: str, prompt_ids: list[int] | None = None, **fields: Any) -> MMJob:
+        self.count += 1
+        return MMJob(
+            request_id=fields.pop("request_id", f"req-{self.count}"),
+            reply_to=fields.pop("reply_to", self.reply_to),
+            prompt_token_ids=prompt_ids if prompt_ids is not None else self.prompt_ids(len(urls)),
+            images=[ImageUrl(url=url) for url in urls],
+            sampling=SamplingParams(max_tokens=4),
+        )
+
+
+@pytest.fixture(scope="module")
+def jobs(preprocessor: Any, peers: Peers) -> Jobs:
+    return Jobs(preprocessor, peers.reply_to)
+
+
+def expected_request(preprocessor: Any, job: MMJob, images: list[Image.Image]) -> Any:
+    """What the worker should send, computed in this process."""
+    items = [preprocessor.process_image(image) for image in images]
+    prompt = preprocessor.expand_placeholders(job.prompt_token_ids, items)
+    return prompt, items
+
+
+def assert_rendered(
+    preprocessor: Any, job: MMJob, images: list[Image.Image], got: EngineRequest, frames: int
+) -> None:
+    prompt, items = expected_request(preprocessor, job, images)
+    assert got.request_id == job.request_id
+    assert got.reply_to == job.reply_to
+    assert got.sampling == job.sampling
+    assert got.prompt_token_ids == prompt
+    assert len(got.mm_items) == len(items)
+    expected_offset = -1
+    for got_item, item in zip(got.mm_items, items, strict=True):
+        expected_offset = prompt.index(preprocessor.image_token_id, expected_offset + 1)
+        assert (got_item.offset, got_item.length) == (expected_offset, item.num_tokens)
+        assert prompt[got_item.offset : got_item.offset + got_item.length] == (
+            [preprocessor.image_token_id] * item.num_tokens
+        )
+        assert got_item.tensors.keys() == item.tensors.keys()
+        for name, tensor in item.tensors.items():
+            assert got_item.tensors[name].dtype == tensor.dtype, name
+            np.testing.assert_array_equal(got_item.tensors[name], tensor, err_msg=name)
+        expected_offset += item.num_tokens - 1
+    assert frames == 1 + sum(len(item.tensors) for item in items)
+
+
+# ---------------------------------------------------------------- end to end: rendering
+
+
+class TestRendering:
+    def test_image_job_arrives_rendered_with_in_process_tensors(
+        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        png = encode(noise(96, 64))
+        job = jobs.job(data_uri(png))
+        peers.send(worker, job)
+        got, frames = peers.next_request()
+        assert_rendered(preprocessor, job, [rgb_from(png)], got, frames)
+        assert frames == 3  # msgpack body + pixel_values + image_grid_thw
+
+    def test_three_images_from_data_uris_and_files(
+        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any, media_dir: Path
+    ) -> None:
+        first = encode(noise(120, 90, seed=1), "JPEG", quality=90)
+        second = encode(noise(64, 200, seed=2))
+        third = encode(noise(300, 80, seed=3), "WEBP", lossless=True)
+        (media_dir / "second.png").write_bytes(second)
+        (media_dir / "sub dir").mkdir(exist_ok=True)
+        (media_dir / "sub dir" / "third.webp").write_bytes(third)
+        job = jobs.job(
+            data_uri(first, "image/jpeg"),
+            (media_dir / "second.png").as_uri(),
+            (media_dir / "sub dir" / "third.webp").as_uri(),  # percent-encoded space
+        )
+        peers.send(worker, job)
+        got, frames = peers.next_request()
+        images = [rgb_from(first), rgb_from(second), rgb_from(third)]
+        assert_rendered(preprocessor, job, images, got, frames)
+        assert frames == 1 + 3 * 2
+
+    def test_exif_orientation_is_applied(
+        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        exif = Image.Exif()
+        exif[0x0112] = 6  # Orientation: the camera was turned; show it rotated 90° clockwise
+        jpeg = encode(noise(112, 56, seed=4), "JPEG", quality=95, exif=exif.tobytes())
+        upright = rgb_from(jpeg).transpose(Image.Transpose.ROTATE_270)
+        assert upright.size == (56, 112)
+        job = jobs.job(data_uri(jpeg, "image/jpeg"))
+        peers.send(worker, job)
+        got, frames = peers.next_request()
+        assert_rendered(preprocessor, job, [upright], got, frames)
+
+    def test_transparency_is_composited_on_white(
+        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        rgba = noise(80, 60, "RGBA", seed=5)
+        palette = noise(70, 50, seed=6).convert("P", palette=Image.Palette.ADAPTIVE)
+        palette.info["transparency"] = 0
+        rgba_png, palette_png = encode(rgba), encode(palette, transparency=0)
+
+        def on_white(image: Image.Image) -> Image.Image:
+            white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+
+        job = jobs.job(data_uri(rgba_png), data_uri(palette_png))
+        peers.send(worker, job)
+        got, frames = peers.next_request()
+        expected = [on_white(Image.open(io.BytesIO(png))) for png in (rgba_png, palette_png)]
+        assert_rendered(preprocessor, job, expected, got, frames)
+        # and not what dropping the alpha channel would give
+        dropped = preprocessor.process_image(rgb_from(rgba_png)).tensors["pixel_values"]
+        assert not np.array_equal(got.mm_items[0].tensors["pixel_values"], dropped)
+
+    def test_jobs_leave_in_arrival_order(
+        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        big = jobs.job(data_uri(encode(noise(1600, 1200, seed=7), "JPEG")))
+        small = [jobs.job(data_uri(encode(noise(32, 32, seed=8 + i)))) for i in range(5)]
+        text_only = jobs.job()  # no images: passes through, still in order
+        sent = [big, small[0], small[1], text_only, *small[2:]]
+        peers.send(worker, *sent)
+        arrived = [peers.next_request()[0].request_id for _ in sent]
+        assert arrived == [job.request_id for job in sent]
+
+
+# ---------------------------------------------------------------- end to end: bad input
+
+
+def _truncated_jpeg() -> str:
+    jpeg = encode(noise(256, 256, seed=9), "JPEG", quality=90)
+    return data_uri(jpeg[: len(jpeg) * 2 // 3], "image/jpeg")
+
+
+# (case id, url builder given the media folder, error code, message pattern)
+BAD_IMAGES: list[tuple[str, Callable[[Path], str], str, str]] = [
+    ("undecodable-bytes", lambda _: data_uri(os.urandom(2000)), "invalid_image",
+     r"^image 0: not an image in a format we can read"),
+    ("empty", lambda _: "data:image/png;base64,", "invalid_image", r"^image 0: image is empty"),
+    ("truncated-jpeg", lambda _: _truncated_jpeg(), "invalid_image",
+     r"^image 0: cannot decode the JPEG data: image file is truncated"),
+    ("svg-text", lambda _: data_uri(b'<svg xmlns="http://www.w3.org/2000/svg"/>', "image/svg+xml"),
+     "invalid_image", r"^image 0: not an image in a format we can read"),
+    ("png-header-then-junk", lambda _: data_uri(b"\x89PNG\r\n\x1a\n" + os.urandom(500)),
+     "invalid_image", r"^image 0: not an image in a format we can read"),
+    ("data-uri-not-valid-base64", lambda _: "data:image/png;base64,iVBOR@@not*base64!",
+     "invalid_image", r"^image 0: data URI is not valid base64$"),
+    ("data-uri-not-base64", lambda _: "data:image/png,%89PNG", "invalid_image",
+     r"^image 0: data URI is not base64"),
+    ("data-uri-not-an-image", lambda _: "data:text/plain;base64,aGVsbG8=", "invalid_image",
+     r"^image 0: data URI has media type 'text/plain', not image/\*"),
+    ("file-outside-folder", lambda _: "file:///etc/hostname", "media_not_allowed",
+     r"^image 0: file:///etc/hostname is outside the allowed media folder"),
+    ("file-dot-dot", lambda media: f"file://{media}/../secret.png", "media_not_allowed",
+     r"is outside the allowed media folder"),
+    ("file-symlink-out", lambda media: (media / "link.png").as_uri(), "media_not_allowed",
+     r"link.png is outside the allowed media folder"),
+    ("file-missing", lambda media: (media / "missing.png").as_uri(), "invalid_image",
+     r"^image 0: no such file: file://.*/missing.png"),
+    ("file-is-a-folder", lambda media: (media / "folder").as_uri(), "invalid_image",
+     r"^image 0: .*/folder is not a regular file"),
+    ("http-scheme", lambda _: "http://example.com/cat.png", "media_not_allowed",
+     r"^image 0: 'http' URLs are not supported"),
+    ("over-max-pixels", lambda _: data_uri(encode(Image.new("RGB", (2100, 2000)))),
+     "image_too_large",
+     rf"^image 0: 2100x2000 is 4200000 pixels, more than max_image_pixels {MAX_IMAGE_PIXELS}"),
+    ("pillow-bomb-guard", lambda _: data_uri(encode(Image.new("1", (9000, 9000)))),
+     "image_too_large", r"^image 0: more pixels than max_image_pixels"),
+]
+
+
+@pytest.fixture(scope="module")
+def media_traps(media_dir: Path) -> None:
+    """A file just outside the folder, a symlink to it from inside, and a folder."""
+    secret = media_dir.parent / "secret.png"
+    secret.write_bytes(encode(noise(32, 32)))
+    (media_dir / "link.png").symlink_to(secret)
+    (media_dir / "folder").mkdir()
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("make_url", "code", "pattern"),
+        [case[1:] for case in BAD_IMAGES],
+        ids=[case[0] for case in BAD_IMAGES],
+    )
+    def test_bad_image_fails_its_job_only(
+        self, worker: Worker, peers: Peers, jobs: Jobs, media_dir: Path, media_traps: None,
+        make_url: Callable[[Path], str], code: str, pattern: str,
+    ) -> None:
+        bad = jobs.job(make_url(media_dir))
+        self.assert_fails_then_serves(worker, peers, jobs, bad, code, pattern)
+
+    def test_second_image_is_named(self, worker: Worker, peers: Peers, jobs: Jobs) -> None:
+        bad = jobs.job(data_uri(encode(noise(40, 40))), data_uri(b"not an image"))
+        self.assert_fails_then_serves(
+            worker, peers, jobs, bad, "invalid_image", r"^image 1: not an image"
+        )
+
+    def test_placeholders_must_match_images(
+        self, worker: Worker, peers: Peers, jobs: Jobs
+    ) -> None:
+        bad = jobs.job(data_uri(encode(noise(40, 40))), prompt_ids=jobs.prompt_ids(images=2))
+        self.assert_fails_then_serves(
+            worker, peers, jobs, bad, "invalid_request",
+            r"^prompt has 2 image placeholder tokens but the job carries 1 image$",
+        )
+
+    def test_prompt_too_long_before_expansion(
+        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        ids = jobs.prompt_ids(images=1)
+        filler = [ids[0]] * (preprocessor.max_context + 1 - len(ids))
+        bad = jobs.job(data_uri(encode(noise(40, 40))), prompt_ids=filler + ids)
+        self.assert_fails_then_serves(
+            worker, peers, jobs, bad, "prompt_too_long",
+            rf"^prompt is {preprocessor.max_context + 1} tokens before expanding its images, "
+            rf"more than the model's context of {preprocessor.max_context}$",
+        )
+
+    def test_prompt_too_long_after_expansion(
+        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        png = encode(noise(280, 280))
+        tokens = preprocessor.process_image(rgb_from(png)).num_tokens
+        ids = jobs.prompt_ids(images=1)
+        filler = [ids[0]] * (preprocessor.max_context - len(ids))  # exactly max_context
+        bad = jobs.job(data_uri(png), prompt_ids=filler + ids)
+        self.assert_fails_then_serves(
+            worker, peers, jobs, bad, "prompt_too_long",
+            rf"^prompt is {preprocessor.max_context + tokens - 1} tokens after expanding 1 image,"
+            rf" more than the model's context of {preprocessor.max_context}$",
+        )
+
+    def test_unreachable_reply_to_does_not_stop_the_worker(
+        self, worker: Worker, peers: Peers, jobs: Jobs
+    ) -> None:
+        bad = jobs.job(data_uri(b"garbage"), reply_to="not an endpoint")
+        good = jobs.job(data_uri(encode(noise(40, 40))))
+        peers.send(worker, bad, good)
+        assert peers.next_request()[0].request_id == good.request_id
+        peers.assert_quiet()
+
+    @staticmethod
+    def assert_fails_then_serves(
+        worker: Worker, peers: Peers, jobs: Jobs, bad: MMJob, code: str, pattern: str
+    ) -> None:
+        good = jobs.job(data_uri(encode(noise(40, 40))))
+        peers.send(worker, bad, good)
+        failure = peers.next_failure()
+        assert failure.request_id == bad.request_id
+        assert (failure.error.kind, failure.error.code) == ("request", code), failure.error
+        assert re.search(pattern, failure.error.message), failure.error.message
+        # FIFO: had the bad job reached the engine, it would arrive before the good one
+        assert peers.next_request()[0].request_id == good.request_id
+        peers.assert_quiet()
+
+
+class TestJobSocket:
+    @pytest.mark.parametrize(
+        "message",
+        [
+            [b"\xc1 not msgpack"],
+            [b""],
+            [msgspec.msgpack.encode({"request_id": "x", "reply_to": "y"})],
+            [msgspec.msgpack.encode(["req", "x", "y", [1], SamplingParams(), []])],  # wrong tag
+            [msgspec.msgpack.encode(["job", "x", "y", "not ids", [], SamplingParams()])],
+            [b"\x91\xa3job", b"an extra frame"],
+        ],
+        ids=["not-msgpack", "empty", "a-map", "engine-request", "wrong-field-type", "short"],
+    )
+    def test_garbage_is_dropped_and_the_worker_serves_on(
+        self, worker: Worker, peers: Peers, jobs: Jobs, message: list[bytes]
+    ) -> None:
+        good = jobs.job(data_uri(encode(noise(40, 40))))
+        peers.send(worker, message, good)
+        assert peers.next_request()[0].request_id == good.request_id
+        peers.assert_quiet()
+        assert "dropped an invalid message on the job socket" in worker.log()
+
+
+class TestFilesDisabled:
+    def test_file_urls_are_refused_without_allowed_media_dir(
+        self, worker_without_files: Worker, peers: Peers, jobs: Jobs, media_dir: Path
+    ) -> None:
+        path = media_dir / "allowed-elsewhere.png"
+        path.write_bytes(encode(noise(40, 40)))
+        bad = jobs.job(path.as_uri())
+        good = jobs.job(data_uri(encode(noise(40, 40))))
+        peers.send(worker_without_files, bad, good)
+        failure = peers.next_failure()
+        assert (failure.request_id, failure.error.code) == (bad.request_id, "media_not_allowed")
+        assert failure.error.message == (
+            "image 0: file:// URLs are disabled; start with --allowed-media-dir"
+        )
+        assert peers.next_request()[0].request_id == good.request_id
+
+
+# ---------------------------------------------------------------- in-process: the media boundary
+
+
+def policy(media_dir: Path | None, max_bytes: int = 1 << 20) -> MediaPolicy:
+    return MediaPolicy(
+        allowed_media_dir=media_dir.resolve() if media_dir else None,
+        max_image_bytes=max_bytes,
+        max_image_pixels=MAX_IMAGE_PIXELS,
+    )
+
+
+class TestMedia:
+    def test_data_uri_round_trips(self) -> None:
+        png = encode(noise(8, 8))
+        assert load_image_bytes(data_uri(png), 0, policy(None)) == png
+        shouting = "DATA:Image/PNG;BASE64," + data_uri(png).partition(",")[2]
+        assert load_image_bytes(shouting, 0, policy(None)) == png
+
+    def test_file_url_with_localhost_and_percent_encoding(self, tmp_path: Path) -> None:
+        (tmp_path / "a b.png").write_bytes(b"x")
+        url = f"file://localhost{tmp_path}/a%20b.png"
+        assert load_image_bytes(url, 0, policy(tmp_path)) == b"x"
+
+    @pytest.mark.parametrize(
+        ("url", "code", "pattern"),
+        [
+            ("data:image/png;base64," + "A" * 2000, "image_too_large",
+             r"^image 3: encoded image is about 1500 bytes, more than max_image_bytes 1000"),
+            ("data:image/png;base64", "invalid_image", r"^image 3: data URI has no ','"),
+            ("file://otherhost/etc/passwd", "media_not_allowed", r"names host 'otherhost'"),
+            ("file:///x.png?y", "invalid_image", r"query or fragment"),
+            ("file:x.png", "invalid_image", r"is not an absolute path"),
+            ("cat.png", "media_not_allowed", r"^image 3: a URL without a scheme is not supported"),
+            ("s3://bucket/cat.png", "media_not_allowed", r"^image 3: 's3' URLs are not supported"),
+        ],
+    )
+    def test_refused_urls(self, tmp_path: Path, url: str, code: str, pattern: str) -> None:
+        with pytest.raises(RequestError, match=pattern) as caught:
+            load_image_bytes(url, 3, policy(tmp_path, max_bytes=1000))
+        assert caught.value.code == code
+
+    def test_file_over_max_bytes(self, tmp_path: Path) -> None:
+        (tmp_path / "big.png").write_bytes(b"x" * 1001)
+        with pytest.raises(RequestError, match=r"is 1001 bytes, more than max_image_bytes 1000"):
+            load_image_bytes((tmp_path / "big.png").as_uri(), 0, policy(tmp_path, max_bytes=1000))
+
+    def test_a_fifo_in_the_folder_does_not_block(self, tmp_path: Path) -> None:
+        os.mkfifo(tmp_path / "pipe.png")
+        with pytest.raises(RequestError, match=r"pipe.png is not a regular file"):
+            load_image_bytes((tmp_path / "pipe.png").as_uri(), 0, policy(tmp_path))
+
+    def test_file_urls_disabled(self, tmp_path: Path) -> None:
+        with pytest.raises(RequestError, match=r"file:// URLs are disabled") as caught:
+            load_image_bytes((tmp_path / "a.png").as_uri(), 0, policy(None))
+        assert caught.value.code == "media_not_allowed"
+
+    @pytest.mark.parametrize(
+        ("image", "expected"),
+        [
+            (Image.new("LA", (2, 1), (0, 0)), [255, 255, 255]),  # fully transparent black
+            (Image.new("LA", (2, 1), (0, 255)), [0, 0, 0]),
+            (Image.new("RGBA", (2, 1), (200, 0, 0, 128)), [227, 127, 127]),
+            (Image.new("L", (2, 1), 77), [77, 77, 77]),
+            (Image.new("1", (2, 1), 1), [255, 255, 255]),
+            (Image.new("CMYK", (2, 1), (0, 255, 255, 0)), [255, 0, 0]),
+            (Image.fromarray(np.full((1, 2), 40000, np.uint16)), [156, 156, 156]),  # I;16
+        ],
+        ids=["LA-clear", "LA-opaque", "RGBA-half", "L", "1", "CMYK", "I;16"],
+    )
+    def test_to_rgb(self, image: Image.Image, expected: list[int]) -> None:
+        rgb = to_rgb(image)
+        assert rgb.mode == "RGB" and rgb.size == image.size
+        np.testing.assert_array_equal(np.asarray(rgb)[0, 0], expected)
+
+    def test_pixel_limit_is_checked_before_decoding(self) -> None:
+        png = encode(Image.new("RGB", (300, 300)))
+        with pytest.raises(RequestError, match=r"300x300 is 90000 pixels") as caught:
+            decode_image(png, 0, max_pixels=80_000)
+        assert caught.value.code == "image_too_large"
+
+    def test_exif_orientation(self) -> None:
+        exif = Image.Exif()
+        exif[0x0112] = 8
+        jpeg = encode(noise(64, 32), "JPEG", exif=exif.tobytes())
+        image = decode_image(jpeg, 0, MAX_IMAGE_PIXELS)
+        assert image.size == (32, 64)
+        expected = ImageOps.exif_transpose(Image.open(io.BytesIO(jpeg)))
+        np.testing.assert_array_equal(np.asarray(image), np.asarray(expected))
+
+
+class TestRender:
+    @pytest.mark.parametrize(
+        ("ids", "lengths", "offsets"),
+        [
+            ([9, 1, 2], [4], [0]),
+            ([1, 9, 2, 9, 3], [3, 5], [1, 5]),
+            ([9, 9], [2, 1], [0, 2]),
+            ([1, 2], [], []),
+        ],
+    )
+    def test_placeholder_offsets(
+        self, ids: list[int], lengths: list[int], offsets: list[int]
+    ) -> None:
+        assert placeholder_offsets(ids, 9, lengths) == offsets
