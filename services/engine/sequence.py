@@ -1,0 +1,80 @@
+"""One request's state inside the HF runner, and the bounded units of work it is run in.
+
+A request advances one unit at a time: a vision-encoder pass per image, then prompt prefill,
+then one decode step per output token. Everything a unit needs is kept here, per request (its
+own KV cache, its own position ids, its image embeddings), so units of different requests can
+run in any interleaving and a prefill can later be split into chunks that share the cache.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from protocol.messages import EngineRequest
+from services.engine.adapters import Positions
+from services.engine.sampling import Sampler
+
+
+class UnitKind(enum.IntEnum):
+    """Ordered by how long a unit usually takes for the same number of tokens."""
+
+    DECODE = 0
+    PREFILL = 1
+    VISION = 2
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: UnitKind
+    tokens: int
+    """Tokens the unit puts through the model (for VISION: the image's placeholder tokens)."""
+    image: int = -1
+    """For VISION: which of the request's images."""
+
+
+class Sequence:
+    """A request in progress: what has been computed so far and what runs next."""
+
+    def __init__(
+        self,
+        handle: int,
+        request: EngineRequest,
+        prompt: torch.Tensor,
+        cache: DynamicCache,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.handle = handle
+        self.request = request
+        self.prompt = prompt  # (1, prompt_len) on the model's device
+        self.cache = cache
+        self.positions: Positions | None = None  # computed by the first prefill unit
+        self.image_features: list[torch.Tensor | None] = [None] * len(request.mm_items)
+        self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
+        self.output_ids: list[int] = []
+        self.sampler = Sampler(request.sampling)
+        self._eos_token_ids = eos_token_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt.shape[1]
+
+    def next_unit(self, prefill_chunk_tokens: int | None = None) -> Unit:
+        if self.num_cached < self.prompt_len:
+            for index, features in enumerate(self.image_features):
+                if features is None:  # every image is encoded before the prefill starts
+                    return Unit(UnitKind.VISION, self.request.mm_items[index].length, index)
+            remaining = self.prompt_len - self.num_cached
+            return Unit(UnitKind.PREFILL, min(remaining, prefill_chunk_tokens or remaining))
+        return Unit(UnitKind.DECODE, 1)
+
+    def finish_reason(self) -> str | None:
+        """Why the request is over after its latest token, or None while it goes on."""
+        if self.output_ids[-1] in self._eos_token_ids:
+            return "stop"
+        if len(self.output_ids) >= self.request.sampling.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,100 @@
+"""Checking a request before the model sees it; every failure names the bad field."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocol.errors import RequestError
+from protocol.messages import EngineRequest, MMItem, SamplingParams
+from services.engine.runner import ModelSpec
+
+
+def validate_request(request: EngineRequest, spec: ModelSpec) -> None:
+    """Raise RequestError unless `request` can run on the model `spec` describes."""
+    check_sampling(request.sampling)
+    prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
+    check_prompt(prompt, request.sampling.max_tokens, spec)
+    check_item_spans(request.mm_items, len(prompt))
+    check_image_tokens(prompt, request.mm_items, spec.image_token_id)
+    check_item_tensors(request.mm_items, spec)
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    if sampling.max_tokens < 1:
+        raise RequestError(f"sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
+    if not sampling.temperature >= 0:  # also refuses NaN
+        raise RequestError(f"sampling.temperature must be >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise RequestError(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
+
+
+def check_prompt(prompt: np.ndarray, max_tokens: int, spec: ModelSpec) -> None:
+    if len(prompt) == 0:
+        raise RequestError("prompt_token_ids is empty")
+    if len(prompt) + max_tokens > spec.max_context:
+        raise RequestError(
+            f"prompt_token_ids ({len(prompt)} tokens) + sampling.max_tokens ({max_tokens}) "
+            f"exceeds the model's context of {spec.max_context} tokens",
+            code="prompt_too_long",
+        )
+    # An id outside the embedding table would fail inside the model (on CUDA: a device assert
+    # that poisons the whole process), so it is refused here.
+    outside = np.flatnonzero((prompt < 0) | (prompt >= spec.vocab_size))
+    if len(outside):
+        index = int(outside[0])
+        raise RequestError(
+            f"prompt_token_ids[{index}] = {int(prompt[index])} is outside the vocabulary "
+            f"(0..{spec.vocab_size - 1})"
+        )
+
+
+def check_item_spans(items: list[MMItem], prompt_len: int) -> None:
+    end = 0
+    for index, item in enumerate(items):
+        where = f"mm_items[{index}]"
+        if item.length < 1:
+            raise RequestError(f"{where}.length must be >= 1, got {item.length}")
+        if item.offset < end:
+            raise RequestError(
+                f"{where}.offset {item.offset} overlaps or precedes the previous item "
+                f"(which ends at {end})"
+            )
+        end = item.offset + item.length
+        if end > prompt_len:
+            raise RequestError(
+                f"{where} covers tokens {item.offset}..{end - 1}, beyond the prompt's {prompt_len}"
+            )
+
+
+def check_image_tokens(prompt: np.ndarray, items: list[MMItem], image_token_id: int) -> None:
+    """The image-token positions of the prompt must be exactly the items' spans."""
+    is_image = prompt == image_token_id
+    covered = sum(item.length for item in items)
+    if int(is_image.sum()) != covered:
+        raise RequestError(
+            f"prompt_token_ids has {int(is_image.sum())} image-token positions "
+            f"but mm_items cover {covered}"
+        )
+    for index, item in enumerate(items):
+        if not is_image[item.offset : item.offset + item.length].all():
+            raise RequestError(f"mm_items[{index}] covers tokens that are not image tokens")
+
+
+def check_item_tensors(items: list[MMItem], spec: ModelSpec) -> None:
+    for index, item in enumerate(items):
+        if set(item.tensors) != set(spec.image_fields):
+            raise RequestError(
+                f"mm_items[{index}].tensors has {sorted(item.tensors)}, "
+                f"a {spec.family} image needs {sorted(spec.image_fields)}"
+            )
+    spec.check_items(items)
+    for index, item in enumerate(items):
+        for name, array in item.tensors.items():
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                raise RequestError(f"mm_items[{index}].{name} holds NaN or infinite values")
+    for index, item in enumerate(items):
+        expected = spec.count_image_tokens(item.tensors)
+        if item.length != expected:
+            raise RequestError(
+                f"mm_items[{index}].length is {item.length} but its tensors make {expected} tokens"
+            )

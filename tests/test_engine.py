@@ -1,0 +1,466 @@
+"""The engine role as a real process: requests over real sockets to the tiny model, no mocks.
+
+One engine process serves the module, started the way the launcher starts it (the ready
+handshake on a PULL socket); each test talks to it as a frontend would, with its own reply
+socket. Greedy outputs are checked against the same Hugging Face model's `generate` run here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+from conftest import REPO
+from media import make_image
+from msgspec.structs import replace
+
+from protocol.codec import Codec
+from protocol.messages import (
+    EngineOutput,
+    EngineRequest,
+    FrontendInput,
+    LauncherInput,
+    MMItem,
+    Ready,
+    RequestFailed,
+    SamplingParams,
+)
+from services.engine.hf_runner import HFRunner
+from services.engine.validation import validate_request
+from services.model import Preprocessor, load_model, load_preprocessor
+
+# The engine and the in-process reference must run on the same device for greedy to match.
+DEVICE = os.environ.get("MMLANE_TEST_DEVICE", "cpu")
+REPLY_TIMEOUT_S = 60
+_ids = itertools.count()
+
+Reply = EngineOutput | RequestFailed
+
+
+# ---------------------------------------------------------------- processes and sockets
+
+
+@dataclass
+class EngineProcess:
+    endpoint: str
+    process: subprocess.Popen
+
+
+def start_engine(run_dir: Path, *args: str) -> EngineProcess:
+    """`mmlane engine ARGS`, once it has said Ready on the handshake socket."""
+    endpoint, ready_endpoint = f"ipc://{run_dir}/e.sock", f"ipc://{run_dir}/ready.sock"
+    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as ready:
+        ready.bind(ready_endpoint)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "engine", "--device", DEVICE,
+             "--engine-endpoint", endpoint, "--ready-endpoint", ready_endpoint, *args],
+            cwd=REPO,
+        )
+        deadline = time.monotonic() + 180
+        while not ready.poll(200):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"engine exited ({process.returncode}) or never said ready")
+        message = msgspec.msgpack.decode(ready.recv(), type=LauncherInput)
+    assert isinstance(message, Ready), message
+    assert message.endpoint == endpoint
+    return EngineProcess(endpoint, process)
+
+
+def stop_engine(engine: EngineProcess) -> int:
+    engine.process.send_signal(signal.SIGTERM)
+    try:
+        return engine.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        engine.process.kill()
+        raise
+
+
+class Frontend:
+    """Stands in for a frontend: pushes EngineRequests, pulls replies on its own `reply_to`."""
+
+    def __init__(self, ctx: zmq.Context, engine_endpoint: str, reply_to: str) -> None:
+        self.reply_to = reply_to
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(engine_endpoint)
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(reply_to)
+        self.codec: Codec[Reply] = Codec(FrontendInput)
+        self.finished_order: list[str] = []
+
+    def send(self, *requests: EngineRequest) -> None:
+        for request in requests:
+            self.push.send_multipart(self.codec.encode(request), copy=False)
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.push.send_multipart(frames)
+
+    def collect(self, request_ids: list[str]) -> dict[str, list[Reply]]:
+        """Every reply until each of `request_ids` has had a terminal one."""
+        replies: dict[str, list[Reply]] = {}
+        open_ids = set(request_ids)
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while open_ids:
+            assert self.pull.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), (
+                f"no terminal reply for {sorted(open_ids)}"
+            )
+            reply = self.codec.decode(self.pull.recv_multipart())
+            replies.setdefault(reply.request_id, []).append(reply)
+            if isinstance(reply, RequestFailed) or reply.finished:
+                open_ids.discard(reply.request_id)
+                self.finished_order.append(reply.request_id)
+        return replies
+
+    def run(self, *requests: EngineRequest) -> dict[str, list[Reply]]:
+        self.send(*requests)
+        return self.collect([r.request_id for r in requests])
+
+    def close(self) -> None:
+        self.push.close()
+        self.pull.close()
+
+
+@pytest.fixture(scope="module")
+def engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[EngineProcess]:
+    engine = start_engine(module_run_dir)
+    yield engine
+    assert stop_engine(engine) == 0
+
+
+@pytest.fixture
+def frontend(engine: EngineProcess, run_dir: Path) -> Iterator[Frontend]:
+    with zmq.Context() as ctx:
+        fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+        yield fe
+        fe.close()
+    assert engine.process.poll() is None, "the engine process died"
+
+
+# ---------------------------------------------------------------- requests and the reference
+
+
+@pytest.fixture(scope="module")
+def prep(qwen_dir: Path) -> Preprocessor:
+    return load_preprocessor(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_dir: Path) -> torch.nn.Module:
+    return load_model(qwen_dir, DEVICE)
+
+
+def make_request(
+    prep: Preprocessor, text: str, images: tuple[tuple[int, int], ...] = (), **sampling: object
+) -> EngineRequest:
+    """A request rendered as the frontend and MM worker render it: chat template, expansion."""
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    prompt = prep.render_prompt([{"role": "user", "content": content}])
+    items = [prep.process_image(make_image(w, h, seed=i)) for i, (w, h) in enumerate(images)]
+    ids = prep.expand_placeholders(prep.tokenize_batch([prompt])[0], items)
+    mm_items, start = [], 0
+    for item in items:
+        offset = ids.index(prep.image_token_id, start)
+        mm_items.append(MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors))
+        start = offset + item.num_tokens
+    params = SamplingParams(**{"max_tokens": 12, **sampling})  # type: ignore[arg-type]
+    return EngineRequest(
+        request_id=f"r{next(_ids)}", reply_to="", prompt_token_ids=ids, sampling=params,
+        mm_items=mm_items,
+    )
+
+
+def to(frontend: Frontend, request: EngineRequest) -> EngineRequest:
+    return replace(request, reply_to=frontend.reply_to)
+
+
+def generate_greedy(model: Any, prep: Preprocessor, request: EngineRequest) -> list[int]:
+    """What HF `generate` makes of the same request: the correctness anchor."""
+    ids = torch.tensor([request.prompt_token_ids], device=model.device)
+    inputs: dict[str, torch.Tensor] = {}
+    if request.mm_items:
+        joined = prep.family.join_items([item.tensors for item in request.mm_items])
+        inputs = {name: torch.from_numpy(array).to(model.device) for name, array in joined.items()}
+        if prep.family.name == "qwen2_vl":
+            inputs["mm_token_type_ids"] = (ids == prep.image_token_id).int()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=request.sampling.max_tokens, **inputs,
+        )
+    return out[0, ids.shape[1]:].tolist()
+
+
+def tokens_of(replies: list[Reply]) -> list[int]:
+    assert all(isinstance(r, EngineOutput) for r in replies), replies
+    return [t for r in replies for t in r.token_ids]  # type: ignore[union-attr]
+
+
+def assert_streamed(replies: list[Reply], request: EngineRequest) -> None:
+    """One token per output, the prompt echoed on the first only, exactly one terminal output."""
+    outputs = [r for r in replies if isinstance(r, EngineOutput)]
+    assert len(outputs) == len(replies), replies
+    assert outputs[0].prompt_token_ids == request.prompt_token_ids
+    assert all(o.prompt_token_ids is None for o in outputs[1:])
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert all(len(o.token_ids) == 1 for o in outputs)
+    last = outputs[-1]
+    assert len(outputs) == request.sampling.max_tokens or last.finish_reason == "stop"
+    assert last.finish_reason in ("stop", "length")
+
+
+# ---------------------------------------------------------------- serving
+
+
+TEXT = ("hello there, what is new",)
+ONE_IMAGE = ("what is in this picture?", ((64, 48),))
+BIG_IMAGE = ("and this one?", ((640, 480),))
+TWO_IMAGES = ("compare them", ((100, 60), (56, 84)))
+
+
+@pytest.mark.parametrize("case", [TEXT, ONE_IMAGE, BIG_IMAGE, TWO_IMAGES],
+                         ids=["text", "image", "big-image", "two-images"])
+def test_greedy_output_equals_hf_generate(frontend, prep, reference, case) -> None:
+    request = to(frontend, make_request(prep, *case, max_tokens=16))
+    replies = frontend.run(request)[request.request_id]
+    assert_streamed(replies, request)
+    assert tokens_of(replies) == generate_greedy(reference, prep, request)
+
+
+def test_concurrent_requests_each_get_one_terminal_reply(frontend, prep, reference) -> None:
+    cases = [TEXT, ONE_IMAGE, TEXT, BIG_IMAGE, TWO_IMAGES, ("short",)]
+    requests = [
+        to(frontend, make_request(prep, *case, max_tokens=4 + 3 * i))
+        for i, case in enumerate(cases)
+    ]
+    replies = frontend.run(*requests)
+    assert set(replies) == {r.request_id for r in requests}
+    for request in requests:
+        assert_streamed(replies[request.request_id], request)
+        # Interleaved with the others, each still makes exactly what it makes alone.
+        assert tokens_of(replies[request.request_id]) == generate_greedy(reference, prep, request)
+
+
+def test_seeded_sampling_is_reproducible(frontend, prep) -> None:
+    def sampled(seed: int, *case: object) -> EngineRequest:
+        request = make_request(prep, *case, max_tokens=24, temperature=1.0, top_p=0.9, seed=seed)
+        return to(frontend, request)
+
+    first = [sampled(7, *TEXT), sampled(7, *ONE_IMAGE)]
+    again = [sampled(7, *TEXT), sampled(7, *ONE_IMAGE), sampled(8, *TEXT)]
+    alone = frontend.run(*first)
+    together = frontend.run(*again)  # run concurrently: each request has its own generator
+    for a, b in zip(first, again[:2], strict=True):
+        assert tokens_of(alone[a.request_id]) == tokens_of(together[b.request_id])
+    assert tokens_of(alone[first[0].request_id]) != tokens_of(together[again[2].request_id])
+
+
+def test_a_text_request_finishes_before_a_running_image_request(frontend, prep) -> None:
+    image = to(frontend, make_request(prep, *BIG_IMAGE, max_tokens=200))
+    text = to(frontend, make_request(prep, *TEXT, max_tokens=3))
+    frontend.send(image)
+    frontend.send(text)
+    frontend.collect([image.request_id, text.request_id])
+    # Ordering, not timing: each round advances every request by one unit.
+    assert frontend.finished_order[-2:] == [text.request_id, image.request_id]
+
+
+# ---------------------------------------------------------------- bad input
+
+Change = Callable[[EngineRequest], EngineRequest]
+
+
+def sampling_with(**kw: object) -> Change:
+    return lambda r: replace(r, sampling=replace(r.sampling, **kw))
+
+
+def item_with(**kw: object) -> Change:
+    return lambda r: replace(r, mm_items=[replace(r.mm_items[0], **kw)])
+
+
+def tensors_with(change: Callable[[dict[str, np.ndarray]], object]) -> Change:
+    def edit(r: EngineRequest) -> EngineRequest:
+        tensors = dict(r.mm_items[0].tensors)
+        change(tensors)
+        return replace(r, mm_items=[replace(r.mm_items[0], tensors=tensors)])
+
+    return edit
+
+
+def drop_one_image_token(r: EngineRequest) -> EngineRequest:
+    """Prompt and item agree on one token fewer; the image's tensors do not."""
+    item = r.mm_items[0]
+    ids = r.prompt_token_ids[: item.offset] + r.prompt_token_ids[item.offset + 1 :]
+    return replace(r, prompt_token_ids=ids, mm_items=[replace(item, length=item.length - 1)])
+
+
+def _set(name: str, value: Callable[[dict[str, np.ndarray]], object]) -> Callable[[dict], None]:
+    return lambda t: t.__setitem__(name, value(t))
+
+
+BAD_REQUESTS = {
+    "max_tokens_zero": (sampling_with(max_tokens=0), "max_tokens must be >= 1"),
+    "negative_temperature": (sampling_with(temperature=-0.5), "temperature must be >= 0"),
+    "top_p_zero": (sampling_with(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    "top_p_above_one": (sampling_with(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    "empty_prompt": (
+        lambda r: replace(r, prompt_token_ids=[], mm_items=[]), "prompt_token_ids is empty"
+    ),
+    "beyond_context": (sampling_with(max_tokens=5000), "exceeds the model's context of 4096"),
+    "token_outside_vocab": (
+        lambda r: replace(r, prompt_token_ids=[10**6, *r.prompt_token_ids[1:]]),
+        r"prompt_token_ids\[0\] = 1000000 is outside the vocabulary",
+    ),
+    "item_beyond_prompt": (
+        lambda r: item_with(offset=len(r.prompt_token_ids) - 2)(r), "beyond the prompt"
+    ),
+    "item_length_short": (
+        lambda r: item_with(length=r.mm_items[0].length - 1)(r),
+        r"has \d+ image-token positions but mm_items cover \d+",
+    ),
+    "item_off_image_tokens": (
+        lambda r: item_with(offset=r.mm_items[0].offset - 1)(r),
+        "covers tokens that are not image tokens",
+    ),
+    "image_items_missing": (
+        lambda r: replace(r, mm_items=[]), "image-token positions but mm_items cover 0"
+    ),
+    "item_length_not_tensors": (
+        drop_one_image_token,
+        r"mm_items\[0\]\.length is \d+ but its tensors make \d+ tokens",
+    ),
+    "tensor_missing": (tensors_with(lambda t: t.pop("image_grid_thw")), "needs.*image_grid_thw"),
+    "tensor_extra": (tensors_with(_set("extra", lambda t: np.zeros(3, "f4"))), r"has \['extra'"),
+    "pixel_rows_short": (
+        tensors_with(_set("pixel_values", lambda t: t["pixel_values"][:-4])),
+        r"pixel_values has shape \(\d+, 1176\), grid \(1, \d+, \d+\) needs \(\d+, 1176\)",
+    ),
+    "pixel_values_integer": (
+        tensors_with(_set("pixel_values", lambda t: t["pixel_values"].astype("i4"))),
+        "pixel_values must be a 2-D array of kind 'f'",
+    ),
+    "grid_not_mergeable": (
+        tensors_with(_set("image_grid_thw", lambda t: np.array([[1, 1, 16]], "i8"))),
+        "h and w must be multiples of 2",
+    ),
+    "pixel_values_nan": (
+        tensors_with(_set("pixel_values", lambda t: np.full_like(t["pixel_values"], np.nan))),
+        "pixel_values holds NaN or infinite values",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_request_fails_alone_with_a_named_problem(frontend, prep, name) -> None:
+    change, message = BAD_REQUESTS[name]
+    bad = to(frontend, change(make_request(prep, *ONE_IMAGE)))
+    good = to(frontend, make_request(prep, *TEXT, max_tokens=2))
+    replies = frontend.run(bad, good)
+    (failed,) = replies[bad.request_id]
+    assert isinstance(failed, RequestFailed)
+    assert failed.error.kind == "request"
+    expected_code = "prompt_too_long" if name == "beyond_context" else "invalid_request"
+    assert failed.error.code == expected_code
+    assert re.search(message, failed.error.message), failed.error.message
+    assert replies[good.request_id][-1].finished  # the engine serves on
+
+
+def test_undecodable_or_unanswerable_messages_are_dropped(frontend, prep) -> None:
+    valid = to(frontend, make_request(prep, *ONE_IMAGE))
+    body, *tensor_frames = frontend.codec.encode(valid)
+    garbage = [
+        [b"\x00not msgpack"],
+        [b""],
+        [msgspec.msgpack.encode(Ready(role="x", pid=1, endpoint="y"))],  # another socket's
+        [body],  # its tensor frames missing
+        [body, tensor_frames[0][:-8], *tensor_frames[1:]],  # a tensor frame cut short
+    ]
+    for frames in garbage:
+        frontend.send_frames([bytes(f) for f in frames])
+    frontend.send(replace(valid, reply_to="no address at all"))  # readable, but unanswerable
+    replies = frontend.run(to(frontend, make_request(prep, *TEXT, max_tokens=2)))
+    assert len(replies) == 1  # nothing came back for the garbage: it had no readable address
+
+
+# ---------------------------------------------------------------- limits and stopping
+
+
+def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, qwen_dir) -> None:
+    engine = start_engine(run_dir, "--max-queued-requests", "2")
+    with zmq.Context() as ctx:
+        fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+        held = [to(fe, make_request(prep, *TEXT, max_tokens=4000)) for _ in range(2)]
+        refused = [to(fe, make_request(prep, *TEXT)) for _ in range(3)]
+        fe.send(*held, *refused)
+        replies = fe.collect([r.request_id for r in refused])
+        for request in refused:
+            (failed,) = replies[request.request_id]
+            assert isinstance(failed, RequestFailed)
+            assert (failed.error.kind, failed.error.code) == ("retryable", "overloaded")
+            assert "overloaded" in failed.error.message
+        assert stop_engine(engine) == 0
+        replies = fe.collect([r.request_id for r in held])
+        for request in held:
+            *outputs, last = replies[request.request_id]
+            assert all(isinstance(o, EngineOutput) and not o.finished for o in outputs)
+            assert isinstance(last, RequestFailed) and last.error.code == "peer_restarted"
+        fe.close()
+
+
+# ---------------------------------------------------------------- the runner in process
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_runner_chunked_prefill_and_interleaving_match_generate(
+    family, qwen_dir, llava_dir
+) -> None:
+    model_dir = qwen_dir if family == "qwen2_vl" else llava_dir
+    runner, prep = HFRunner.load(str(model_dir), DEVICE), load_preprocessor(model_dir)
+    requests = [make_request(prep, "look", ((90, 70),), max_tokens=10), make_request(prep, "hi")]
+    for request in requests:
+        validate_request(request, runner.spec)
+    expected = [generate_greedy(runner.model, prep, r) for r in requests]
+    for chunk in (None, 5):  # 5 splits the image's placeholders across prefill units
+        runner.prefill_chunk_tokens = chunk
+        for handle, request in enumerate(requests):
+            runner.add(handle, request)
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        while runner.has_work():
+            for output in runner.step():
+                assert output.error is None
+                tokens[output.handle] += output.token_ids
+        assert [tokens[0], tokens[1]] == expected
+
+
+def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
+    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    good = make_request(prep, *ONE_IMAGE, max_tokens=3)
+    # NaN pixels (refused by validation, which this skips) make NaN probabilities, which
+    # sampling cannot draw from: a real exception inside the model step.
+    broken = tensors_with(_set("pixel_values", lambda t: np.full_like(t["pixel_values"], np.nan)))(
+        replace(good, sampling=replace(good.sampling, temperature=1.0))
+    )
+    runner.add(0, broken)
+    runner.add(1, good)
+    outputs = []
+    while runner.has_work():
+        outputs += runner.step()
+    (error,) = [o.error for o in outputs if o.handle == 0]
+    assert error is not None and error.code == "model_error"
+    assert "model failed on this request" in error.message
+    assert [o.finish_reason for o in outputs if o.handle == 1][-1] == "length"
