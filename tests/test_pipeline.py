@@ -146,10 +146,10 @@ def _bad_cases(media_dir: Path) -> dict[str, tuple[list[str], str]]:
     outside = media_dir.parent / "secret.png"
     make_image(8, 8).save(outside)
     return {
-        "undecodable": ([data_uri(b"\x00\x01 definitely not an image" * 10)], "cannot"),
+        "undecodable": ([data_uri(b"\x00\x01 definitely not an image" * 10)], "not an image"),
         "truncated_jpeg": ([data_uri(jpeg[: len(jpeg) // 2])], "truncated"),
         "unreadable_format": ([data_uri(b"<svg xmlns='http://www.w3.org/2000/svg'/>",
-                                        "image/svg+xml")], "cannot"),
+                                        "image/svg+xml")], "not an image"),
         "not_base64": (["data:image/png;base64,***not-base64***"], "base64"),
         "outside_allowed": ([f"file://{outside}"], "outside"),
         "missing_file": ([f"file://{media_dir}/nope.png"], "no such file"),
