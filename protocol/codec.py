@@ -66,7 +66,7 @@ class Codec(Generic[T]):
         if not isinstance(obj, np.ndarray):
             raise NotImplementedError(f"cannot encode {type(obj).__name__}")
         array = np.ascontiguousarray(obj)
-        self._out_frames.append(memoryview(array).cast("B"))
+        self._out_frames.append(memoryview(array.data).cast("B"))
         return TensorHeader(array.dtype.str, array.shape, len(self._out_frames))
 
     def _dec_array(self, type_: type, obj: Any) -> Any:

@@ -33,7 +33,9 @@ def _add_ready(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda[:N]")
+    g.add_argument(
+        "--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda[:N]"
+    )
     g.add_argument("--max-batch-size", type=int, default=8, help="requests per decode step")
     g.add_argument(
         "--max-queued-requests", type=int, default=1024,
@@ -95,7 +97,8 @@ def mm_worker_config(args: argparse.Namespace) -> MMWorkerConfig:
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
     return load_config(FrontendConfig, {
         "model": args.model, "client_endpoint": f"tcp://{args.host}:{args.port}",
-        "output_endpoint": args.output_endpoint or "", "engine_endpoint": args.engine_endpoint or "",
+        "output_endpoint": args.output_endpoint or "",
+        "engine_endpoint": args.engine_endpoint or "",
         "mm_worker_endpoints": [args.mm_worker_endpoint] if args.mm_worker_endpoint else [],
         "tokenizer_workers": args.tokenizer_workers,
         "max_images_per_request": args.max_images_per_request,
@@ -175,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mm_worker_args(p)
     _add_engine_args(p)
     _add_endpoint_args(p, "engine", "mm-worker")
-    p.add_argument("--run-dir", help="folder for the internal ipc:// sockets (default: a new temp dir)")
+    p.add_argument(
+        "--run-dir", help="folder for the internal ipc:// sockets (default: a new temp dir)"
+    )
     p.add_argument(
         "--startup-timeout", type=float, default=300.0,
         help="seconds to wait for every role to report ready",
@@ -207,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--image", action="append", default=[], metavar="PATH_OR_URL",
-        help="an image: a local path (read here and sent inline) or a data:/file:// URL; repeatable",
+        help="an image: a local path (read here and sent inline) or a data:/file:// URL; "
+        "repeatable",
     )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -215,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reply")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
-    p = add("tiny-model", _cmd_tiny_model, "write the embedded tiny model (built offline) to a folder")
+    p = add(
+        "tiny-model", _cmd_tiny_model, "write the embedded tiny model (built offline) to a folder"
+    )
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "llava"])
     p.add_argument("--seed", type=int, default=0)

@@ -118,7 +118,7 @@ def start_roles(
     Raises FatalError with the failing child's reason (after stopping the others) when a child
     reports a startup failure, exits, or is not ready within `timeout_s`.
     """
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     ready_endpoint = ipc(f"ready-{time.monotonic_ns()}", run_dir)
     children: list[Child] = []
     with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import REPO
-from media import make_image
 from msgspec.structs import replace
 
+from conftest import REPO
+from media import make_image
 from protocol.codec import Codec
 from protocol.messages import (
     EngineOutput,

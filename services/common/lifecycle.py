@@ -61,7 +61,7 @@ def run_role(role: str, build: Callable[[], Role], ready_endpoint: str | None) -
 def _announce(ready_endpoint: str | None, message: Ready | StartupFailed) -> None:
     if not ready_endpoint:
         return
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     with ctx.socket(zmq.PUSH) as sock:
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(ready_endpoint)

@@ -197,6 +197,7 @@ class Frontend:
     def _dispatch(self, request_id: str, pending: InFlight, token_ids: list[int]) -> None:
         checked = pending.checked
         reply_to = self.config.output_endpoint
+        message: MMJob | EngineRequest
         if checked.images:
             message = MMJob(
                 request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
