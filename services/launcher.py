@@ -9,7 +9,9 @@ after stopping every child) or for a child to die (exit 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,11 +34,19 @@ _STOP_GRACE_S = 10.0
 
 
 class Child:
-    """One role's process and the name it is known by."""
+    """One role's process, the name it is known by, and the endpoint its `Ready` reported.
 
-    def __init__(self, role: str, argv: list[str]) -> None:
+    With `log_dir`, the child's stderr (its log) goes to LOG_DIR/ROLE.log instead of ours.
+    """
+
+    def __init__(self, role: str, argv: list[str], log_dir: Path | None = None) -> None:
         self.role = role
-        self.process = subprocess.Popen([sys.executable, "-m", "services.cli", role, *argv])
+        self.endpoint: str | None = None
+        self.log_path = None if log_dir is None else log_dir / f"{role}.log"
+        with self.log_path.open("wb") if self.log_path else contextlib.nullcontext() as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", role, *argv], stderr=stderr
+            )
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -88,9 +98,9 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     children: list[Child] = []
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="mmlane-"))
     try:
         model_dir = resolve_model_dir(args.model)  # build the default model once, not per child
-        run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="mmlane-"))
         children = start_roles(child_argv(args, model_dir, run_dir), run_dir,
                                args.startup_timeout, stop)
         if stop.is_set():
@@ -105,6 +115,8 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_all(children)
+        if not args.run_dir:  # a folder we made for this run only
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def start_roles(
@@ -112,19 +124,23 @@ def start_roles(
     run_dir: Path,
     timeout_s: float,
     stop: threading.Event | None = None,
+    log_dir: Path | None = None,
 ) -> list[Child]:
     """Start `mmlane ROLE ARGV` for each role and wait until every one reports ready.
 
+    Each child logs to LOG_DIR/ROLE.log when `log_dir` is given, else to our stderr.
     Raises FatalError with the failing child's reason (after stopping the others) when a child
     reports a startup failure, exits, or is not ready within `timeout_s`.
     """
     ctx: zmq.Context = zmq.Context.instance()
     ready_endpoint = ipc(f"ready-{time.monotonic_ns()}", run_dir)
     children: list[Child] = []
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
     with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:
         try:
             for role, argv in roles.items():
-                children.append(Child(role, [*argv, "--ready-endpoint", ready_endpoint]))
+                children.append(Child(role, [*argv, "--ready-endpoint", ready_endpoint], log_dir))
             _wait_ready(sock, children, stop or threading.Event(), timeout_s)
         except BaseException:
             stop_all(children)
@@ -136,14 +152,16 @@ def _wait_ready(
     sock: zmq.Socket, children: list[Child], stop: threading.Event, timeout_s: float
 ) -> None:
     decoder = msgspec.msgpack.Decoder(LauncherInput)
-    waiting = {child.role for child in children}
+    waiting = {child.role: child for child in children}
     deadline = time.monotonic() + timeout_s
     while waiting and not stop.is_set():
         if sock.poll(100):
             message = decoder.decode(sock.recv())
             if isinstance(message, StartupFailed):
                 raise FatalError(f"{message.role} failed to start: {message.message}")
-            waiting.discard(message.role)
+            ready = waiting.pop(message.role, None)
+            if ready is not None:
+                ready.endpoint = message.endpoint
             continue
         for child in children:
             code = child.process.poll()

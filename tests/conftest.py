@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor, Qwen2VLProcessor
 
+from protocol.errors import FatalError
 from services.launcher import Child, start_roles, stop_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,10 +72,26 @@ def llava_dir() -> Path:
     return target
 
 
-def start_role(role: str, args: list[str], run_dir: Path, timeout_s: float = 180) -> Child:
-    """Start `mmlane ROLE ARGS` as a real process and wait for its ready handshake."""
-    (child,) = start_roles({role: args}, run_dir, timeout_s)
+def start_role(
+    role: str, args: list[str], run_dir: Path, timeout_s: float = 180, log_dir: Path | None = None
+) -> Child:
+    """Start `mmlane ROLE ARGS` as a real process and wait for its ready handshake.
+
+    With `log_dir`, the role logs to LOG_DIR/ROLE.log (see `role_log`), quoted if it fails to start.
+    """
+    try:
+        (child,) = start_roles({role: args}, run_dir, timeout_s, log_dir=log_dir)
+    except FatalError as exc:
+        if log_dir is None:
+            raise
+        pytest.fail(f"{exc}\n{(log_dir / f'{role}.log').read_text(errors='replace')}")
     return child
+
+
+def role_log(child: Child) -> str:
+    """What a role started with a `log_dir` has logged so far."""
+    assert child.log_path is not None, f"{child.role} was started without a log_dir"
+    return child.log_path.read_text(errors="replace")
 
 
 def stop_role(child: Child) -> int:

@@ -19,6 +19,13 @@ def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Ima
     return image.convert(mode)
 
 
+def noise_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """Uniform random pixels in every band, alpha included: for exact parity and compositing."""
+    bands = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, bands), np.uint8)
+    return Image.fromarray(pixels.squeeze(-1) if bands == 1 else pixels)
+
+
 def encode(image: Image.Image, fmt: str = "JPEG", **save_args: object) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format=fmt, **save_args)
@@ -31,3 +38,8 @@ def data_uri(data: bytes, mime: str = "image/jpeg") -> str:
 
 def jpeg_uri(width: int, height: int, seed: int = 0) -> str:
     return data_uri(encode(make_image(width, height, seed)))
+
+
+def png_uri(image: Image.Image) -> str:
+    """A lossless data URI: the receiver decodes exactly these pixels."""
+    return data_uri(encode(image, "PNG"), "image/png")

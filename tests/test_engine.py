@@ -1,8 +1,8 @@
 """The engine role as a real process: requests over real sockets to the tiny model, no mocks.
 
-One engine process serves the module, started the way the launcher starts it (the ready
-handshake on a PULL socket); each test talks to it as a frontend would, with its own reply
-socket. Greedy outputs are checked against the same Hugging Face model's `generate` run here.
+One engine process serves the module, started as the launcher starts it (conftest's
+`start_role`, the real ready handshake); each test talks to it as a frontend would, with its own
+reply socket. Greedy outputs are checked against the same Hugging Face model's `generate` run here.
 """
 
 from __future__ import annotations
@@ -10,12 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +22,13 @@ import torch
 import zmq
 from msgspec.structs import replace
 
-from conftest import REPO
+from conftest import start_role, stop_role
 from media import make_image
 from protocol.codec import Codec
 from protocol.messages import (
     EngineOutput,
     EngineRequest,
     FrontendInput,
-    LauncherInput,
     MMItem,
     Ready,
     RequestFailed,
@@ -41,6 +36,7 @@ from protocol.messages import (
 )
 from services.engine.hf_runner import HFRunner
 from services.engine.validation import validate_request
+from services.launcher import Child
 from services.model import Preprocessor, load_model, load_preprocessor
 
 # The engine and the in-process reference must run on the same device for greedy to match.
@@ -54,40 +50,13 @@ Reply = EngineOutput | RequestFailed
 # ---------------------------------------------------------------- processes and sockets
 
 
-@dataclass
-class EngineProcess:
-    endpoint: str
-    process: subprocess.Popen
-
-
-def start_engine(run_dir: Path, *args: str) -> EngineProcess:
-    """`mmlane engine ARGS`, once it has said Ready on the handshake socket."""
-    endpoint, ready_endpoint = f"ipc://{run_dir}/e.sock", f"ipc://{run_dir}/ready.sock"
-    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as ready:
-        ready.bind(ready_endpoint)
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "engine", "--device", DEVICE,
-             "--engine-endpoint", endpoint, "--ready-endpoint", ready_endpoint, *args],
-            cwd=REPO,
-        )
-        deadline = time.monotonic() + 180
-        while not ready.poll(200):
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                pytest.fail(f"engine exited ({process.returncode}) or never said ready")
-        message = msgspec.msgpack.decode(ready.recv(), type=LauncherInput)
-    assert isinstance(message, Ready), message
-    assert message.endpoint == endpoint
-    return EngineProcess(endpoint, process)
-
-
-def stop_engine(engine: EngineProcess) -> int:
-    engine.process.send_signal(signal.SIGTERM)
-    try:
-        return engine.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        engine.process.kill()
-        raise
+def start_engine(run_dir: Path, *args: str) -> Child:
+    """`mmlane engine ARGS`, once it has said Ready on its endpoint."""
+    endpoint = f"ipc://{run_dir}/e.sock"
+    argv = ["--device", DEVICE, "--engine-endpoint", endpoint, *args]
+    engine = start_role("engine", argv, run_dir)
+    assert engine.endpoint == endpoint
+    return engine
 
 
 class Frontend:
@@ -137,14 +106,14 @@ class Frontend:
 
 
 @pytest.fixture(scope="module")
-def engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[EngineProcess]:
+def engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[Child]:
     engine = start_engine(module_run_dir)
     yield engine
-    assert stop_engine(engine) == 0
+    assert stop_role(engine) == 0
 
 
 @pytest.fixture
-def frontend(engine: EngineProcess, run_dir: Path) -> Iterator[Frontend]:
+def frontend(engine: Child, run_dir: Path) -> Iterator[Frontend]:
     with zmq.Context() as ctx:
         fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
         yield fe
@@ -413,7 +382,7 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
             assert isinstance(failed, RequestFailed)
             assert (failed.error.kind, failed.error.code) == ("retryable", "overloaded")
             assert "overloaded" in failed.error.message
-        assert stop_engine(engine) == 0
+        assert stop_role(engine) == 0
         replies = fe.collect([r.request_id for r in held])
         for request in held:
             *outputs, last = replies[request.request_id]

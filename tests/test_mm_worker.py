@@ -14,15 +14,10 @@ with the same preprocessing run in this process.
 
 from __future__ import annotations
 
-import base64
 import io
 import os
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +27,8 @@ import pytest
 import zmq
 from PIL import Image, ImageOps
 
+from conftest import role_log, start_role, stop_role
+from media import data_uri, encode, noise_image, png_uri
 from protocol.codec import Codec
 from protocol.errors import RequestError
 from protocol.messages import (
@@ -39,38 +36,19 @@ from protocol.messages import (
     EngineRequest,
     FrontendInput,
     ImageUrl,
-    LauncherInput,
     MMJob,
-    Ready,
     RequestFailed,
     SamplingParams,
 )
+from services.launcher import Child
 from services.mm_worker.media import MediaPolicy, decode_image, load_image_bytes, to_rgb
 from services.mm_worker.render import placeholder_offsets
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_IMAGE_PIXELS = 4_000_000  # small, so an over-limit image is cheap to make
-STARTUP_TIMEOUT_S = 120.0
 RECV_TIMEOUT_MS = 30_000
 
 
 # ---------------------------------------------------------------- images
-
-
-def noise(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
-    channels = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2}[mode]
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), np.uint8)
-    return Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels)
-
-
-def encode(image: Image.Image, fmt: str = "PNG", **save_args: Any) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **save_args)
-    return buffer.getvalue()
-
-
-def data_uri(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
 def rgb_from(data: bytes) -> Image.Image:
@@ -96,57 +74,15 @@ def media_dir(module_run_dir: Path) -> Path:
     return folder
 
 
-@dataclass
-class Worker:
-    process: subprocess.Popen[bytes]
-    job_endpoint: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        """SIGTERM, then kill if it does not stop; returns the exit status."""
-        self.process.terminate()
-        try:
-            return self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            return -9
-
-
 def start_worker(
     name: str, run_dir: Path, model_dir: Path, engine_endpoint: str, *extra: str
-) -> Worker:
-    """Start `mmlane mm-worker` and wait for its Ready on a ready socket we bind."""
-    job_endpoint = f"ipc://{run_dir}/{name}.sock"
-    ready_endpoint = f"ipc://{run_dir}/{name}-ready.sock"
-    log_path = run_dir / f"{name}.log"
-    ctx: zmq.Context = zmq.Context.instance()
-    with ctx.socket(zmq.PULL) as ready:
-        ready.bind(ready_endpoint)
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [
-                    sys.executable, "-m", "services.cli", "mm-worker",
-                    "--mm-worker-endpoint", job_endpoint, "--engine-endpoint", engine_endpoint,
-                    "--ready-endpoint", ready_endpoint, "--model", str(model_dir), *extra,
-                ],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "MMLANE_LOG_LEVEL": "DEBUG"},
-            )
-        worker = Worker(process, job_endpoint, log_path)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not ready.poll(200):
-            if process.poll() is not None or time.monotonic() > deadline:
-                worker.stop()
-                pytest.fail(f"{name} did not start:\n{worker.log()}")
-        message = msgspec.msgpack.Decoder(LauncherInput).decode(ready.recv())
-    if not isinstance(message, Ready):
-        worker.stop()
-        pytest.fail(f"{name} failed to start: {message.message}\n{worker.log()}")
-    return worker
+) -> Child:
+    """`mmlane mm-worker` serving ipc://RUN_DIR/NAME.sock, logging under RUN_DIR/NAME/."""
+    argv = [
+        "--mm-worker-endpoint", f"ipc://{run_dir}/{name}.sock", "--engine-endpoint",
+        engine_endpoint, "--model", str(model_dir), *extra,
+    ]
+    return start_role("mm-worker", argv, run_dir, log_dir=run_dir / name)
 
 
 class Peers:
@@ -167,11 +103,11 @@ class Peers:
         sock.bind(endpoint)
         return sock
 
-    def send(self, worker: Worker, *messages: MMJob | bytes | list[bytes]) -> None:
-        sock = self.senders.get(worker.job_endpoint)
+    def send(self, worker: Child, *messages: MMJob | bytes | list[bytes]) -> None:
+        sock = self.senders.get(worker.endpoint)
         if sock is None:
-            sock = self.senders[worker.job_endpoint] = self.ctx.socket(zmq.PUSH)
-            sock.connect(worker.job_endpoint)
+            sock = self.senders[worker.endpoint] = self.ctx.socket(zmq.PUSH)
+            sock.connect(worker.endpoint)
         for message in messages:
             if isinstance(message, MMJob):
                 sock.send(msgspec.msgpack.encode(message))
@@ -213,22 +149,22 @@ def peers(module_run_dir: Path) -> Iterator[Peers]:
 @pytest.fixture(scope="module")
 def worker(
     module_run_dir: Path, qwen_dir: Path, media_dir: Path, peers: Peers
-) -> Iterator[Worker]:
+) -> Iterator[Child]:
     worker = start_worker(
         "mm-worker", module_run_dir, qwen_dir, peers.engine_endpoint,
         "--allowed-media-dir", str(media_dir), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
     )
     yield worker
-    assert worker.stop() == 0, worker.log()
+    assert stop_role(worker) == 0, role_log(worker)
 
 
 @pytest.fixture(scope="module")
 def worker_without_files(
     module_run_dir: Path, qwen_dir: Path, peers: Peers
-) -> Iterator[Worker]:
+) -> Iterator[Child]:
     worker = start_worker("mm-worker-no-files", module_run_dir, qwen_dir, peers.engine_endpoint)
     yield worker
-    assert worker.stop() == 0, worker.log()
+    assert stop_role(worker) == 0, role_log(worker)
 
 
 # ---------------------------------------------------------------- jobs
@@ -303,21 +239,21 @@ def assert_rendered(
 
 class TestRendering:
     def test_image_job_arrives_rendered_with_in_process_tensors(
-        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
     ) -> None:
-        png = encode(noise(96, 64))
-        job = jobs.job(data_uri(png))
+        png = encode(noise_image(96, 64), "PNG")
+        job = jobs.job(data_uri(png, "image/png"))
         peers.send(worker, job)
         got, frames = peers.next_request()
         assert_rendered(preprocessor, job, [rgb_from(png)], got, frames)
         assert frames == 3  # msgpack body + pixel_values + image_grid_thw
 
     def test_three_images_from_data_uris_and_files(
-        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any, media_dir: Path
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any, media_dir: Path
     ) -> None:
-        first = encode(noise(120, 90, seed=1), "JPEG", quality=90)
-        second = encode(noise(64, 200, seed=2))
-        third = encode(noise(300, 80, seed=3), "WEBP", lossless=True)
+        first = encode(noise_image(120, 90, seed=1), "JPEG", quality=90)
+        second = encode(noise_image(64, 200, seed=2), "PNG")
+        third = encode(noise_image(300, 80, seed=3), "WEBP", lossless=True)
         (media_dir / "second.png").write_bytes(second)
         (media_dir / "sub dir").mkdir(exist_ok=True)
         (media_dir / "sub dir" / "third.webp").write_bytes(third)
@@ -333,11 +269,11 @@ class TestRendering:
         assert frames == 1 + 3 * 2
 
     def test_exif_orientation_is_applied(
-        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
     ) -> None:
         exif = Image.Exif()
         exif[0x0112] = 6  # Orientation: the camera was turned; show it rotated 90° clockwise
-        jpeg = encode(noise(112, 56, seed=4), "JPEG", quality=95, exif=exif.tobytes())
+        jpeg = encode(noise_image(112, 56, seed=4), "JPEG", quality=95, exif=exif.tobytes())
         upright = rgb_from(jpeg).transpose(Image.Transpose.ROTATE_270)
         assert upright.size == (56, 112)
         job = jobs.job(data_uri(jpeg, "image/jpeg"))
@@ -346,18 +282,18 @@ class TestRendering:
         assert_rendered(preprocessor, job, [upright], got, frames)
 
     def test_transparency_is_composited_on_white(
-        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
     ) -> None:
-        rgba = noise(80, 60, "RGBA", seed=5)
-        palette = noise(70, 50, seed=6).convert("P", palette=Image.Palette.ADAPTIVE)
+        rgba = noise_image(80, 60, seed=5, mode="RGBA")
+        palette = noise_image(70, 50, seed=6).convert("P", palette=Image.Palette.ADAPTIVE)
         palette.info["transparency"] = 0
-        rgba_png, palette_png = encode(rgba), encode(palette, transparency=0)
+        rgba_png, palette_png = encode(rgba, "PNG"), encode(palette, "PNG", transparency=0)
 
         def on_white(image: Image.Image) -> Image.Image:
             white = Image.new("RGBA", image.size, (255, 255, 255, 255))
             return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
-        job = jobs.job(data_uri(rgba_png), data_uri(palette_png))
+        job = jobs.job(data_uri(rgba_png, "image/png"), data_uri(palette_png, "image/png"))
         peers.send(worker, job)
         got, frames = peers.next_request()
         expected = [on_white(Image.open(io.BytesIO(png))) for png in (rgba_png, palette_png)]
@@ -367,10 +303,10 @@ class TestRendering:
         assert not np.array_equal(got.mm_items[0].tensors["pixel_values"], dropped)
 
     def test_jobs_leave_in_arrival_order(
-        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
     ) -> None:
-        big = jobs.job(data_uri(encode(noise(1600, 1200, seed=7), "JPEG")))
-        small = [jobs.job(data_uri(encode(noise(32, 32, seed=8 + i)))) for i in range(5)]
+        big = jobs.job(data_uri(encode(noise_image(1600, 1200, seed=7), "JPEG"), "image/jpeg"))
+        small = [jobs.job(png_uri(noise_image(32, 32, seed=8 + i))) for i in range(5)]
         text_only = jobs.job()  # no images: passes through, still in order
         sent = [big, small[0], small[1], text_only, *small[2:]]
         peers.send(worker, *sent)
@@ -382,20 +318,21 @@ class TestRendering:
 
 
 def _truncated_jpeg() -> str:
-    jpeg = encode(noise(256, 256, seed=9), "JPEG", quality=90)
+    jpeg = encode(noise_image(256, 256, seed=9), "JPEG", quality=90)
     return data_uri(jpeg[: len(jpeg) * 2 // 3], "image/jpeg")
 
 
 # (case id, url builder given the media folder, error code, message pattern)
 BAD_IMAGES: list[tuple[str, Callable[[Path], str], str, str]] = [
-    ("undecodable-bytes", lambda _: data_uri(os.urandom(2000)), "invalid_image",
+    ("undecodable-bytes", lambda _: data_uri(os.urandom(2000), "image/png"), "invalid_image",
      r"^image 0: not an image in a format we can read"),
     ("empty", lambda _: "data:image/png;base64,", "invalid_image", r"^image 0: image is empty"),
     ("truncated-jpeg", lambda _: _truncated_jpeg(), "invalid_image",
      r"^image 0: cannot decode the JPEG data: image file is truncated"),
     ("svg-text", lambda _: data_uri(b'<svg xmlns="http://www.w3.org/2000/svg"/>', "image/svg+xml"),
      "invalid_image", r"^image 0: not an image in a format we can read"),
-    ("png-header-then-junk", lambda _: data_uri(b"\x89PNG\r\n\x1a\n" + os.urandom(500)),
+    ("png-header-then-junk",
+     lambda _: data_uri(b"\x89PNG\r\n\x1a\n" + os.urandom(500), "image/png"),
      "invalid_image", r"^image 0: not an image in a format we can read"),
     ("data-uri-not-valid-base64", lambda _: "data:image/png;base64,iVBOR@@not*base64!",
      "invalid_image", r"^image 0: data URI is not valid base64$"),
@@ -415,10 +352,10 @@ BAD_IMAGES: list[tuple[str, Callable[[Path], str], str, str]] = [
      r"^image 0: .*/folder is not a regular file"),
     ("http-scheme", lambda _: "http://example.com/cat.png", "media_not_allowed",
      r"^image 0: 'http' URLs are not supported"),
-    ("over-max-pixels", lambda _: data_uri(encode(Image.new("RGB", (2100, 2000)))),
+    ("over-max-pixels", lambda _: png_uri(Image.new("RGB", (2100, 2000))),
      "image_too_large",
      rf"^image 0: 2100x2000 is 4200000 pixels, more than max_image_pixels {MAX_IMAGE_PIXELS}"),
-    ("pillow-bomb-guard", lambda _: data_uri(encode(Image.new("1", (9000, 9000)))),
+    ("pillow-bomb-guard", lambda _: png_uri(Image.new("1", (9000, 9000))),
      "image_too_large", r"^image 0: more pixels than max_image_pixels"),
 ]
 
@@ -427,7 +364,7 @@ BAD_IMAGES: list[tuple[str, Callable[[Path], str], str, str]] = [
 def media_traps(media_dir: Path) -> None:
     """A file just outside the folder, a symlink to it from inside, and a folder."""
     secret = media_dir.parent / "secret.png"
-    secret.write_bytes(encode(noise(32, 32)))
+    secret.write_bytes(encode(noise_image(32, 32), "PNG"))
     (media_dir / "link.png").symlink_to(secret)
     (media_dir / "folder").mkdir()
 
@@ -439,33 +376,33 @@ class TestBadInput:
         ids=[case[0] for case in BAD_IMAGES],
     )
     def test_bad_image_fails_its_job_only(
-        self, worker: Worker, peers: Peers, jobs: Jobs, media_dir: Path, media_traps: None,
+        self, worker: Child, peers: Peers, jobs: Jobs, media_dir: Path, media_traps: None,
         make_url: Callable[[Path], str], code: str, pattern: str,
     ) -> None:
         bad = jobs.job(make_url(media_dir))
         self.assert_fails_then_serves(worker, peers, jobs, bad, code, pattern)
 
-    def test_second_image_is_named(self, worker: Worker, peers: Peers, jobs: Jobs) -> None:
-        bad = jobs.job(data_uri(encode(noise(40, 40))), data_uri(b"not an image"))
+    def test_second_image_is_named(self, worker: Child, peers: Peers, jobs: Jobs) -> None:
+        bad = jobs.job(png_uri(noise_image(40, 40)), data_uri(b"not an image", "image/png"))
         self.assert_fails_then_serves(
             worker, peers, jobs, bad, "invalid_image", r"^image 1: not an image"
         )
 
     def test_placeholders_must_match_images(
-        self, worker: Worker, peers: Peers, jobs: Jobs
+        self, worker: Child, peers: Peers, jobs: Jobs
     ) -> None:
-        bad = jobs.job(data_uri(encode(noise(40, 40))), prompt_ids=jobs.prompt_ids(images=2))
+        bad = jobs.job(png_uri(noise_image(40, 40)), prompt_ids=jobs.prompt_ids(images=2))
         self.assert_fails_then_serves(
             worker, peers, jobs, bad, "invalid_request",
             r"^prompt has 2 image placeholder tokens but the job carries 1 image$",
         )
 
     def test_prompt_too_long_before_expansion(
-        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
     ) -> None:
         ids = jobs.prompt_ids(images=1)
         filler = [ids[0]] * (preprocessor.max_context + 1 - len(ids))
-        bad = jobs.job(data_uri(encode(noise(40, 40))), prompt_ids=filler + ids)
+        bad = jobs.job(png_uri(noise_image(40, 40)), prompt_ids=filler + ids)
         self.assert_fails_then_serves(
             worker, peers, jobs, bad, "prompt_too_long",
             rf"^prompt is {preprocessor.max_context + 1} tokens before expanding its images, "
@@ -473,13 +410,13 @@ class TestBadInput:
         )
 
     def test_prompt_too_long_after_expansion(
-        self, worker: Worker, peers: Peers, jobs: Jobs, preprocessor: Any
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
     ) -> None:
-        png = encode(noise(280, 280))
+        png = encode(noise_image(280, 280), "PNG")
         tokens = preprocessor.process_image(rgb_from(png)).num_tokens
         ids = jobs.prompt_ids(images=1)
         filler = [ids[0]] * (preprocessor.max_context - len(ids))  # exactly max_context
-        bad = jobs.job(data_uri(png), prompt_ids=filler + ids)
+        bad = jobs.job(data_uri(png, "image/png"), prompt_ids=filler + ids)
         self.assert_fails_then_serves(
             worker, peers, jobs, bad, "prompt_too_long",
             rf"^prompt is {preprocessor.max_context + tokens - 1} tokens after expanding 1 image,"
@@ -487,19 +424,19 @@ class TestBadInput:
         )
 
     def test_unreachable_reply_to_does_not_stop_the_worker(
-        self, worker: Worker, peers: Peers, jobs: Jobs
+        self, worker: Child, peers: Peers, jobs: Jobs
     ) -> None:
-        bad = jobs.job(data_uri(b"garbage"), reply_to="not an endpoint")
-        good = jobs.job(data_uri(encode(noise(40, 40))))
+        bad = jobs.job(data_uri(b"garbage", "image/png"), reply_to="not an endpoint")
+        good = jobs.job(png_uri(noise_image(40, 40)))
         peers.send(worker, bad, good)
         assert peers.next_request()[0].request_id == good.request_id
         peers.assert_quiet()
 
     @staticmethod
     def assert_fails_then_serves(
-        worker: Worker, peers: Peers, jobs: Jobs, bad: MMJob, code: str, pattern: str
+        worker: Child, peers: Peers, jobs: Jobs, bad: MMJob, code: str, pattern: str
     ) -> None:
-        good = jobs.job(data_uri(encode(noise(40, 40))))
+        good = jobs.job(png_uri(noise_image(40, 40)))
         peers.send(worker, bad, good)
         failure = peers.next_failure()
         assert failure.request_id == bad.request_id
@@ -524,23 +461,23 @@ class TestJobSocket:
         ids=["not-msgpack", "empty", "a-map", "engine-request", "wrong-field-type", "short"],
     )
     def test_garbage_is_dropped_and_the_worker_serves_on(
-        self, worker: Worker, peers: Peers, jobs: Jobs, message: list[bytes]
+        self, worker: Child, peers: Peers, jobs: Jobs, message: list[bytes]
     ) -> None:
-        good = jobs.job(data_uri(encode(noise(40, 40))))
+        good = jobs.job(png_uri(noise_image(40, 40)))
         peers.send(worker, message, good)
         assert peers.next_request()[0].request_id == good.request_id
         peers.assert_quiet()
-        assert "dropped an invalid message on the job socket" in worker.log()
+        assert "dropped an invalid message on the job socket" in role_log(worker)
 
 
 class TestFilesDisabled:
     def test_file_urls_are_refused_without_allowed_media_dir(
-        self, worker_without_files: Worker, peers: Peers, jobs: Jobs, media_dir: Path
+        self, worker_without_files: Child, peers: Peers, jobs: Jobs, media_dir: Path
     ) -> None:
         path = media_dir / "allowed-elsewhere.png"
-        path.write_bytes(encode(noise(40, 40)))
+        path.write_bytes(encode(noise_image(40, 40), "PNG"))
         bad = jobs.job(path.as_uri())
-        good = jobs.job(data_uri(encode(noise(40, 40))))
+        good = jobs.job(png_uri(noise_image(40, 40)))
         peers.send(worker_without_files, bad, good)
         failure = peers.next_failure()
         assert (failure.request_id, failure.error.code) == (bad.request_id, "media_not_allowed")
@@ -563,9 +500,9 @@ def policy(media_dir: Path | None, max_bytes: int = 1 << 20) -> MediaPolicy:
 
 class TestMedia:
     def test_data_uri_round_trips(self) -> None:
-        png = encode(noise(8, 8))
-        assert load_image_bytes(data_uri(png), 0, policy(None)) == png
-        shouting = "DATA:Image/PNG;BASE64," + data_uri(png).partition(",")[2]
+        png = encode(noise_image(8, 8), "PNG")
+        assert load_image_bytes(data_uri(png, "image/png"), 0, policy(None)) == png
+        shouting = "DATA:Image/PNG;BASE64," + data_uri(png, "image/png").partition(",")[2]
         assert load_image_bytes(shouting, 0, policy(None)) == png
 
     def test_file_url_with_localhost_and_percent_encoding(self, tmp_path: Path) -> None:
@@ -625,7 +562,7 @@ class TestMedia:
         np.testing.assert_array_equal(np.asarray(rgb)[0, 0], expected)
 
     def test_pixel_limit_is_checked_before_decoding(self) -> None:
-        png = encode(Image.new("RGB", (300, 300)))
+        png = encode(Image.new("RGB", (300, 300)), "PNG")
         with pytest.raises(RequestError, match=r"300x300 is 90000 pixels") as caught:
             decode_image(png, 0, max_pixels=80_000)
         assert caught.value.code == "image_too_large"
@@ -633,7 +570,7 @@ class TestMedia:
     def test_exif_orientation(self) -> None:
         exif = Image.Exif()
         exif[0x0112] = 8
-        jpeg = encode(noise(64, 32), "JPEG", exif=exif.tobytes())
+        jpeg = encode(noise_image(64, 32), "JPEG", exif=exif.tobytes())
         image = decode_image(jpeg, 0, MAX_IMAGE_PIXELS)
         assert image.size == (32, 64)
         expected = ImageOps.exif_transpose(Image.open(io.BytesIO(jpeg)))

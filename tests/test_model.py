@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from media import noise_image
 from services.model import (
     ImageError,
     ModelDirError,
@@ -28,11 +28,6 @@ FAMILIES = ["qwen2_vl", "llava"]
 @pytest.fixture(scope="session")
 def preprocessors(model_dirs):
     return {family: load_preprocessor(path) for family, path in model_dirs.items()}
-
-
-def noise_image(width: int, height: int, seed: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 def file_hashes(directory: Path) -> dict[str, str]:

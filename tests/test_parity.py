@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from conftest import free_port, start_role
-from media import data_uri, encode, jpeg_uri, make_image
+from media import jpeg_uri, make_image, png_uri
 from protocol.codec import Codec
 from protocol.messages import EngineInput, EngineRequest
 from services.client import Client, user_message
@@ -78,7 +78,7 @@ def test_engine_receives_what_the_hf_processor_makes(
     processor = hf_processors[family]
     images = [make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
     # Send lossless PNGs so the worker decodes exactly the pixels the reference sees.
-    urls = [data_uri(encode(image, "PNG"), "image/png") for image in images]
+    urls = [png_uri(image) for image in images]
     lane.client.submit([user_message("Compare these.", urls)], max_tokens=4)
     got = lane.received()
 

@@ -152,7 +152,7 @@ class Frontend:
         try:
             prompt = self._pre.render_prompt(checked.template_messages)
             token_ids = self._pre.tokenize_batch([prompt])[0]
-            self._check_length(len(token_ids), checked)
+            self._check_prompt(token_ids, checked)
             result = Tokenized(request_id, token_ids=token_ids)
         except MMLaneError as exc:
             result = Tokenized(request_id, error=exc)
@@ -161,7 +161,15 @@ class Frontend:
         self._tokenized.put(result)
         self._wake_socket().send(b"", zmq.NOBLOCK)
 
-    def _check_length(self, prompt_tokens: int, checked: CheckedRequest) -> None:
+    def _check_prompt(self, token_ids: list[int], checked: CheckedRequest) -> None:
+        placeholders = token_ids.count(self._pre.image_token_id)
+        if placeholders != len(checked.images):
+            # Only the chat template may place image placeholders; text must not forge them.
+            raise RequestError(
+                f"messages: text contains the reserved image token "
+                f"{self._pre.family.image_token!r}",
+            )
+        prompt_tokens = len(token_ids)
         needed = prompt_tokens + checked.sampling.max_tokens
         if not checked.images and needed > self._pre.max_context:
             raise RequestError(
