@@ -1,0 +1,212 @@
+"""Image fetching by URL: the address policy on the classifier, fetches from a loopback server.
+
+No test connects anywhere but 127.0.0.1: refused addresses are refused before any connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from aiohttp import web
+
+from media import encode, make_image
+from protocol.errors import RequestError
+from services.mm_worker.fetch import FetchPolicy, MediaFetcher, address_class, check_url
+
+PNG = encode(make_image(32, 32), "PNG")
+
+
+@pytest.mark.parametrize(
+    "address, kind",
+    [
+        ("8.8.8.8", None), ("2606:4700:4700::1111", None),
+        ("127.0.0.1", "loopback"), ("::1", "loopback"),
+        ("10.1.2.3", "private"), ("172.16.0.1", "private"), ("192.168.1.1", "private"),
+        ("100.64.0.1", "private"), ("fc00::1", "private"), ("::ffff:10.0.0.1", "private"),
+        ("169.254.169.254", "link-local"), ("fe80::1", "link-local"),
+        ("224.0.0.1", "multicast"), ("ff02::1", "multicast"),
+        ("240.0.0.1", "reserved"), ("0.0.0.0", "unspecified"), ("::", "unspecified"),
+    ],
+)
+def test_address_classes(address: str, kind: str | None) -> None:
+    assert address_class(ipaddress.ip_address(address)) == kind
+
+
+@pytest.mark.parametrize(
+    "url, policy, match",
+    [
+        ("http://example.com/a.png", FetchPolicy(), "http scheme is not allowed"),
+        ("ftp://example.com/a.png", FetchPolicy(), "ftp scheme is not allowed"),
+        ("https://evil.com/a.png", FetchPolicy(allowed_domains=("images.com",)),
+         "not in the allowed domains"),
+        ("https://notimages.com/a.png", FetchPolicy(allowed_domains=("images.com",)),
+         "not in the allowed domains"),
+        ("https://10.0.0.8/a.png", FetchPolicy(), "private address 10.0.0.8"),
+        ("https://[::1]/a.png", FetchPolicy(), "loopback address ::1"),
+        ("https://169.254.169.254/latest", FetchPolicy(allow_internal=True), "link-local"),
+        ("https:///a.png", FetchPolicy(), "no host"),
+    ],
+)
+def test_refused_urls_name_the_rule(url: str, policy: FetchPolicy, match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        check_url(url, policy)
+
+
+@pytest.mark.parametrize(
+    "url, policy",
+    [
+        ("https://images.com/a.png", FetchPolicy(allowed_domains=("images.com",))),
+        ("https://cdn.images.com/a.png", FetchPolicy(allowed_domains=("images.com",))),
+        ("https://93.184.216.34/a.png", FetchPolicy()),
+        ("http://127.0.0.1:9/a.png",
+         FetchPolicy(allowed_schemes=frozenset({"http"}), allow_internal=True)),
+    ],
+)
+def test_allowed_urls_pass(url: str, policy: FetchPolicy) -> None:
+    check_url(url, policy)
+
+
+# ---------------------------------------------------------------- a loopback image server
+
+
+class ImageServer:
+    """An aiohttp server on 127.0.0.1 in its own thread, with routes that misbehave on purpose."""
+
+    def __init__(self) -> None:
+        self.hits: dict[str, int] = {}
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True,
+                                       name="image-server")
+        self.thread.start()
+        started.wait(10)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/{name}", self._handle)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        started.set()
+        self.loop.run_forever()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        self.hits[name] = self.hits.get(name, 0) + 1
+        if name == "image.png":
+            return web.Response(body=PNG, content_type="image/png")
+        if name == "to-metadata":
+            raise web.HTTPFound("http://169.254.169.254/latest/meta-data")
+        if name == "to-image":
+            raise web.HTTPFound("/image.png")
+        if name == "loop":
+            raise web.HTTPFound("/loop")
+        if name == "huge-chunked":  # no Content-Length: the cap must hold while streaming
+            response = web.StreamResponse()
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            for _ in range(64):
+                await response.write(b"\0" * 16384)
+            return response
+        if name == "huge-declared":
+            return web.Response(body=b"\0" * 2_000_000)
+        if name == "never-answers":
+            await asyncio.sleep(3600)
+        if name == "flaky" and self.hits[name] < 3:
+            raise web.HTTPServiceUnavailable()
+        if name == "flaky":
+            return web.Response(body=PNG)
+        raise web.HTTPNotFound()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ImageServer]:
+    s = ImageServer()
+    yield s
+    s.close()
+
+
+LOOPBACK = FetchPolicy(
+    allowed_schemes=frozenset({"http"}), allow_internal=True, max_bytes=1_000_000,
+    total_timeout_s=1.5, connect_timeout_s=1.0, retries=2, backoff_s=0.05,
+)
+
+
+@pytest.fixture(scope="module")
+def fetcher() -> Iterator[MediaFetcher]:
+    f = MediaFetcher(LOOPBACK)
+    yield f
+    f.close()
+
+
+def test_fetches_an_image(fetcher: MediaFetcher, server: ImageServer) -> None:
+    assert fetcher.submit(server.url("/image.png")).result(10) == PNG
+
+
+def test_follows_an_allowed_redirect(fetcher: MediaFetcher, server: ImageServer) -> None:
+    assert fetcher.submit(server.url("/to-image")).result(10) == PNG
+
+
+def test_redirect_to_a_refused_address_is_refused(fetcher: MediaFetcher,
+                                                  server: ImageServer) -> None:
+    with pytest.raises(RequestError, match="link-local address 169.254.169.254"):
+        fetcher.submit(server.url("/to-metadata")).result(10)
+
+
+def test_too_many_redirects(fetcher: MediaFetcher, server: ImageServer) -> None:
+    with pytest.raises(RequestError, match="more than 3 redirects"):
+        fetcher.submit(server.url("/loop")).result(10)
+
+
+@pytest.mark.parametrize("path", ["/huge-chunked", "/huge-declared"])
+def test_body_over_the_cap_is_cut_off(fetcher: MediaFetcher, server: ImageServer,
+                                      path: str) -> None:
+    with pytest.raises(RequestError, match="larger than the 1000000-byte fetch limit") as info:
+        fetcher.submit(server.url(path)).result(10)
+    assert info.value.code == "image_too_large"
+
+
+def test_a_server_that_never_answers_times_out(fetcher: MediaFetcher,
+                                               server: ImageServer) -> None:
+    start = time.monotonic()
+    with pytest.raises(RequestError, match="longer than 1.5 s"):
+        fetcher.submit(server.url("/never-answers")).result(10)
+    assert time.monotonic() - start < 10  # bounded by the policy, not by the server
+
+
+def test_5xx_is_retried_with_backoff(fetcher: MediaFetcher, server: ImageServer) -> None:
+    assert fetcher.submit(server.url("/flaky")).result(10) == PNG
+    assert server.hits["flaky"] == 3
+
+
+def test_4xx_is_not_retried(fetcher: MediaFetcher, server: ImageServer) -> None:
+    with pytest.raises(RequestError, match="HTTP 404"):
+        fetcher.submit(server.url("/missing")).result(10)
+    assert server.hits["missing"] == 1
+
+
+def test_a_name_resolving_to_loopback_is_refused_without_the_opt_in(server: ImageServer) -> None:
+    strict = MediaFetcher(FetchPolicy(allowed_schemes=frozenset({"http"})))
+    try:
+        with pytest.raises(RequestError, match="localhost resolves to loopback address"):
+            strict.submit(f"http://localhost:{server.port}/image.png").result(10)
+    finally:
+        strict.close()
+    assert server.hits.get("image.png", 0) <= 2  # the refused fetch never reached the server
