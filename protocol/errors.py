@@ -5,7 +5,8 @@
     │     codes: invalid_request, invalid_image, media_not_allowed, too_many_images,
     │            image_too_large, prompt_too_long
     ├── RetryableError               not the request's fault; the same request may succeed later
-    │     codes: overloaded, cache_miss, peer_restarted, timeout
+    │     │ codes: overloaded, cache_miss, peer_restarted, timeout, aborted
+    │     └── CacheMissError         the engine lacks cached items a request refers to (`mm_hashes`)
     └── FatalError                   the process cannot serve (bad config, model will not load)
 
 Errors cross sockets as data (`ErrorInfo`), never as pickled exceptions: `to_info()` on the way
@@ -24,6 +25,8 @@ class ErrorInfo(msgspec.Struct, array_like=True, frozen=True):
     kind: str
     code: str
     message: str
+    mm_hashes: list[str] = []
+    """For a cache miss: the hashes of the items to send again with their tensors."""
 
 
 class MMLaneError(Exception):
@@ -55,6 +58,21 @@ class RetryableError(MMLaneError):
     default_code = "overloaded"
 
 
+class CacheMissError(RetryableError):
+    """The engine could not take these items from its receiver cache; resend them with tensors."""
+
+    default_code = "cache_miss"
+
+    def __init__(self, message: str, *, mm_hashes: list[str], code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.mm_hashes = mm_hashes
+
+    def to_info(self) -> ErrorInfo:
+        return ErrorInfo(
+            kind=self.kind, code=self.code, message=self.message, mm_hashes=self.mm_hashes
+        )
+
+
 class FatalError(MMLaneError):
     """The process cannot go on serving (bad configuration, a model that does not load)."""
 
@@ -69,4 +87,6 @@ _KINDS: dict[str, type[MMLaneError]] = {
 
 def from_info(info: ErrorInfo) -> MMLaneError:
     """Rebuild the exception an `ErrorInfo` describes (unknown kinds become fatal)."""
+    if info.kind == RetryableError.kind and info.code == CacheMissError.default_code:
+        return CacheMissError(info.message, mm_hashes=list(info.mm_hashes))
     return _KINDS.get(info.kind, FatalError)(info.message, code=info.code)

@@ -74,7 +74,13 @@ class ChatRequest(msgspec.Struct, tag="chat", kw_only=True, frozen=True):
     seed: int | None = None
 
 
-ClientRequest = ChatRequest
+class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):
+    """Empty the mirrored feature caches of the engine and of every MM worker (a new epoch)."""
+
+    request_id: str
+
+
+ClientRequest = ChatRequest | ResetCache
 
 
 class ChatOutput(msgspec.Struct, tag="out", kw_only=True, frozen=True):
@@ -95,7 +101,14 @@ class ChatError(msgspec.Struct, tag="err", kw_only=True, frozen=True):
     error: ErrorInfo
 
 
-ClientReply = ChatOutput | ChatError
+class CacheReset(msgspec.Struct, tag="cache_reset", kw_only=True, frozen=True):
+    """The reply to `ResetCache`: the engine's caches are empty and `engine_epoch` is new."""
+
+    request_id: str
+    engine_epoch: int
+
+
+ClientReply = ChatOutput | ChatError | CacheReset
 
 
 # ---------------------------------------------------------------- frontend -> mm worker
@@ -109,9 +122,21 @@ class MMJob(msgspec.Struct, tag="job", kw_only=True, frozen=True, array_like=Tru
     prompt_token_ids: list[int]
     images: list[ImageUrl]
     sampling: SamplingParams
+    deadline: float = 0.0
+    """Wall-clock time (`time.time()`) after which nobody waits for the reply; 0 = none."""
+    engine_epoch: int = 0
+    """The newest engine cache epoch the frontend has seen (0: none yet)."""
+    mm_cache_invalidate: list[str] = []
+    """mm_hashes to drop from the sender and receiver caches first (a resend after a miss)."""
 
 
-MMWorkerInput = MMJob
+class EngineEpoch(msgspec.Struct, tag="engine_epoch", kw_only=True, frozen=True, array_like=True):
+    """The engine has a new cache epoch: drop the sender cache before the next job."""
+
+    engine_epoch: int
+
+
+MMWorkerInput = MMJob | EngineEpoch
 
 
 # ---------------------------------------------------------------- frontend, mm worker -> engine
@@ -123,6 +148,28 @@ class MMItem(msgspec.Struct, kw_only=True, frozen=True, array_like=True, gc=Fals
     offset: int
     length: int
     tensors: dict[str, np.ndarray]
+    mm_hash: str = ""
+    """The image's content hash; "" when the sender does not cache."""
+    nbytes: int = 0
+    """The tensors' size in bytes: what the item costs in the caches. When `tensors` is empty,
+    the engine takes them from its receiver cache (or from an earlier item with the same hash)."""
+
+
+class MMCacheHeader(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """Which sender cache a request's items were committed to, so the engine can mirror it."""
+
+    sender: str
+    """The MM worker's identity: one receiver cache per sender."""
+    sender_epoch: int
+    """New at each start or clear of the sender cache; larger than the sender's previous."""
+    engine_epoch: int
+    """The engine epoch the sender cache was cleared for; another one means 'not in sync'."""
+    seq: int
+    """This commit's number within the sender epoch (0, 1, 2, ...): a gap means a lost message."""
+    capacity: int
+    """The sender cache's capacity in bytes; the receiver cache mirrors it."""
+    invalidate: list[str] = []
+    """mm_hashes both caches drop before touching and inserting this request's items."""
 
 
 class EngineRequest(
@@ -135,9 +182,29 @@ class EngineRequest(
     prompt_token_ids: list[int]
     sampling: SamplingParams
     mm_items: list[MMItem] = []
+    deadline: float = 0.0
+    """Wall-clock time (`time.time()`) after which the engine drops the request with a
+    'timeout' error instead of running more of it; 0 = none."""
+    mm_cache: MMCacheHeader | None = None
+    """Set by an MM worker whose sender cache is on; None for requests sent uncached."""
 
 
-EngineInput = EngineRequest
+class AbortRequests(msgspec.Struct, tag="abort", kw_only=True, frozen=True, array_like=True):
+    """Stop these requests and free what they hold (their frontend no longer waits for them)."""
+
+    request_ids: list[str]
+
+
+class ResetEngineCache(
+    msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True, array_like=True
+):
+    """Drop every receiver cache and start a new engine epoch; answered with EngineCacheReset."""
+
+    request_id: str
+    reply_to: str
+
+
+EngineInput = EngineRequest | AbortRequests | ResetEngineCache
 
 
 # ---------------------------------------------------------------- engine, mm worker -> frontend
@@ -153,6 +220,8 @@ class EngineOutput(
     finished: bool = False
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
+    engine_epoch: int = 0
+    """The engine's cache epoch when it sent this (0 from senders that are no engine)."""
 
 
 class RequestFailed(msgspec.Struct, tag="err", kw_only=True, frozen=True, array_like=True):
@@ -160,9 +229,20 @@ class RequestFailed(msgspec.Struct, tag="err", kw_only=True, frozen=True, array_
 
     request_id: str
     error: ErrorInfo
+    engine_epoch: int = 0
+    """The engine's cache epoch when it sent this (0 from senders that are no engine)."""
 
 
-FrontendInput = EngineOutput | RequestFailed
+class EngineCacheReset(
+    msgspec.Struct, tag="cache_reset", kw_only=True, frozen=True, array_like=True
+):
+    """The engine dropped its receiver caches (a ResetEngineCache); its new epoch."""
+
+    request_id: str
+    engine_epoch: int
+
+
+FrontendInput = EngineOutput | RequestFailed | EngineCacheReset
 
 
 # ---------------------------------------------------------------- role -> launcher

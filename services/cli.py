@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.errors import MMLaneError
+from services.bench.cli import add_bench_arguments, add_bench_server_arguments
 from services.common.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -36,10 +37,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda[:N]"
     )
-    g.add_argument("--max-batch-size", type=int, default=8, help="requests per decode step")
     g.add_argument(
         "--max-queued-requests", type=int, default=1024,
         help="requests the engine holds before answering 'overloaded'",
+    )
+    g.add_argument(
+        "--prefill-chunk-tokens", type=int, default=128, metavar="N",
+        help="the most tokens one unit of engine work takes: prompts prefill in chunks of N, "
+        "vision-encoder passes run in slices of N image tokens (default 128; smaller: text "
+        "waits less behind images, larger: less overhead per unit)",
+    )
+    g.add_argument(
+        "--torch-threads", type=int, default=0, metavar="N",
+        help="threads for one CPU torch operation (default 0: all cores but two, at least one, "
+        "leaving room for the MM worker and the frontend)",
     )
 
 
@@ -57,6 +68,21 @@ def _add_mm_worker_args(p: argparse.ArgumentParser) -> None:
         "--max-image-bytes", type=int, default=64 * 1024 * 1024,
         help="refuse larger encoded images (default 64 MiB)",
     )
+
+
+def _add_cache_args(p: argparse.ArgumentParser, *, mm_worker: bool) -> None:
+    g = p.add_argument_group("feature cache (MM worker and engine mirror each other)")
+    g.add_argument(
+        "--mm-cache-gb", type=float, default=4.0, metavar="GIB",
+        help="capacity of the mirrored feature cache: each MM worker's sender cache and its "
+        "receiver cache in the engine (GiB of processed tensors; 0 disables; default 4). Give "
+        "every MM worker and the engine the same value",
+    )
+    if mm_worker:
+        g.add_argument(
+            "--mm-hash", choices=["blake3", "sha256"], default="blake3",
+            help="the hash that names an image in the caches (default blake3)",
+        )
 
 
 def _add_frontend_args(p: argparse.ArgumentParser) -> None:
@@ -80,8 +106,9 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return load_config(EngineConfig, {
         "model": args.model, "input_endpoint": args.engine_endpoint or "",
-        "device": args.device, "max_batch_size": args.max_batch_size,
-        "max_queued_requests": args.max_queued_requests,
+        "device": args.device, "max_queued_requests": args.max_queued_requests,
+        "prefill_chunk_tokens": args.prefill_chunk_tokens, "mm_cache_gb": args.mm_cache_gb,
+        "torch_threads": args.torch_threads,
     })
 
 
@@ -90,7 +117,8 @@ def mm_worker_config(args: argparse.Namespace) -> MMWorkerConfig:
         "model": args.model, "job_endpoint": args.mm_worker_endpoint or "",
         "engine_endpoint": args.engine_endpoint or "",
         "allowed_media_dir": args.allowed_media_dir, "max_image_pixels": args.max_image_pixels,
-        "max_image_bytes": args.max_image_bytes,
+        "max_image_bytes": args.max_image_bytes, "mm_cache_gb": args.mm_cache_gb,
+        "mm_hash": args.mm_hash,
     })
 
 
@@ -140,6 +168,24 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return chat_command(args)
 
 
+def _cmd_reset_cache(args: argparse.Namespace) -> int:
+    from services.client import reset_cache_command
+
+    return reset_cache_command(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from services.bench.cli import run_bench
+
+    return run_bench(args)
+
+
+def _cmd_bench_server(args: argparse.Namespace) -> int:
+    from services.bench.cli import run_bench_server
+
+    return run_bench_server(args)
+
+
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from services.model import build_tiny_model
 
@@ -177,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_frontend_args(p)
     _add_mm_worker_args(p)
     _add_engine_args(p)
+    _add_cache_args(p, mm_worker=True)
     _add_endpoint_args(p, "engine", "mm-worker")
     p.add_argument(
         "--run-dir", help="folder for the internal ipc:// sockets (default: a new temp dir)"
@@ -195,12 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("mm-worker", _cmd_mm_worker, "run one MM worker (FIFO image preprocessing)")
     _add_model(p)
     _add_mm_worker_args(p)
+    _add_cache_args(p, mm_worker=True)
     _add_endpoint_args(p, "engine", "mm-worker")
     _add_ready(p)
 
     p = add("engine", _cmd_engine, "run the engine (the model, on CUDA when present, else CPU)")
     _add_model(p)
     _add_engine_args(p)
+    _add_cache_args(p, mm_worker=False)
     _add_endpoint_args(p, "engine")
     _add_ready(p)
 
@@ -221,12 +270,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reply")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
+    p = add("reset-cache", _cmd_reset_cache,
+            "empty the feature caches of a running mmlane (engine and MM workers)")
+    p.add_argument(
+        "--endpoint", default=f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}",
+        help="native API address (default: serve's default)",
+    )
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
+
     p = add(
         "tiny-model", _cmd_tiny_model, "write the embedded tiny model (built offline) to a folder"
     )
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "llava"])
     p.add_argument("--seed", type=int, default=0)
+
+    p = add("bench", _cmd_bench, "measure mmlane against in-process preprocessing designs "
+            "(shared pool, split executors) side by side; needs the 'bench' extra")
+    add_bench_arguments(p)
+    # No help: unlisted. The in-process server `mmlane bench` starts for its shared/split modes.
+    sub.add_parser("bench-server").set_defaults(func=_cmd_bench_server)
+    add_bench_server_arguments(sub.choices["bench-server"])
     return parser
 
 

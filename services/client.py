@@ -17,13 +17,14 @@ import zmq
 from protocol.codec import Codec
 from protocol.errors import MMLaneError, RetryableError, from_info
 from protocol.messages import (
+    CacheReset,
     ChatError,
     ChatMessage,
-    ChatOutput,
     ChatRequest,
     ClientReply,
     ImagePart,
     ImageUrl,
+    ResetCache,
     TextPart,
 )
 from services.common.sockets import make_socket
@@ -115,6 +116,18 @@ class Client:
             if _apply(result, reply):
                 return self._partial.pop(reply.request_id)
 
+    def reset_cache(self) -> None:
+        """Empty the feature caches of the engine and of every MM worker; raises on error.
+
+        When it returns the engine's caches are empty; each MM worker empties its own before
+        its next job. Requests in flight meanwhile still get their replies.
+        """
+        request_id = uuid.uuid4().hex
+        self.send_raw(self._codec.encode(ResetCache(request_id=request_id)))
+        result = self.collect([request_id])[request_id]
+        if result.error is not None:
+            raise result.error
+
     def chat(self, messages: list[ChatMessage], **sampling: object) -> ChatResult:
         """Send one request and wait for its reply; raises the reply's error as an exception."""
         request_id = self.submit(messages, **sampling)
@@ -123,17 +136,20 @@ class Client:
             raise result.error
         return result
 
-    def _recv(self, deadline: float) -> ChatOutput | ChatError:
+    def _recv(self, deadline: float) -> ClientReply:
         remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
         if not self._sock.poll(remaining_ms):
             raise RetryableError(f"no reply within {self._timeout_s} s", code="timeout")
         return self._codec.decode(self._sock.recv_multipart(copy=False))
 
 
-def _apply(result: ChatResult, reply: ChatOutput | ChatError) -> bool:
+def _apply(result: ChatResult, reply: ClientReply) -> bool:
     """Fold one reply into its result; True when it was the terminal one."""
     if isinstance(reply, ChatError):
         result.error = from_info(reply.error)
+        return True
+    if isinstance(reply, CacheReset):
+        result.finish_reason = "cache_reset"
         return True
     result.text += reply.text
     result.token_ids.extend(reply.token_ids)
@@ -142,6 +158,18 @@ def _apply(result: ChatResult, reply: ChatOutput | ChatError) -> bool:
     if reply.finished:
         result.finish_reason = reply.finish_reason
     return reply.finished
+
+
+def reset_cache_command(args: argparse.Namespace) -> int:
+    """`mmlane reset-cache`: empty the feature caches of a running mmlane."""
+    try:
+        with Client(args.endpoint, timeout_s=args.timeout) as client:
+            client.reset_cache()
+    except MMLaneError as exc:
+        print(f"error ({exc.code}): {exc.message}", file=sys.stderr)
+        return 1
+    print("feature caches reset")
+    return 0
 
 
 def chat_command(args: argparse.Namespace) -> int:

@@ -71,14 +71,18 @@ def child_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict
     common = ["--model", str(model_dir), "--engine-endpoint", engine]
     return {
         "engine": [
-            *common, "--device", args.device, *_opt("max-batch-size", args.max_batch_size),
+            *common, "--device", args.device,
             *_opt("max-queued-requests", args.max_queued_requests),
+            *_opt("prefill-chunk-tokens", args.prefill_chunk_tokens),
+            *_opt("torch-threads", args.torch_threads),
+            *_opt("mm-cache-gb", args.mm_cache_gb),
         ],
         "mm-worker": [
             *common, "--mm-worker-endpoint", mm_worker,
             *_opt("allowed-media-dir", args.allowed_media_dir),
             *_opt("max-image-pixels", args.max_image_pixels),
             *_opt("max-image-bytes", args.max_image_bytes),
+            *_opt("mm-cache-gb", args.mm_cache_gb), *_opt("mm-hash", args.mm_hash),
         ],
         "frontend": [
             *common, "--mm-worker-endpoint", mm_worker,

@@ -245,7 +245,7 @@ def test_a_text_request_finishes_before_a_running_image_request(frontend, prep) 
     frontend.send(image)
     frontend.send(text)
     frontend.collect([image.request_id, text.request_id])
-    # Ordering, not timing: each round advances every request by one unit.
+    # Ordering, not timing: text goes in the interactive lane, ahead of the image's work.
     assert frontend.finished_order[-2:] == [text.request_id, image.request_id]
 
 

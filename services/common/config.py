@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from protocol.errors import FatalError
+from services.common.feature_cache import capacity_bytes
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -41,14 +42,29 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Where the engine binds its request socket (PULL); frontends and MM workers connect."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
-    max_batch_size: int = 8
-    """How many ready requests one decode step runs together at most."""
     max_queued_requests: int = 1024
     """Requests held at once; above it new ones get an 'overloaded' error."""
+    prefill_chunk_tokens: int = 128
+    """The most tokens one unit of work puts through the model: a prompt is prefilled in chunks
+    of at most this many tokens, and an image's vision-encoder pass runs in slices of at most
+    this many image tokens' worth of patches. Smaller bounds how long a text request can wait
+    behind image work; larger costs less per-unit overhead (on a GPU, try 512 or more)."""
+    torch_threads: int = 0
+    """Threads torch may use for one CPU operation. 0: every core this process may run on but
+    two, and at least one, since an MM worker and a frontend on the same machine need theirs:
+    torch threads that wait for a busy core make each unit many times slower."""
+
+    mm_cache_gb: float = 4.0
+    """The most GiB of tensors one MM worker's receiver cache may hold; 0 caches nothing. Each
+    receiver cache mirrors its MM worker's own --mm-cache-gb, which must not be larger."""
 
     def __post_init__(self) -> None:
         self.input_endpoint = self.input_endpoint or ipc("engine")
-        _positive(self, "max_batch_size", "max_queued_requests")
+        capacity_bytes(self.mm_cache_gb)
+        _positive(self, "max_queued_requests", "prefill_chunk_tokens")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be 0 (automatic) or more, "
+                             f"got {self.torch_threads}")
 
 
 class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -64,8 +80,14 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Images with more pixels are refused before the full decode (decompression-bomb guard)."""
     max_image_bytes: int = 64 * 1024 * 1024
     """Largest encoded image accepted, in bytes."""
+    mm_cache_gb: float = 4.0
+    """Capacity of the sender cache, in GiB of the tensors it stands for (the engine mirrors
+    it); 0 turns the feature cache off for this worker."""
+    mm_hash: Literal["blake3", "sha256"] = "blake3"
+    """The hash that names an image in the caches (sha256 where FIPS requires it)."""
 
     def __post_init__(self) -> None:
+        capacity_bytes(self.mm_cache_gb)
         self.job_endpoint = self.job_endpoint or ipc("mm-worker")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
         _positive(self, "max_image_pixels", "max_image_bytes")

@@ -4,18 +4,46 @@ An adapter checks the shapes of one image's tensors, runs the vision encoder for
 gives a request its own position ids. Qwen2-VL needs explicit 3-D (M-RoPE) positions: the model
 would otherwise keep one `rope_deltas` on itself, shared by every request it serves. LLaVA uses
 plain positions, which the model derives from the request's own KV cache.
+
+The vision encoder runs as a `VisionPass`, one bounded slice per unit of work. Qwen2-VL's
+encoder slices by rows of patches (the patch embedding, then each block's attention by query
+rows); rows do not interact within those steps, so the slices compute exactly what one call
+would, and the adapter checks that against the model at startup. Other families run the whole
+pass as one slice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
 from protocol.errors import RequestError
 from protocol.messages import MMItem
+
+log = logging.getLogger(__name__)
+
+Slices = Generator[None, None, torch.Tensor]
+"""A vision pass written as a generator: it yields between slices and returns the features."""
+
+
+class VisionPass:
+    """One image's vision-encoder pass, run a slice at a time."""
+
+    def __init__(self, slices: Slices) -> None:
+        self._slices = slices
+
+    def step(self) -> torch.Tensor | None:
+        """Run the next slice; the image's features once the last one has run, else None."""
+        try:
+            next(self._slices)
+        except StopIteration as done:
+            return done.value
+        return None
 
 
 class Positions:
@@ -65,6 +93,16 @@ class Adapter:
         pooled = self.model.model.get_image_features(**inputs, return_dict=True).pooler_output
         return torch.cat(list(pooled))
 
+    def vision_pass(
+        self, tensors: Mapping[str, np.ndarray], slice_tokens: int | None
+    ) -> VisionPass:
+        """`image_features` in slices of about `slice_tokens` image tokens each (None: one)."""
+        return VisionPass(self._whole(tensors))
+
+    def _whole(self, tensors: Mapping[str, np.ndarray]) -> Slices:
+        return self.image_features(tensors)
+        yield  # a generator without a yield point: the whole pass is one slice
+
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         return Positions()
 
@@ -84,6 +122,67 @@ class Qwen2VLAdapter(Adapter):
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         self.image_token_id = model.config.image_token_id
+        self.sliced_vision = self._slicing_matches_the_model()
+
+    def vision_pass(
+        self, tensors: Mapping[str, np.ndarray], slice_tokens: int | None
+    ) -> VisionPass:
+        if not self.sliced_vision or slice_tokens is None:
+            return super().vision_pass(tensors, slice_tokens)
+        return VisionPass(self._sliced(tensors, rows=slice_tokens * self.merge**2))
+
+    def _sliced(self, tensors: Mapping[str, np.ndarray], rows: int) -> Slices:
+        """Qwen2VisionTransformerPretrainedModel.forward for one image, `rows` patches a slice."""
+        visual = self.model.model.visual
+        pixels = self._to_device(tensors["pixel_values"]).to(visual.dtype)
+        grid = self._to_device(tensors["image_grid_thw"])
+        spans = [(start, start + rows) for start in range(0, pixels.shape[0], rows)]
+        embedded = []
+        for start, end in spans:
+            if start:  # a unit ends between two slices: the last one runs with what follows it
+                yield
+            embedded.append(visual.patch_embed(pixels[start:end]))
+        hidden = torch.cat(embedded)
+        position_ids = qwen2_vl.get_vision_position_ids(grid, visual.spatial_merge_size)
+        cos, sin = visual.rotary_pos_emb(hidden, position_ids)
+        for block in visual.blocks:
+            attn = block.attn
+            qkv = attn.qkv(block.norm1(hidden)).view(len(hidden), 3, attn.num_heads, -1)
+            q, k, v = qkv.unbind(1)
+            q, k = qwen2_vl.apply_rotary_pos_emb_vision(q, k, cos, sin)
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, n, dim)
+            attend = qwen2_vl.ALL_ATTENTION_FUNCTIONS.get_interface(
+                attn.config._attn_implementation, qwen2_vl.eager_attention_forward
+            )
+            rows_out = []
+            for start, end in spans:  # every query row attends to all keys: rows are independent
+                yield
+                out, _ = attend(attn, q[:, :, start:end], k, v, attention_mask=None,
+                                scaling=attn.scaling, dropout=0.0, is_causal=False)
+                rows_out.append(out)
+            hidden = hidden + attn.proj(torch.cat(rows_out, dim=1).reshape(len(hidden), -1))
+            hidden = hidden + block.mlp(block.norm2(hidden))
+        return visual.merger(hidden)
+
+    @torch.inference_mode()
+    def _slicing_matches_the_model(self) -> bool:
+        """Whether `_sliced` reproduces the model's own vision forward (on a small random image):
+        it follows transformers' code, which a new transformers release may change."""
+        side = 4 * self.merge
+        generator = torch.Generator().manual_seed(0)
+        pixels = torch.randn(side * side, self.patch_dim, generator=generator).numpy()
+        tensors = {"pixel_values": pixels, "image_grid_thw": np.array([[1, side, side]])}
+        whole = self.image_features(tensors)
+        try:
+            sliced = _run(VisionPass(self._sliced(tensors, rows=3 * self.merge**2)))
+        except Exception:
+            log.warning("sliced vision pass failed; images run as one unit", exc_info=True)
+            return False
+        tolerance = 1e-5 if whole.dtype == torch.float32 else 1e-2
+        if sliced.shape != whole.shape or not torch.allclose(sliced, whole, tolerance, tolerance):
+            log.warning("the sliced vision pass differs from the model's; images run as one unit")
+            return False
+        return True
 
     def check_tensors(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
         grid = _tensor(tensors, where, "image_grid_thw", ndim=2, kind="iu")
@@ -143,6 +242,12 @@ class LlavaAdapter(Adapter):
 
 
 ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "llava": LlavaAdapter}
+
+
+def _run(vision: VisionPass) -> torch.Tensor:
+    while (features := vision.step()) is None:
+        pass
+    return features
 
 
 def adapter_for(family: str, model: Any) -> Adapter:

@@ -2,40 +2,53 @@
 
 Socket I/O stays at the edges, on threads that own their sockets:
 
-    engine-input    PULL (binds `input_endpoint`) → decode → admission → arrivals queue
-    serve (main)    1. admit: validate arrivals, hand the valid ones to the runner
-                    2. step: the runner advances each request in progress by one unit
-                    3. reply: turn the runner's outputs into EngineOutput / RequestFailed
+    engine-input    PULL (binds `input_endpoint`) → decode → receiver cache (applied at
+                    receipt, in arrival order; see cache.py) → admission → arrivals queue
+    serve (main)    1. admit: validate arrivals, hand the valid ones to the runner; apply aborts
+                    2. expire: drop the requests whose deadline has passed
+                    3. step: the runner runs one bounded unit of one request (its scheduler
+                       picks whose)
+                    4. reply: turn the runner's outputs into EngineOutput / RequestFailed
     engine-output   replies queue → encode → PUSH to each request's `reply_to`
 
 Every admitted request leaves with exactly one terminal reply: its last EngineOutput
-(`finished`), or a RequestFailed (bad input, model error, engine stopping).
+(`finished`), or a RequestFailed (bad input, model error, deadline passed, aborted by its
+frontend, engine stopping). A dropped request's KV cache is freed between two units.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import json
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from msgspec.structs import replace
 
 from protocol.codec import Codec
-from protocol.errors import MMLaneError, RequestError, RetryableError
+from protocol.errors import CacheMissError, MMLaneError, RequestError, RetryableError
 from protocol.messages import (
+    AbortRequests,
+    EngineCacheReset,
     EngineInput,
     EngineOutput,
     EngineRequest,
     FrontendInput,
     RequestFailed,
+    ResetEngineCache,
 )
 from services.common.config import EngineConfig
+from services.common.feature_cache import capacity_bytes
 from services.common.sockets import ReplySockets, make_socket
+from services.engine.cache import ReceiverCaches
 from services.engine.hf_runner import HFRunner
 from services.engine.runner import ModelRunner, StepOutput
 from services.engine.validation import validate_request
@@ -54,6 +67,14 @@ class _Held:
     replied: bool = False
 
 
+@dataclass(frozen=True)
+class _Arrival:
+    """A decoded message, and when it was received (`time.monotonic()`)."""
+
+    message: EngineRequest | AbortRequests
+    received_at: float
+
+
 class Engine:
     """The engine role (see the module docstring); `serve` runs it until `stop` is set."""
 
@@ -65,15 +86,24 @@ class Engine:
         # Bind before loading the model: a taken address fails in a second, not after the load.
         self._input = make_socket(self._ctx, zmq.PULL, self.endpoint, bind=True)
         try:
-            self.runner = runner or HFRunner.load(config.model, config.device)
+            self.runner = runner or HFRunner.load(
+                config.model, config.device, prefill_chunk_tokens=config.prefill_chunk_tokens,
+                threads=config.torch_threads,
+            )
         except BaseException:
             self._close_sockets()
             raise
-        self._arrivals: queue.SimpleQueue[EngineRequest] = queue.SimpleQueue()
+        self.caches = ReceiverCaches(capacity_bytes(config.mm_cache_gb))
+        log.info("feature cache: %s, engine cache epoch %d",
+                 f"up to {config.mm_cache_gb} GiB per MM worker" if config.mm_cache_gb else "off",
+                 self.caches.epoch)
+        self._arrivals: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
         self._replies: queue.SimpleQueue[tuple[str, FrontendInput] | None] = queue.SimpleQueue()
         self._capacity = threading.BoundedSemaphore(config.max_queued_requests)
         self._held: dict[int, _Held] = {}
         self._handles = itertools.count()
+        self._by_id: dict[str, int] = {}  # request ids are unique: frontends prefix their pid
+        self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, handle)
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
         self._sender: threading.Thread | None = None
@@ -86,8 +116,9 @@ class Engine:
         try:
             while not stop.is_set():
                 self._admit(wait=not self.runner.has_work())  # 1
-                for output in self.runner.step():  # 2
-                    self._reply(output)  # 3
+                self._expire(time.time())  # 2
+                for output in self.runner.step():  # 3
+                    self._reply(output)  # 4
         finally:
             self._drain()
 
@@ -98,24 +129,37 @@ class Engine:
             if thread is not None:
                 thread.join()
         self._close_sockets()
+        counters = {**self.counters, **self.caches.counters}
+        log.info("counters %s", json.dumps(counters, sort_keys=True))
+        stats = getattr(self.runner, "stats", None)  # a runner that schedules units keeps them
+        if stats is not None:
+            log.info("scheduling (ms) %s", json.dumps(stats.summary_ms()))
 
     # ------------------------------------------------------------ main loop steps
 
     def _admit(self, *, wait: bool) -> None:
         """Validate what arrived and hand it to the runner; when idle, wait briefly for work."""
         try:
-            request = self._arrivals.get(timeout=POLL_S) if wait else self._arrivals.get_nowait()
+            arrival = self._arrivals.get(timeout=POLL_S) if wait else self._arrivals.get_nowait()
             while True:
-                self._admit_one(request)
-                request = self._arrivals.get_nowait()
+                if isinstance(arrival.message, AbortRequests):
+                    self._abort(arrival.message.request_ids)
+                else:
+                    self._admit_one(arrival.message, arrival.received_at)
+                arrival = self._arrivals.get_nowait()
         except queue.Empty:
             pass
 
-    def _admit_one(self, request: EngineRequest) -> None:
+    def _admit_one(self, request: EngineRequest, received_at: float) -> None:
+        if request.deadline and request.deadline <= time.time():
+            self.counters["expired_requests"] += 1
+            self._fail(request, _timeout(request))
+            self._capacity.release()
+            return
         handle = next(self._handles)
         try:
             validate_request(request, self.runner.spec)
-            self.runner.add(handle, request)
+            self.runner.add(handle, request, arrived=received_at)
         except Exception as exc:  # a bad request fails alone
             self.counters["invalid_requests"] += 1
             log.info("refused request %s: %s", request.request_id, exc)
@@ -123,6 +167,40 @@ class Engine:
             self._capacity.release()
             return
         self._held[handle] = _Held(request)
+        self._by_id[request.request_id] = handle
+        if request.deadline:
+            heapq.heappush(self._deadlines, (request.deadline, handle))
+
+    def _expire(self, now: float) -> None:
+        """Drop every held request whose deadline has passed, with a 'timeout' error."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, handle = heapq.heappop(self._deadlines)
+            held = self._held.get(handle)
+            if held is not None:  # else it finished before its deadline
+                self.counters["expired_requests"] += 1
+                self._drop(handle, _timeout(held.request))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Drop the held requests named (ids the engine does not hold are already over)."""
+        for request_id in request_ids:
+            handle = self._by_id.get(request_id)
+            if handle is not None:
+                self.counters["aborted_requests"] += 1
+                self._drop(handle, RetryableError(
+                    f"request {request_id} aborted by its frontend", code="aborted"
+                ))
+
+    def _drop(self, handle: int, error: MMLaneError) -> None:
+        """End a held request with `error` and free what the runner holds for it."""
+        self.runner.abort(handle)
+        self._fail(self._held[handle].request, error)
+        self._release(handle)
+
+    def _release(self, handle: int) -> None:
+        request = self._held.pop(handle).request
+        if self._by_id.get(request.request_id) == handle:
+            del self._by_id[request.request_id]
+        self._capacity.release()
 
     def _reply(self, output: StepOutput) -> None:
         held = self._held[output.handle]
@@ -142,8 +220,7 @@ class Engine:
         held.replied = True
         self._replies.put((request.reply_to, message))
         if output.finished:
-            del self._held[output.handle]
-            self._capacity.release()
+            self._release(output.handle)
 
     def _drain(self) -> None:
         """At stop: every request not yet answered gets a retryable error, then the replies go."""
@@ -152,7 +229,9 @@ class Engine:
             self._receiver.join()
         waiting = []
         while not self._arrivals.empty():
-            waiting.append(self._arrivals.get_nowait())
+            message = self._arrivals.get_nowait().message
+            if isinstance(message, EngineRequest):
+                waiting.append(message)
         held = [h.request for h in self._held.values()]
         if waiting or held:
             log.info("draining %d requests", len(waiting) + len(held))
@@ -170,18 +249,38 @@ class Engine:
     # ------------------------------------------------------------ socket threads
 
     def _receive_loop(self) -> None:
-        codec: Codec[EngineRequest] = Codec(EngineInput)
+        codec: Codec[EngineRequest | AbortRequests | ResetEngineCache] = Codec(EngineInput)
         while not self._stopping.is_set():
             if self._input.poll(int(POLL_S * 1000)):
                 self._receive(codec, self._input.recv_multipart(copy=False))
 
-    def _receive(self, codec: Codec[EngineRequest], frames: list[Any]) -> None:
+    def _receive(
+        self, codec: Codec[EngineRequest | AbortRequests | ResetEngineCache], frames: list[Any]
+    ) -> None:
+        received_at = time.monotonic()
         try:
             request = codec.decode(frames)
         except Exception as exc:  # garbage has no reply address: count, log, drop
             self.counters["invalid_messages"] += 1
             count = self.counters["invalid_messages"]
             log.warning("dropped an undecodable message (%d so far): %s", count, exc)
+            return
+        if isinstance(request, AbortRequests):  # takes no capacity; ordered after its requests
+            self._arrivals.put(_Arrival(request, received_at))
+            return
+        if isinstance(request, ResetEngineCache):
+            self._reset_cache(request)
+            return
+        try:  # cache updates apply at receipt, in arrival order, before anything can refuse it
+            request = self.caches.receive(request)
+        except CacheMissError as exc:
+            log.info("request %s: %s", request.request_id, exc)
+            self._fail(request, exc)
+            return
+        except Exception as exc:  # a bug must not stop this thread; start the caches over
+            log.exception("request %s: receiver cache failed", request.request_id)
+            self.caches.reset()
+            self._fail(request, MMLaneError(f"internal error in the receiver cache: {exc}"))
             return
         if not request.reply_to.startswith(_REPLY_SCHEMES):
             self.counters["invalid_messages"] += 1
@@ -196,7 +295,15 @@ class Engine:
                 code="overloaded",
             ))
             return
-        self._arrivals.put(request)
+        self._arrivals.put(_Arrival(request, received_at))
+
+    def _reset_cache(self, message: ResetEngineCache) -> None:
+        """Drop every receiver cache now, between two arrivals; MM workers follow the epoch."""
+        epoch = self.caches.reset()
+        self.counters["cache_resets"] += 1
+        log.info("receiver caches dropped on request: engine cache epoch %d", epoch)
+        reset = EngineCacheReset(request_id=message.request_id, engine_epoch=epoch)
+        self._replies.put((message.reply_to, reset))
 
     def _send_loop(self) -> None:
         codec: Codec[Any] = Codec(FrontendInput)
@@ -204,6 +311,9 @@ class Engine:
         try:
             while (item := self._replies.get()) is not None:
                 reply_to, message = item
+                if isinstance(message, (EngineOutput, RequestFailed)):
+                    # Stamped here, as it leaves: frontends see the epochs in the order they began.
+                    message = replace(message, engine_epoch=self.caches.epoch)
                 try:
                     replies.send(reply_to, codec.encode(message))
                 except zmq.ZMQError as exc:  # e.g. a reply_to that is no ZMQ address
@@ -220,6 +330,13 @@ def _start_thread(name: str, target: Callable[[], None]) -> threading.Thread:
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def _timeout(request: EngineRequest) -> RetryableError:
+    late = time.time() - request.deadline
+    return RetryableError(
+        f"request {request.request_id} passed its deadline {late:.3f} s ago", code="timeout"
+    )
 
 
 def _as_request_error(exc: Exception) -> MMLaneError:

@@ -1,12 +1,17 @@
 """The embedded default runner: a Hugging Face model run with torch, one unit at a time.
 
-Requests are not batched: each round advances every request in progress by one unit (see
-scheduler.py), each unit a forward pass of batch size one over that request's own KV cache.
+Each `step` runs one unit of one request, picked by the scheduler (scheduler.py): a slice of an
+image's vision pass, a prefill chunk, or a decode step, each a forward pass of batch size one
+over that request's own KV cache. Requests are not batched: on CPU, a batched forward does not
+give bit-identical logits to the same request run alone (BENCHMARKS.md), and a request's tokens
+must not depend on what else the engine is running.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 import torch
@@ -16,8 +21,9 @@ from protocol.errors import FatalError, MMLaneError, RequestError, RetryableErro
 from protocol.messages import EngineRequest
 from services.engine.adapters import Adapter, adapter_for
 from services.engine.runner import ModelSpec, StepOutput
-from services.engine.scheduler import plan_round
+from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, Unit, UnitKind
+from services.engine.stats import SchedulingStats
 from services.model import load_model, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,12 @@ def pick_device(setting: str) -> str:
     return setting
 
 
+def torch_threads(setting: int) -> int:
+    """0 is every core this process may run on but two (an MM worker's and a frontend's), and
+    at least one."""
+    return setting or max(1, len(os.sched_getaffinity(0)) - 2)
+
+
 class HFRunner:
     """Runs requests on a transformers model: vision, prefill and decode units, batch size one."""
 
@@ -45,12 +57,21 @@ class HFRunner:
         self.spec = spec
         self.adapter = adapter
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        """None prefills a prompt in one unit; a number splits it (the KV cache carries over)."""
+        """The most tokens a unit takes: prefill chunks (the KV cache carries over) and vision
+        slices (in image tokens). None runs a whole prompt, or a whole image, as one unit."""
+        self.stats = SchedulingStats()
         self._sequences: dict[int, Sequence] = {}
+        self._scheduler = Scheduler()
+        self._units = 0  # units run so far: the scheduler's round-robin clock
 
     @classmethod
-    def load(cls, model: str | None, device: str) -> HFRunner:
-        """Load the model directory (None: the embedded tiny model) onto `device`."""
+    def load(
+        cls, model: str | None, device: str, *, prefill_chunk_tokens: int | None = None,
+        threads: int = 0,
+    ) -> HFRunner:
+        """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
+        `threads` threads per CPU operation (see `torch_threads`)."""
+        torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
         network: Any = load_model(model_dir, pick_device(device))
@@ -65,24 +86,39 @@ class HFRunner:
             count_image_tokens=preprocessor.count_image_tokens,
             check_items=adapter.check_items,
         )
-        log.info("loaded %s (%s) on %s", model_dir, spec.family, network.device)
-        return cls(network, spec, adapter)
+        log.info("loaded %s (%s) on %s, %d torch threads", model_dir, spec.family,
+                 network.device, torch.get_num_threads())
+        return cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens)
 
     # ------------------------------------------------------------ the ModelRunner interface
 
-    def add(self, handle: int, request: EngineRequest) -> None:
+    def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
         prompt = torch.tensor([request.prompt_token_ids], device=self.model.device)
         cache = DynamicCache(config=self.model.config.get_text_config())
-        self._sequences[handle] = Sequence(handle, request, prompt, cache, self.spec.eos_token_ids)
+        self._sequences[handle] = Sequence(
+            handle, request, prompt, cache, self.spec.eos_token_ids,
+            arrived=time.monotonic() if arrived is None else arrived,
+        )
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        outputs = []
-        for seq in plan_round(list(self._sequences.values()), self.prefill_chunk_tokens):
-            output = self._advance(seq)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        picked = self._scheduler.pick(self._sequences.values())
+        if picked is None:
+            return []
+        seq, lane = picked
+        unit = seq.next_unit(self.prefill_chunk_tokens)
+        started = time.monotonic()
+        if seq.last_run < 0:
+            self.stats.queue_wait_seconds[seq.kind].observe(started - seq.arrived)
+        seq.last_run = self._units
+        self._units += 1
+        output = self._advance(seq, unit)
+        if self.model.device.type == "cuda":  # kernels run asynchronously: time what they took
+            torch.cuda.synchronize(self.model.device)
+        elapsed = time.monotonic() - started
+        self._scheduler.charge(lane, elapsed)
+        self.stats.unit_seconds[unit.kind.label].observe(elapsed)
+        return [] if output is None else [output]
 
     def abort(self, handle: int) -> None:
         self._sequences.pop(handle, None)
@@ -92,10 +128,10 @@ class HFRunner:
 
     # ------------------------------------------------------------ units
 
-    def _advance(self, seq: Sequence) -> StepOutput | None:
+    def _advance(self, seq: Sequence, unit: Unit) -> StepOutput | None:
         """Run `seq`'s next unit; an output when it produced a token or failed."""
         try:
-            token = self._run(seq, seq.next_unit(self.prefill_chunk_tokens))
+            token = self._run(seq, unit)
         except Exception as exc:  # one request's failure must not stop the others
             log.exception("request %s failed in the model", seq.request.request_id)
             self.abort(seq.handle)
@@ -118,8 +154,14 @@ class HFRunner:
         return seq.sampler(self._decode(seq))
 
     def _encode_image(self, seq: Sequence, index: int) -> None:
+        """Run the next slice of image `index`'s vision pass (starting it if need be)."""
         item = seq.request.mm_items[index]
-        features = self.adapter.image_features(item.tensors)
+        if seq.vision is None:
+            seq.vision = self.adapter.vision_pass(item.tensors, self.prefill_chunk_tokens)
+        features = seq.vision.step()
+        if features is None:
+            return
+        seq.vision = None
         if features.shape[0] != item.length:
             raise RequestError(
                 f"mm_items[{index}] made {features.shape[0]} image embeddings "

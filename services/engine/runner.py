@@ -56,12 +56,13 @@ class ModelRunner(Protocol):
 
     spec: ModelSpec
 
-    def add(self, handle: int, request: EngineRequest) -> None:
-        """Take a validated request; `handle` names it in outputs and in `abort`."""
+    def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
+        """Take a validated request; `handle` names it in outputs and in `abort`. `arrived` is
+        when the engine received it (`time.monotonic()`; None: now), for queue-wait stats."""
         ...
 
     def step(self) -> list[StepOutput]:
-        """Run the next round of work; a request's last output has `finished` set."""
+        """Run the next bounded unit of work; a request's last output has `finished` set."""
         ...
 
     def abort(self, handle: int) -> None:

@@ -1,23 +1,85 @@
 """Which request's unit runs next.
 
-Today's policy is round-robin: each round, every request in progress advances by one unit, so a
-text request waits at most one unit of each image request, never a whole image request. Within
-a round the cheapest units go first (decode steps, then short prefills, then vision passes), so
-the first token of a text request arriving next to an image does not wait for that image's
-encoder pass; ties keep arrival order.
+Two lanes share the engine's time:
+
+    interactive  the prefill chunks of text-only requests, and every request's decode steps
+    bulk         the vision-pass slices and prefill chunks of requests with images
+
+While only one lane has work, it runs. While both have, the lane that has had less than its
+share of the time runs next: the bulk lane's share is BULK_SHARE, so image work always progresses
+(no starvation) and a text request waits at most about one bulk unit at a time. Time is measured
+per unit (stride scheduling over wall time); a lane that had no work starts even with the other,
+never with credit saved while it was idle, and a tie goes to the interactive lane.
+
+Within the interactive lane, the request that advanced least recently goes first (round robin):
+a new text request waits for at most one unit (a decode step, or a chunk of a long text prompt)
+of each running request. Within the bulk lane, requests go in arrival order, so each image
+finishes as early as it can. The scheduler only chooses whose unit runs next: a request's own
+units always run in order.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 
-from services.engine.sequence import Sequence, Unit
+from services.engine.sequence import Sequence
+
+BULK_SHARE = 0.25
+"""The bulk lane's share of the engine's time while both lanes have work."""
 
 
-def plan_round(sequences: Iterable[Sequence], prefill_chunk_tokens: int | None) -> list[Sequence]:
-    """The requests to advance this round, in the order to advance them (one unit each)."""
-    return sorted(sequences, key=lambda seq: _cost(seq.next_unit(prefill_chunk_tokens)))
+class Lane(enum.Enum):
+    INTERACTIVE = "interactive"
+    BULK = "bulk"
 
 
-def _cost(unit: Unit) -> tuple[int, int]:
-    return (unit.kind, unit.tokens)
+class Scheduler:
+    """Picks the request to advance by one unit, and keeps each lane's share of the time."""
+
+    def __init__(self, *, bulk_share: float = BULK_SHARE) -> None:
+        if not 0 < bulk_share < 1:
+            raise ValueError(f"bulk_share must be in (0, 1), got {bulk_share}")
+        self._weight = {Lane.INTERACTIVE: 1 - bulk_share, Lane.BULK: bulk_share}
+        self._vtime = {Lane.INTERACTIVE: 0.0, Lane.BULK: 0.0}
+        """Each lane's time so far divided by its share: the lane behind runs next."""
+        self._active: set[Lane] = set()
+
+    def pick(self, sequences: Iterable[Sequence]) -> tuple[Sequence, Lane] | None:
+        """The request whose next unit runs now, and its lane; None when there is no work."""
+        lanes: dict[Lane, list[Sequence]] = {Lane.INTERACTIVE: [], Lane.BULK: []}
+        for seq in sequences:
+            lanes[lane_of(seq)].append(seq)
+        active = {lane for lane, waiting in lanes.items() if waiting}
+        if not active:
+            self._active = active
+            return None
+        self._start_even(active - self._active, active & self._active)
+        self._active = active
+        lane = min(active, key=lambda lane: (self._vtime[lane], lane is Lane.BULK))
+        if lane is Lane.INTERACTIVE:  # round robin
+            seq = min(lanes[lane], key=lambda seq: (seq.last_run, seq.handle))
+        else:  # arrival order
+            seq = min(lanes[lane], key=lambda seq: seq.handle)
+        return seq, lane
+
+    def _start_even(self, woken: set[Lane], running: set[Lane]) -> None:
+        """A lane that gets work after having none starts even with the running one: neither
+        credit nor debt carries over an idle spell."""
+        if not woken:
+            return
+        lanes = running or woken
+        start = min(self._vtime[lane] for lane in lanes)
+        for lane in woken:
+            self._vtime[lane] = start
+
+    def charge(self, lane: Lane, seconds: float) -> None:
+        """Account a unit's wall time to its lane."""
+        self._vtime[lane] += seconds / self._weight[lane]
+
+
+def lane_of(seq: Sequence) -> Lane:
+    """An image request's prompt work is bulk; everything else is interactive."""
+    if seq.request.mm_items and seq.num_cached < seq.prompt_len:
+        return Lane.BULK
+    return Lane.INTERACTIVE

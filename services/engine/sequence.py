@@ -1,9 +1,10 @@
 """One request's state inside the HF runner, and the bounded units of work it is run in.
 
-A request advances one unit at a time: a vision-encoder pass per image, then prompt prefill,
-then one decode step per output token. Everything a unit needs is kept here, per request (its
-own KV cache, its own position ids, its image embeddings), so units of different requests can
-run in any interleaving and a prefill can later be split into chunks that share the cache.
+A request advances one unit at a time: a vision-encoder pass per image (in slices, see
+adapters.py), then prompt prefill in chunks, then one decode step per output token. Everything a
+unit needs is kept here, per request (its own KV cache, its own position ids, its image
+embeddings, its half-done vision pass), so units of different requests can run in any
+interleaving and give the same tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from protocol.messages import EngineRequest
-from services.engine.adapters import Positions
+from services.engine.adapters import Positions, VisionPass
 from services.engine.sampling import Sampler
 
 
@@ -25,6 +26,10 @@ class UnitKind(enum.IntEnum):
     DECODE = 0
     PREFILL = 1
     VISION = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 @dataclass(frozen=True)
@@ -46,21 +51,31 @@ class Sequence:
         prompt: torch.Tensor,
         cache: DynamicCache,
         eos_token_ids: frozenset[int],
+        arrived: float,
     ) -> None:
         self.handle = handle
         self.request = request
         self.prompt = prompt  # (1, prompt_len) on the model's device
         self.cache = cache
+        self.arrived = arrived  # time.monotonic() when the engine received the request
         self.positions: Positions | None = None  # computed by the first prefill unit
         self.image_features: list[torch.Tensor | None] = [None] * len(request.mm_items)
+        self.vision: VisionPass | None = None  # the image being encoded, between its slices
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
         self.output_ids: list[int] = []
         self.sampler = Sampler(request.sampling)
+        self.last_run = -1
+        """The runner's unit number when this request last advanced (-1: never)."""
         self._eos_token_ids = eos_token_ids
 
     @property
     def prompt_len(self) -> int:
         return self.prompt.shape[1]
+
+    @property
+    def kind(self) -> str:
+        """'image' or 'text': how stats group requests."""
+        return "image" if self.request.mm_items else "text"
 
     def next_unit(self, prefill_chunk_tokens: int | None = None) -> Unit:
         if self.num_cached < self.prompt_len:

@@ -8,6 +8,8 @@ from protocol.errors import RequestError
 from protocol.messages import EngineRequest, MMItem, SamplingParams
 from services.engine.runner import ModelSpec
 
+MAX_MM_HASH_CHARS = 128
+
 
 def validate_request(request: EngineRequest, spec: ModelSpec) -> None:
     """Raise RequestError unless `request` can run on the model `spec` describes."""
@@ -17,6 +19,7 @@ def validate_request(request: EngineRequest, spec: ModelSpec) -> None:
     check_item_spans(request.mm_items, len(prompt))
     check_image_tokens(prompt, request.mm_items, spec.image_token_id)
     check_item_tensors(request.mm_items, spec)
+    check_item_cache_fields(request.mm_items)
 
 
 def check_sampling(sampling: SamplingParams) -> None:
@@ -78,6 +81,22 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], image_token_id: 
     for index, item in enumerate(items):
         if not is_image[item.offset : item.offset + item.length].all():
             raise RequestError(f"mm_items[{index}] covers tokens that are not image tokens")
+
+
+def check_item_cache_fields(items: list[MMItem]) -> None:
+    """After the receiver cache gave hash-only items their tensors: sizes must be what the
+    sender cache counted, or the two caches would account differently."""
+    for index, item in enumerate(items):
+        if len(item.mm_hash) > MAX_MM_HASH_CHARS:
+            raise RequestError(
+                f"mm_items[{index}].mm_hash is {len(item.mm_hash)} characters, "
+                f"at most {MAX_MM_HASH_CHARS} allowed"
+            )
+        actual = sum(array.nbytes for array in item.tensors.values())
+        if item.mm_hash and item.nbytes != actual:
+            raise RequestError(
+                f"mm_items[{index}].nbytes is {item.nbytes} but its tensors hold {actual} bytes"
+            )
 
 
 def check_item_tensors(items: list[MMItem], spec: ModelSpec) -> None:

@@ -6,33 +6,47 @@ The I/O loop, in order, each turn:
   3. read replies from the engine and MM workers, detokenize and forward them to the client;
   4. fail requests whose deadline passed.
 Every accepted request is held in `_inflight` until exactly one terminal reply has gone out.
+
+The mirrored feature cache needs three things from the frontend: it passes the newest engine
+cache epoch it has seen (from any engine reply) to the MM workers, on every job and in an
+`EngineEpoch` notice when it changes; it resends a job once, to the same MM worker, when the
+engine answers it with a cache miss; and it turns a client's `ResetCache` into the engine's.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
+from msgspec.structs import replace
 
 from protocol.codec import Codec
-from protocol.errors import ErrorInfo, MMLaneError, RequestError, RetryableError
+from protocol.errors import CacheMissError, ErrorInfo, MMLaneError, RequestError, RetryableError
 from protocol.messages import (
+    AbortRequests,
+    CacheReset,
     ChatError,
     ChatOutput,
     ChatRequest,
     ClientRequest,
+    EngineCacheReset,
+    EngineEpoch,
     EngineOutput,
     EngineRequest,
     FrontendInput,
     MMJob,
     RequestFailed,
+    ResetCache,
+    ResetEngineCache,
 )
 from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
@@ -51,9 +65,14 @@ class InFlight:
     client: bytes
     client_request_id: str
     deadline: float
-    checked: CheckedRequest
+    checked: CheckedRequest | None
+    """None for a ResetCache request."""
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    job: MMJob | None = None
+    """The job as sent to MM worker number `worker`, kept to resend it after a cache miss."""
+    worker: int = 0
+    resent: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,8 @@ class Frontend:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{id(self):x}"
         self._inflight: dict[str, InFlight] = {}
+        self.counters: Counter[str] = Counter()
+        self._engine_epoch = 0  # the newest engine cache epoch seen; MM workers follow it
         self._tokenized: queue.SimpleQueue[Tokenized] = queue.SimpleQueue()
         self._wake_endpoint = f"inproc://frontend-wake-{self._prefix}"
         self._wake_local = threading.local()
@@ -89,9 +110,13 @@ class Frontend:
         self._wake = make_socket(self._ctx, zmq.PULL, self._wake_endpoint, bind=True)
         self._output = make_socket(self._ctx, zmq.PULL, c.output_endpoint, bind=True)
         self._engine = make_socket(self._ctx, zmq.PUSH, c.engine_endpoint, bind=False)
-        self._mm = make_socket(self._ctx, zmq.PUSH, c.mm_worker_endpoints[0], bind=False)
-        for endpoint in c.mm_worker_endpoints[1:]:
-            self._mm.connect(endpoint)
+        # One socket per MM worker: a resend after a cache miss must reach the same worker,
+        # whose sender cache the engine's receiver cache mirrors.
+        self._mm_workers = [
+            make_socket(self._ctx, zmq.PUSH, endpoint, bind=False)
+            for endpoint in c.mm_worker_endpoints
+        ]
+        self._next_worker = itertools.cycle(range(len(self._mm_workers)))
         # The client socket binds last: once clients can reach us, everything else is ready.
         self._client = make_socket(self._ctx, zmq.ROUTER, c.client_endpoint, bind=True)
 
@@ -125,6 +150,9 @@ class Frontend:
         except RequestError as exc:
             log.warning("unreadable client message: %s", exc)
             self._reply(client, ChatError(request_id="", error=exc.to_info()))
+            return
+        if isinstance(request, ResetCache):
+            self._reset_cache(client, request)
             return
         try:
             checked = self._admit(request)
@@ -204,18 +232,23 @@ class Frontend:
 
     def _dispatch(self, request_id: str, pending: InFlight, token_ids: list[int]) -> None:
         checked = pending.checked
+        assert checked is not None  # only chat requests are tokenized
         reply_to = self.config.output_endpoint
+        # Our deadline, as wall-clock time for the other processes: past it they drop the work.
+        deadline = time.time() + (pending.deadline - time.monotonic())
         message: MMJob | EngineRequest
         if checked.images:
             message = MMJob(
                 request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
-                images=checked.images, sampling=checked.sampling,
+                images=checked.images, sampling=checked.sampling, deadline=deadline,
+                engine_epoch=self._engine_epoch,
             )
-            sock = self._mm
+            pending.job, pending.worker = message, next(self._next_worker)
+            sock = self._mm_workers[pending.worker]
         else:
             message = EngineRequest(
                 request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
-                sampling=checked.sampling,
+                sampling=checked.sampling, deadline=deadline,
             )
             sock = self._engine
         try:
@@ -237,11 +270,75 @@ class Frontend:
             except RequestError as exc:
                 log.warning("dropped unreadable reply: %s", exc)
                 continue
-            if isinstance(message, RequestFailed):
+            self._see_engine_epoch(message.engine_epoch)
+            if isinstance(message, EngineCacheReset):
+                self._cache_was_reset(message)
+            elif isinstance(message, RequestFailed):
                 if message.request_id in self._inflight:
-                    self._finish_with_error(message.request_id, message.error)
+                    self._on_failed(message.request_id, message.error)
             else:
                 self._forward_output(message)
+
+    def _on_failed(self, request_id: str, error: ErrorInfo) -> None:
+        """A terminal error; a first cache miss is not one: the job goes out again."""
+        pending = self._inflight[request_id]
+        if error.code == CacheMissError.default_code and pending.job and not pending.resent:
+            self._resend(request_id, pending, error.mm_hashes)
+            return
+        if error.code == CacheMissError.default_code:
+            self.counters["cache_miss_errors"] += 1
+        self._finish_with_error(request_id, error)
+
+    def _resend(self, request_id: str, pending: InFlight, invalidate: list[str]) -> None:
+        """Send the job again to the same MM worker, those hashes dropped from both caches."""
+        assert pending.job is not None
+        pending.job = replace(
+            pending.job, engine_epoch=self._engine_epoch, mm_cache_invalidate=invalidate
+        )
+        pending.resent = True
+        self.counters["cache_miss_resends"] += 1
+        log.info("request %s: cache miss on %d image(s); resent (%d resends so far)",
+                 request_id, len(invalidate), self.counters["cache_miss_resends"])
+        sock = self._mm_workers[pending.worker]
+        try:
+            sock.send_multipart(self._client_codec.encode(pending.job), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._fail(request_id, RetryableError("MM worker queue full", code="overloaded"))
+
+    def _see_engine_epoch(self, epoch: int) -> None:
+        """Follow a newer engine cache epoch, and tell every MM worker at once."""
+        if epoch <= self._engine_epoch:  # 0 (not from an engine) or one we have passed
+            return
+        self._engine_epoch = epoch
+        self.counters["engine_epochs"] += 1
+        log.info("engine cache epoch %d", epoch)
+        notice = self._client_codec.encode(EngineEpoch(engine_epoch=epoch))
+        for sock in self._mm_workers:
+            try:
+                sock.send_multipart(notice, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # its next job carries the epoch anyway
+                pass
+
+    # ------------------------------------------------------------------ reset cache
+
+    def _reset_cache(self, client: bytes, request: ResetCache) -> None:
+        """Ask the engine for a new cache epoch; MM workers clear their caches as they learn it."""
+        request_id = f"{self._prefix}-{next(self._ids)}"
+        deadline = time.monotonic() + self.config.request_timeout_s
+        self._inflight[request_id] = InFlight(client, request.request_id, deadline, None)
+        reset = ResetEngineCache(request_id=request_id, reply_to=self.config.output_endpoint)
+        try:
+            self._engine.send_multipart(self._client_codec.encode(reset), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._fail(request_id, RetryableError("engine queue full", code="overloaded"))
+
+    def _cache_was_reset(self, message: EngineCacheReset) -> None:
+        pending = self._inflight.pop(message.request_id, None)
+        if pending is None:  # timed out meanwhile
+            return
+        self.counters["cache_resets"] += 1
+        reply = CacheReset(request_id=pending.client_request_id, engine_epoch=message.engine_epoch)
+        self._reply(pending.client, reply)
 
     def _forward_output(self, output: EngineOutput) -> None:
         pending = self._inflight.get(output.request_id)
@@ -278,8 +375,17 @@ class Frontend:
                     code="timeout",
                 ),
             )
+        if expired:  # the engine frees them now; ones it has not yet received expire on arrival
+            try:
+                abort = AbortRequests(request_ids=expired)
+                self._engine.send_multipart(
+                    self._client_codec.encode(abort), zmq.NOBLOCK, copy=False
+                )
+            except zmq.Again:
+                log.warning("engine queue full: not aborting %d expired requests (the engine "
+                            "drops them by their deadline)", len(expired))
 
-    def _reply(self, client: bytes, message: ChatOutput | ChatError) -> None:
+    def _reply(self, client: bytes, message: ChatOutput | ChatError | CacheReset) -> None:
         try:
             self._client.send_multipart(
                 [client, *self._client_codec.encode(message)], zmq.NOBLOCK, copy=False
@@ -288,5 +394,6 @@ class Frontend:
             log.warning("reply to client dropped: %s", exc)
 
     def close(self) -> None:
+        log.info("counters %s", json.dumps(self.counters, sort_keys=True))
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._ctx.destroy(linger=500)

@@ -1,14 +1,37 @@
 """From a job and its processed images to the `EngineRequest` the engine runs (pure logic).
 
-    check_job(job, ...)           the cheap checks, before any image work
-    render_request(job, items, p) expand placeholders, place each item, check the length
+    check_job(job, ...)            the cheap checks, before any image work
+    render_request(job, images, p) expand placeholders, place each image, check the length
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from protocol.errors import MMLaneError, RequestError
 from protocol.messages import EngineRequest, MMItem, MMJob
 from services.model import ImageItem, Preprocessor
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image ready to place: its tensors, or none when the engine takes them from its cache
+    (or from an earlier image of the same request with the same hash)."""
+
+    mm_hash: str
+    num_tokens: int
+    nbytes: int
+    tensors: dict[str, np.ndarray]
+
+    @classmethod
+    def processed(cls, mm_hash: str, item: ImageItem) -> PreparedImage:
+        return cls(mm_hash, item.num_tokens, item.nbytes, item.tensors)
+
+    def by_hash(self) -> PreparedImage:
+        """The same image sent as its hash alone."""
+        return PreparedImage(self.mm_hash, self.num_tokens, self.nbytes, {})
 
 
 def check_job(job: MMJob, *, image_token_id: int, max_context: int) -> None:
@@ -24,17 +47,23 @@ def check_job(job: MMJob, *, image_token_id: int, max_context: int) -> None:
         raise _too_long(len(job.prompt_token_ids), max_context, "before expanding its images")
 
 
-def render_request(job: MMJob, items: list[ImageItem], model: Preprocessor) -> EngineRequest:
+def render_request(
+    job: MMJob, images: list[PreparedImage], model: Preprocessor
+) -> EngineRequest:
     """The job's prompt with each placeholder expanded, and each image placed at its tokens."""
+    items = [ImageItem(tensors=image.tensors, num_tokens=image.num_tokens) for image in images]
     prompt = model.expand_placeholders(job.prompt_token_ids, items)
     if len(prompt) > model.max_context:
         raise _too_long(len(prompt), model.max_context, _after_expanding(len(items)))
-    lengths = [item.num_tokens for item in items]
+    lengths = [image.num_tokens for image in images]
     offsets = placeholder_offsets(job.prompt_token_ids, model.image_token_id, lengths)
     _check_expansion(prompt, offsets, lengths, model.image_token_id)
     mm_items = [
-        MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors)
-        for offset, item in zip(offsets, items, strict=True)
+        MMItem(
+            offset=offset, length=image.num_tokens, tensors=image.tensors,
+            mm_hash=image.mm_hash, nbytes=image.nbytes,
+        )
+        for offset, image in zip(offsets, images, strict=True)
     ]
     return EngineRequest(
         request_id=job.request_id,
@@ -42,6 +71,7 @@ def render_request(job: MMJob, items: list[ImageItem], model: Preprocessor) -> E
         prompt_token_ids=prompt,
         sampling=job.sampling,
         mm_items=mm_items,
+        deadline=job.deadline,
     )
 
 

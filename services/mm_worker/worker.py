@@ -4,17 +4,20 @@
                                                       └──RequestFailed──▶ the job's `reply_to`
 
 One thread does everything, one job at a time, so jobs leave in the order they arrived: the
-order the sender cache will rely on. A job's bad input fails that job alone, with a clear error
-sent to its frontend; an unreadable message on the job socket is counted, logged and dropped.
+order the sender cache relies on, since each request is committed to it right after its send.
+A job's bad input fails that job alone, with a clear error sent to its frontend; an unreadable
+message on the job socket is counted, logged and dropped.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq
@@ -22,6 +25,7 @@ import zmq
 from protocol.codec import Codec
 from protocol.errors import MMLaneError, RequestError, RetryableError
 from protocol.messages import (
+    EngineEpoch,
     EngineInput,
     EngineRequest,
     FrontendInput,
@@ -30,10 +34,12 @@ from protocol.messages import (
     RequestFailed,
 )
 from services.common.config import MMWorkerConfig
+from services.common.feature_cache import capacity_bytes
 from services.common.sockets import ReplySockets, make_socket
-from services.mm_worker.media import MediaPolicy, configure_pillow, decode_image, load_image_bytes
-from services.mm_worker.render import check_job, render_request
-from services.model import ImageItem, load_preprocessor, resolve_model_dir
+from services.mm_worker.cache import ImageHasher, SenderCache
+from services.mm_worker.jobs import JobRenderer
+from services.mm_worker.media import MediaPolicy, configure_pillow
+from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,8 @@ class MMWorkerCounters:
 
     jobs: int = 0
     sent: int = 0
+    bytes_sent: int = 0
+    """Bytes of the EngineRequests sent to the engine, tensor frames included."""
     invalid_messages: int = 0
     failed: dict[str, int] = field(default_factory=dict)
     """Failed jobs by error code."""
@@ -66,7 +74,7 @@ class MMWorker:
         self.media = MediaPolicy.from_config(config)
         self.counters = MMWorkerCounters()
         configure_pillow(config.max_image_pixels)
-        self._job_codec: Codec[MMJob] = Codec(MMWorkerInput)
+        self._job_codec: Codec[MMJob | EngineEpoch] = Codec(MMWorkerInput)
         self._engine_codec: Codec[Any] = Codec(EngineInput)
         self._reply_codec: Codec[Any] = Codec(FrontendInput)
         self._ctx = zmq.Context()
@@ -79,10 +87,20 @@ class MMWorker:
             )
             undo.pop_all()
         self._replies = ReplySockets(self._ctx)
+        # The engine keeps one receiver cache per sender: name ours by host and bound address
+        # (resolved, so two workers bound to 'tcp://host:*' get different names).
+        bound = self._jobs.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.cache = SenderCache(f"{socket.gethostname()}/{bound}",
+                                 capacity_bytes(config.mm_cache_gb))
+        hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
+                             self.preprocessor.image_processor.to_dict())
+        self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher)
         log.info(
-            "model %s (%s), engine at %s, file:// %s",
+            "model %s (%s), engine at %s, file:// %s, feature cache %s",
             self.preprocessor.model_id, self.preprocessor.family.name, config.engine_endpoint,
             f"under {self.media.allowed_media_dir}" if self.media.allowed_media_dir else "disabled",
+            f"{config.mm_cache_gb} GiB ({config.mm_hash}, sender {self.cache.sender})"
+            if config.mm_cache_gb > 0 else "off",
         )
 
     def serve(self, stop: threading.Event) -> None:
@@ -93,23 +111,18 @@ class MMWorker:
             if job is None:
                 continue
             try:
-                check_job(
-                    job,
-                    image_token_id=self.preprocessor.image_token_id,
-                    max_context=self.preprocessor.max_context,
-                )
-                encoded = self._load(job)  # 2. load every image's encoded bytes
-                # 3. (later) hash each image and look it up in the sender cache; a hit
-                #    sends the hash alone and skips step 4 for that image.
-                items = self._process(encoded)  # 4. decode and run the image processor
-                request = render_request(job, items, self.preprocessor)
+                # 2. load, hash, look up the sender cache, decode and process the misses
+                request = self.renderer.render(job)
             except Exception as exc:
                 self._fail(job, exc)
                 continue
-            self._send(job, request, stop)  # 5. send one EngineRequest to the engine
+            if self._send(job, request, stop):  # 3. send one EngineRequest to the engine
+                self.cache.commit(request)  # 4. commit it to the sender cache, in send order
 
     def close(self) -> None:
         """Close every socket (flushing within their linger) and the context."""
+        counters = {**asdict(self.counters), **self.cache.counters}
+        log.info("counters %s", json.dumps(counters, sort_keys=True))
         self._replies.close()
         self._engine.close()
         self._jobs.close()
@@ -118,11 +131,12 @@ class MMWorker:
     # ------------------------------------------------------------ the steps
 
     def _next_job(self) -> MMJob | None:
+        """The next job; an engine-epoch notice in between is applied here, in its turn."""
         if not self._jobs.poll(POLL_MS):
             return None
         frames = self._jobs.recv_multipart(copy=False)
         try:
-            job = self._job_codec.decode(frames)
+            message = self._job_codec.decode(frames)
         except RequestError as exc:  # no reply address is known: count, log, drop
             self.counters.invalid_messages += 1
             log.warning(
@@ -130,37 +144,17 @@ class MMWorker:
                 self.counters.invalid_messages, exc,
             )
             return None
+        if isinstance(message, EngineEpoch):
+            if self.cache.see_engine_epoch(message.engine_epoch):
+                log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
+                         message.engine_epoch, self.cache.epoch)
+            return None
         self.counters.jobs += 1
-        return job
+        return message
 
-    def _load(self, job: MMJob) -> list[bytes]:
-        return [
-            load_image_bytes(image.url, index, self.media)
-            for index, image in enumerate(job.images)
-        ]
-
-    def _process(self, encoded: list[bytes]) -> list[ImageItem]:
-        return [self._process_image(index, data) for index, data in enumerate(encoded)]
-
-    def _process_image(self, index: int, data: bytes) -> ImageItem:
-        started = time.perf_counter()
-        image = decode_image(data, index, self.config.max_image_pixels)
-        decoded = time.perf_counter()
-        try:
-            item = self.preprocessor.process_image(image)
-        except ValueError as exc:  # HF processors refuse bad sizes (e.g. extreme aspect ratios)
-            raise RequestError(
-                f"image {index}: the image processor refused it: {exc}", code="invalid_image"
-            ) from exc
-        log.debug(
-            "image %d: %dx%d decoded in %.1f ms, processed in %.1f ms (%d tokens)",
-            index, image.width, image.height, (decoded - started) * 1e3,
-            (time.perf_counter() - decoded) * 1e3, item.num_tokens,
-        )
-        return item
-
-    def _send(self, job: MMJob, request: EngineRequest, stop: threading.Event) -> None:
-        """Hand the request to the engine, waiting (stop-aware) while the engine is behind."""
+    def _send(self, job: MMJob, request: EngineRequest, stop: threading.Event) -> bool:
+        """Hand the request to the engine, waiting (stop-aware) while the engine is behind;
+        False when it was not sent (the job got an error instead)."""
         frames = self._engine_codec.encode(request)
         waiting_since = time.monotonic()
         warned = False
@@ -169,12 +163,14 @@ class MMWorker:
                 self._fail(job, RetryableError(
                     "the MM worker stopped before the engine took the request", code="overloaded"
                 ))
-                return
+                return False
             if not warned and time.monotonic() - waiting_since > SLOW_ENGINE_WARNING_S:
                 log.warning("engine %s is not reading; the FIFO waits", self.config.engine_endpoint)
                 warned = True
         self._engine.send_multipart(frames, copy=False)
         self.counters.sent += 1
+        self.counters.bytes_sent += sum(len(frame) for frame in frames)
+        return True
 
     def _fail(self, job: MMJob, exc: Exception) -> None:
         """Send the job's terminal error to its frontend; the loop serves on."""

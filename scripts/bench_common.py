@@ -1,0 +1,172 @@
+"""What the benchmark scripts share: `mmlane serve`'s roles, text latency under image load.
+
+`serving` starts the three roles exactly as `mmlane serve ARGS` does (the launcher's `child_argv`
+and `start_roles`), so a benchmark measures the command a user runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import zmq  # noqa: E402
+
+from media import data_uri, encode, make_image  # noqa: E402
+from protocol.codec import Codec  # noqa: E402
+from protocol.messages import (  # noqa: E402
+    ChatMessage,
+    EngineInput,
+    ImagePart,
+    ImageUrl,
+    MMJob,
+    SamplingParams,
+    TextPart,
+)
+from services.cli import build_parser  # noqa: E402
+from services.client import Client, user_message  # noqa: E402
+from services.launcher import child_argv, start_roles, stop_all  # noqa: E402
+from services.model import load_preprocessor, resolve_model_dir  # noqa: E402
+
+BIG = (4032, 3024)
+
+
+def big_jpeg() -> bytes:
+    """The 4032x3024 photo-like JPEG every benchmark sends (12 MP, about 5.5 MB)."""
+    return encode(make_image(*BIG, seed=1), quality=90)
+
+
+def big_jpeg_url() -> str:
+    return data_uri(big_jpeg())
+
+
+@contextlib.contextmanager
+def serving(run_dir: Path, *serve_args: str, log_dir: Path | None = None) -> Iterator[str]:
+    """`mmlane serve SERVE_ARGS` on a free port; yields the client endpoint, stops at exit."""
+    port = _free_port()
+    argv = ["serve", "--port", str(port), "--run-dir", str(run_dir), *serve_args]
+    args = build_parser().parse_args(argv)
+    model_dir = resolve_model_dir(args.model)
+    roles = child_argv(args, model_dir, run_dir)
+    children = start_roles(roles, run_dir, args.startup_timeout, log_dir=log_dir)
+    try:
+        yield f"tcp://{args.host}:{port}"
+    finally:
+        stop_all(children)
+
+
+class LoneMMWorker:
+    """One `mmlane mm-worker ARGS` whose engine is this script: push jobs, take what it sends."""
+
+    def __init__(self, run_dir: Path, model_dir: Path, *worker_args: str) -> None:
+        engine, jobs = f"ipc://{run_dir}/bench-engine.sock", f"ipc://{run_dir}/bench-jobs.sock"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ctx = zmq.Context.instance()
+        self._sink = ctx.socket(zmq.PULL)
+        self._sink.bind(engine)
+        self._children = start_roles(
+            {"mm-worker": ["--model", str(model_dir), "--engine-endpoint", engine,
+                           "--mm-worker-endpoint", jobs, *worker_args]}, run_dir, 300)
+        self._source = ctx.socket(zmq.PUSH)
+        self._source.connect(jobs)
+        self._codec: Codec = Codec(EngineInput)
+        self._reply_to = f"ipc://{run_dir}/bench-none.sock"
+        self.preprocessor = load_preprocessor(model_dir)
+        self._prompt = self.preprocessor.tokenize_batch([self.preprocessor.render_prompt(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+        )])[0]
+
+    def __enter__(self) -> LoneMMWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_all(self._children)
+        self._sink.close(linger=0)
+        self._source.close(linger=0)
+
+    def push(
+        self, url: str, request_id: str, uuid: str | None = None, **job_fields: object
+    ) -> None:
+        """Send one job with one image, as a frontend would."""
+        job = MMJob(request_id=request_id, reply_to=self._reply_to,
+                    prompt_token_ids=self._prompt, images=[ImageUrl(url=url, uuid=uuid)],
+                    sampling=SamplingParams(), **job_fields)  # type: ignore[arg-type]
+        self._source.send_multipart(self._codec.encode(job))
+
+    def take(self) -> int:
+        """Wait for the next EngineRequest the worker sends; its size in bytes, all frames."""
+        frames = self._sink.recv_multipart(copy=False)
+        self._codec.decode(frames)
+        return sum(len(frame.buffer) for frame in frames)
+
+
+def text_latencies(endpoint: str, count: int, max_tokens: int = 1) -> list[float]:
+    """Seconds for each of `count` text-only chat requests, sent one at a time."""
+    latencies = []
+    with Client(endpoint) as client:
+        for i in range(count):
+            start = time.perf_counter()
+            client.chat([user_message(f"Quick question number {i}?")], max_tokens=max_tokens)
+            latencies.append(time.perf_counter() - start)
+    return latencies
+
+
+@dataclass
+class ImageLoad:
+    """Clients that each keep one image request in flight, back to back, until stopped."""
+
+    endpoint: str
+    url: str
+    clients: int
+    completed: int = 0
+
+    def __enter__(self) -> ImageLoad:
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._flow, name=f"image-client-{i}")
+            for i in range(self.clients)
+        ]
+        for thread in self._threads:
+            thread.start()
+        time.sleep(2.0)  # let the MM worker and the engine fill up
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _flow(self) -> None:
+        with Client(self.endpoint) as client:
+            while not self._stop.is_set():
+                # A new uuid names the image anew each time: the feature cache misses, so
+                # every request costs the full decode and preprocessing.
+                image = ImagePart(image_url=ImageUrl(url=self.url, uuid=uuid.uuid4().hex))
+                message = ChatMessage(role="user", content=[image, TextPart(text="Describe.")])
+                client.chat([message], max_tokens=1)
+                self.completed += 1
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def report(name: str, latencies: list[float]) -> None:
+    ms = [x * 1000 for x in latencies]
+    print(f"{name:<40} p50 {percentile(ms, 50):7.1f} ms   p90 {percentile(ms, 90):7.1f} ms"
+          f"   p99 {percentile(ms, 99):7.1f} ms   (n={len(ms)})")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,120 @@
+"""Engine scheduling benchmark: text latency idle and while clients stream 12 MP images.
+
+    python scripts/bench_engine.py [--chunks 128,1000000] [--text-requests 100]
+                                   [--image-clients 2] [--max-tokens 1] [--rate 0]
+                                   [--torch-threads N]
+
+For each `--prefill-chunk-tokens` value in `--chunks` (1000000: no chunking, every vision pass
+and prefill one unit), runs `mmlane serve --prefill-chunk-tokens N --mm-cache-gb 0` on the
+embedded model twice: once idle, once while `--image-clients` clients each keep a 4032x3024 JPEG
+request in flight back to back (the feature cache is off, so every image is decoded, processed
+and encoded as a stream of distinct photos would be). Each time it sends `--text-requests`
+text-only chat requests and prints their latency p50/p90/p99, then the engine's own account from
+its log at stop: unit times by kind and queue wait (receipt to first unit) by request kind.
+Asserts nothing.
+
+Text requests go one at a time by default (closed loop, as bench_pipeline.py sends them). That
+under-samples busy moments when waits are long: a request that waits 100 ms for a vision pass is
+one sample for the whole pass. `--rate R` sends them instead at Poisson arrivals, R per second,
+whatever is in flight (open loop), so each lands at a random moment of the engine's work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from bench_common import ImageLoad, big_jpeg_url, report, serving, text_latencies
+
+from protocol.errors import RetryableError
+from services.client import Client, user_message
+
+
+def open_loop_latencies(endpoint: str, count: int, rate: float, max_tokens: int) -> list[float]:
+    """Seconds for each of `count` text requests sent at Poisson arrivals, `rate` per second."""
+    arrivals = random.Random(0)
+    submitted: dict[str, float] = {}
+    latencies: list[float] = []
+    with Client(endpoint) as client:
+        next_send = time.monotonic()
+        while len(latencies) < count:
+            if len(submitted) + len(latencies) < count and time.monotonic() >= next_send:
+                messages = [user_message(f"Quick question number {len(submitted)}?")]
+                submitted[client.submit(messages, max_tokens=max_tokens)] = time.monotonic()
+                next_send += arrivals.expovariate(rate)
+                continue
+            try:
+                result = client.next_finished(deadline=next_send)
+            except RetryableError:  # nothing finished before the next send is due
+                continue
+            latencies.append(time.monotonic() - submitted.pop(result.request_id))
+    return latencies
+
+
+def engine_account(log_dir: Path) -> dict:
+    """The engine's scheduling stats, from the line it logs at stop."""
+    marker = "scheduling (ms) "
+    for line in (log_dir / "engine.log").read_text(errors="replace").splitlines():
+        if marker in line:
+            return json.loads(line.split(marker, 1)[1])
+    return {}
+
+
+def print_account(account: dict) -> None:
+    for group in ("unit", "queue_wait"):
+        parts = [
+            f"{kind} n={s['n']} mean {s['mean']:.2f} max {s['max']:.1f}"
+            for kind, s in account.get(group, {}).items() if s["n"]
+        ]
+        print(f"    engine {group:<10} (ms)  " + "; ".join(parts))
+
+
+def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) -> None:
+    def measure(endpoint: str) -> list[float]:
+        if args.rate:
+            return open_loop_latencies(endpoint, args.text_requests, args.rate, args.max_tokens)
+        return text_latencies(endpoint, args.text_requests, args.max_tokens)
+
+    name = f"chunk {chunk}, " + (f"{args.image_clients} image clients" if url else "idle")
+    run_dir, log_dir = tmp / f"{chunk}-{bool(url)}", tmp / f"{chunk}-{bool(url)}-logs"
+    run_dir.mkdir()
+    serve_args = ["--prefill-chunk-tokens", str(chunk), "--mm-cache-gb", "0"]
+    if args.torch_threads is not None:
+        serve_args += ["--torch-threads", str(args.torch_threads)]
+    with serving(run_dir, *serve_args, log_dir=log_dir) as endpoint:
+        text_latencies(endpoint, 5, args.max_tokens)  # warm up
+        if url is None:
+            latencies = measure(endpoint)
+        else:
+            with ImageLoad(endpoint, url, args.image_clients) as load:
+                latencies = measure(endpoint)
+            name += f" ({load.completed} images done)"
+    report(name, latencies)
+    print_account(engine_account(log_dir))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chunks", default="128,1000000",
+                        help="comma-separated --prefill-chunk-tokens values to compare")
+    parser.add_argument("--text-requests", type=int, default=100)
+    parser.add_argument("--image-clients", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=1, help="of each text request")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="text requests per second at Poisson arrivals (0: one at a time)")
+    parser.add_argument("--torch-threads", type=int,
+                        help="the engine's --torch-threads (default: serve's default)")
+    args = parser.parse_args()
+    url = big_jpeg_url()
+    with tempfile.TemporaryDirectory(prefix="mmb-") as tmp:
+        for chunk in (int(c) for c in args.chunks.split(",")):
+            run_phase(args, Path(tmp), chunk, None)
+            run_phase(args, Path(tmp), chunk, url)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The bench's side of mmlane's native API: many requests in flight, each one's times recorded.
+
+`services.client.Client` waits for whole replies; the bench needs every request's submit, first
+output and last reply times, with requests submitted from several threads at chosen moments. So
+one I/O thread owns one DEALER socket: `submit()` queues pre-encoded frames and wakes it through
+a pipe, it stamps `submitted` right before the send, and stamps `first_output` and `finished` as
+the replies arrive. Times are `time.monotonic()`, the clock the in-process server's handoff times
+use too (CLOCK_MONOTONIC on Linux: one clock for every process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from protocol.codec import Codec
+from protocol.messages import ChatError, ChatMessage, ChatRequest, ClientReply
+from services.common.sockets import make_socket
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100
+
+
+@dataclass(eq=False)
+class Record:
+    """One request the bench sent and what became of it."""
+
+    kind: str
+    """text, image or probe."""
+    phase: str
+    request_class: str = "text"
+    """What `engine_service_ms` is keyed by: 'text', or the image sizes joined by '+'."""
+    images: int = 0
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    submitted: float | None = None
+    first_output: float | None = None
+    finished: float | None = None
+    error: str | None = None
+    """The error code of a failed request."""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def request_frames(record: Record, messages: list[ChatMessage], max_tokens: int) -> list[Any]:
+    """The frames of `record`'s chat request; callable from any thread (encode big ones ahead).
+
+    A chat request carries no arrays, so it is one msgpack frame: what `Codec.encode` makes.
+    """
+    request = ChatRequest(request_id=record.request_id, messages=messages, max_tokens=max_tokens)
+    return [msgspec.msgpack.encode(request)]
+
+
+class BenchClient:
+    """Sends chat requests on one DEALER socket and records when their replies come back."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, endpoint, bind=False, linger_ms=0)
+        self._codec: Codec[Any] = Codec(ClientReply)
+        self._outbox: queue.SimpleQueue[tuple[list[Any], Record]] = queue.SimpleQueue()
+        self._pending: dict[str, Record] = {}
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-client-io", daemon=True)
+        self._thread.start()
+
+    def submit(self, record: Record, frames: list[Any]) -> Record:
+        """Send now (from any thread); `record.done` is set when its terminal reply arrives."""
+        self._outbox.put((frames, record))
+        os.write(self._wake_write, b"\0")
+        return record
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join()
+        self._ctx.destroy(linger=0)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def __enter__(self) -> BenchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ the I/O thread
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        while not self._closing.is_set():
+            ready = dict(poller.poll(POLL_MS))
+            if self._wake_read in ready:
+                self._send_queued()
+            if self._sock in ready:
+                self._receive()
+
+    def _send_queued(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while not self._outbox.empty():
+            frames, record = self._outbox.get_nowait()
+            self._pending[record.request_id] = record
+            record.submitted = time.monotonic()
+            self._sock.send_multipart(frames, copy=False)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            reply = self._codec.decode(frames)
+            record = self._pending.get(reply.request_id)
+            if record is None:
+                log.warning("a reply for unknown request %r", reply.request_id)
+                continue
+            if record.first_output is None:
+                record.first_output = now
+            if isinstance(reply, ChatError):
+                record.error = reply.error.code
+            elif not reply.finished:
+                continue
+            record.finished = now
+            del self._pending[reply.request_id]
+            record.done.set()

@@ -1,0 +1,200 @@
+"""`mmlane bench`: its plumbing on a tiny workload, never its speed.
+
+One real run of every mode (real processes, the tiny model, images of a few dozen pixels) checks
+that each mode reports each figure, that the JSON file decodes as the documented schema, and that
+the chart is written. The pieces with logic of their own (unique image bytes, Poisson arrivals,
+settings) are checked directly.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from protocol.errors import FatalError
+from services.bench.config import BenchConfig, ImageSpec, load_bench_config
+from services.bench.images import ImageSource, make_image
+from services.bench.results import BenchResult, Latency, ModeResult
+from services.bench.stats import cpu_seconds, percentile
+from services.bench.workload import poisson_arrivals
+from services.cli import main
+
+pytest.importorskip("matplotlib", reason="the bench extra is not installed")
+pytest.importorskip("tqdm", reason="the bench extra is not installed")
+
+TINY = [
+    "--idle-seconds", "1", "--phase-seconds", "1.5", "--image-rates", "4",
+    "--image-sizes", "64,96x64", "--probe-sizes", "64", "--probe-loops", "2",
+    "--probe-seconds", "1", "--probe-idle-seconds", "0.5", "--text-rate", "20",
+    "--drain-timeout", "60", "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def bench_run(module_run_dir: Path) -> tuple[int, Path, Path]:
+    out = module_run_dir / "out"
+    out.mkdir()
+    json_path, chart_path = out / "bench.json", out / "bench.png"
+    status = main(["bench", *TINY, "--json", str(json_path), "--chart", str(chart_path),
+                   "--run-dir", str(module_run_dir / "run")])
+    return status, json_path, chart_path
+
+
+def _headline(mode: ModeResult) -> dict[str, object]:
+    """Every figure the issue asks of each mode, by name."""
+    figures: dict[str, object] = {
+        "text idle": mode.text.idle, "text loaded": mode.text.loaded,
+        "text ratio p50": mode.text.ratio_p50, "text ratio p99": mode.text.ratio_p99,
+        "engine hold text idle": mode.engine_hold.text_idle,
+        "engine hold text loaded": mode.engine_hold.text_loaded,
+        "engine hold image loaded": mode.engine_hold.image_loaded,
+        "image latency": mode.image.latency, "images/s": mode.image.images_per_s,
+    }
+    for probe in mode.probe:
+        figures[f"probe wait {probe.image_size}"] = probe.wait
+        figures[f"probe roundtrip idle {probe.image_size}"] = probe.roundtrip_idle
+    for process in mode.processes:
+        figures[f"cpu per text request {process}"] = mode.cpu.text_request_s[process]
+        figures[f"cpu per image {process}"] = mode.cpu.image_s[process]
+        figures[f"cpu per request {process}"] = mode.cpu.per_request_s[process]
+    return figures
+
+
+class TestRun:
+    def test_exits_zero(self, bench_run: tuple[int, Path, Path]) -> None:
+        assert bench_run[0] == 0
+
+    def test_json_decodes_as_the_documented_schema(
+        self, bench_run: tuple[int, Path, Path]
+    ) -> None:
+        raw = json.loads(bench_run[1].read_bytes())
+        result = msgspec.json.decode(bench_run[1].read_bytes(), type=BenchResult)
+        assert result.schema == "mmlane-bench/1"
+        assert set(raw) == set(BenchResult.__struct_fields__)
+        for mode in raw["modes"]:
+            assert set(mode) == set(ModeResult.__struct_fields__)
+        assert result.machine.cpus >= 1 and len(result.machine.load_avg_start) == 3
+        assert [goal.name for goal in result.goals] == [
+            "text_p99_ratio", "probe_wait_p50_ms", "images_per_s_vs_split"
+        ]
+        assert all(goal.value is not None and goal.met is not None for goal in result.goals)
+
+    def test_every_mode_reports_every_figure(self, bench_run: tuple[int, Path, Path]) -> None:
+        result = msgspec.json.decode(bench_run[1].read_bytes(), type=BenchResult)
+        assert [mode.mode for mode in result.modes] == ["shared", "split", "mmlane"]
+        for mode in result.modes:
+            assert mode.errors == {}, mode.mode
+            assert set(mode.engine_service_ms) == {"text", "64", "96x64"}
+            assert [probe.image_size for probe in mode.probe] == ["64"]
+            missing = [
+                name for name, value in _headline(mode).items()
+                if value is None or (isinstance(value, Latency) and value.p99_ms is None)
+            ]
+            assert missing == [], f"{mode.mode} lacks {missing}"
+
+    def test_exact_figures_only_where_the_bench_sees_inside(
+        self, bench_run: tuple[int, Path, Path]
+    ) -> None:
+        result = msgspec.json.decode(bench_run[1].read_bytes(), type=BenchResult)
+        for mode in result.modes:
+            hold = mode.engine_hold
+            exact = [hold.exact_text_idle, hold.exact_text_loaded, hold.exact_image_loaded,
+                     *(probe.executor_wait for probe in mode.probe)]
+            if mode.mode == "mmlane":
+                assert exact == [None] * len(exact)
+                assert set(mode.processes) == {"bench", "engine", "mm-worker", "frontend"}
+            else:
+                assert all(e is not None and e.n > 0 for e in exact), mode.mode
+                assert set(mode.processes) == {"bench", "engine", "server"}
+
+    def test_phases_run_in_order(self, bench_run: tuple[int, Path, Path]) -> None:
+        result = msgspec.json.decode(bench_run[1].read_bytes(), type=BenchResult)
+        for mode in result.modes:
+            assert [p.name for p in mode.phases] == ["idle", "probe-idle", "probe-64", "load-4"]
+            assert all(p.unfinished == 0 for p in mode.phases)
+
+    def test_chart_is_a_png(self, bench_run: tuple[int, Path, Path]) -> None:
+        image = Image.open(bench_run[2])
+        assert image.format == "PNG" and image.width > 800
+
+
+def test_schema_flag_prints_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "BenchResult" in schema["$defs"] and "ModeResult" in schema["$defs"]
+
+
+class TestImages:
+    @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+    def test_every_use_is_new_bytes_of_the_same_pixels(self, fmt: str) -> None:
+        buffer = io.BytesIO()
+        make_image(40, 30, seed=3).save(buffer, format=fmt)
+        source = ImageSource("x", buffer.getvalue(), f"image/{fmt.lower()}")
+        first, second = source.unique_bytes(), source.unique_bytes()
+        assert first != second and source.unique
+        pixels = [np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+                  for data in (buffer.getvalue(), first, second)]
+        assert all((p == pixels[0]).all() for p in pixels)
+
+    def test_data_uri_carries_the_marked_bytes(self) -> None:
+        source = ImageSource.generated(ImageSpec(32, 24))
+        decoded = base64.b64decode(source.data_uri().split(",", 1)[1])
+        assert decoded != source.data and Image.open(io.BytesIO(decoded)).size == (32, 24)
+
+    def test_other_formats_are_sent_as_they_are(self) -> None:
+        source = ImageSource("x.gif", b"GIF89a....", "image/gif")
+        assert not source.unique and source.unique_bytes() == b"GIF89a...."
+
+    def test_generated_images_are_deterministic(self) -> None:
+        a, b = make_image(64, 48, seed=1), make_image(64, 48, seed=1)
+        assert a.tobytes() == b.tobytes() != make_image(64, 48, seed=2).tobytes()
+
+
+class TestWorkload:
+    def test_poisson_arrivals_have_the_rate(self) -> None:
+        offsets = poisson_arrivals(50.0, 100.0, np.random.default_rng(0))
+        assert 4500 < len(offsets) < 5500
+        assert offsets == sorted(offsets) and 0 < offsets[0] and offsets[-1] < 100
+
+    def test_percentile_is_nearest_rank(self) -> None:
+        values = list(range(1, 101))
+        assert percentile(values, 50) == 51 and percentile(values, 99) == 99
+        assert percentile([7.0], 99) == 7.0
+
+    def test_cpu_seconds_of_this_process(self) -> None:
+        assert cpu_seconds(1 << 30) is None
+        seconds = cpu_seconds(__import__("os").getpid())
+        assert seconds is None or seconds > 0
+
+
+class TestSettings:
+    @pytest.mark.parametrize(("values", "match"), [
+        ({"modes": ["shared", "vllm"]}, "modes"),
+        ({"image_rates": [1, 0]}, "image_rates"),
+        ({"image_sizes": ["12y3"]}, "12y3"),
+        ({"probe_loops": 0}, "probe_loops"),
+        ({"image_files": ["/nonexistent.jpg"]}, "nonexistent"),
+        ({"text_rat": 3}, "text_rat"),
+    ])
+    def test_bad_settings_are_refused_by_name(self, values: dict, match: str) -> None:
+        with pytest.raises(FatalError, match=match):
+            load_bench_config(values)
+
+    def test_defaults_are_valid(self) -> None:
+        assert load_bench_config({}) == BenchConfig()
+
+
+def test_without_the_extra_it_fails_first_with_a_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["bench", "--modes", "split"]) == 1
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err

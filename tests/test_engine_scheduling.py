@@ -1,0 +1,359 @@
+"""The engine's scheduling as seen from outside: real engine processes, real sockets, no mocks.
+
+What is checked is ordering and content, never timing: a request's tokens do not depend on how
+its work was cut or what ran beside it; a text request that arrives during an image's work
+finishes first; image work still completes under a steady stream of text; a request past its
+deadline, or aborted, gets one terminal reply and frees its place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from msgspec.structs import replace
+from test_engine import (
+    DEVICE,
+    REPLY_TIMEOUT_S,
+    Frontend,
+    Reply,
+    assert_streamed,
+    generate_greedy,
+    make_request,
+    start_engine,
+    to,
+    tokens_of,
+)
+from transformers import DynamicCache
+
+from conftest import free_port, start_role, stop_role
+from media import encode, make_image
+from protocol.codec import Codec
+from protocol.errors import FatalError
+from protocol.messages import (
+    AbortRequests,
+    EngineInput,
+    EngineOutput,
+    EngineRequest,
+    MMItem,
+    RequestFailed,
+    SamplingParams,
+)
+from services.cli import build_parser, engine_config
+from services.client import Client, user_message
+from services.common.config import EngineConfig, load_config
+from services.engine.scheduler import BULK_SHARE, Lane, Scheduler
+from services.engine.sequence import Sequence
+from services.launcher import Child, child_argv, stop_all
+from services.model import Preprocessor, load_model, load_preprocessor
+
+SMALL_CHUNK = 4  # splits every image mid-way, in prefill and in the vision pass alike
+
+LONG_TEXT = " ".join(f"word{i}" for i in range(120))  # a text prompt of several chunks
+CASES = {
+    "short-text": ("hi",),
+    "long-text": (LONG_TEXT,),
+    "small-image": ("what is this?", ((64, 48),)),
+    "big-image": ("and this one?", ((640, 480),)),
+    "two-images": ("compare them", ((100, 60), (56, 84))),
+}
+
+
+@pytest.fixture(scope="module")
+def prep(qwen_dir: Path) -> Preprocessor:
+    return load_preprocessor(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_dir: Path) -> torch.nn.Module:
+    return load_model(qwen_dir, DEVICE)
+
+
+@pytest.fixture(scope="module")
+def small_chunk_engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[Child]:
+    engine = start_engine(module_run_dir, "--prefill-chunk-tokens", str(SMALL_CHUNK))
+    yield engine
+    assert stop_role(engine) == 0
+
+
+@pytest.fixture
+def frontend(small_chunk_engine: Child, run_dir: Path) -> Iterator[Frontend]:
+    with zmq.Context() as ctx:
+        fe = Frontend(ctx, small_chunk_engine.endpoint, f"ipc://{run_dir}/reply.sock")
+        yield fe
+        fe.close()
+    assert small_chunk_engine.process.poll() is None, "the engine process died"
+
+
+def next_terminal(fe: Frontend) -> str:
+    """Receive replies until one is terminal; the id of the request it ends."""
+    while True:
+        assert fe.pull.poll(REPLY_TIMEOUT_S * 1000), "no reply"
+        reply = fe.codec.decode(fe.pull.recv_multipart())
+        if isinstance(reply, RequestFailed) or reply.finished:
+            fe.finished_order.append(reply.request_id)
+            return reply.request_id
+
+
+# ---------------------------------------------------------------- same tokens however run
+
+
+@pytest.mark.parametrize("chunk", [SMALL_CHUNK, 37])
+def test_tokens_are_the_same_alone_chunked_or_interleaved(
+    run_dir: Path, prep, reference, chunk: int
+) -> None:
+    engine = start_engine(run_dir, "--prefill-chunk-tokens", str(chunk))
+    try:
+        with zmq.Context() as ctx:
+            fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+            greedy = [make_request(prep, *case, max_tokens=10) for case in CASES.values()]
+            sampled = [
+                make_request(prep, *case, max_tokens=10, temperature=1.0, seed=3)
+                for case in (CASES["short-text"], CASES["big-image"])
+            ]
+            requests = [to(fe, r) for r in greedy + sampled]
+            alone = {}
+            for request in requests:
+                alone.update(fe.run(request))
+            together = fe.run(*[replace(r, request_id=r.request_id + "-again") for r in requests])
+            fe.close()
+    finally:
+        assert stop_role(engine) == 0
+    for request in requests:
+        assert_streamed(alone[request.request_id], request)
+        tokens = tokens_of(alone[request.request_id])
+        assert tokens_of(together[request.request_id + "-again"]) == tokens, request.request_id
+    for request in greedy:  # and chunked is what the unchunked Hugging Face generate makes
+        assert tokens_of(alone[request.request_id]) == generate_greedy(reference, prep, request)
+
+
+# ---------------------------------------------------------------- who finishes first
+
+
+def test_text_arriving_during_an_image_finishes_before_it(frontend, prep) -> None:
+    image = to(frontend, make_request(prep, "look", ((640, 480), (480, 640)), max_tokens=2))
+    frontend.send(image)
+    for i in range(3):
+        # Sent after the image on the same socket, so the engine holds the image by then; each
+        # text request is only sent once the one before has finished: all arrive mid-image.
+        text = to(frontend, make_request(prep, f"quick question {i}", max_tokens=8))
+        frontend.send(text)
+        assert next_terminal(frontend) == text.request_id
+    assert next_terminal(frontend) == image.request_id
+
+
+def test_an_image_completes_while_text_keeps_arriving(frontend, prep) -> None:
+    """A strict text-first policy would never run the image here: four text requests are always
+    in the engine. The image's lane has a minimum share of the time, so it finishes."""
+    image = to(frontend, make_request(prep, "look", ((640, 480),), max_tokens=3))
+    in_flight = set()
+
+    def send_text(i: int) -> None:
+        text = to(frontend, make_request(prep, f"stream {i}", max_tokens=16))
+        frontend.send(text)
+        in_flight.add(text.request_id)
+
+    for i in range(4):
+        send_text(i)
+    frontend.send(image)
+    texts_done = 0
+    while (done := next_terminal(frontend)) != image.request_id:
+        assert texts_done < 500, "the image request starved"  # it takes about 20
+        in_flight.discard(done)
+        texts_done += 1
+        send_text(texts_done + 4)
+    assert texts_done > 0  # text kept flowing meanwhile
+    while in_flight:
+        in_flight.discard(next_terminal(frontend))
+
+
+# ---------------------------------------------------------------- deadlines and aborts
+
+
+def replies_until(fe: Frontend, last_id: str) -> list[Reply]:
+    """Every reply, for any request, until `last_id` has had its terminal one."""
+    replies: list[Reply] = []
+    while True:
+        assert fe.pull.poll(REPLY_TIMEOUT_S * 1000), f"no terminal reply for {last_id}"
+        reply = fe.codec.decode(fe.pull.recv_multipart())
+        replies.append(reply)
+        terminal = isinstance(reply, RequestFailed) or reply.finished
+        if terminal and reply.request_id == last_id:
+            return replies
+
+
+def terminal_replies(replies: list[Reply], request_id: str) -> list[Reply]:
+    return [
+        r for r in replies
+        if r.request_id == request_id and (isinstance(r, RequestFailed) or r.finished)
+    ]
+
+
+@pytest.fixture
+def one_slot_engine(run_dir: Path, qwen_dir: Path) -> Iterator[Frontend]:
+    """An engine that holds one request at most: a second is refused until the first is freed."""
+    engine = start_engine(run_dir, "--max-queued-requests", "1")
+    with zmq.Context() as ctx:
+        fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+        yield fe
+        fe.close()
+    assert engine.process.poll() is None, "the engine process died"
+    assert stop_role(engine) == 0
+
+
+def long_request(fe: Frontend, prep: Preprocessor, **fields: object) -> EngineRequest:
+    """Thousands of decode steps: still running long after any deadline or abort below."""
+    return replace(to(fe, make_request(prep, "hello there, what is new", max_tokens=4000)),
+                   **fields)
+
+
+def test_a_request_past_its_deadline_is_dropped_and_frees_its_place(
+    one_slot_engine: Frontend, prep
+) -> None:
+    fe = one_slot_engine
+    already_late = long_request(fe, prep, deadline=time.time() - 1)
+    fe.send(already_late)
+    (late,) = replies_until(fe, already_late.request_id)
+    assert isinstance(late, RequestFailed) and late.error.code == "timeout"
+
+    running = long_request(fe, prep, deadline=time.time() + 0.5)
+    after = to(fe, make_request(prep, "next one", max_tokens=3))
+    fe.send(running)
+    replies = replies_until(fe, running.request_id)
+    *outputs, last = [r for r in replies if r.request_id == running.request_id]
+    assert outputs and all(isinstance(o, EngineOutput) and not o.finished for o in outputs)
+    assert isinstance(last, RequestFailed), "it finished before its deadline"
+    assert (last.error.kind, last.error.code) == ("retryable", "timeout")
+    fe.send(after)  # the one slot is free again: not refused as overloaded
+    replies += replies_until(fe, after.request_id)
+    assert isinstance(replies[-1], EngineOutput) and replies[-1].finish_reason == "length"
+    assert len(terminal_replies(replies, running.request_id)) == 1
+
+
+def test_an_aborted_request_is_dropped_and_frees_its_place(one_slot_engine: Frontend, prep) -> None:
+    fe = one_slot_engine
+    running = long_request(fe, prep)
+    fe.send(running)
+    assert fe.pull.poll(REPLY_TIMEOUT_S * 1000)  # its first token: it is running
+    first = fe.codec.decode(fe.pull.recv_multipart())
+    assert isinstance(first, EngineOutput) and first.request_id == running.request_id
+    fe.send_frames(fe.codec.encode(AbortRequests(request_ids=["unknown", running.request_id])))
+    replies = replies_until(fe, running.request_id)
+    assert isinstance(replies[-1], RequestFailed)
+    assert (replies[-1].error.kind, replies[-1].error.code) == ("retryable", "aborted")
+    after = to(fe, make_request(prep, "next one", max_tokens=3))
+    fe.send(after)
+    replies += replies_until(fe, after.request_id)
+    assert isinstance(replies[-1], EngineOutput) and replies[-1].finish_reason == "length"
+    assert len(terminal_replies(replies, running.request_id)) == 1
+
+
+def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
+    run_dir: Path, qwen_dir: Path
+) -> None:
+    """Frontend and MM worker as real processes; this test stands in for the engine socket."""
+    engine_endpoint = f"ipc://{run_dir}/engine.sock"
+    mm_endpoint = f"ipc://{run_dir}/mm.sock"
+    common = ["--model", str(qwen_dir), "--engine-endpoint", engine_endpoint]
+    image_path = run_dir / "small.png"
+    image_path.write_bytes(encode(make_image(64, 48), "PNG"))
+    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as engine:
+        engine.setsockopt(zmq.LINGER, 0)
+        engine.bind(engine_endpoint)
+        port = free_port()
+        children = [
+            start_role("mm-worker", [*common, "--mm-worker-endpoint", mm_endpoint], run_dir),
+            start_role("frontend", [
+                *common, "--mm-worker-endpoint", mm_endpoint, "--port", str(port),
+                "--output-endpoint", f"ipc://{run_dir}/out.sock", "--request-timeout", "2",
+            ], run_dir),
+        ]
+        codec: Codec[EngineRequest | AbortRequests] = Codec(EngineInput)
+        try:
+            with Client(f"tcp://127.0.0.1:{port}", timeout_s=REPLY_TIMEOUT_S) as client:
+                sent_at = time.time()
+                ids = [client.submit([user_message("hello")]),
+                       client.submit([user_message("look", [str(image_path)])])]
+                requests, aborted = [], []
+                while len(requests) < 2 or len(aborted) < 2:  # nobody answers: both time out
+                    message = codec.decode(engine.recv_multipart())
+                    if isinstance(message, AbortRequests):
+                        aborted += message.request_ids
+                    else:
+                        requests.append(message)
+                results = client.collect(ids)
+        finally:
+            stop_all(children)
+    assert {bool(r.mm_items) for r in requests} == {False, True}  # one direct, one via the worker
+    for request in requests:  # the deadline is the frontend's: 2 s after it took the request
+        assert sent_at + 1 < request.deadline < time.time() + 2
+    assert sorted(aborted) == sorted(r.request_id for r in requests)
+    for result in results.values():
+        assert result.error is not None and result.error.code == "timeout"
+
+
+# ---------------------------------------------------------------- the setting
+
+
+def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> None:
+    args = build_parser().parse_args(
+        ["serve", "--prefill-chunk-tokens", "64", "--torch-threads", "3"]
+    )
+    engine_argv = child_argv(args, run_dir, run_dir)["engine"]
+    config = engine_config(build_parser().parse_args(["engine", *engine_argv]))
+    assert (config.prefill_chunk_tokens, config.torch_threads) == (64, 3)
+    with pytest.raises(FatalError, match="prefill_chunk_tokens must be positive"):
+        load_config(EngineConfig, {"prefill_chunk_tokens": 0})
+    with pytest.raises(FatalError, match="torch_threads must be 0"):
+        load_config(EngineConfig, {"torch_threads": -1})
+
+
+# ---------------------------------------------------------------- the policy, in process
+
+
+def sequence(handle: int, *, image: bool) -> Sequence:
+    """A request for the scheduler alone: an image one still in its vision pass, or a text one
+    decoding."""
+    items = [MMItem(offset=0, length=4, tensors={})] if image else []
+    request = EngineRequest(request_id=f"s{handle}", reply_to="", prompt_token_ids=[1] * 4,
+                            sampling=SamplingParams(), mm_items=items)
+    seq = Sequence(handle, request, torch.ones(1, 4), DynamicCache(), frozenset(), arrived=0.0)
+    if not image:
+        seq.num_cached = seq.prompt_len
+    return seq
+
+
+def run_picks(scheduler: Scheduler, seqs: list[Sequence], count: int) -> list[Sequence]:
+    """Pick `count` units, charging 1 ms per interactive unit and 4 ms per bulk unit."""
+    picked = []
+    for unit in range(count):
+        picks = scheduler.pick(seqs)
+        assert picks is not None
+        seq, lane = picks
+        seq.last_run = unit
+        scheduler.charge(lane, 0.001 if lane is Lane.INTERACTIVE else 0.004)
+        picked.append(seq)
+    return picked
+
+
+def test_the_bulk_lane_gets_its_share_and_text_goes_round_robin() -> None:
+    image, text_a, text_b = (sequence(handle, image=handle == 0) for handle in range(3))
+    picked = run_picks(Scheduler(), [image, text_a, text_b], 1000)
+    bulk_time = 4 * picked.count(image)
+    share = bulk_time / (bulk_time + picked.count(text_a) + picked.count(text_b))
+    assert share == pytest.approx(BULK_SHARE, abs=0.01)
+    texts = [seq.handle for seq in picked if seq is not image]
+    assert texts[:6] == [1, 2, 1, 2, 1, 2]
+
+
+def test_a_lane_that_was_idle_starts_even_and_wins_the_tie() -> None:
+    scheduler = Scheduler()
+    image, text = sequence(0, image=True), sequence(1, image=False)
+    run_picks(scheduler, [image], 100)  # the bulk lane ran alone: no credit for the other
+    picked = run_picks(scheduler, [image, text], 5)
+    assert [seq.handle for seq in picked] == [1, 0, 1, 1, 1]  # text first, then the shares
+    assert scheduler.pick([]) is None
