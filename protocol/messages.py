@@ -80,7 +80,13 @@ class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):
     request_id: str
 
 
-ClientRequest = ChatRequest | ResetCache
+class CancelChat(msgspec.Struct, tag="cancel", kw_only=True, frozen=True):
+    """The client no longer waits for this chat request: stop it downstream; no reply follows."""
+
+    request_id: str
+
+
+ClientRequest = ChatRequest | ResetCache | CancelChat
 
 
 class ChatOutput(msgspec.Struct, tag="out", kw_only=True, frozen=True):

@@ -1,6 +1,6 @@
 """Engine scheduling benchmark: text latency idle and while clients stream 12 MP images.
 
-    python scripts/bench_engine.py [--chunks 128,1000000] [--text-requests 100]
+    python scripts/bench_engine.py [--chunks 64,1000000] [--text-requests 100]
                                    [--image-clients 2] [--max-tokens 1] [--rate 0]
                                    [--torch-threads N]
 
@@ -99,7 +99,7 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--chunks", default="128,1000000",
+    parser.add_argument("--chunks", default="64,1000000",
                         help="comma-separated --prefill-chunk-tokens values to compare")
     parser.add_argument("--text-requests", type=int, default=100)
     parser.add_argument("--image-clients", type=int, default=2)

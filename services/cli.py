@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -42,9 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="requests the engine holds before answering 'overloaded'",
     )
     g.add_argument(
-        "--prefill-chunk-tokens", type=int, default=128, metavar="N",
+        "--prefill-chunk-tokens", type=int, default=64, metavar="N",
         help="the most tokens one unit of engine work takes: prompts prefill in chunks of N, "
-        "vision-encoder passes run in slices of N image tokens (default 128; smaller: text "
+        "vision-encoder passes run in slices of N image tokens (default 64; smaller: text "
         "waits less behind images, larger: less overhead per unit)",
     )
     g.add_argument(
@@ -66,8 +67,32 @@ def _add_mm_worker_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-image-bytes", type=int, default=64 * 1024 * 1024,
-        help="refuse larger encoded images (default 64 MiB)",
+        help="refuse larger encoded images, inline or fetched (default 64 MiB)",
     )
+    g.add_argument(
+        "--allowed-media-schemes", default="data,https", metavar="LIST",
+        help="comma-separated image URL schemes: data, https, http (default data,https)",
+    )
+    g.add_argument(
+        "--allow-http-media", action="store_true",
+        help="also allow plain http:// image URLs",
+    )
+    g.add_argument(
+        "--allowed-media-domains", default="", metavar="LIST",
+        help="comma-separated domains http(s) image URLs must be in (default: any domain)",
+    )
+    g.add_argument(
+        "--allow-internal-media", action="store_true",
+        help="allow image URLs that resolve to loopback or private addresses",
+    )
+    g.add_argument("--media-max-redirects", type=int, default=3, metavar="N",
+                   help="redirects followed per image fetch (default 3)")
+    g.add_argument("--media-connect-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds to connect to an image's host (default 5)")
+    g.add_argument("--media-fetch-timeout", type=float, default=20.0, metavar="S",
+                   help="seconds one image fetch may take, retries included (default 20)")
+    g.add_argument("--media-fetch-retries", type=int, default=2, metavar="N",
+                   help="retries after a timeout or 5xx answer (default 2)")
 
 
 def _add_cache_args(p: argparse.ArgumentParser, *, mm_worker: bool) -> None:
@@ -89,6 +114,16 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("frontend")
     g.add_argument("--host", default=DEFAULT_HOST, help="native client API host")
     g.add_argument("--port", type=int, default=DEFAULT_PORT, help="native client API port")
+    g.add_argument(
+        "--http-port", type=int, default=int(os.environ.get("MMLANE_HTTP_PORT") or 8000),
+        help="port of the OpenAI-compatible HTTP API (default 8000, or $MMLANE_HTTP_PORT; "
+        "0 disables it)",
+    )
+    g.add_argument("--http-host", default=DEFAULT_HOST, help="HTTP API host")
+    g.add_argument(
+        "--http-max-body-bytes", type=int, default=128 * 1024 * 1024, metavar="N",
+        help="largest HTTP request body, inline images included (default 128 MiB)",
+    )
     g.add_argument("--tokenizer-workers", type=int, default=4, help="tokenizer threads")
     g.add_argument(
         "--max-images-per-request", type=int, default=8, help="refuse requests with more images"
@@ -119,7 +154,25 @@ def mm_worker_config(args: argparse.Namespace) -> MMWorkerConfig:
         "allowed_media_dir": args.allowed_media_dir, "max_image_pixels": args.max_image_pixels,
         "max_image_bytes": args.max_image_bytes, "mm_cache_gb": args.mm_cache_gb,
         "mm_hash": args.mm_hash,
+        "allowed_media_schemes": _media_schemes(args),
+        "allowed_media_domains": _split(args.allowed_media_domains),
+        "allow_internal_media": args.allow_internal_media,
+        "media_max_redirects": args.media_max_redirects,
+        "media_connect_timeout_s": args.media_connect_timeout,
+        "media_fetch_timeout_s": args.media_fetch_timeout,
+        "media_fetch_retries": args.media_fetch_retries,
     })
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip().lower() for part in text.split(",") if part.strip()]
+
+
+def _media_schemes(args: argparse.Namespace) -> list[str]:
+    schemes = _split(args.allowed_media_schemes)
+    if args.allow_http_media and "http" not in schemes:
+        schemes.append("http")
+    return schemes
 
 
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
@@ -132,6 +185,8 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         "max_images_per_request": args.max_images_per_request,
         "request_timeout_s": args.request_timeout,
         "max_inflight_requests": args.max_inflight_requests,
+        "http_host": args.http_host, "http_port": args.http_port,
+        "http_max_body_bytes": args.http_max_body_bytes,
     })
 
 

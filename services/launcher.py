@@ -64,6 +64,10 @@ def _opt(name: str, value: object) -> list[str]:
     return [] if value is None else [f"--{name}", str(value)]
 
 
+def _flag(name: str, value: bool) -> list[str]:
+    return [f"--{name}"] if value else []
+
+
 def child_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, list[str]]:
     """The command line of each role, from serve's own arguments."""
     engine = args.engine_endpoint or ipc("engine", run_dir)
@@ -83,11 +87,21 @@ def child_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict
             *_opt("max-image-pixels", args.max_image_pixels),
             *_opt("max-image-bytes", args.max_image_bytes),
             *_opt("mm-cache-gb", args.mm_cache_gb), *_opt("mm-hash", args.mm_hash),
+            *_opt("allowed-media-schemes", args.allowed_media_schemes),
+            *_opt("allowed-media-domains", args.allowed_media_domains or None),
+            *_flag("allow-http-media", args.allow_http_media),
+            *_flag("allow-internal-media", args.allow_internal_media),
+            *_opt("media-max-redirects", args.media_max_redirects),
+            *_opt("media-connect-timeout", args.media_connect_timeout),
+            *_opt("media-fetch-timeout", args.media_fetch_timeout),
+            *_opt("media-fetch-retries", args.media_fetch_retries),
         ],
         "frontend": [
             *common, "--mm-worker-endpoint", mm_worker,
             "--output-endpoint", ipc("frontend-0", run_dir),
             "--host", args.host, "--port", str(args.port),
+            "--http-host", args.http_host, "--http-port", str(args.http_port),
+            *_opt("http-max-body-bytes", args.http_max_body_bytes),
             *_opt("tokenizer-workers", args.tokenizer_workers),
             *_opt("max-images-per-request", args.max_images_per_request),
             *_opt("request-timeout", args.request_timeout),
@@ -109,8 +123,10 @@ def serve(args: argparse.Namespace) -> int:
                                args.startup_timeout, stop)
         if stop.is_set():
             return 0
+        http = f", HTTP API http://{args.http_host}:{args.http_port}/v1" if args.http_port else ""
         print(
-            f"mmlane ready: client endpoint tcp://{args.host}:{args.port} (model {model_dir})",
+            f"mmlane ready: client endpoint tcp://{args.host}:{args.port}{http} "
+            f"(model {model_dir})",
             flush=True,
         )
         return _watch(children, stop, log)

@@ -18,6 +18,9 @@ from services.launcher import Child, start_roles, stop_all
 REPO = Path(__file__).resolve().parent.parent
 # Every test process and child shares one model cache, kept in an ignored folder of the repo.
 os.environ.setdefault("MMLANE_HOME", str(REPO / ".mmlane"))
+# Frontends started by tests serve no HTTP API unless a test asks for one with --http-port:
+# the default port 8000 would clash between concurrent frontends and concurrent test runs.
+os.environ.setdefault("MMLANE_HTTP_PORT", "0")
 
 
 def free_port() -> int:

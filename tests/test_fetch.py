@@ -5,20 +5,15 @@ No test connects anywhere but 127.0.0.1: refused addresses are refused before an
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from aiohttp import web
 
-from media import encode, make_image
+from image_server import PNG, ImageServer
 from protocol.errors import RequestError
 from services.mm_worker.fetch import FetchPolicy, MediaFetcher, address_class, check_url
-
-PNG = encode(make_image(32, 32), "PNG")
 
 
 @pytest.mark.parametrize(
@@ -69,71 +64,6 @@ def test_refused_urls_name_the_rule(url: str, policy: FetchPolicy, match: str) -
 )
 def test_allowed_urls_pass(url: str, policy: FetchPolicy) -> None:
     check_url(url, policy)
-
-
-# ---------------------------------------------------------------- a loopback image server
-
-
-class ImageServer:
-    """An aiohttp server on 127.0.0.1 in its own thread, with routes that misbehave on purpose."""
-
-    def __init__(self) -> None:
-        self.hits: dict[str, int] = {}
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        started = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True,
-                                       name="image-server")
-        self.thread.start()
-        started.wait(10)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        app.router.add_get("/{name}", self._handle)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        started.set()
-        self.loop.run_forever()
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["name"]
-        self.hits[name] = self.hits.get(name, 0) + 1
-        if name == "image.png":
-            return web.Response(body=PNG, content_type="image/png")
-        if name == "to-metadata":
-            raise web.HTTPFound("http://169.254.169.254/latest/meta-data")
-        if name == "to-image":
-            raise web.HTTPFound("/image.png")
-        if name == "loop":
-            raise web.HTTPFound("/loop")
-        if name == "huge-chunked":  # no Content-Length: the cap must hold while streaming
-            response = web.StreamResponse()
-            response.enable_chunked_encoding()
-            await response.prepare(request)
-            for _ in range(64):
-                await response.write(b"\0" * 16384)
-            return response
-        if name == "huge-declared":
-            return web.Response(body=b"\0" * 2_000_000)
-        if name == "never-answers":
-            await asyncio.sleep(3600)
-        if name == "flaky" and self.hits[name] < 3:
-            raise web.HTTPServiceUnavailable()
-        if name == "flaky":
-            return web.Response(body=PNG)
-        raise web.HTTPNotFound()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import zmq
 from PIL import Image, ImageOps
 
 from conftest import role_log, start_role, stop_role
+from image_server import PNG, ImageServer
 from media import data_uri, encode, noise_image, png_uri
 from protocol.codec import Codec
 from protocol.errors import RequestError
@@ -351,7 +353,7 @@ BAD_IMAGES: list[tuple[str, Callable[[Path], str], str, str]] = [
     ("file-is-a-folder", lambda media: (media / "folder").as_uri(), "invalid_image",
      r"^image 0: .*/folder is not a regular file"),
     ("http-scheme", lambda _: "http://example.com/cat.png", "media_not_allowed",
-     r"^image 0: 'http' URLs are not supported"),
+     r"^image 0: http: image URLs are not allowed \(allowed with --allow-http-media\)"),
     ("over-max-pixels", lambda _: png_uri(Image.new("RGB", (2100, 2000))),
      "image_too_large",
      rf"^image 0: 2100x2000 is 4200000 pixels, more than max_image_pixels {MAX_IMAGE_PIXELS}"),
@@ -591,3 +593,91 @@ class TestRender:
         self, ids: list[int], lengths: list[int], offsets: list[int]
     ) -> None:
         assert placeholder_offsets(ids, 9, lengths) == offsets
+
+
+# ---------------------------------------------------------------- end to end: http(s) image URLs
+
+
+FETCH_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[ImageServer]:
+    server = ImageServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def fetching_worker(module_run_dir: Path, qwen_dir: Path, peers: Peers) -> Iterator[Child]:
+    """A worker allowed to fetch from the loopback server (plain http, an internal address)."""
+    worker = start_worker(
+        "mm-worker-fetching", module_run_dir, qwen_dir, peers.engine_endpoint,
+        "--allow-http-media", "--allow-internal-media", "--max-image-bytes", "1000000",
+        "--media-fetch-timeout", str(FETCH_TIMEOUT_S), "--media-fetch-retries", "0",
+    )
+    yield worker
+    assert stop_role(worker) == 0, role_log(worker)
+
+
+class TestFetchedImages:
+    def test_an_image_by_url_is_fetched_and_rendered(
+        self, fetching_worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any,
+        image_server: ImageServer,
+    ) -> None:
+        job = jobs.job(image_server.url("/image.png"))
+        peers.send(fetching_worker, job)
+        got, frames = peers.next_request()
+        assert_rendered(preprocessor, job, [rgb_from(PNG)], got, frames)
+
+    def test_jobs_behind_a_slow_fetch_keep_their_order(
+        self, fetching_worker: Child, peers: Peers, jobs: Jobs, image_server: ImageServer,
+    ) -> None:
+        slow = jobs.job(image_server.url("/slow.png?first"))
+        inline = jobs.job(png_uri(noise_image(40, 40)))
+        slow_too = jobs.job(image_server.url("/slow.png?second"))
+        peers.send(fetching_worker, slow, inline, slow_too)
+        arrived = [peers.next_request()[0].request_id for _ in range(3)]
+        assert arrived == [slow.request_id, inline.request_id, slow_too.request_id]
+        # fetched ahead: the third job's fetch began while the head's was still running
+        assert image_server.events.index("start /slow.png?second") < (
+            image_server.events.index("end /slow.png?first")
+        )
+
+    @pytest.mark.parametrize(
+        "path, code, pattern",
+        [
+            ("/to-metadata", "media_not_allowed",
+             r"^image 0: 169.254.169.254 resolves to link-local address 169.254.169.254"),
+            ("/huge-chunked", "image_too_large",
+             r"^image 0: image at .*/huge-chunked is larger than the 1000000-byte fetch limit"),
+            ("/never-answers", "fetch_failed",
+             rf"^image 0: fetching .*/never-answers took longer than {FETCH_TIMEOUT_S} s"),
+            ("/missing", "fetch_failed", r"^image 0: fetching .*/missing: HTTP 404"),
+        ],
+        ids=["redirect-to-link-local", "body-over-cap-chunked", "never-answers", "not-found"],
+    )
+    def test_a_refused_or_failed_fetch_fails_its_job_alone(
+        self, fetching_worker: Child, peers: Peers, jobs: Jobs, image_server: ImageServer,
+        path: str, code: str, pattern: str,
+    ) -> None:
+        bad = jobs.job(image_server.url(path))
+        good = jobs.job(png_uri(noise_image(40, 40)))
+        started = time.monotonic()
+        peers.send(fetching_worker, bad, good)
+        failure = peers.next_failure()
+        assert failure.request_id == bad.request_id
+        assert (failure.error.kind, failure.error.code) == ("request", code), failure.error
+        assert re.search(pattern, failure.error.message), failure.error.message
+        assert time.monotonic() - started < FETCH_TIMEOUT_S + 5
+        assert peers.next_request()[0].request_id == good.request_id
+        peers.assert_quiet()
+
+    def test_https_only_by_default(
+        self, worker: Child, peers: Peers, jobs: Jobs, image_server: ImageServer,
+    ) -> None:
+        bad = jobs.job(image_server.url("/image.png"))
+        peers.send(worker, bad)
+        failure = peers.next_failure()
+        assert failure.error.code == "media_not_allowed"
+        assert "allowed with --allow-http-media" in failure.error.message

@@ -44,7 +44,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
     max_queued_requests: int = 1024
     """Requests held at once; above it new ones get an 'overloaded' error."""
-    prefill_chunk_tokens: int = 128
+    prefill_chunk_tokens: int = 64
     """The most tokens one unit of work puts through the model: a prompt is prefilled in chunks
     of at most this many tokens, and an image's vision-encoder pass runs in slices of at most
     this many image tokens' worth of patches. Smaller bounds how long a text request can wait
@@ -85,9 +85,34 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     it); 0 turns the feature cache off for this worker."""
     mm_hash: Literal["blake3", "sha256"] = "blake3"
     """The hash that names an image in the caches (sha256 where FIPS requires it)."""
+    allowed_media_schemes: list[str] = msgspec.field(default_factory=lambda: ["data", "https"])
+    """URL schemes image URLs may use: any of data, https, http (file:// has its own rule,
+    `allowed_media_dir`)."""
+    allowed_media_domains: list[str] = []
+    """When set, http(s) image hosts must be one of these domains or a subdomain of one."""
+    allow_internal_media: bool = False
+    """Allow image URLs that resolve to loopback or private addresses (link-local, multicast
+    and reserved addresses stay refused)."""
+    media_max_redirects: int = 3
+    """Redirects followed when fetching an image; each target is checked again."""
+    media_connect_timeout_s: float = 5.0
+    """Seconds to open one connection to an image's host."""
+    media_fetch_timeout_s: float = 20.0
+    """Seconds one image fetch may take in all, retries included."""
+    media_fetch_retries: int = 2
+    """Retries, with backoff, after a timeout or a 5xx answer (never after another error)."""
+    fetch_ahead_jobs: int = 64
+    """Jobs received ahead of the one being processed, so their image fetches start early."""
 
     def __post_init__(self) -> None:
         capacity_bytes(self.mm_cache_gb)
+        unknown = set(self.allowed_media_schemes) - {"data", "https", "http"}
+        if unknown:
+            raise ValueError(f"allowed_media_schemes: unknown scheme(s) {sorted(unknown)} "
+                             "(choose from data, https, http)")
+        _positive(self, "media_connect_timeout_s", "media_fetch_timeout_s", "fetch_ahead_jobs")
+        if self.media_max_redirects < 0 or self.media_fetch_retries < 0:
+            raise ValueError("media_max_redirects and media_fetch_retries must be 0 or more")
         self.job_endpoint = self.job_endpoint or ipc("mm-worker")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
         _positive(self, "max_image_pixels", "max_image_bytes")
@@ -112,8 +137,17 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A request without its terminal reply after this long gets a 'timeout' error."""
     max_inflight_requests: int = 1024
     """Requests held at once; above it new ones get an 'overloaded' error."""
+    http_host: str = DEFAULT_HOST
+    """Where the OpenAI-compatible HTTP API listens."""
+    http_port: int = 8000
+    """Port of the HTTP API; 0 disables it."""
+    http_max_body_bytes: int = 128 * 1024 * 1024
+    """Largest HTTP request body accepted (inline images included); larger gets a 413."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be 0 (off) or a port number, got {self.http_port}")
+        _positive(self, "http_max_body_bytes")
         self.client_endpoint = self.client_endpoint or client_endpoint()
         self.output_endpoint = self.output_endpoint or ipc(f"frontend-{os.getpid()}")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")

@@ -127,9 +127,10 @@ class Qwen2VLAdapter(Adapter):
     def vision_pass(
         self, tensors: Mapping[str, np.ndarray], slice_tokens: int | None
     ) -> VisionPass:
-        if not self.sliced_vision or slice_tokens is None:
-            return super().vision_pass(tensors, slice_tokens)
-        return VisionPass(self._sliced(tensors, rows=slice_tokens * self.merge**2))
+        rows = None if slice_tokens is None else slice_tokens * self.merge**2
+        if not self.sliced_vision or rows is None or rows >= len(tensors["pixel_values"]):
+            return super().vision_pass(tensors, slice_tokens)  # one slice: the model's own call
+        return VisionPass(self._sliced(tensors, rows=rows))
 
     def _sliced(self, tensors: Mapping[str, np.ndarray], rows: int) -> Slices:
         """Qwen2VisionTransformerPretrainedModel.forward for one image, `rows` patches a slice."""

@@ -7,6 +7,11 @@ The I/O loop, in order, each turn:
   4. fail requests whose deadline passed.
 Every accepted request is held in `_inflight` until exactly one terminal reply has gone out.
 
+The OpenAI-compatible HTTP API (`http_api.HttpApi`, its own thread and event loop) is one more
+client of this loop: it connects to the client ROUTER over inproc and sends native requests, so
+every request, whichever API it came by, goes through the same checks, deadlines and replies.
+A `CancelChat` (an HTTP client that went away) drops the request and aborts it in the engine.
+
 The mirrored feature cache needs three things from the frontend: it passes the newest engine
 cache epoch it has seen (from any engine reply) to the MM workers, on every job and in an
 `EngineEpoch` notice when it changes; it resends a job once, to the same MM worker, when the
@@ -34,6 +39,7 @@ from protocol.errors import CacheMissError, ErrorInfo, MMLaneError, RequestError
 from protocol.messages import (
     AbortRequests,
     CacheReset,
+    CancelChat,
     ChatError,
     ChatOutput,
     ChatRequest,
@@ -50,12 +56,15 @@ from protocol.messages import (
 )
 from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
+from services.frontend.http_api import HttpApi
 from services.frontend.requests import CheckedRequest, check_request
 from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50
+_STALLED_S = 5.0
+"""An I/O loop that has not turned for this long makes /health answer 503."""
 
 
 @dataclass
@@ -104,6 +113,21 @@ class Frontend:
         self._pool = ThreadPoolExecutor(
             config.tokenizer_workers, thread_name_prefix="frontend-tokenizer"
         )
+        self._last_turn = time.monotonic()
+        self.http: HttpApi | None = None
+        if config.http_port:
+            self.http = HttpApi(
+                ctx=self._ctx, client_endpoint=self._http_endpoint, host=config.http_host,
+                port=config.http_port, model_id=self._pre.model_id,
+                max_body_bytes=config.http_max_body_bytes,
+                alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
+            )
+            try:
+                self.http.start()
+            except Exception:
+                self._pool.shutdown(wait=False)
+                self._ctx.destroy(linger=0)
+                raise
 
     def _open_sockets(self) -> None:
         c = self.config
@@ -119,6 +143,8 @@ class Frontend:
         self._next_worker = itertools.cycle(range(len(self._mm_workers)))
         # The client socket binds last: once clients can reach us, everything else is ready.
         self._client = make_socket(self._ctx, zmq.ROUTER, c.client_endpoint, bind=True)
+        self._http_endpoint = f"inproc://frontend-http-{self._prefix}"
+        self._client.bind(self._http_endpoint)  # the HTTP API's way in
 
     # ------------------------------------------------------------------ the I/O loop
 
@@ -127,6 +153,7 @@ class Frontend:
         for sock in (self._client, self._wake, self._output):
             poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
+            self._last_turn = time.monotonic()
             ready = dict(poller.poll(_POLL_MS))
             if self._client in ready:
                 self._read_clients()
@@ -153,6 +180,9 @@ class Frontend:
             return
         if isinstance(request, ResetCache):
             self._reset_cache(client, request)
+            return
+        if isinstance(request, CancelChat):
+            self._cancel(client, request.request_id)
             return
         try:
             checked = self._admit(request)
@@ -365,6 +395,25 @@ class Frontend:
         pending = self._inflight.pop(request_id)
         self._reply(pending.client, ChatError(request_id=pending.client_request_id, error=error))
 
+    def _cancel(self, client: bytes, client_request_id: str) -> None:
+        """The client no longer waits: drop the request here and abort it in the engine."""
+        found = [rid for rid, p in self._inflight.items()
+                 if p.client == client and p.client_request_id == client_request_id]
+        for request_id in found:
+            del self._inflight[request_id]
+            self.counters["cancelled"] += 1
+        if found:
+            self._abort(found)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Tell the engine to drop these requests (ones it has not received expire there)."""
+        try:
+            abort = AbortRequests(request_ids=request_ids)
+            self._engine.send_multipart(self._client_codec.encode(abort), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("engine queue full: not aborting %d requests (the engine drops them "
+                        "by their deadline)", len(request_ids))
+
     def _expire(self, now: float) -> None:
         expired = [rid for rid, p in self._inflight.items() if p.deadline <= now]
         for request_id in expired:
@@ -376,14 +425,7 @@ class Frontend:
                 ),
             )
         if expired:  # the engine frees them now; ones it has not yet received expire on arrival
-            try:
-                abort = AbortRequests(request_ids=expired)
-                self._engine.send_multipart(
-                    self._client_codec.encode(abort), zmq.NOBLOCK, copy=False
-                )
-            except zmq.Again:
-                log.warning("engine queue full: not aborting %d expired requests (the engine "
-                            "drops them by their deadline)", len(expired))
+            self._abort(expired)
 
     def _reply(self, client: bytes, message: ChatOutput | ChatError | CacheReset) -> None:
         try:
@@ -395,5 +437,7 @@ class Frontend:
 
     def close(self) -> None:
         log.info("counters %s", json.dumps(self.counters, sort_keys=True))
+        if self.http is not None:
+            self.http.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._ctx.destroy(linger=500)

@@ -12,8 +12,10 @@ request to it once the request is sent (`SenderCache.commit`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
+from collections.abc import Mapping
 
 from msgspec.structs import replace
 
@@ -41,9 +43,16 @@ class JobRenderer:
         self.media = media
         self.cache = cache
         self.hasher = hasher
+        self._fetches: Mapping[int, concurrent.futures.Future[bytes]] = {}
 
-    def render(self, job: MMJob) -> EngineRequest:
-        """The job's EngineRequest; raises RequestError (or any error) for this job alone."""
+    def render(
+        self, job: MMJob, fetches: Mapping[int, concurrent.futures.Future[bytes]] | None = None,
+    ) -> EngineRequest:
+        """The job's EngineRequest; raises RequestError (or any error) for this job alone.
+
+        `fetches` holds the started fetches of the job's http(s) images, by image index.
+        """
+        self._fetches = fetches or {}
         pre = self.preprocessor
         check_job(job, image_token_id=pre.image_token_id, max_context=pre.max_context)
         if self.cache.see_engine_epoch(job.engine_epoch):
@@ -80,7 +89,7 @@ class JobRenderer:
         """The encoded bytes, when the hash needs them or the cache is off (else None)."""
         if image.uuid is not None and self._hashing:
             return None
-        return load_image_bytes(image.url, index, self.media)
+        return load_image_bytes(image.url, index, self.media, self._fetches.get(index))
 
     def _hash(self, image: ImageUrl, data: bytes | None) -> str:
         if not self._hashing:
@@ -109,7 +118,8 @@ class JobRenderer:
             else:
                 data = loaded[index]
                 if data is None:
-                    data = load_image_bytes(job.images[index].url, index, self.media)
+                    data = load_image_bytes(job.images[index].url, index, self.media,
+                                            self._fetches.get(index))
                 image = PreparedImage.processed(mm_hash, self.process_image(index, data))
             if mm_hash:
                 earlier[mm_hash] = image

@@ -1,6 +1,8 @@
 """Reading an image's bytes and decoding them to RGB: where foreign errors become ours.
 
-    load_image_bytes(url, index, policy)   data:image/...;base64 URI or allow-listed file:// path
+    load_image_bytes(url, index, policy, fetched)
+                                           data:image/...;base64 URI, allow-listed file:// path,
+                                           or the result of an http(s) fetch started earlier
     decode_image(data, index, max_pixels)  encoded bytes -> upright RGB PIL image
 
 Every failure here is the request's fault and leaves as a `RequestError` whose message starts
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import io
 import os
 import stat
@@ -41,6 +44,8 @@ class MediaPolicy:
     """Resolved folder that file:// paths must stay inside; None refuses file:// URLs."""
     max_image_bytes: int
     max_image_pixels: int
+    allowed_schemes: frozenset[str] = frozenset({"data", "https"})
+    """Schemes allowed besides file:// (data, https, http)."""
 
     @classmethod
     def from_config(cls, config: MMWorkerConfig) -> MediaPolicy:
@@ -49,7 +54,14 @@ class MediaPolicy:
             allowed_media_dir=Path(os.path.realpath(folder)) if folder is not None else None,
             max_image_bytes=config.max_image_bytes,
             max_image_pixels=config.max_image_pixels,
+            allowed_schemes=frozenset(config.allowed_media_schemes),
         )
+
+
+def is_fetched(url: str) -> bool:
+    """Whether this URL is fetched over the network (http or https)."""
+    scheme = url.partition(":")[0].lower()
+    return scheme in ("http", "https")
 
 
 def configure_pillow(max_image_pixels: int) -> None:
@@ -65,20 +77,43 @@ def configure_pillow(max_image_pixels: int) -> None:
 # ---------------------------------------------------------------- reading the bytes
 
 
-def load_image_bytes(url: str, index: int, policy: MediaPolicy) -> bytes:
-    """The encoded bytes an image URL points to; raises RequestError naming the image."""
+def load_image_bytes(
+    url: str, index: int, policy: MediaPolicy,
+    fetched: concurrent.futures.Future[bytes] | None = None,
+) -> bytes:
+    """The encoded bytes an image URL points to; raises RequestError naming the image.
+
+    An http(s) URL's bytes come from `fetched`, the fetch the worker started when the job
+    arrived (`MediaFetcher.submit`); waiting on it here is waiting for this job's own image.
+    """
     scheme, colon, _ = url.partition(":")
     scheme = scheme.lower() if colon else ""
-    if scheme == "data":
-        return _read_data_uri(url, index, policy.max_image_bytes)
     if scheme == "file":
         return _read_file_url(url, index, policy)
+    if scheme in ("data", "https", "http") and scheme not in policy.allowed_schemes:
+        hint = " (allowed with --allow-http-media)" if scheme == "http" else ""
+        allowed = ", ".join(sorted(policy.allowed_schemes)) or "none"
+        raise RequestError(
+            f"image {index}: {scheme}: image URLs are not allowed{hint} (allowed: {allowed})",
+            code="media_not_allowed",
+        )
+    if scheme == "data":
+        return _read_data_uri(url, index, policy.max_image_bytes)
+    if scheme in ("https", "http") and fetched is not None:
+        return _fetched_bytes(fetched, index)
     shown = f"{_shorten(scheme, 20)!r} URLs are" if scheme else "a URL without a scheme is"
     raise RequestError(
-        f"image {index}: {shown} not supported; send a data:image/<format>;base64,... URI "
-        "or a file:// path",
+        f"image {index}: {shown} not supported; send a data:image/<format>;base64,... URI, "
+        "an http(s) URL or a file:// path",
         code="media_not_allowed",
     )
+
+
+def _fetched_bytes(fetched: concurrent.futures.Future[bytes], index: int) -> bytes:
+    try:
+        return fetched.result()
+    except RequestError as exc:  # the fetcher's message does not know the image's position
+        raise RequestError(f"image {index}: {exc.message}", code=exc.code) from exc
 
 
 def _read_data_uri(url: str, index: int, max_bytes: int) -> bytes:

@@ -3,14 +3,21 @@
     frontend ──MMJob──▶ job socket (PULL, bound) ──▶ loop ──EngineRequest──▶ engine (PUSH)
                                                       └──RequestFailed──▶ the job's `reply_to`
 
-One thread does everything, one job at a time, so jobs leave in the order they arrived: the
-order the sender cache relies on, since each request is committed to it right after its send.
+One thread processes one job at a time, so jobs leave in the order they arrived: the order the
+sender cache relies on, since each request is committed to it right after its send. So that a
+slow image server never holds up the jobs behind it, jobs are received eagerly into a bounded
+local queue (`fetch_ahead_jobs`) and the fetches of their http(s) images start on arrival
+(`MediaFetcher`, its own thread); the loop then takes the head, waiting only for the head's own
+fetches, and processes and commits strictly in arrival order. Engine-epoch notices wait in the
+same queue, so they apply in their turn.
 A job's bad input fails that job alone, with a clear error sent to its frontend; an unreadable
 message on the job socket is counted, logged and dropped.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 import logging
 import socket
@@ -37,8 +44,9 @@ from services.common.config import MMWorkerConfig
 from services.common.feature_cache import capacity_bytes
 from services.common.sockets import ReplySockets, make_socket
 from services.mm_worker.cache import ImageHasher, SenderCache
+from services.mm_worker.fetch import FetchPolicy, MediaFetcher
 from services.mm_worker.jobs import JobRenderer
-from services.mm_worker.media import MediaPolicy, configure_pillow
+from services.mm_worker.media import MediaPolicy, configure_pillow, is_fetched
 from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ ENGINE_SEND_HWM = 8
 """Rendered requests queued toward the engine before the loop waits. Kept small: one 12 MP
 photo is about 300 MB of float32 pixel values, held until ZMQ has sent it (copy=False)."""
 SLOW_ENGINE_WARNING_S = 5.0
+HEAD_WAIT_MS = 5
+"""While the head job waits for its fetches, how often the loop also takes in new jobs."""
 
 
 @dataclass
@@ -62,6 +72,19 @@ class MMWorkerCounters:
     invalid_messages: int = 0
     failed: dict[str, int] = field(default_factory=dict)
     """Failed jobs by error code."""
+    fetches: int = 0
+    """http(s) image fetches started."""
+
+
+@dataclass
+class PendingJob:
+    """A received job and the fetches of its http(s) images, by image index."""
+
+    job: MMJob
+    fetches: dict[int, concurrent.futures.Future[bytes]]
+
+    def ready(self) -> bool:
+        return all(fetch.done() for fetch in self.fetches.values())
 
 
 class MMWorker:
@@ -95,6 +118,17 @@ class MMWorker:
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              self.preprocessor.image_processor.to_dict())
         self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher)
+        self.fetcher = MediaFetcher(fetch_policy(config))
+        policy = self.fetcher.policy
+        log.info(
+            "image URL schemes %s; fetch domains %s, internal addresses %s, %d redirects, "
+            "timeouts %.1f s connect / %.1f s total, %d retries",
+            ",".join(sorted(self.media.allowed_schemes)) or "none",
+            ",".join(policy.allowed_domains) or "any",
+            "allowed" if policy.allow_internal else "refused", policy.max_redirects,
+            policy.connect_timeout_s, policy.total_timeout_s, policy.retries,
+        )
+        self._queue: collections.deque[PendingJob | EngineEpoch] = collections.deque()
         log.info(
             "model %s (%s), engine at %s, file:// %s, feature cache %s",
             self.preprocessor.model_id, self.preprocessor.family.name, config.engine_endpoint,
@@ -107,22 +141,25 @@ class MMWorker:
         """Run the FIFO loop until `stop` is set."""
         threading.current_thread().name = "mm-worker-fifo"
         while not stop.is_set():
-            job = self._next_job()  # 1. take the next job, in arrival order
-            if job is None:
+            self._receive()  # 1. take in arriving jobs; their image fetches start now
+            head = self._ready_head()  # 2. the oldest job, once its own fetches are done
+            if head is None:
                 continue
             try:
-                # 2. load, hash, look up the sender cache, decode and process the misses
-                request = self.renderer.render(job)
+                # 3. load, hash, look up the sender cache, decode and process the misses
+                request = self.renderer.render(head.job, head.fetches)
             except Exception as exc:
-                self._fail(job, exc)
+                self._fail(head.job, exc)
                 continue
-            if self._send(job, request, stop):  # 3. send one EngineRequest to the engine
-                self.cache.commit(request)  # 4. commit it to the sender cache, in send order
+            if self._send(head.job, request, stop):  # 4. send one EngineRequest to the engine
+                self.cache.commit(request)  # 5. commit it to the sender cache, in send order
+        self._fail_queued()
 
     def close(self) -> None:
         """Close every socket (flushing within their linger) and the context."""
         counters = {**asdict(self.counters), **self.cache.counters}
         log.info("counters %s", json.dumps(counters, sort_keys=True))
+        self.fetcher.close()
         self._replies.close()
         self._engine.close()
         self._jobs.close()
@@ -130,10 +167,63 @@ class MMWorker:
 
     # ------------------------------------------------------------ the steps
 
-    def _next_job(self) -> MMJob | None:
-        """The next job; an engine-epoch notice in between is applied here, in its turn."""
-        if not self._jobs.poll(POLL_MS):
-            return None
+    def _receive(self) -> None:
+        """Take in the jobs that have arrived, up to `fetch_ahead_jobs` held, starting their
+        fetches; waits up to POLL_MS when idle, HEAD_WAIT_MS while the head fetches."""
+        head = self._queue[0] if self._queue else None
+        wait_ms = POLL_MS if head is None else HEAD_WAIT_MS
+        if isinstance(head, EngineEpoch) or (head is not None and head.ready()):
+            wait_ms = 0
+        if len(self._queue) >= self.config.fetch_ahead_jobs:
+            if isinstance(head, PendingJob):  # full: the head's fetches are all we wait for
+                concurrent.futures.wait(list(head.fetches.values()), timeout=POLL_MS / 1e3)
+            return
+        if not self._jobs.poll(wait_ms):
+            return
+        while len(self._queue) < self.config.fetch_ahead_jobs:
+            message = self._next_message()
+            if message is not None:
+                self._queue.append(message)
+            if not self._jobs.poll(0):
+                return
+
+    def _ready_head(self) -> PendingJob | None:
+        """Pop the head once it can be processed; an engine-epoch notice is applied here."""
+        while self._queue:
+            head = self._queue[0]
+            if isinstance(head, PendingJob):
+                if not head.ready():
+                    return None
+                self._queue.popleft()
+                return head
+            self._queue.popleft()
+            if self.cache.see_engine_epoch(head.engine_epoch):
+                log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
+                         head.engine_epoch, self.cache.epoch)
+        return None
+
+    def _start_fetches(self, job: MMJob) -> PendingJob:
+        fetches: dict[int, concurrent.futures.Future[bytes]] = {}
+        for index, image in enumerate(job.images):
+            scheme = image.url.partition(":")[0].lower()
+            if is_fetched(image.url) and scheme in self.media.allowed_schemes:
+                fetches[index] = self.fetcher.submit(image.url)
+                self.counters.fetches += 1
+        return PendingJob(job, fetches)
+
+    def _fail_queued(self) -> None:
+        """On stop: every job still queued gets its terminal error."""
+        while self._queue:
+            head = self._queue.popleft()
+            if isinstance(head, PendingJob):
+                for fetch in head.fetches.values():
+                    fetch.cancel()
+                self._fail(head.job, RetryableError(
+                    "the MM worker stopped before processing the request", code="overloaded"
+                ))
+
+    def _next_message(self) -> PendingJob | EngineEpoch | None:
+        """The next message on the job socket (None: invalid, dropped)."""
         frames = self._jobs.recv_multipart(copy=False)
         try:
             message = self._job_codec.decode(frames)
@@ -145,12 +235,9 @@ class MMWorker:
             )
             return None
         if isinstance(message, EngineEpoch):
-            if self.cache.see_engine_epoch(message.engine_epoch):
-                log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
-                         message.engine_epoch, self.cache.epoch)
-            return None
+            return message
         self.counters.jobs += 1
-        return message
+        return self._start_fetches(message)
 
     def _send(self, job: MMJob, request: EngineRequest, stop: threading.Event) -> bool:
         """Hand the request to the engine, waiting (stop-aware) while the engine is behind;
@@ -186,3 +273,17 @@ class MMWorker:
             self._replies.send(job.reply_to, self._reply_codec.encode(reply))
         except zmq.ZMQError as exc:  # e.g. a reply_to that is not a valid address
             log.warning("cannot reply to %r for request %s: %s", job.reply_to, job.request_id, exc)
+
+
+def fetch_policy(config: MMWorkerConfig) -> FetchPolicy:
+    """The URL policy of http(s) image fetches, from the worker's settings."""
+    return FetchPolicy(
+        allowed_schemes=frozenset(config.allowed_media_schemes) & {"http", "https"},
+        allowed_domains=tuple(d.lower().strip(".") for d in config.allowed_media_domains),
+        allow_internal=config.allow_internal_media,
+        max_redirects=config.media_max_redirects,
+        connect_timeout_s=config.media_connect_timeout_s,
+        total_timeout_s=config.media_fetch_timeout_s,
+        max_bytes=config.max_image_bytes,
+        retries=config.media_fetch_retries,
+    )

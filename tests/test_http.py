@@ -1,0 +1,365 @@
+"""The OpenAI-compatible HTTP API, end to end through `mmlane serve`, with the `openai` client.
+
+Images by URL come from a loopback server, allowed here by --allow-http-media and
+--allow-internal-media; nothing connects anywhere but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import zmq
+
+from conftest import REPO, free_port, role_log, start_role, stop_role
+from image_server import ImageServer
+from media import make_image, png_uri
+from protocol.codec import Codec
+from protocol.messages import AbortRequests, EngineInput, EngineRequest
+
+FETCH_TIMEOUT_S = 3.0
+MAX_BODY_BYTES = 4_000_000
+
+
+@dataclass
+class Server:
+    base_url: str
+    model: str
+    log_path: Path
+    process: subprocess.Popen
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[ImageServer]:
+    server = ImageServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
+    http_port = free_port()
+    log_path = module_run_dir / "serve.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", "--model", str(qwen_dir),
+             "--port", str(free_port()), "--http-port", str(http_port),
+             "--run-dir", str(module_run_dir / "run"), "--max-images-per-request", "2",
+             "--allow-http-media", "--allow-internal-media", "--max-image-bytes", "1000000",
+             "--media-fetch-timeout", str(FETCH_TIMEOUT_S), "--media-fetch-retries", "0",
+             "--http-max-body-bytes", str(MAX_BODY_BYTES)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        )
+    served = Server(f"http://127.0.0.1:{http_port}/v1", qwen_dir.name, log_path, process)
+    deadline = time.monotonic() + 180
+    while not _healthy(http_port):
+        assert process.poll() is None, f"serve exited: {served.log()}"
+        assert time.monotonic() < deadline, f"serve did not start: {served.log()}"
+        time.sleep(0.2)
+    yield served
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0, served.log()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+def user(text: str, *image_urls: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}}
+                                   for url in image_urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def chat(client: openai.OpenAI, server: Server, messages: list[dict[str, Any]],
+         **kw: Any) -> Any:
+    kw.setdefault("max_tokens", 6)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=server.model, messages=messages, **kw)
+
+
+def streamed(client: openai.OpenAI, server: Server, messages: list[dict[str, Any]],
+             **kw: Any) -> tuple[str, list[Any]]:
+    chunks = list(chat(client, server, messages, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+# ---------------------------------------------------------------- answers
+
+
+class TestAnswers:
+    def test_models_lists_the_served_model(self, client: openai.OpenAI, server: Server) -> None:
+        assert [m.id for m in client.models.list()] == [server.model]
+
+    def test_text_chat(self, client: openai.OpenAI, server: Server) -> None:
+        completion = chat(client, server, [{"role": "user", "content": "Hello there"}])
+        [choice] = completion.choices
+        assert completion.object == "chat.completion"
+        assert completion.model == server.model
+        assert choice.message.role == "assistant"
+        assert isinstance(choice.message.content, str) and choice.message.content
+        assert choice.finish_reason in ("stop", "length")
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens <= 6
+        assert completion.usage.total_tokens == (
+            completion.usage.prompt_tokens + completion.usage.completion_tokens
+        )
+
+    def test_streaming_gives_the_same_text_in_chunks(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Tell me about lanes."}]
+        whole = chat(client, server, messages).choices[0].message.content
+        text, chunks = streamed(client, server, messages,
+                                stream_options={"include_usage": True})
+        assert text == whole
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("stop", "length")
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 6
+        assert len({c.id for c in chunks}) == 1
+
+    def test_stream_ends_with_done(self, server: Server) -> None:
+        body = {"model": server.model, "stream": True, "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hi"}]}
+        events = _post(server, body)[1].decode().strip().split("\n\n")
+        assert events[-1] == "data: [DONE]"
+        assert all(e.startswith("data: {") for e in events[:-1])
+
+    def test_image_by_data_uri(self, client: openai.OpenAI, server: Server) -> None:
+        image = png_uri(make_image(64, 48, seed=3))
+        completion = chat(client, server, user("What is in it?", image))
+        assert completion.choices[0].message.content
+        text_only = chat(client, server, user("What is in it?"))
+        assert completion.usage.prompt_tokens > text_only.usage.prompt_tokens  # image tokens
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    def test_image_by_url(self, client: openai.OpenAI, server: Server,
+                          image_server: ImageServer, stream: bool) -> None:
+        url = image_server.url("/image.png")
+        if stream:
+            text, _ = streamed(client, server, user("Describe it.", url))
+        else:
+            text = chat(client, server, user("Describe it.", url)).choices[0].message.content
+        assert text
+
+    def test_health(self, server: Server) -> None:
+        with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/health") as r:
+            assert (r.status, json.load(r)) == (200, {"status": "ok"})
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _post(server: Server, body: Any, raw: bytes | None = None) -> tuple[int, bytes]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{server.base_url}/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+ERROR_CASES = [
+    # id, request fields, status, error code, message pattern
+    ("unknown-model", {"model": "gpt-9"}, 404, "model_not_found", "the model 'gpt-9' does not"),
+    ("no-messages", {"messages": []}, 400, "invalid_request", "messages: a non-empty list"),
+    ("bad-role", {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request",
+     r"messages\[0\]"),
+    ("n-above-1", {"n": 2}, 400, "invalid_request", "n: not supported"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "invalid_request", "tools: not supported"),
+    ("max-tokens-0", {"max_tokens": 0}, 400, "invalid_request", "max_tokens must be at least 1"),
+    ("bad-base64", {"messages": user("x", "data:image/png;base64,@@@")}, 400, "invalid_image",
+     "image 0: data URI is not valid base64"),
+    ("too-many-images", {"messages": user("x", *[png_uri(make_image(8, 8))] * 3)}, 400,
+     "too_many_images", "too many images: 3 in the request, at most 2"),
+    ("ftp-url", {"messages": user("x", "ftp://example.com/a.png")}, 400, "media_not_allowed",
+     "image 0: 'ftp' URLs are not supported"),
+]
+URL_ERROR_CASES = [
+    ("redirect-to-link-local", "/to-metadata", 400, "media_not_allowed",
+     "image 0: 169.254.169.254 resolves to link-local address"),
+    ("body-over-cap-chunked", "/huge-chunked", 413, "image_too_large",
+     "larger than the 1000000-byte fetch limit"),
+    ("over-cap-declared", "/huge-declared", 413, "image_too_large",
+     "larger than the 1000000-byte fetch limit"),
+    ("never-answers", "/never-answers", 400, "fetch_failed",
+     f"took longer than {FETCH_TIMEOUT_S} s"),
+    ("not-found", "/missing", 400, "fetch_failed", "HTTP 404"),
+]
+
+
+def _status_error(client: openai.OpenAI, server: Server | None,
+                  **fields: Any) -> openai.APIStatusError:
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    if server is not None:
+        fields.setdefault("model", server.model)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**fields)
+    return caught.value
+
+
+def _assert_error(error: openai.APIStatusError, status: int, code: str, pattern: str) -> None:
+    assert error.status_code == status, error.body
+    body = error.response.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert body["code"] == code
+    assert re.search(pattern, body["message"]), body["message"]
+    assert body["type"] == ("invalid_request_error" if status < 500 else "overloaded_error")
+
+
+class TestErrors:
+    @pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    def test_bad_requests(self, client: openai.OpenAI, server: Server, case: tuple,
+                          stream: bool) -> None:
+        _, fields, status, code, pattern = case
+        error = _status_error(client, server, stream=stream, **fields)
+        _assert_error(error, status, code, pattern)
+
+    @pytest.mark.parametrize("case", URL_ERROR_CASES, ids=[c[0] for c in URL_ERROR_CASES])
+    def test_refused_or_failed_image_urls(self, client: openai.OpenAI, server: Server,
+                                          image_server: ImageServer, case: tuple) -> None:
+        _, path, status, code, pattern = case
+        started = time.monotonic()
+        error = _status_error(client, server, messages=user("x", image_server.url(path)))
+        _assert_error(error, status, code, pattern)
+        assert time.monotonic() - started < FETCH_TIMEOUT_S + 10
+
+    def test_invalid_json(self, server: Server) -> None:
+        status, body = _post(server, None, raw=b"{not json")
+        assert status == 400
+        assert "not valid JSON" in json.loads(body)["error"]["message"]
+
+    def test_body_over_the_limit(self, server: Server) -> None:
+        status, body = _post(server, None, raw=b" " * (MAX_BODY_BYTES + 1))
+        assert status == 413
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+# ---------------------------------------------------------------- lanes and disconnects
+
+
+def test_a_hanging_image_fetch_does_not_delay_text(
+    client: openai.OpenAI, server: Server, image_server: ImageServer
+) -> None:
+    done: list[str] = []
+
+    def hanging() -> None:
+        with pytest.raises(openai.BadRequestError):
+            chat(client, server, user("x", image_server.url("/never-answers")))
+        done.append("image")
+
+    thread = threading.Thread(target=hanging, name="hanging-image")
+    thread.start()
+    time.sleep(0.3)  # the image request is in the MM worker, waiting on its fetch
+    chat(client, server, [{"role": "user", "content": "quick"}], max_tokens=2)
+    done.append("text")
+    thread.join(FETCH_TIMEOUT_S + 30)
+    assert done == ["text", "image"]
+
+
+def test_a_client_disconnect_cancels_the_request(
+    server: Server, image_server: ImageServer
+) -> None:
+    body = {"model": server.model, "messages": user("x", image_server.url("/slow.png")),
+            "max_tokens": 2}
+    request = urllib.request.Request(f"{server.base_url}/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(OSError):  # TimeoutError, or URLError wrapping it
+        urllib.request.urlopen(request, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while "went away: cancelling" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- a frontend with a silent engine
+
+
+@pytest.fixture
+def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, zmq.Socket]]:
+    """A frontend (HTTP API on, at most one request in flight, 2 s timeout) whose engine is this
+    test's socket: it receives and never answers."""
+    ctx = zmq.Context.instance()
+    engine = ctx.socket(zmq.PULL)
+    engine.setsockopt(zmq.LINGER, 0)
+    engine_endpoint = f"ipc://{run_dir}/engine.sock"
+    engine.bind(engine_endpoint)
+    http_port = free_port()
+    frontend = start_role("frontend", [
+        "--model", str(qwen_dir), "--engine-endpoint", engine_endpoint,
+        "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock", "--port", str(free_port()),
+        "--output-endpoint", f"ipc://{run_dir}/out.sock", "--request-timeout", "2",
+        "--max-inflight-requests", "1", "--http-port", str(http_port),
+    ], run_dir, log_dir=run_dir / "logs")
+    try:
+        yield f"http://127.0.0.1:{http_port}/v1", engine
+    finally:
+        assert stop_role(frontend) == 0, role_log(frontend)
+        engine.close()
+
+
+def _engine_message(engine: zmq.Socket) -> Any:
+    assert engine.poll(20_000), "nothing reached the engine"
+    return Codec(EngineInput).decode(engine.recv_multipart())
+
+
+def test_overload_timeout_and_disconnect_reach_the_engine(
+    silent_engine: tuple[str, zmq.Socket], qwen_dir: Path
+) -> None:
+    base_url, engine = silent_engine
+    hi = {"model": qwen_dir.name, "messages": [{"role": "user", "content": "hi"}]}
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as client:
+        outcome: list[openai.APIStatusError] = []
+        first = threading.Thread(
+            target=lambda: outcome.append(_status_error(client, None, **hi)), name="first")
+        first.start()
+        request = _engine_message(engine)  # the first is in flight: the second is refused
+        assert isinstance(request, EngineRequest)
+        _assert_error(_status_error(client, None, **hi), 503, "overloaded",
+                      "frontend overloaded: 1 requests in flight")
+        first.join(30)
+        _assert_error(outcome[0], 504, "timeout", "no reply within request_timeout_s=2")
+        assert isinstance(_engine_message(engine), AbortRequests)
+
+    post = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(hi).encode(),
+                                  headers={"Content-Type": "application/json"})
+    with pytest.raises(OSError):  # the client gives up before the (silent) engine answers
+        urllib.request.urlopen(post, timeout=0.5)
+    request = _engine_message(engine)
+    abort = _engine_message(engine)  # well before the 2 s deadline would have sent it
+    assert isinstance(abort, AbortRequests) and abort.request_ids == [request.request_id]

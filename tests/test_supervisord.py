@@ -1,0 +1,362 @@
+"""deploy/supervisord.conf under the real supervisord: two frontends, one MM worker, one engine.
+
+Each test `kill -9`s one role under mixed load and checks what the others say: supervisord
+starts it again, every request gets exactly one terminal reply (a result, or an error such as
+the timeout for work that died with the process), and the lanes serve again afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from media import jpeg_uri
+from protocol.errors import RetryableError
+from protocol.messages import ChatMessage
+from services.cli import build_parser
+from services.client import ChatResult, Client, user_message
+
+DEPLOY = REPO / "deploy"
+FRONTENDS = 2
+# Short, so that requests lost inside a killed process are answered (with a timeout) quickly.
+REQUEST_TIMEOUT_S = 10.0
+# The longest any wait in this file may take: a reply, a restart. A hang fails, never passes.
+PATIENCE_S = 60.0
+
+
+def _free_port_pair() -> int:
+    """A port P such that P and P+1 are both free on loopback (frontend ports follow on)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+@dataclass
+class Supervised:
+    """A running supervisord with deploy/supervisord.conf, and how to reach its programs."""
+
+    process: subprocess.Popen
+    env: dict[str, str]
+    ports: list[int]
+    log_dir: Path
+
+    def ctl(self, *args: str) -> str:
+        out = subprocess.run(
+            ["supervisorctl", "-s", f"unix://{self.env['MMLANE_RUN_DIR']}/supervisor.sock", *args],
+            env=self.env, capture_output=True, text=True, timeout=30,
+        )
+        return out.stdout + out.stderr
+
+    def status(self) -> dict[str, tuple[str, int | None]]:
+        """Program name -> (state, pid) as `supervisorctl status` reports them."""
+        programs: dict[str, tuple[str, int | None]] = {}
+        for line in self.ctl("status").splitlines():
+            parts = line.split()
+            if len(parts) < 2:
+                continue
+            pid = int(parts[3].rstrip(",")) if len(parts) > 3 and parts[2] == "pid" else None
+            programs[parts[0]] = (parts[1], pid)
+        return programs
+
+    def running_pid(self, program: str) -> int | None:
+        state, pid = self.status().get(program, ("ABSENT", None))
+        return pid if state == "RUNNING" else None
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"== {path.name}\n{path.read_text(errors='replace')[-3000:]}"
+            for path in sorted(self.log_dir.glob("*.log"))
+        )
+
+
+@pytest.fixture(scope="module")
+def supervised(module_run_dir: Path, qwen_dir: Path) -> Iterator[Supervised]:
+    if shutil.which("supervisord") is None or shutil.which("supervisorctl") is None:
+        pytest.skip("supervisord is not installed (pip install -e '.[test]' installs supervisor)")
+    base_port = _free_port_pair()
+    env = {
+        **os.environ,
+        "MMLANE_RUN_DIR": str(module_run_dir),
+        "MMLANE_LOG_DIR": str(module_run_dir / "log"),
+        "MMLANE_MODEL": str(qwen_dir),
+        "MMLANE_BIN": f"{shlex.quote(sys.executable)} -m services.cli",
+        "MMLANE_FRONTENDS": str(FRONTENDS),
+        "MMLANE_FRONTEND_PORT": str(base_port),
+        "MMLANE_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
+        "MMLANE_DEVICE": "cpu",
+        "MMLANE_ENGINE_ARGS": "--torch-threads 1",
+        "MMLANE_STARTSECS": "1",
+    }
+    process = subprocess.Popen(
+        [str(DEPLOY / "run-supervisord")], env=env, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    sup = Supervised(process, env, [base_port + i for i in range(FRONTENDS)],
+                     module_run_dir / "log")
+    try:
+        _wait_until_serving(sup)
+        yield sup
+    finally:
+        process.send_signal(signal.SIGTERM)  # supervisord stops every program with SIGTERM
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_until_serving(sup: Supervised) -> None:
+    """Every program RUNNING and each frontend answering a text request end to end."""
+    deadline = time.monotonic() + PATIENCE_S * 3
+    names = {"engine", "mm-worker", *(f"frontend:frontend-{p}" for p in sup.ports)}
+    while not all(sup.running_pid(name) for name in names):
+        if sup.process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"supervisord programs not running: {sup.status()}\n{sup.logs()}")
+        time.sleep(0.5)
+    for port in sup.ports:
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=PATIENCE_S) as client:
+            client.chat([user_message("hello")], max_tokens=2)
+
+
+# ---------------------------------------------------------------------------- the load
+
+
+@dataclass
+class Sent:
+    kind: str  # "text" or "image"
+    frontend: int
+    order: int  # when it was sent, among all requests of this test
+    replies: list[ChatResult] = field(default_factory=list)
+    answered_at: int | None = None  # its place among all terminal replies, in arrival order
+
+
+class Load:
+    """Mixed requests through every frontend, each reply counted and placed in arrival order."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.clients = [Client(f"tcp://127.0.0.1:{p}", timeout_s=PATIENCE_S) for p in ports]
+        self.sent: dict[str, Sent] = {}
+        self._order = itertools.count()
+        self._answered = itertools.count()
+        self._seeds = itertools.count(1000)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    def text(self, frontend: int, max_tokens: int = 3) -> str:
+        message = user_message("Tell me about lanes.")
+        return self._submit("text", frontend, message, max_tokens)
+
+    def image(
+        self, frontend: int, seed: int | None = None, max_tokens: int = 3, uri: str = ""
+    ) -> str:
+        seed = next(self._seeds) if seed is None else seed  # new pixels: no cache hit
+        message = user_message("What is in it?", [uri or jpeg_uri(320, 240, seed)])
+        return self._submit("image", frontend, message, max_tokens)
+
+    def _submit(self, kind: str, frontend: int, message: ChatMessage, max_tokens: int) -> str:
+        request_id = self.clients[frontend].submit([message], max_tokens=max_tokens)
+        self.sent[request_id] = Sent(kind, frontend, next(self._order))
+        return request_id
+
+    def poll(self, wait_s: float = 0.05) -> int:
+        """Gather whatever replies arrived within about `wait_s`; returns how many."""
+        gathered = 0
+        for client in self.clients:
+            while True:
+                try:
+                    result = client.next_finished(time.monotonic() + wait_s)
+                except RetryableError:  # nothing more from this frontend for now
+                    break
+                sent = self.sent[result.request_id]
+                sent.replies.append(result)
+                if sent.answered_at is None:
+                    sent.answered_at = next(self._answered)
+                gathered += 1
+        return gathered
+
+    def wait_for(self, request_ids: list[str]) -> None:
+        deadline = time.monotonic() + PATIENCE_S
+        while any(not self.sent[r].replies for r in request_ids):
+            assert time.monotonic() < deadline, "requests without a reply: " + ", ".join(
+                f"{self.sent[r].kind}" for r in request_ids if not self.sent[r].replies
+            )
+            self.poll()
+
+    def settle(self) -> None:
+        """Wait for every reply, then check that none came twice (nothing else may arrive)."""
+        self.wait_for(list(self.sent))
+        self.poll(wait_s=1.0)
+        twice = [r for r, s in self.sent.items() if len(s.replies) != 1]
+        assert not twice, f"{len(twice)} requests got more than one terminal reply"
+
+    def outcome(self, request_id: str) -> str:
+        error = self.sent[request_id].replies[0].error
+        return "ok" if error is None else error.code
+
+    def tally(self, request_ids: list[str] | None = None) -> Counter[str]:
+        return Counter(
+            f"{self.sent[r].kind}:{self.outcome(r)}" for r in (request_ids or list(self.sent))
+        )
+
+
+@pytest.fixture
+def load(supervised: Supervised) -> Iterator[Load]:
+    load = Load(supervised.ports)
+    yield load
+    load.close()
+
+
+def _wait_until_gone(sup: Supervised, program: str, old_pid: int) -> None:
+    """Until supervisord has seen `old_pid` exit (so its peers have seen its sockets close)."""
+    deadline = time.monotonic() + PATIENCE_S
+    while sup.running_pid(program) == old_pid:
+        assert time.monotonic() < deadline, f"{program} {old_pid} still running after kill -9"
+        time.sleep(0.05)
+
+
+def _wait_for_restart(sup: Supervised, program: str, old_pid: int, load: Load) -> int:
+    """Keep gathering replies until supervisord runs `program` under a new pid; returns it."""
+    deadline = time.monotonic() + PATIENCE_S
+    while True:
+        pid = sup.running_pid(program)
+        if pid is not None and pid != old_pid:
+            return pid
+        assert time.monotonic() < deadline, f"{program} not restarted: {sup.status()}"
+        load.poll(wait_s=0.2)
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _both(make: object) -> list[str]:
+    return [make(fe) for fe in range(FRONTENDS)]  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+def test_k8s_pod_runs_each_role_with_flags_it_has() -> None:
+    """Every container of deploy/k8s/pod.yaml is a role command line the CLI accepts."""
+    pod = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())
+    roles = {}
+    for container in pod["spec"]["containers"]:
+        program, role = container["command"]
+        assert program == "mmlane"
+        roles[role] = build_parser().parse_args([role, *container["args"]])
+    assert set(roles) == {"engine", "mm-worker", "frontend"}
+    engine = roles["engine"].engine_endpoint
+    assert roles["mm-worker"].engine_endpoint == roles["frontend"].engine_endpoint == engine
+    assert roles["frontend"].mm_worker_endpoint == roles["mm-worker"].mm_worker_endpoint
+
+
+def test_mm_worker_killed_under_load(supervised: Supervised, load: Load) -> None:
+    old_pid = supervised.running_pid("mm-worker")
+    assert old_pid is not None
+    # A backlog of large images in the MM worker (made first, then sent at once), text beside it.
+    big = [jpeg_uri(2048, 1536, seed) for seed in range(100, 100 + 6 * FRONTENDS)]
+    doomed = [load.image(i % FRONTENDS, uri=uri) for i, uri in enumerate(big)]
+    doomed += _both(load.text)
+    time.sleep(0.2)  # let the backlog reach the MM worker's socket
+    _kill(old_pid)
+    killed_at = time.monotonic()
+    # Sent as it dies: a job handed to the dying connection is lost with it (ZMQ has no acks),
+    # so each of these ends either way, with its result or with the request timeout.
+    racing = _both(load.image)
+    _wait_until_gone(supervised, "mm-worker", old_pid)
+
+    # While it is down: text is served regardless; image jobs wait in the frontends' queues.
+    texts_while_down = [rid for _ in range(3) for rid in _both(load.text)]
+    waiting = _both(load.image)
+    load.wait_for(texts_while_down)
+    new_pid = _wait_for_restart(supervised, "mm-worker", old_pid, load)
+    load.wait_for(waiting)
+    served_again_s = time.monotonic() - killed_at
+
+    after = _both(load.image) + _both(load.text)
+    load.settle()
+    print(f"mm-worker {old_pid} -> {new_pid}: waiting jobs served {served_again_s:.1f} s after "
+          f"the kill; backlog {dict(load.tally(doomed))}, racing {dict(load.tally(racing))}, "
+          f"while down {dict(load.tally(texts_while_down + waiting))}, "
+          f"after {dict(load.tally(after))}")
+
+    assert all(load.outcome(r) == "ok" for r in texts_while_down), load.tally(texts_while_down)
+    first_image_reply = min(load.sent[r].answered_at for r in waiting)  # type: ignore[type-var]
+    assert any(load.sent[r].answered_at < first_image_reply for r in texts_while_down), (  # type: ignore[operator]
+        "text requests sent while the MM worker was down waited for it"
+    )
+    assert all(load.outcome(r) == "ok" for r in waiting + after), load.tally(waiting + after)
+    for rid in doomed + racing:  # each ended: a result, or the timeout of a lost job
+        assert load.outcome(rid) in ("ok", "timeout"), load.sent[rid].replies[0].error
+
+
+def test_engine_killed_under_load(supervised: Supervised, load: Load) -> None:
+    # Warm the caches with one image, so that after the restart the MM worker's sender cache
+    # names an image the new engine never saw: the frontend must resend it (cache miss).
+    warm = load.image(0, seed=7)
+    load.wait_for([warm])
+    assert load.outcome(warm) == "ok"
+
+    old_pid = supervised.running_pid("engine")
+    assert old_pid is not None
+    doomed = []  # long replies keep the engine decoding when it dies
+    for _ in range(3):
+        doomed += _both(lambda fe: load.image(fe, max_tokens=48))
+        doomed += _both(lambda fe: load.text(fe, max_tokens=48))
+    time.sleep(0.3)
+    _kill(old_pid)
+    killed_at = time.monotonic()
+    racing = _both(load.text) + _both(load.image)  # lost with the connection, or served
+    _wait_until_gone(supervised, "engine", old_pid)
+
+    # While it is down, both lanes queue up in front of it (frontends' and MM worker's queues).
+    waiting = _both(load.text) + _both(load.image) + [load.image(1, seed=7)]  # seed 7: cached
+    new_pid = _wait_for_restart(supervised, "engine", old_pid, load)
+    load.wait_for(waiting)
+    served_again_s = time.monotonic() - killed_at
+
+    after = _both(load.text) + _both(load.image)
+    load.settle()
+    print(f"engine {old_pid} -> {new_pid}: waiting requests served {served_again_s:.1f} s after "
+          f"the kill; in flight {dict(load.tally(doomed))}, racing {dict(load.tally(racing))}, "
+          f"while down {dict(load.tally(waiting))}, after {dict(load.tally(after))}")
+
+    assert all(load.outcome(r) == "ok" for r in waiting + after), load.tally(waiting + after)
+    for rid in doomed + racing:
+        assert load.outcome(rid) in ("ok", "timeout"), load.sent[rid].replies[0].error
+    assert supervised.running_pid("mm-worker") is not None
+
+
+def test_sigterm_stops_every_role_with_exit_0(supervised: Supervised) -> None:
+    """`supervisorctl stop` sends SIGTERM: each role stops gracefully within stopwaitsecs."""
+    programs = ["engine", "mm-worker", *(f"frontend:frontend-{p}" for p in supervised.ports)]
+    supervised.ctl("stop", *programs)
+    log = (supervised.log_dir / "supervisord.log").read_text()
+    for program in programs:
+        name = program.split(":")[-1]
+        assert f"stopped: {name} (exit status 0)" in log, log[-2000:]
