@@ -11,10 +11,10 @@ share of the time runs next: the bulk lane's share is BULK_SHARE, so image work 
 per unit (stride scheduling over wall time); a lane that had no work starts even with the other,
 never with credit saved while it was idle, and a tie goes to the interactive lane.
 
-Within the interactive lane, the request that advanced least recently goes first (round robin):
-a new text request waits for at most one unit (a decode step, or a chunk of a long text prompt)
-of each running request. Within the bulk lane, requests go in arrival order, so each image
-finishes as early as it can. The scheduler only chooses whose unit runs next: a request's own
+Within the interactive lane, a request that has not run yet goes first (a new text request waits
+for no decode step), then the one that advanced least recently (round robin over decode steps and
+the chunks of long text prompts). Within the bulk lane, requests go in arrival order, so each
+image finishes as early as it can. The scheduler only chooses whose unit runs next: a request's own
 units always run in order.
 """
 
@@ -57,7 +57,7 @@ class Scheduler:
         self._start_even(active - self._active, active & self._active)
         self._active = active
         lane = min(active, key=lambda lane: (self._vtime[lane], lane is Lane.BULK))
-        if lane is Lane.INTERACTIVE:  # round robin
+        if lane is Lane.INTERACTIVE:  # new requests (last_run -1) first, then round robin
             seq = min(lanes[lane], key=lambda seq: (seq.last_run, seq.handle))
         else:  # arrival order
             seq = min(lanes[lane], key=lambda seq: seq.handle)
