@@ -57,6 +57,7 @@ def _headline(mode: ModeResult) -> dict[str, object]:
         "engine hold text loaded": mode.engine_hold.text_loaded,
         "engine hold image loaded": mode.engine_hold.image_loaded,
         "image latency": mode.image.latency, "images/s": mode.image.images_per_s,
+        "other processes' CPU": mode.cpu.others_cores_loaded,
     }
     for probe in mode.probe:
         figures[f"probe wait {probe.image_size}"] = probe.wait

@@ -44,8 +44,9 @@ def table(result: BenchResult) -> str:
         ("  exact handoff, image loaded p50 / p99",
          lambda m: _pair(m.engine_hold.exact_image_loaded, *_P2)),
         ("image latency p50 / p99, loaded (ms)", lambda m: _pair(m.image.latency, *_P2)),
-        ("images/s, loaded (offered)", lambda m: f"{_num(m.image.images_per_s)} "
+            ("images/s, loaded (offered)", lambda m: f"{_num(m.image.images_per_s)} "
                                                  f"({m.image.offered_images_per_s:g})"),
+        ("other processes' CPU, loaded (cores)", lambda m: _num(m.cpu.others_cores_loaded)),
     ]
     sizes = [p.image_size for p in modes[0].probe] if modes else []
     rows += [(f"probe wait p50 / p99, {size} px (ms)", _probe_cell(i, "wait"))

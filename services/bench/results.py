@@ -80,7 +80,9 @@ class PhaseResult(msgspec.Struct, kw_only=True):
     probe_executor_wait: Latency | None
     """shared, split: wait of the no-op submitted to the tokenizer executor every interval."""
     cpu_s: dict[str, float | None]
-    """CPU seconds each process used from the phase's start to the end of its drain."""
+    """CPU seconds each process used from the phase's start to the end of its drain, and under
+    'others' what the rest of the machine used meanwhile (other users, other modes' idle
+    processes): the sign of a busy machine."""
 
 
 class TextResult(msgspec.Struct, kw_only=True):
@@ -135,6 +137,8 @@ class CpuResult(msgspec.Struct, kw_only=True):
     the idle phase's cost, / its images."""
     per_request_s: dict[str, float | None]
     """CPU seconds per request of any kind, by process, over the idle and load phases."""
+    others_cores_loaded: float | None
+    """Cores' worth of CPU the rest of the machine used during the saturating load phase."""
 
 
 class ModeResult(msgspec.Struct, kw_only=True):

@@ -41,7 +41,7 @@ from services.bench.results import (
     ProbeResult,
     TextResult,
 )
-from services.bench.stats import cpu_seconds, latency
+from services.bench.stats import cpu_seconds, latency, machine_busy_seconds
 from services.bench.workload import (
     Phase,
     RequestMaker,
@@ -53,6 +53,9 @@ from services.bench.workload import (
 from services.launcher import Child, stop_all
 from services.model import load_preprocessor, resolve_model_dir
 
+OTHERS = "others"
+"""The `cpu_s` key of every other process on the machine: other users' work, and the other
+modes' idle processes. Large values mean the figures were measured on a busy machine."""
 PROBE_REPLY = "invalid_request"
 """The error code a tokenizer probe is answered with (its text forges the image token)."""
 SATURATED_BELOW = 0.9
@@ -220,6 +223,7 @@ def _run_phase(
 ) -> PhaseResult:
     pids = deployment.pids()
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    machine_before = machine_busy_seconds()
     if control is not None and phase.probes:
         control.ask(ProbeStart(config.probe_interval_ms))
     records, start, drain_s = run_phase(client, maker, phase, config, rng, tick)
@@ -234,8 +238,16 @@ def _run_phase(
         assert isinstance(taken, Handoffs)
         handoffs = taken.at
     cpu_s = {name: _minus(cpu_seconds(pid), cpu_before[name]) for name, pid in pids.items()}
+    cpu_s[OTHERS] = _others(_minus(machine_busy_seconds(), machine_before), cpu_s)
     return phase_result(phase, config, records, start, drain_s, service, handoffs,
                         executor_waits, cpu_s)
+
+
+def _others(machine: float | None, cpu_s: dict[str, float | None]) -> float | None:
+    """The machine's busy CPU seconds that none of this mode's processes used."""
+    if machine is None or any(v is None for v in cpu_s.values()):
+        return None
+    return round(max(0.0, machine - sum(v or 0.0 for v in cpu_s.values())), 3)
 
 
 def _minus(after: float | None, before: float | None) -> float | None:
@@ -386,6 +398,8 @@ def _cpu(idle: PhaseResult, loaded: PhaseResult, phases: list[PhaseResult]) -> C
     image_s: dict[str, float | None] = {}
     per_request_s: dict[str, float | None] = {}
     for name, idle_cpu in idle.cpu_s.items():
+        if name == OTHERS:
+            continue
         per_text = _per(idle_cpu, idle.requests.get("text", 0))
         text_request_s[name] = per_text
         loaded_cpu = loaded.cpu_s.get(name)
@@ -398,7 +412,12 @@ def _cpu(idle: PhaseResult, loaded: PhaseResult, phases: list[PhaseResult]) -> C
         per_request_s[name] = (
             None if any(s is None for s in spent) else _per(sum(filter(None, spent)), requests)
         )
-    return CpuResult(text_request_s=text_request_s, image_s=image_s, per_request_s=per_request_s)
+    others = loaded.cpu_s.get(OTHERS)
+    return CpuResult(
+        text_request_s=text_request_s, image_s=image_s, per_request_s=per_request_s,
+        others_cores_loaded=(None if others is None
+                             else round(others / (loaded.seconds + loaded.drain_s), 2)),
+    )
 
 
 def _per(seconds: float | None, count: int) -> float | None:

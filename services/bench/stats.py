@@ -28,6 +28,18 @@ def latency(seconds: Sequence[float]) -> Latency:
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every CPU of the machine has spent busy (not idle, not waiting for I/O) since
+    boot; None when unknown (not Linux)."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle, iowait = fields[3], fields[4]
+    return (sum(fields[:8]) - idle - iowait) / _CLOCK_TICKS  # guest time is inside user time
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU seconds of every thread of process `pid` so far; None when unknown
     (the process is gone, or this is not Linux)."""
