@@ -74,12 +74,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"shared mode's one thread pool ({d.pool_size})")
     s.add_argument("--tokenizer-workers", type=int, default=d.tokenizer_workers, metavar="N",
                    help=f"split and mmlane tokenizer threads ({d.tokenizer_workers})")
-    s.add_argument("--engine-threads", type=int, metavar="N",
-                   help="OMP_NUM_THREADS for the processes the bench starts (the engine's torch "
-                   "threads; default: as in the environment)")
     s.add_argument("--serve-args", type=shlex.split, default=[], metavar="'ARGS'",
                    help="extra `mmlane serve` arguments for mmlane's roles; every mode's engine "
-                   "gets serve's engine arguments (e.g. '--prefill-chunk-tokens 128')")
+                   "gets serve's engine arguments (e.g. '--torch-threads 1')")
     s.add_argument("--mmlane-endpoint", metavar="ADDR",
                    help="measure a running mmlane at this client address instead of starting one")
     s.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,

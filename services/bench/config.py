@@ -40,11 +40,11 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Which modes to run, in this order."""
     model: str | None = None
     """Local Hugging Face model directory; None uses the embedded tiny-qwen2-vl."""
-    text_rate: float = 10.0
+    text_rate: float = 20.0
     """Text-only requests per second (Poisson arrivals) in the idle and in every load phase."""
     text_words: int = 32
     """Words in each text request's prompt."""
-    image_rates: list[float] = msgspec.field(default_factory=lambda: [1.0, 2.0, 4.0, 8.0])
+    image_rates: list[float] = msgspec.field(default_factory=lambda: [1.0, 3.0, 8.0])
     """Image requests per second (Poisson) of each load phase, in order; the last one is the
     'saturating' load the goals are judged at, so make it more than the machine can take."""
     image_sizes: list[str] = msgspec.field(
@@ -56,8 +56,9 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     images_per_request: int = 1
     idle_s: float = 10.0
     """Length of the idle phase: text requests only."""
-    phase_s: float = 10.0
-    """Length of each load phase (arrivals are offered for this long, then it drains)."""
+    phase_s: float = 20.0
+    """Length of each load phase (arrivals are offered for this long, then it drains). Long
+    enough that the saturating phase's images/s is steady state, not its fill and drain."""
     max_tokens: int = 1
     """Output tokens each text and image request asks for."""
     pool_size: int = 4
@@ -69,7 +70,7 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Image sizes of the probe workload: one probe phase per size."""
     probe_loops: int = 4
     """Closed-loop image clients during each probe phase (each keeps one request in flight)."""
-    probe_s: float = 5.0
+    probe_s: float = 4.0
     """Length of each probe phase."""
     probe_idle_s: float = 2.0
     """Length of the probe baseline phase (probes only, no image load)."""
@@ -82,13 +83,9 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mmlane_endpoint: str | None = None
     """A running mmlane's client address to measure instead of starting one (then its engine
     service time and its processes' CPU are not known: those figures are null)."""
-    engine_threads: int | None = None
-    """OMP_NUM_THREADS of every process the bench starts, i.e. the engine's torch threads; None
-    keeps the environment's. On a small CPU machine torch's default (one thread per core)
-    competes with the preprocessing processes, and its threads spin while preempted."""
     serve_args: list[str] = []
     """Extra `mmlane serve` arguments: mmlane's roles start as serve starts them with these, and
-    every mode's engine gets serve's engine arguments (e.g. `--prefill-chunk-tokens 128`)."""
+    the engine every mode shares gets serve's engine arguments (e.g. `--torch-threads 1`)."""
     startup_timeout_s: float = 300.0
     max_image_pixels: int = 64_000_000
 
@@ -96,8 +93,6 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         unknown = [mode for mode in self.modes if mode not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"modes must be some of {', '.join(MODES)}, got {self.modes}")
-        if self.engine_threads is not None and self.engine_threads < 1:
-            raise ValueError(f"engine_threads must be at least 1, got {self.engine_threads}")
         for name in ("text_words", "images_per_request", "max_tokens", "pool_size",
                      "tokenizer_workers", "probe_loops", "max_image_pixels"):
             if getattr(self, name) < 1:

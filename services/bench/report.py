@@ -160,11 +160,12 @@ def chart(result: BenchResult, path: Path) -> None:
         ax.legend(fontsize=7)
     machine = result.machine
     settings = result.settings
-    threads = f", engine threads {settings.engine_threads}" if settings.engine_threads else ""
     fig.suptitle(
         f"mmlane bench: {machine.cpus} CPUs, load average {_load(machine.load_avg_start)}, "
         f"text {settings.text_rate:g}/s, images {'/'.join(settings.image_sizes)}"
-        f" x{settings.images_per_request} per request{threads}", fontsize=10,
+        f" x{settings.images_per_request} per request"
+        + (f", serve args '{' '.join(settings.serve_args)}'" if settings.serve_args else ""),
+        fontsize=10,
     )
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -9,7 +9,6 @@ server's handoff times and executor-probe waits), then summarised into a `ModeRe
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import platform
@@ -17,7 +16,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -117,8 +116,7 @@ def run_bench(config: BenchConfig, run_dir: Path, *, progress: bool = True) -> B
         bar.status("preparing images")
         assets = Assets(config, model_dir)
         bar.status("starting every process")
-        with _environment("OMP_NUM_THREADS", config.engine_threads):
-            deployments, children = deploy_all(config.modes, config, model_dir, run_dir)
+        deployments, children = deploy_all(config.modes, config, model_dir, run_dir)
         modes = [_run_mode(deployments[mode], config, run_dir, assets, bar)
                  for mode in config.modes]
     finally:
@@ -141,21 +139,6 @@ def _command() -> list[str]:
     if Path(sys.argv[0]).name in ("mmlane", "cli.py"):
         return ["mmlane", *sys.argv[1:]]
     return list(sys.argv)
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: object | None) -> Iterator[None]:
-    """Set an environment variable for the children started meanwhile (None: leave it)."""
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = str(value)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _machine(load_start: list[float]) -> Machine:

@@ -103,8 +103,8 @@ class RequestMaker:
         """The next image request: images taken in turn from the sweep sources."""
         per_request = self._config.images_per_request
         with self._lock:
-            first, self._image_requests = self._image_requests * per_request, \
-                self._image_requests + 1
+            first = self._image_requests * per_request
+            self._image_requests += 1
         sources = [self._sources[(first + i) % len(self._sources)] for i in range(per_request)]
         return self.image_of(phase, sources)
 
