@@ -7,7 +7,6 @@ and `start_roles`), so a benchmark measures the command a user runs.
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import threading
 import time
@@ -31,8 +30,10 @@ from protocol.messages import (  # noqa: E402
     SamplingParams,
     TextPart,
 )
+from services.bench.stats import percentile  # noqa: E402
 from services.cli import build_parser  # noqa: E402
 from services.client import Client, user_message  # noqa: E402
+from services.common.sockets import free_tcp_port  # noqa: E402
 from services.launcher import child_argv, start_roles, stop_all  # noqa: E402
 from services.model import load_preprocessor, resolve_model_dir  # noqa: E402
 
@@ -51,7 +52,7 @@ def big_jpeg_url() -> str:
 @contextlib.contextmanager
 def serving(run_dir: Path, *serve_args: str, log_dir: Path | None = None) -> Iterator[str]:
     """`mmlane serve SERVE_ARGS` on a free port; yields the client endpoint, stops at exit."""
-    port = _free_port()
+    port = free_tcp_port()
     argv = ["serve", "--port", str(port), "--run-dir", str(run_dir), *serve_args]
     args = build_parser().parse_args(argv)
     model_dir = resolve_model_dir(args.model)
@@ -155,18 +156,7 @@ class ImageLoad:
                 self.completed += 1
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def report(name: str, latencies: list[float]) -> None:
     ms = [x * 1000 for x in latencies]
     print(f"{name:<40} p50 {percentile(ms, 50):7.1f} ms   p90 {percentile(ms, 90):7.1f} ms"
           f"   p99 {percentile(ms, 99):7.1f} ms   (n={len(ms)})")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor, Qwen2VLProcessor
 
+from image_server import ImageServer
 from protocol.errors import FatalError
+from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
 from services.launcher import Child, start_roles, stop_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,10 +24,12 @@ os.environ.setdefault("MMLANE_HOME", str(REPO / ".mmlane"))
 os.environ.setdefault("MMLANE_HTTP_PORT", "0")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[ImageServer]:
+    """A loopback HTTP server with well- and ill-behaved image routes, one per test module."""
+    server = ImageServer()
+    yield server
+    server.close()
 
 
 class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):

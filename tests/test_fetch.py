@@ -66,13 +66,6 @@ def test_allowed_urls_pass(url: str, policy: FetchPolicy) -> None:
     check_url(url, policy)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ImageServer]:
-    s = ImageServer()
-    yield s
-    s.close()
-
-
 LOOPBACK = FetchPolicy(
     allowed_schemes=frozenset({"http"}), allow_internal=True, max_bytes=1_000_000,
     total_timeout_s=1.5, connect_timeout_s=1.0, retries=2, backoff_s=0.05,
@@ -86,57 +79,59 @@ def fetcher() -> Iterator[MediaFetcher]:
     f.close()
 
 
-def test_fetches_an_image(fetcher: MediaFetcher, server: ImageServer) -> None:
-    assert fetcher.submit(server.url("/image.png")).result(10) == PNG
+def test_fetches_an_image(fetcher: MediaFetcher, image_server: ImageServer) -> None:
+    assert fetcher.submit(image_server.url("/image.png")).result(10) == PNG
 
 
-def test_follows_an_allowed_redirect(fetcher: MediaFetcher, server: ImageServer) -> None:
-    assert fetcher.submit(server.url("/to-image")).result(10) == PNG
+def test_follows_an_allowed_redirect(fetcher: MediaFetcher, image_server: ImageServer) -> None:
+    assert fetcher.submit(image_server.url("/to-image")).result(10) == PNG
 
 
 def test_redirect_to_a_refused_address_is_refused(fetcher: MediaFetcher,
-                                                  server: ImageServer) -> None:
+                                                  image_server: ImageServer) -> None:
     with pytest.raises(RequestError, match="link-local address 169.254.169.254"):
-        fetcher.submit(server.url("/to-metadata")).result(10)
+        fetcher.submit(image_server.url("/to-metadata")).result(10)
 
 
-def test_too_many_redirects(fetcher: MediaFetcher, server: ImageServer) -> None:
+def test_too_many_redirects(fetcher: MediaFetcher, image_server: ImageServer) -> None:
     with pytest.raises(RequestError, match="more than 3 redirects"):
-        fetcher.submit(server.url("/loop")).result(10)
+        fetcher.submit(image_server.url("/loop")).result(10)
 
 
 @pytest.mark.parametrize("path", ["/huge-chunked", "/huge-declared"])
-def test_body_over_the_cap_is_cut_off(fetcher: MediaFetcher, server: ImageServer,
+def test_body_over_the_cap_is_cut_off(fetcher: MediaFetcher, image_server: ImageServer,
                                       path: str) -> None:
     with pytest.raises(RequestError, match="larger than the 1000000-byte fetch limit") as info:
-        fetcher.submit(server.url(path)).result(10)
+        fetcher.submit(image_server.url(path)).result(10)
     assert info.value.code == "image_too_large"
 
 
 def test_a_server_that_never_answers_times_out(fetcher: MediaFetcher,
-                                               server: ImageServer) -> None:
+                                               image_server: ImageServer) -> None:
     start = time.monotonic()
     with pytest.raises(RequestError, match="longer than 1.5 s"):
-        fetcher.submit(server.url("/never-answers")).result(10)
+        fetcher.submit(image_server.url("/never-answers")).result(10)
     assert time.monotonic() - start < 10  # bounded by the policy, not by the server
 
 
-def test_5xx_is_retried_with_backoff(fetcher: MediaFetcher, server: ImageServer) -> None:
-    assert fetcher.submit(server.url("/flaky")).result(10) == PNG
-    assert server.hits["flaky"] == 3
+def test_5xx_is_retried_with_backoff(fetcher: MediaFetcher, image_server: ImageServer) -> None:
+    assert fetcher.submit(image_server.url("/flaky")).result(10) == PNG
+    assert image_server.hits["flaky"] == 3
 
 
-def test_4xx_is_not_retried(fetcher: MediaFetcher, server: ImageServer) -> None:
+def test_4xx_is_not_retried(fetcher: MediaFetcher, image_server: ImageServer) -> None:
     with pytest.raises(RequestError, match="HTTP 404"):
-        fetcher.submit(server.url("/missing")).result(10)
-    assert server.hits["missing"] == 1
+        fetcher.submit(image_server.url("/missing")).result(10)
+    assert image_server.hits["missing"] == 1
 
 
-def test_a_name_resolving_to_loopback_is_refused_without_the_opt_in(server: ImageServer) -> None:
+def test_a_name_resolving_to_loopback_is_refused_without_the_opt_in(
+    image_server: ImageServer,
+) -> None:
     strict = MediaFetcher(FetchPolicy(allowed_schemes=frozenset({"http"})))
     try:
         with pytest.raises(RequestError, match="localhost resolves to loopback address"):
-            strict.submit(f"http://localhost:{server.port}/image.png").result(10)
+            strict.submit(f"http://localhost:{image_server.port}/image.png").result(10)
     finally:
         strict.close()
-    assert server.hits.get("image.png", 0) <= 2  # the refused fetch never reached the server
+    assert image_server.hits.get("image.png", 0) <= 2  # the refused fetch never reached the server

@@ -46,13 +46,6 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def image_server() -> Iterator[ImageServer]:
-    server = ImageServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
 def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
     http_port = free_port()
     log_path = module_run_dir / "serve.log"

@@ -602,13 +602,6 @@ FETCH_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def image_server() -> Iterator[ImageServer]:
-    server = ImageServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
 def fetching_worker(module_run_dir: Path, qwen_dir: Path, peers: Peers) -> Iterator[Child]:
     """A worker allowed to fetch from the loopback server (plain http, an internal address)."""
     worker = start_worker(

@@ -9,7 +9,6 @@ their logs in RUN_DIR/MODE/logs/ROLE.log.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from services.bench.images import ImageSource
 from services.bench.inproc import ControlReply, ControlRequest
 from services.bench.render import engine_request
 from services.common.config import ipc
-from services.common.sockets import make_socket
+from services.common.sockets import free_tcp_port, make_socket
 from services.launcher import Child, child_argv, start_roles, stop_all
 from services.mm_worker.media import decode_image
 from services.model import ImageItem, Preprocessor
@@ -41,12 +40,6 @@ DESIGNS = {
 """One line per mode: where tokenization and image preprocessing run."""
 
 _PROCESS_NAMES = {"bench-server": "server"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_roles(
@@ -151,10 +144,10 @@ def deploy_all(
 def _groups(
     modes: list[str], config: BenchConfig, model_dir: Path, run_dir: Path
 ) -> dict[str, _Group]:
-    serve = serve_roles(config, model_dir, run_dir, free_port())
+    serve = serve_roles(config, model_dir, run_dir, free_tcp_port())
     groups = {}
     for mode in modes:
-        port = free_port()
+        port = free_tcp_port()
         if mode == "mmlane" and not config.mmlane_endpoint:
             roles = serve_roles(config, model_dir, run_dir, port)
             groups[mode] = _Group({"mm-worker": roles["mm-worker"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,13 @@ def make_socket(
             sock.close(linger=0)
             raise
     return sock
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (for tests, benchmarks and local runs)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def _prepare_ipc_dir(endpoint: str) -> None:
