@@ -5,6 +5,8 @@
     frontend, mm worker ──EngineInput──▶ engine (PULL)
     engine, mm worker ──FrontendInput──▶ frontend output socket (PULL, address = `reply_to`)
     role ──LauncherInput──▶ launcher's ready socket (startup handshake)
+    role ──StatsMessage──▶ its stats socket (PUB, bound): `mmlane top`, the exporter, scripts
+    tool ──ControlRequest──▶ role's control socket (ROUTER, bound) ──ControlReply──▶ tool
 
 Fields are only ever appended, and new fields get defaults (msgspec schema evolution). Arrays
 (`np.ndarray` fields) never travel inside msgpack: the codec moves them to extra frames.
@@ -142,7 +144,14 @@ class EngineEpoch(msgspec.Struct, tag="engine_epoch", kw_only=True, frozen=True,
     engine_epoch: int
 
 
-MMWorkerInput = MMJob | EngineEpoch
+class CancelJobs(msgspec.Struct, tag="cancel", kw_only=True, frozen=True, array_like=True):
+    """Nobody waits for these jobs any more (client gone, deadline passed): skip the ones not
+    yet processed, without a reply."""
+
+    request_ids: list[str]
+
+
+MMWorkerInput = MMJob | EngineEpoch | CancelJobs
 
 
 # ---------------------------------------------------------------- frontend, mm worker -> engine
@@ -271,3 +280,77 @@ class StartupFailed(msgspec.Struct, tag="failed", kw_only=True, frozen=True):
 
 
 LauncherInput = Ready | StartupFailed
+
+
+# ---------------------------------------------------------------- role -> stats subscribers
+
+
+class HistogramSnapshot(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """A latency histogram since the process started: counts per bucket, in seconds."""
+
+    bounds: list[float]
+    """Upper bounds of the buckets; `counts` has one more entry, for everything above."""
+    counts: list[int]
+    total: float
+    """The sum of every observation, in seconds."""
+    p50: float
+    p90: float
+    p99: float
+    """Quantiles estimated from the buckets (0 when empty), in seconds."""
+
+
+class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
+    """One process's state, published every `stats_interval_s` on its stats socket."""
+
+    role: str
+    """'frontend', 'mm-worker' or 'engine'."""
+    name: str
+    """Tells processes of one role apart, e.g. 'frontend-8765'."""
+    pid: int
+    epoch: int
+    """The cache epoch the role works in (engine: its own; MM worker: its sender cache's;
+    frontend: the newest engine epoch seen)."""
+    uptime_s: float
+    time: float
+    """When the snapshot was taken (`time.time()`)."""
+    state: str
+    """'serving' or 'draining'."""
+    in_flight: int
+    """Requests held and not yet answered."""
+    queues: dict[str, int]
+    """Depth of each internal queue, by name."""
+    counters: dict[str, int]
+    """Monotonic counts since start (requests, bytes_in, bytes_out, cache_hits, ...)."""
+    errors: dict[str, int]
+    """Requests failed by this process, by error code."""
+    histograms: dict[str, HistogramSnapshot]
+    """Latencies by name; 'name:label' splits one histogram by a label (e.g. queue_wait:text)."""
+
+
+StatsMessage = Stats
+
+
+# ---------------------------------------------------------------- tool <-> role control socket
+
+
+class Ping(msgspec.Struct, tag="ping", kw_only=True, frozen=True):
+    """Are you alive, and able to serve? Answered by a `Pong` from the role's stats thread."""
+
+
+class Pong(msgspec.Struct, tag="pong", kw_only=True, frozen=True):
+    """A role's answer to `Ping`."""
+
+    role: str
+    name: str
+    pid: int
+    state: str
+    """'serving' or 'draining'."""
+    model: str
+    """The model the role has loaded (its id); "" when none is."""
+    mm_cache_bytes: int = -1
+    """The engine: the capacity of each MM worker's receiver cache, in bytes (-1: not an engine).
+    An MM worker checks its own capacity against it at startup."""
+
+
+ControlRequest = Ping
+ControlReply = Pong

@@ -56,8 +56,8 @@ def open_loop_latencies(endpoint: str, count: int, rate: float, max_tokens: int)
 
 
 def engine_account(log_dir: Path) -> dict:
-    """The engine's scheduling stats, from the line it logs at stop."""
-    marker = "scheduling (ms) "
+    """The engine's latency summaries, from the line it logs at stop."""
+    marker = "latencies (ms) "
     for line in (log_dir / "engine.log").read_text(errors="replace").splitlines():
         if marker in line:
             return json.loads(line.split(marker, 1)[1])
@@ -65,10 +65,10 @@ def engine_account(log_dir: Path) -> dict:
 
 
 def print_account(account: dict) -> None:
-    for group in ("unit", "queue_wait"):
+    for group in ("engine_step", "queue_wait"):
         parts = [
-            f"{kind} n={s['n']} mean {s['mean']:.2f} max {s['max']:.1f}"
-            for kind, s in account.get(group, {}).items() if s["n"]
+            f"{name.partition(':')[2]} n={s['n']} mean {s['mean']:.2f} max {s['max']:.1f}"
+            for name, s in account.items() if name.startswith(f"{group}:") and s["n"]
         ]
         print(f"    engine {group:<10} (ms)  " + "; ".join(parts))
 

@@ -138,12 +138,44 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_ops_args(p: argparse.ArgumentParser, *, one_role: bool) -> None:
+    g = p.add_argument_group("operations (stats, health, graceful stop)")
+    if one_role:
+        g.add_argument(
+            "--stats-endpoint", metavar="ADDR",
+            help="where to publish Stats (ZMQ PUB; default ipc://$MMLANE_RUN_DIR/stats-NAME.sock, "
+            "NAME from the role and its port or socket, e.g. frontend-8765)",
+        )
+        g.add_argument(
+            "--control-endpoint", metavar="ADDR",
+            help="where to answer health pings (ZMQ ROUTER; default "
+            "ipc://$MMLANE_RUN_DIR/control-NAME.sock)",
+        )
+    g.add_argument(
+        "--stats-interval", type=float, default=1.0, metavar="S",
+        help="seconds between two published Stats messages (default 1)",
+    )
+    g.add_argument(
+        "--drain-timeout", type=float, default=30.0, metavar="S",
+        help="at SIGTERM, seconds to finish held requests before failing them with a "
+        "retryable error (default 30)",
+    )
+
+
+def _ops(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "stats_endpoint": args.stats_endpoint or "",
+        "control_endpoint": args.control_endpoint or "",
+        "stats_interval_s": args.stats_interval, "drain_timeout_s": args.drain_timeout,
+    }
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return load_config(EngineConfig, {
         "model": args.model, "input_endpoint": args.engine_endpoint or "",
         "device": args.device, "max_queued_requests": args.max_queued_requests,
         "prefill_chunk_tokens": args.prefill_chunk_tokens, "mm_cache_gb": args.mm_cache_gb,
-        "torch_threads": args.torch_threads,
+        "torch_threads": args.torch_threads, "ops": _ops(args),
     })
 
 
@@ -160,7 +192,7 @@ def mm_worker_config(args: argparse.Namespace) -> MMWorkerConfig:
         "media_max_redirects": args.media_max_redirects,
         "media_connect_timeout_s": args.media_connect_timeout,
         "media_fetch_timeout_s": args.media_fetch_timeout,
-        "media_fetch_retries": args.media_fetch_retries,
+        "media_fetch_retries": args.media_fetch_retries, "ops": _ops(args),
     })
 
 
@@ -186,7 +218,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         "request_timeout_s": args.request_timeout,
         "max_inflight_requests": args.max_inflight_requests,
         "http_host": args.http_host, "http_port": args.http_port,
-        "http_max_body_bytes": args.http_max_body_bytes,
+        "http_max_body_bytes": args.http_max_body_bytes, "ops": _ops(args),
     })
 
 
@@ -194,21 +226,21 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from services.engine import Engine
 
     config = engine_config(args)
-    return run_role("engine", lambda: Engine(config), args.ready_endpoint)
+    return run_role("engine", lambda: Engine(config), args.ready_endpoint, config.ops)
 
 
 def _cmd_mm_worker(args: argparse.Namespace) -> int:
     from services.mm_worker import MMWorker
 
     config = mm_worker_config(args)
-    return run_role("mm-worker", lambda: MMWorker(config), args.ready_endpoint)
+    return run_role("mm-worker", lambda: MMWorker(config), args.ready_endpoint, config.ops)
 
 
 def _cmd_frontend(args: argparse.Namespace) -> int:
     from services.frontend import Frontend
 
     config = frontend_config(args)
-    return run_role("frontend", lambda: Frontend(config), args.ready_endpoint)
+    return run_role("frontend", lambda: Frontend(config), args.ready_endpoint, config.ops)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -280,8 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     _add_cache_args(p, mm_worker=True)
     _add_endpoint_args(p, "engine", "mm-worker")
+    _add_ops_args(p, one_role=False)
     p.add_argument(
-        "--run-dir", help="folder for the internal ipc:// sockets (default: a new temp dir)"
+        "--run-dir", help="folder for the ipc:// sockets, stats and control ones included "
+        "(default: $MMLANE_RUN_DIR/serve-PORT, $MMLANE_RUN_DIR defaulting to /tmp/mmlane)"
     )
     p.add_argument(
         "--startup-timeout", type=float, default=300.0,
@@ -292,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_frontend_args(p)
     _add_endpoint_args(p, "engine", "mm-worker", "output")
+    _add_ops_args(p, one_role=True)
     _add_ready(p)
 
     p = add("mm-worker", _cmd_mm_worker, "run one MM worker (FIFO image preprocessing)")
@@ -299,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mm_worker_args(p)
     _add_cache_args(p, mm_worker=True)
     _add_endpoint_args(p, "engine", "mm-worker")
+    _add_ops_args(p, one_role=True)
     _add_ready(p)
 
     p = add("engine", _cmd_engine, "run the engine (the model, on CUDA when present, else CPU)")
@@ -306,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     _add_cache_args(p, mm_worker=False)
     _add_endpoint_args(p, "engine")
+    _add_ops_args(p, one_role=True)
     _add_ready(p)
 
     p = add("chat", _cmd_chat, "send one chat request to a running mmlane and print the reply")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,7 +25,7 @@ import zmq
 
 from protocol.errors import FatalError
 from protocol.messages import LauncherInput, StartupFailed
-from services.common.config import ipc
+from services.common.config import default_run_dir, ipc
 from services.common.lifecycle import setup_logging
 from services.common.sockets import make_socket
 from services.model import resolve_model_dir
@@ -36,16 +36,20 @@ _STOP_GRACE_S = 10.0
 class Child:
     """One role's process, the name it is known by, and the endpoint its `Ready` reported.
 
-    With `log_dir`, the child's stderr (its log) goes to LOG_DIR/ROLE.log instead of ours.
+    With `log_dir`, the child's stderr (its log) goes to LOG_DIR/ROLE.log instead of ours. With
+    `run_dir`, it is the child's $MMLANE_RUN_DIR: its default sockets (stats, control) go there.
     """
 
-    def __init__(self, role: str, argv: list[str], log_dir: Path | None = None) -> None:
+    def __init__(
+        self, role: str, argv: list[str], log_dir: Path | None = None, run_dir: Path | None = None
+    ) -> None:
         self.role = role
         self.endpoint: str | None = None
         self.log_path = None if log_dir is None else log_dir / f"{role}.log"
+        env = None if run_dir is None else {**os.environ, "MMLANE_RUN_DIR": str(run_dir)}
         with self.log_path.open("wb") if self.log_path else contextlib.nullcontext() as stderr:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", role, *argv], stderr=stderr
+                [sys.executable, "-m", "services.cli", role, *argv], stderr=stderr, env=env
             )
 
     def stop(self) -> None:
@@ -72,7 +76,10 @@ def child_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict
     """The command line of each role, from serve's own arguments."""
     engine = args.engine_endpoint or ipc("engine", run_dir)
     mm_worker = args.mm_worker_endpoint or ipc("mm-worker", run_dir)
-    common = ["--model", str(model_dir), "--engine-endpoint", engine]
+    common = [
+        "--model", str(model_dir), "--engine-endpoint", engine,
+        "--stats-interval", str(args.stats_interval), "--drain-timeout", str(args.drain_timeout),
+    ]
     return {
         "engine": [
             *common, "--device", args.device,
@@ -116,7 +123,8 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     children: list[Child] = []
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="mmlane-"))
+    # Under the default run dir, where `mmlane top`, `stats` and `health` look for processes.
+    run_dir = Path(args.run_dir or default_run_dir() / f"serve-{args.port}")
     try:
         model_dir = resolve_model_dir(args.model)  # build the default model once, not per child
         children = start_roles(child_argv(args, model_dir, run_dir), run_dir,
@@ -160,7 +168,8 @@ def start_roles(
     with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:
         try:
             for role, argv in roles.items():
-                children.append(Child(role, [*argv, "--ready-endpoint", ready_endpoint], log_dir))
+                argv = [*argv, "--ready-endpoint", ready_endpoint]
+                children.append(Child(role, argv, log_dir, run_dir))
             _wait_ready(sock, children, stop or threading.Event(), timeout_s)
         except BaseException:
             stop_all(children)

@@ -35,6 +35,45 @@ def client_endpoint(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> str:
     return f"tcp://{host}:{port}"
 
 
+def process_name(role: str, endpoint: str) -> str:
+    """A name that tells this process from others of its role on one machine, from the address
+    it serves on: 'frontend-8765' for tcp port 8765, 'mm-worker-2' for ipc://.../mm-worker-2.sock."""
+    address = endpoint.partition("://")[2]
+    if endpoint.startswith("ipc://"):
+        stem = Path(address).stem
+        return stem if stem.startswith(role) else f"{role}-{stem}"
+    port = address.rpartition(":")[2]
+    return f"{role}-{port}" if port.isdigit() else role
+
+
+class OpsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How a role is watched and stopped; the same settings for every role."""
+
+    name: str = ""
+    """What stats and health call this process; "": its role and port or socket name."""
+    stats_endpoint: str = ""
+    """Where the role binds its stats socket (PUB); "": ipc://RUN_DIR/stats-NAME.sock."""
+    control_endpoint: str = ""
+    """Where the role answers pings (ROUTER); "": ipc://RUN_DIR/control-NAME.sock."""
+    stats_interval_s: float = 1.0
+    """Seconds between two published Stats messages."""
+    drain_timeout_s: float = 30.0
+    """At SIGTERM: seconds to finish the requests held before failing them (retryable)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "stats_interval_s")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be 0 or more, got {self.drain_timeout_s}")
+
+    def named(self, name: str) -> OpsConfig:
+        """These settings with the default endpoints of the process called `name`."""
+        name = self.name or name
+        return msgspec.structs.replace(
+            self, name=name, stats_endpoint=self.stats_endpoint or ipc(f"stats-{name}"),
+            control_endpoint=self.control_endpoint or ipc(f"control-{name}"),
+        )
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """Local Hugging Face model directory; None builds and uses the embedded tiny-qwen2-vl."""
@@ -57,9 +96,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mm_cache_gb: float = 4.0
     """The most GiB of tensors one MM worker's receiver cache may hold; 0 caches nothing. Each
     receiver cache mirrors its MM worker's own --mm-cache-gb, which must not be larger."""
+    ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:
         self.input_endpoint = self.input_endpoint or ipc("engine")
+        self.ops = self.ops.named(process_name("engine", self.input_endpoint))
         capacity_bytes(self.mm_cache_gb)
         _positive(self, "max_queued_requests", "prefill_chunk_tokens")
         if self.torch_threads < 0:
@@ -103,6 +144,7 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Retries, with backoff, after a timeout or a 5xx answer (never after another error)."""
     fetch_ahead_jobs: int = 64
     """Jobs received ahead of the one being processed, so their image fetches start early."""
+    ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:
         capacity_bytes(self.mm_cache_gb)
@@ -114,6 +156,7 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.media_max_redirects < 0 or self.media_fetch_retries < 0:
             raise ValueError("media_max_redirects and media_fetch_retries must be 0 or more")
         self.job_endpoint = self.job_endpoint or ipc("mm-worker")
+        self.ops = self.ops.named(process_name("mm-worker", self.job_endpoint))
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
         _positive(self, "max_image_pixels", "max_image_bytes")
         if self.allowed_media_dir is not None and not Path(self.allowed_media_dir).is_dir():
@@ -143,12 +186,14 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Port of the HTTP API; 0 disables it."""
     http_max_body_bytes: int = 128 * 1024 * 1024
     """Largest HTTP request body accepted (inline images included); larger gets a 413."""
+    ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be 0 (off) or a port number, got {self.http_port}")
         _positive(self, "http_max_body_bytes")
         self.client_endpoint = self.client_endpoint or client_endpoint()
+        self.ops = self.ops.named(process_name("frontend", self.client_endpoint))
         self.output_endpoint = self.output_endpoint or ipc(f"frontend-{os.getpid()}")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
         self.mm_worker_endpoints = self.mm_worker_endpoints or [ipc("mm-worker")]

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +46,7 @@ from protocol.messages import (
 from services.common.config import EngineConfig
 from services.common.feature_cache import capacity_bytes
 from services.common.sockets import ReplySockets, make_socket
+from services.common.stats import Metrics, log_totals
 from services.engine.cache import ReceiverCaches
 from services.engine.hf_runner import HFRunner
 from services.engine.runner import ModelRunner, StepOutput
@@ -81,14 +80,14 @@ class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         self.endpoint = config.input_endpoint
-        self.counters: Counter[str] = Counter()
+        self.metrics = Metrics("engine", config.ops.name)
         self._ctx = zmq.Context()
         # Bind before loading the model: a taken address fails in a second, not after the load.
         self._input = make_socket(self._ctx, zmq.PULL, self.endpoint, bind=True)
         try:
             self.runner = runner or HFRunner.load(
                 config.model, config.device, prefill_chunk_tokens=config.prefill_chunk_tokens,
-                threads=config.torch_threads,
+                threads=config.torch_threads, metrics=self.metrics,
             )
         except BaseException:
             self._close_sockets()
@@ -107,6 +106,17 @@ class Engine:
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
         self._sender: threading.Thread | None = None
+        self._publish_metrics()
+
+    def _publish_metrics(self) -> None:
+        m = self.metrics
+        m.model = self.runner.spec.model_id
+        m.add_counters(self.caches.counters)
+        m.epoch = lambda: self.caches.epoch
+        m.in_flight = lambda: len(self._held) + self._arrivals.qsize()
+        m.gauge("arrivals", self._arrivals.qsize)
+        m.gauge("running", lambda: len(self._held))
+        m.gauge("replies", self._replies.qsize)
 
     # ------------------------------------------------------------ the Role interface
 
@@ -129,11 +139,7 @@ class Engine:
             if thread is not None:
                 thread.join()
         self._close_sockets()
-        counters = {**self.counters, **self.caches.counters}
-        log.info("counters %s", json.dumps(counters, sort_keys=True))
-        stats = getattr(self.runner, "stats", None)  # a runner that schedules units keeps them
-        if stats is not None:
-            log.info("scheduling (ms) %s", json.dumps(stats.summary_ms()))
+        log_totals(self.metrics)
 
     # ------------------------------------------------------------ main loop steps
 
@@ -152,7 +158,7 @@ class Engine:
 
     def _admit_one(self, request: EngineRequest, received_at: float) -> None:
         if request.deadline and request.deadline <= time.time():
-            self.counters["expired_requests"] += 1
+            self.metrics.counters["expired_requests"] += 1
             self._fail(request, _timeout(request))
             self._capacity.release()
             return
@@ -161,7 +167,7 @@ class Engine:
             validate_request(request, self.runner.spec)
             self.runner.add(handle, request, arrived=received_at)
         except Exception as exc:  # a bad request fails alone
-            self.counters["invalid_requests"] += 1
+            self.metrics.counters["invalid_requests"] += 1
             log.info("refused request %s: %s", request.request_id, exc)
             self._fail(request, _as_request_error(exc))
             self._capacity.release()
@@ -177,7 +183,7 @@ class Engine:
             _, handle = heapq.heappop(self._deadlines)
             held = self._held.get(handle)
             if held is not None:  # else it finished before its deadline
-                self.counters["expired_requests"] += 1
+                self.metrics.counters["expired_requests"] += 1
                 self._drop(handle, _timeout(held.request))
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -185,7 +191,7 @@ class Engine:
         for request_id in request_ids:
             handle = self._by_id.get(request_id)
             if handle is not None:
-                self.counters["aborted_requests"] += 1
+                self.metrics.counters["aborted_requests"] += 1
                 self._drop(handle, RetryableError(
                     f"request {request_id} aborted by its frontend", code="aborted"
                 ))
@@ -206,8 +212,9 @@ class Engine:
         held = self._held[output.handle]
         request = held.request
         message: FrontendInput
+        self.metrics.counters["tokens_out"] += len(output.token_ids)
         if output.error is not None:
-            self.counters["failed_requests"] += 1
+            self.metrics.errors[output.error.code] += 1
             message = RequestFailed(request_id=request.request_id, error=output.error.to_info())
         else:
             message = EngineOutput(
@@ -243,6 +250,7 @@ class Engine:
         self._held.clear()
 
     def _fail(self, request: EngineRequest, error: MMLaneError) -> None:
+        self.metrics.errors[error.code] += 1
         failed = RequestFailed(request_id=request.request_id, error=error.to_info())
         self._replies.put((request.reply_to, failed))
 
@@ -258,11 +266,12 @@ class Engine:
         self, codec: Codec[EngineRequest | AbortRequests | ResetEngineCache], frames: list[Any]
     ) -> None:
         received_at = time.monotonic()
+        self.metrics.counters["bytes_in"] += sum(len(frame) for frame in frames)
         try:
             request = codec.decode(frames)
         except Exception as exc:  # garbage has no reply address: count, log, drop
-            self.counters["invalid_messages"] += 1
-            count = self.counters["invalid_messages"]
+            self.metrics.counters["invalid_messages"] += 1
+            count = self.metrics.counters["invalid_messages"]
             log.warning("dropped an undecodable message (%d so far): %s", count, exc)
             return
         if isinstance(request, AbortRequests):  # takes no capacity; ordered after its requests
@@ -271,6 +280,7 @@ class Engine:
         if isinstance(request, ResetEngineCache):
             self._reset_cache(request)
             return
+        self.metrics.counters["requests"] += 1
         try:  # cache updates apply at receipt, in arrival order, before anything can refuse it
             request = self.caches.receive(request)
         except CacheMissError as exc:
@@ -283,12 +293,12 @@ class Engine:
             self._fail(request, MMLaneError(f"internal error in the receiver cache: {exc}"))
             return
         if not request.reply_to.startswith(_REPLY_SCHEMES):
-            self.counters["invalid_messages"] += 1
+            self.metrics.counters["invalid_messages"] += 1
             log.warning("dropped request %s: reply_to %r is no ZMQ address",
                         request.request_id, request.reply_to)
             return
         if not self._capacity.acquire(blocking=False):
-            self.counters["overloaded"] += 1
+            self.metrics.counters["overloaded"] += 1
             limit = self.config.max_queued_requests
             self._fail(request, RetryableError(
                 f"engine overloaded: it holds {limit} requests (max_queued_requests)",
@@ -300,7 +310,7 @@ class Engine:
     def _reset_cache(self, message: ResetEngineCache) -> None:
         """Drop every receiver cache now, between two arrivals; MM workers follow the epoch."""
         epoch = self.caches.reset()
-        self.counters["cache_resets"] += 1
+        self.metrics.counters["cache_resets"] += 1
         log.info("receiver caches dropped on request: engine cache epoch %d", epoch)
         reset = EngineCacheReset(request_id=message.request_id, engine_epoch=epoch)
         self._replies.put((message.reply_to, reset))
@@ -314,8 +324,10 @@ class Engine:
                 if isinstance(message, (EngineOutput, RequestFailed)):
                     # Stamped here, as it leaves: frontends see the epochs in the order they began.
                     message = replace(message, engine_epoch=self.caches.epoch)
+                frames = codec.encode(message)
+                self.metrics.counters["bytes_out"] += sum(len(frame) for frame in frames)
                 try:
-                    replies.send(reply_to, codec.encode(message))
+                    replies.send(reply_to, frames)
                 except zmq.ZMQError as exc:  # e.g. a reply_to that is no ZMQ address
                     log.warning("cannot reply to %r: %s", reply_to, exc)
         finally:

@@ -19,11 +19,11 @@ from transformers import DynamicCache
 
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError
 from protocol.messages import EngineRequest
+from services.common.stats import Metrics
 from services.engine.adapters import Adapter, adapter_for
 from services.engine.runner import ModelSpec, StepOutput
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence, Unit, UnitKind
-from services.engine.stats import SchedulingStats
 from services.model import load_model, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class HFRunner:
 
     def __init__(
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,
-        prefill_chunk_tokens: int | None = None,
+        prefill_chunk_tokens: int | None = None, metrics: Metrics | None = None,
     ) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
         self.spec = spec
@@ -59,7 +59,8 @@ class HFRunner:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         """The most tokens a unit takes: prefill chunks (the KV cache carries over) and vision
         slices (in image tokens). None runs a whole prompt, or a whole image, as one unit."""
-        self.stats = SchedulingStats()
+        self.metrics = metrics or Metrics("engine", "engine")
+        """Where unit times (engine_step:KIND) and first-unit waits (queue_wait:KIND) go."""
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._units = 0  # units run so far: the scheduler's round-robin clock
@@ -67,7 +68,7 @@ class HFRunner:
     @classmethod
     def load(
         cls, model: str | None, device: str, *, prefill_chunk_tokens: int | None = None,
-        threads: int = 0,
+        threads: int = 0, metrics: Metrics | None = None,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`)."""
@@ -78,6 +79,7 @@ class HFRunner:
         adapter = adapter_for(preprocessor.family.name, network)
         spec = ModelSpec(
             family=preprocessor.family.name,
+            model_id=preprocessor.model_id,
             image_token_id=preprocessor.image_token_id,
             eos_token_ids=frozenset(preprocessor.eos_token_ids),
             max_context=preprocessor.max_context,
@@ -88,7 +90,8 @@ class HFRunner:
         )
         log.info("loaded %s (%s) on %s, %d torch threads", model_dir, spec.family,
                  network.device, torch.get_num_threads())
-        return cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens)
+        return cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
+                   metrics=metrics)
 
     # ------------------------------------------------------------ the ModelRunner interface
 
@@ -109,7 +112,7 @@ class HFRunner:
         unit = seq.next_unit(self.prefill_chunk_tokens)
         started = time.monotonic()
         if seq.last_run < 0:
-            self.stats.queue_wait_seconds[seq.kind].observe(started - seq.arrived)
+            self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
         seq.last_run = self._units
         self._units += 1
         output = self._advance(seq, unit)
@@ -117,7 +120,7 @@ class HFRunner:
             torch.cuda.synchronize(self.model.device)
         elapsed = time.monotonic() - started
         self._scheduler.charge(lane, elapsed)
-        self.stats.unit_seconds[unit.kind.label].observe(elapsed)
+        self.metrics.observe(f"engine_step:{unit.kind.label}", elapsed)
         return [] if output is None else [output]
 
     def abort(self, handle: int) -> None:

@@ -22,6 +22,8 @@ class ModelSpec:
     """What a request is checked against before a runner takes it."""
 
     family: str
+    model_id: str
+    """The loaded model's name (its folder's), as health checks and stats report it."""
     image_token_id: int
     eos_token_ids: frozenset[int]
     max_context: int

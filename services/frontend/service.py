@@ -21,13 +21,11 @@ engine answers it with a cache miss; and it turns a client's `ResetCache` into t
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -56,6 +54,7 @@ from protocol.messages import (
 )
 from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
+from services.common.stats import Metrics, log_totals
 from services.frontend.http_api import HttpApi
 from services.frontend.requests import CheckedRequest, check_request
 from services.model import load_preprocessor, resolve_model_dir
@@ -82,6 +81,7 @@ class InFlight:
     """The job as sent to MM worker number `worker`, kept to resend it after a cache miss."""
     worker: int = 0
     resent: bool = False
+    accepted_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ class Tokenized:
     """What a tokenizer thread hands back: prompt token ids, or the error that stopped it."""
 
     request_id: str
+    seconds: float
+    """How long rendering the template and tokenizing took."""
     token_ids: list[int] | None = None
     error: MMLaneError | None = None
 
@@ -102,7 +104,12 @@ class Frontend:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{id(self):x}"
         self._inflight: dict[str, InFlight] = {}
-        self.counters: Counter[str] = Counter()
+        self._tokenizing = 0  # requests handed to the tokenizer pool and not yet back
+        self.metrics = Metrics("frontend", config.ops.name)
+        self.metrics.model = self._pre.model_id
+        self.metrics.epoch = lambda: self._engine_epoch
+        self.metrics.in_flight = lambda: len(self._inflight)
+        self.metrics.gauge("tokenizing", lambda: self._tokenizing)
         self._engine_epoch = 0  # the newest engine cache epoch seen; MM workers follow it
         self._tokenized: queue.SimpleQueue[Tokenized] = queue.SimpleQueue()
         self._wake_endpoint = f"inproc://frontend-wake-{self._prefix}"
@@ -172,6 +179,7 @@ class Frontend:
             self._accept(frames[0].bytes, frames[1:])
 
     def _accept(self, client: bytes, frames: list) -> None:
+        self.metrics.counters["bytes_in"] += sum(len(frame) for frame in frames)
         try:
             request = self._client_codec.decode(frames)
         except RequestError as exc:
@@ -187,8 +195,11 @@ class Frontend:
         try:
             checked = self._admit(request)
         except MMLaneError as exc:
+            self.metrics.errors[exc.code] += 1
             self._reply(client, ChatError(request_id=request.request_id, error=exc.to_info()))
             return
+        self.metrics.counters["requests"] += 1
+        self._tokenizing += 1
         request_id = f"{self._prefix}-{next(self._ids)}"
         deadline = time.monotonic() + self.config.request_timeout_s
         self._inflight[request_id] = InFlight(client, request.request_id, deadline, checked)
@@ -207,16 +218,19 @@ class Frontend:
 
     def _tokenize(self, request_id: str, checked: CheckedRequest) -> None:
         """Runs on a pool thread: render the chat template, tokenize, hand the result back."""
+        started = time.monotonic()
+        token_ids: list[int] | None = None
+        error: MMLaneError | None = None
         try:
             prompt = self._pre.render_prompt(checked.template_messages)
             token_ids = self._pre.tokenize_batch([prompt])[0]
             self._check_prompt(token_ids, checked)
-            result = Tokenized(request_id, token_ids=token_ids)
         except MMLaneError as exc:
-            result = Tokenized(request_id, error=exc)
+            error = exc
         except Exception as exc:  # a template or tokenizer failure is this request's fault
-            result = Tokenized(request_id, error=RequestError(f"cannot render prompt: {exc}"))
-        self._tokenized.put(result)
+            error = RequestError(f"cannot render prompt: {exc}")
+        seconds = time.monotonic() - started
+        self._tokenized.put(Tokenized(request_id, seconds, token_ids, error))
         self._wake_socket().send(b"", zmq.NOBLOCK)
 
     def _check_prompt(self, token_ids: list[int], checked: CheckedRequest) -> None:
@@ -252,6 +266,8 @@ class Frontend:
                 break
         while not self._tokenized.empty():
             result = self._tokenized.get_nowait()
+            self._tokenizing -= 1
+            self.metrics.observe("tokenize", result.seconds)  # here: one writer per histogram
             pending = self._inflight.get(result.request_id)
             if pending is None:  # timed out meanwhile
                 continue
@@ -316,7 +332,7 @@ class Frontend:
             self._resend(request_id, pending, error.mm_hashes)
             return
         if error.code == CacheMissError.default_code:
-            self.counters["cache_miss_errors"] += 1
+            self.metrics.counters["cache_miss_errors"] += 1
         self._finish_with_error(request_id, error)
 
     def _resend(self, request_id: str, pending: InFlight, invalidate: list[str]) -> None:
@@ -326,9 +342,9 @@ class Frontend:
             pending.job, engine_epoch=self._engine_epoch, mm_cache_invalidate=invalidate
         )
         pending.resent = True
-        self.counters["cache_miss_resends"] += 1
+        self.metrics.counters["cache_miss_resends"] += 1
         log.info("request %s: cache miss on %d image(s); resent (%d resends so far)",
-                 request_id, len(invalidate), self.counters["cache_miss_resends"])
+                 request_id, len(invalidate), self.metrics.counters["cache_miss_resends"])
         sock = self._mm_workers[pending.worker]
         try:
             sock.send_multipart(self._client_codec.encode(pending.job), zmq.NOBLOCK, copy=False)
@@ -340,7 +356,7 @@ class Frontend:
         if epoch <= self._engine_epoch:  # 0 (not from an engine) or one we have passed
             return
         self._engine_epoch = epoch
-        self.counters["engine_epochs"] += 1
+        self.metrics.counters["engine_epochs"] += 1
         log.info("engine cache epoch %d", epoch)
         notice = self._client_codec.encode(EngineEpoch(engine_epoch=epoch))
         for sock in self._mm_workers:
@@ -366,7 +382,7 @@ class Frontend:
         pending = self._inflight.pop(message.request_id, None)
         if pending is None:  # timed out meanwhile
             return
-        self.counters["cache_resets"] += 1
+        self.metrics.counters["cache_resets"] += 1
         reply = CacheReset(request_id=pending.client_request_id, engine_epoch=message.engine_epoch)
         self._reply(pending.client, reply)
 
@@ -386,13 +402,20 @@ class Frontend:
         )
         if output.finished:
             del self._inflight[output.request_id]
+            self._observe_end(pending)
         self._reply(pending.client, reply)
+
+    def _observe_end(self, pending: InFlight) -> None:
+        lane = "image" if pending.checked and pending.checked.images else "text"
+        self.metrics.observe(f"end_to_end:{lane}", time.monotonic() - pending.accepted_at)
 
     def _fail(self, request_id: str, error: MMLaneError) -> None:
         self._finish_with_error(request_id, error.to_info())
 
     def _finish_with_error(self, request_id: str, error: ErrorInfo) -> None:
         pending = self._inflight.pop(request_id)
+        self.metrics.errors[error.code] += 1
+        self._observe_end(pending)
         self._reply(pending.client, ChatError(request_id=pending.client_request_id, error=error))
 
     def _cancel(self, client: bytes, client_request_id: str) -> None:
@@ -401,7 +424,7 @@ class Frontend:
                  if p.client == client and p.client_request_id == client_request_id]
         for request_id in found:
             del self._inflight[request_id]
-            self.counters["cancelled"] += 1
+            self.metrics.counters["cancelled"] += 1
         if found:
             self._abort(found)
 
@@ -428,15 +451,15 @@ class Frontend:
             self._abort(expired)
 
     def _reply(self, client: bytes, message: ChatOutput | ChatError | CacheReset) -> None:
+        frames = self._client_codec.encode(message)
+        self.metrics.counters["bytes_out"] += sum(len(frame) for frame in frames)
         try:
-            self._client.send_multipart(
-                [client, *self._client_codec.encode(message)], zmq.NOBLOCK, copy=False
-            )
+            self._client.send_multipart([client, *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # client gone (ROUTER drops unknown peers) or not reading
             log.warning("reply to client dropped: %s", exc)
 
     def close(self) -> None:
-        log.info("counters %s", json.dumps(self.counters, sort_keys=True))
+        log_totals(self.metrics)
         if self.http is not None:
             self.http.close()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -21,6 +21,7 @@ from msgspec.structs import replace
 
 from protocol.errors import RequestError
 from protocol.messages import EngineRequest, ImageUrl, MMJob
+from services.common.stats import Metrics
 from services.mm_worker.cache import ImageHasher, ItemInfo, SenderCache
 from services.mm_worker.media import MediaPolicy, decode_image, load_image_bytes
 from services.mm_worker.render import PreparedImage, check_job, render_request
@@ -38,8 +39,11 @@ class JobRenderer:
         media: MediaPolicy,
         cache: SenderCache,
         hasher: ImageHasher,
+        metrics: Metrics | None = None,
     ) -> None:
         self.preprocessor = preprocessor
+        self.metrics = metrics or Metrics("mm-worker", "mm-worker")
+        """Where decode and process times go."""
         self.media = media
         self.cache = cache
         self.hasher = hasher
@@ -76,10 +80,13 @@ class JobRenderer:
             raise RequestError(
                 f"image {index}: the image processor refused it: {exc}", code="invalid_image"
             ) from exc
+        processed = time.perf_counter()
+        self.metrics.observe("decode", decoded - started)
+        self.metrics.observe("process", processed - decoded)
         log.debug(
             "image %d: %dx%d decoded in %.1f ms, processed in %.1f ms (%d tokens)",
             index, image.width, image.height, (decoded - started) * 1e3,
-            (time.perf_counter() - decoded) * 1e3, item.num_tokens,
+            (processed - decoded) * 1e3, item.num_tokens,
         )
         return item
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -43,6 +43,7 @@ from protocol.messages import (
 from services.common.config import MMWorkerConfig
 from services.common.feature_cache import capacity_bytes
 from services.common.sockets import ReplySockets, make_socket
+from services.common.stats import Metrics, log_totals
 from services.mm_worker.cache import ImageHasher, SenderCache
 from services.mm_worker.fetch import FetchPolicy, MediaFetcher
 from services.mm_worker.jobs import JobRenderer
@@ -62,26 +63,13 @@ HEAD_WAIT_MS = 5
 
 
 @dataclass
-class MMWorkerCounters:
-    """What the worker has done since it started (published by the stats issue, later)."""
-
-    jobs: int = 0
-    sent: int = 0
-    bytes_sent: int = 0
-    """Bytes of the EngineRequests sent to the engine, tensor frames included."""
-    invalid_messages: int = 0
-    failed: dict[str, int] = field(default_factory=dict)
-    """Failed jobs by error code."""
-    fetches: int = 0
-    """http(s) image fetches started."""
-
-
-@dataclass
 class PendingJob:
     """A received job and the fetches of its http(s) images, by image index."""
 
     job: MMJob
     fetches: dict[int, concurrent.futures.Future[bytes]]
+    received_at: float
+    """When the job was taken off the socket (`time.monotonic()`)."""
 
     def ready(self) -> bool:
         return all(fetch.done() for fetch in self.fetches.values())
@@ -95,7 +83,8 @@ class MMWorker:
         self.endpoint = config.job_endpoint
         self.preprocessor = load_preprocessor(resolve_model_dir(config.model))
         self.media = MediaPolicy.from_config(config)
-        self.counters = MMWorkerCounters()
+        self.metrics = Metrics("mm-worker", config.ops.name)
+        self.metrics.model = self.preprocessor.model_id
         configure_pillow(config.max_image_pixels)
         self._job_codec: Codec[MMJob | EngineEpoch] = Codec(MMWorkerInput)
         self._engine_codec: Codec[Any] = Codec(EngineInput)
@@ -117,7 +106,7 @@ class MMWorker:
                                  capacity_bytes(config.mm_cache_gb))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              self.preprocessor.image_processor.to_dict())
-        self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher)
+        self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher, self.metrics)
         self.fetcher = MediaFetcher(fetch_policy(config))
         policy = self.fetcher.policy
         log.info(
@@ -129,6 +118,11 @@ class MMWorker:
             policy.connect_timeout_s, policy.total_timeout_s, policy.retries,
         )
         self._queue: collections.deque[PendingJob | EngineEpoch] = collections.deque()
+        self._processing = 0  # 1 while the loop works on a job taken off the queue
+        self.metrics.add_counters(self.cache.counters)
+        self.metrics.epoch = lambda: self.cache.epoch
+        self.metrics.gauge("jobs_queued", lambda: len(self._queue))
+        self.metrics.in_flight = lambda: len(self._queue) + self._processing
         log.info(
             "model %s (%s), engine at %s, file:// %s, feature cache %s",
             self.preprocessor.model_id, self.preprocessor.family.name, config.engine_endpoint,
@@ -145,20 +139,23 @@ class MMWorker:
             head = self._ready_head()  # 2. the oldest job, once its own fetches are done
             if head is None:
                 continue
+            self._processing = 1
+            self.metrics.observe("queue_wait", time.monotonic() - head.received_at)
             try:
                 # 3. load, hash, look up the sender cache, decode and process the misses
                 request = self.renderer.render(head.job, head.fetches)
             except Exception as exc:
                 self._fail(head.job, exc)
-                continue
-            if self._send(head.job, request, stop):  # 4. send one EngineRequest to the engine
-                self.cache.commit(request)  # 5. commit it to the sender cache, in send order
+            else:
+                if self._send(head.job, request, stop):  # 4. send one EngineRequest
+                    self.cache.commit(request)  # 5. commit it to the sender cache, in send order
+                    self.metrics.observe("mm_job", time.monotonic() - head.received_at)
+            self._processing = 0
         self._fail_queued()
 
     def close(self) -> None:
         """Close every socket (flushing within their linger) and the context."""
-        counters = {**asdict(self.counters), **self.cache.counters}
-        log.info("counters %s", json.dumps(counters, sort_keys=True))
+        log_totals(self.metrics)
         self.fetcher.close()
         self._replies.close()
         self._engine.close()
@@ -202,14 +199,20 @@ class MMWorker:
                          head.engine_epoch, self.cache.epoch)
         return None
 
-    def _start_fetches(self, job: MMJob) -> PendingJob:
+    def _start_fetches(self, job: MMJob, received_at: float) -> PendingJob:
         fetches: dict[int, concurrent.futures.Future[bytes]] = {}
         for index, image in enumerate(job.images):
             scheme = image.url.partition(":")[0].lower()
             if is_fetched(image.url) and scheme in self.media.allowed_schemes:
-                fetches[index] = self.fetcher.submit(image.url)
-                self.counters.fetches += 1
-        return PendingJob(job, fetches)
+                fetches[index] = fetch = self.fetcher.submit(image.url)
+                fetch.add_done_callback(self._fetch_timer())
+                self.metrics.counters["fetches"] += 1
+        return PendingJob(job, fetches, received_at)
+
+    def _fetch_timer(self) -> Callable[[concurrent.futures.Future[bytes]], None]:
+        """A done-callback that records how long a fetch took (runs on the fetcher's thread)."""
+        started = time.monotonic()
+        return lambda _: self.metrics.observe("fetch", time.monotonic() - started)
 
     def _fail_queued(self) -> None:
         """On stop: every job still queued gets its terminal error."""
@@ -225,19 +228,22 @@ class MMWorker:
     def _next_message(self) -> PendingJob | EngineEpoch | None:
         """The next message on the job socket (None: invalid, dropped)."""
         frames = self._jobs.recv_multipart(copy=False)
+        received_at = time.monotonic()
+        counters = self.metrics.counters
+        counters["bytes_in"] += sum(len(frame) for frame in frames)
         try:
             message = self._job_codec.decode(frames)
         except RequestError as exc:  # no reply address is known: count, log, drop
-            self.counters.invalid_messages += 1
+            counters["invalid_messages"] += 1
             log.warning(
                 "dropped an invalid message on the job socket (%d so far): %s",
-                self.counters.invalid_messages, exc,
+                counters["invalid_messages"], exc,
             )
             return None
         if isinstance(message, EngineEpoch):
             return message
-        self.counters.jobs += 1
-        return self._start_fetches(message)
+        counters["requests"] += 1
+        return self._start_fetches(message, received_at)
 
     def _send(self, job: MMJob, request: EngineRequest, stop: threading.Event) -> bool:
         """Hand the request to the engine, waiting (stop-aware) while the engine is behind;
@@ -255,8 +261,8 @@ class MMWorker:
                 log.warning("engine %s is not reading; the FIFO waits", self.config.engine_endpoint)
                 warned = True
         self._engine.send_multipart(frames, copy=False)
-        self.counters.sent += 1
-        self.counters.bytes_sent += sum(len(frame) for frame in frames)
+        self.metrics.counters["sent"] += 1
+        self.metrics.counters["bytes_out"] += sum(len(frame) for frame in frames)
         return True
 
     def _fail(self, job: MMJob, exc: Exception) -> None:
@@ -267,7 +273,7 @@ class MMWorker:
         else:
             log.exception("request %s: internal error", job.request_id, exc_info=exc)
             error = MMLaneError(f"internal error in the MM worker: {type(exc).__name__}: {exc}")
-        self.counters.failed[error.code] = self.counters.failed.get(error.code, 0) + 1
+        self.metrics.errors[error.code] += 1
         reply = RequestFailed(request_id=job.request_id, error=error.to_info())
         try:
             self._replies.send(job.reply_to, self._reply_codec.encode(reply))

@@ -1,0 +1,223 @@
+"""What every role measures, and the thread that publishes it and answers pings.
+
+A role fills one `Metrics` from its own threads (counters, error counts, latency histograms,
+queue-depth gauges); `StatsServer` runs on its own thread, so it keeps publishing and answering
+while the role's main loop is busy (an MM worker in the middle of a 12 MP image):
+
+    stats socket    PUB, bound at `stats_endpoint`: one `Stats` every `stats_interval_s`
+    control socket  ROUTER, bound at `control_endpoint`: `Ping` → `Pong`
+
+Writers never lock: a counter increment or a histogram bucket increment is one bytecode-level
+store under the GIL, and the snapshot copies each dict in one C-level call before reading it.
+A snapshot may see a histogram between two of its fields' updates; the bucket counts are the
+truth and the count is derived from them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from protocol.codec import Codec
+from protocol.errors import RequestError
+from protocol.messages import ControlRequest, HistogramSnapshot, Ping, Pong, Stats
+from services.common.sockets import make_socket
+
+log = logging.getLogger(__name__)
+
+# Upper bounds of the histogram buckets, in seconds; one more bucket holds everything above.
+BUCKETS_S = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)
+
+
+@dataclass
+class Histogram:
+    """How many observations fell at or below each bound (the last count: above every bound)."""
+
+    bounds: tuple[float, ...] = BUCKETS_S
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
+    total: float = 0.0
+    largest: float = 0.0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), -1)
+        self.counts[index] += 1
+        self.total += value
+        self.largest = max(self.largest, value)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def snapshot(self) -> HistogramSnapshot:
+        counts = list(self.counts)
+        return HistogramSnapshot(
+            bounds=list(self.bounds), counts=counts, total=self.total,
+            p50=quantile(self.bounds, counts, 0.5), p90=quantile(self.bounds, counts, 0.9),
+            p99=quantile(self.bounds, counts, 0.99),
+        )
+
+    def summary_ms(self) -> dict[str, float]:
+        """Count, mean and largest value, in milliseconds (for a log line)."""
+        count = self.count
+        mean = self.total / count if count else 0.0
+        return {"n": count, "mean": round(mean * 1e3, 2), "max": round(self.largest * 1e3, 2)}
+
+
+def quantile(bounds: list[float] | tuple[float, ...], counts: list[int], q: float) -> float:
+    """The q-quantile of bucketed observations, interpolated linearly inside its bucket (as
+    Prometheus' histogram_quantile does); the overflow bucket answers its lower bound. 0 when
+    there are none. Works on the difference of two snapshots' counts too (a window)."""
+    total = sum(counts)
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    seen = 0
+    for index, count in enumerate(counts):
+        if count and seen + count >= rank:
+            if index == len(bounds):
+                return float(bounds[-1])
+            lower = bounds[index - 1] if index else 0.0
+            return lower + (bounds[index] - lower) * (rank - seen) / count
+        seen += count
+    return float(bounds[-1])
+
+
+class Metrics:
+    """One process's counters, error counts by code, histograms and queue gauges."""
+
+    def __init__(self, role: str, name: str) -> None:
+        self.role = role
+        self.name = name
+        self.started = time.monotonic()
+        self.counters: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.histograms: dict[str, Histogram] = {}
+        self.state = "serving"
+        self._gauges: dict[str, Callable[[], int]] = {}
+        self._counter_sources: list[Mapping[str, int]] = []
+        self.in_flight: Callable[[], int] = lambda: 0
+        self.epoch: Callable[[], int] = lambda: 0
+        self.model = ""
+        """The id of the model this process has loaded; "" while none is."""
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Add one latency, in seconds, to histogram `name` ('name:label' for a labelled one)."""
+        histogram = self.histograms.get(name)
+        if histogram is None:
+            histogram = self.histograms.setdefault(name, Histogram())
+        histogram.observe(seconds)
+
+    def gauge(self, name: str, read: Callable[[], int]) -> None:
+        """Publish `read()` as the depth of queue `name` (called on the stats thread)."""
+        self._gauges[name] = read
+
+    def add_counters(self, source: Mapping[str, int]) -> None:
+        """Publish another object's counters (a cache's) beside ours."""
+        self._counter_sources.append(source)
+
+    def snapshot(self) -> Stats:
+        counters = dict(self.counters)
+        for source in self._counter_sources:
+            counters.update(dict(source))
+        return Stats(
+            role=self.role, name=self.name, pid=os.getpid(), epoch=self.epoch(),
+            uptime_s=time.monotonic() - self.started, time=time.time(), state=self.state,
+            in_flight=self.in_flight(),
+            queues={name: read() for name, read in dict(self._gauges).items()},
+            counters=counters, errors=dict(self.errors),
+            histograms={name: h.snapshot() for name, h in dict(self.histograms).items()},
+        )
+
+    def pong(self) -> Pong:
+        return Pong(role=self.role, name=self.name, pid=os.getpid(), state=self.state,
+                    model=self.model)
+
+
+def log_totals(metrics: Metrics) -> None:
+    """Log the counters and latency summaries once, at stop (benchmarks read these lines)."""
+    counters = metrics.snapshot().counters
+    log.info("counters %s", json.dumps(counters, sort_keys=True))
+    log.info("errors %s", json.dumps(dict(metrics.errors), sort_keys=True))
+    log.info("latencies (ms) %s", json.dumps(
+        {name: h.summary_ms() for name, h in sorted(metrics.histograms.items())}
+    ))
+
+
+class StatsServer:
+    """Publishes `Stats` and answers `Ping` on its own thread (see the module docstring)."""
+
+    def __init__(
+        self, metrics: Metrics, *, stats_endpoint: str, control_endpoint: str, interval_s: float
+    ) -> None:
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._ctx = zmq.Context()
+        self._stop = threading.Event()
+        try:
+            self._pub = make_socket(self._ctx, zmq.PUB, stats_endpoint, bind=True, linger_ms=0)
+            self._control = make_socket(
+                self._ctx, zmq.ROUTER, control_endpoint, bind=True, linger_ms=0
+            )
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self.stats_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.control_endpoint = self._control.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{metrics.role}-stats", daemon=True
+        )
+
+    def start(self) -> StatsServer:
+        self._thread.start()
+        log.info("stats on %s every %.1f s, control on %s",
+                 self.stats_endpoint, self.interval_s, self.control_endpoint)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        codec: Codec[Ping] = Codec(ControlRequest)
+        encoder = msgspec.msgpack.Encoder()
+        next_publish = time.monotonic()
+        while not self._stop.is_set():
+            if self._control.poll(max(0, int((next_publish - time.monotonic()) * 1000)) + 1):
+                self._answer(codec, encoder)
+            if time.monotonic() >= next_publish:
+                self._publish(encoder)
+                next_publish = time.monotonic() + self.interval_s
+        self._publish(encoder)  # the last state, e.g. 'draining' with its final counts
+
+    def _answer(self, codec: Codec[Ping], encoder: msgspec.msgpack.Encoder) -> None:
+        frames = self._control.recv_multipart()
+        if len(frames) < 2:
+            return
+        peer, *envelope, body = frames  # envelope: the b"" delimiter a REQ socket adds
+        try:
+            codec.decode([body])
+        except RequestError as exc:
+            log.warning("dropped an unreadable control message: %s", exc)
+            return
+        self._control.send_multipart([peer, *envelope, encoder.encode(self.metrics.pong())])
+
+    def _publish(self, encoder: msgspec.msgpack.Encoder) -> None:
+        try:
+            self._pub.send(encoder.encode(self.metrics.snapshot()), zmq.NOBLOCK)
+        except zmq.Again:  # no subscriber keeps up: this snapshot is skipped, the next one goes
+            pass
+        except Exception:  # a bug in a gauge must not end the thread that answers health
+            log.exception("cannot publish stats")
