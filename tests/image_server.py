@@ -1,4 +1,4 @@
-"""A loopback image server for tests: aiohttp on 127.0.0.1 in its own thread.
+"""A loopback image server for tests: aiohttp on 127.0.0.1 in its own thread, http or https.
 
 Routes serve a small PNG, redirect (to the image, to a link-local address, in a loop), send
 bodies over a cap with and without Content-Length, never answer, answer slowly, or fail with 5xx.
@@ -7,6 +7,7 @@ bodies over a cap with and without Content-Length, never answer, answer slowly, 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 
 from aiohttp import web
@@ -21,7 +22,9 @@ SLOW_S = 1.0
 class ImageServer:
     """An aiohttp server on 127.0.0.1 in its own thread, with routes that misbehave on purpose."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
+        """Serve https with this server context; None: plain http."""
         self.hits: dict[str, int] = {}
         self.events: list[str] = []
         """'start /slow.png?x' and 'end /slow.png?x' as slow answers begin and end."""
@@ -34,7 +37,7 @@ class ImageServer:
         started.wait(10)
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}{path}"
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -42,7 +45,7 @@ class ImageServer:
         app.router.add_get("/{name}", self._handle)
         self.runner = web.AppRunner(app, shutdown_timeout=0.5)
         self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.tls)
         self.loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         started.set()

@@ -6,8 +6,13 @@ No test connects anywhere but 127.0.0.1: refused addresses are refused before an
 from __future__ import annotations
 
 import ipaddress
+import os
+import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +140,53 @@ def test_a_name_resolving_to_loopback_is_refused_without_the_opt_in(
     finally:
         strict.close()
     assert image_server.hits.get("image.png", 0) <= 2  # the refused fetch never reached the server
+
+
+# ---------------------------------------------------------------- https, on loopback only
+
+FETCH_ONE = """
+import sys
+from services.mm_worker.fetch import FetchPolicy, MediaFetcher
+fetcher = MediaFetcher(FetchPolicy(allow_internal=True))
+try:
+    print(len(fetcher.submit(sys.argv[1]).result(20)))
+finally:
+    fetcher.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageServer, Path]]:
+    """An https image server with a self-signed certificate for 127.0.0.1, and that cert."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server = ImageServer(tls=context)
+    yield server, cert
+    server.close()
+
+
+def test_https_fetch_verifies_the_certificate(tls_server: tuple[ImageServer, Path]) -> None:
+    """Over https (the default scheme) an image arrives when its certificate is trusted (here
+    through SSL_CERT_FILE, in a fresh process), and is refused with a clear error when not."""
+    server, cert = tls_server
+    url = server.url("/image.png")
+    trusted = subprocess.run(
+        [sys.executable, "-c", FETCH_ONE, url], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SSL_CERT_FILE": str(cert)},
+    )
+    assert trusted.returncode == 0, trusted.stderr
+    assert int(trusted.stdout) == len(PNG)
+    untrusted = MediaFetcher(FetchPolicy(allow_internal=True))
+    try:
+        with pytest.raises(RequestError, match="certificate verify failed"):
+            untrusted.submit(url).result(20)
+    finally:
+        untrusted.close()
