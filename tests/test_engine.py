@@ -34,7 +34,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.engine.hf_runner import HFRunner
+from services.engine.hf_runner import MAX_BATCH, HFRunner
 from services.engine.validation import validate_request
 from services.launcher import Child
 from services.model import Preprocessor, load_model, load_preprocessor
@@ -370,7 +370,8 @@ def test_undecodable_or_unanswerable_messages_are_dropped(frontend, prep) -> Non
 
 
 def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, qwen_dir) -> None:
-    engine = start_engine(run_dir, "--max-queued-requests", "2")
+    # No drain time: at the stop, the held requests fail at once instead of running to the end.
+    engine = start_engine(run_dir, "--max-queued-requests", "2", "--drain-timeout", "0")
     with zmq.Context() as ctx:
         fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
         held = [to(fe, make_request(prep, *TEXT, max_tokens=4000)) for _ in range(2)]
@@ -394,12 +395,14 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
 # ---------------------------------------------------------------- the runner in process
 
 
+@pytest.mark.parametrize("max_batch", [1, MAX_BATCH])
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
 def test_runner_chunked_prefill_and_interleaving_match_generate(
-    family, qwen_dir, llava_dir
+    family, max_batch, qwen_dir, llava_dir
 ) -> None:
     model_dir = qwen_dir if family == "qwen2_vl" else llava_dir
-    runner, prep = HFRunner.load(str(model_dir), DEVICE), load_preprocessor(model_dir)
+    runner = HFRunner.load(str(model_dir), DEVICE, max_batch=max_batch)
+    prep = load_preprocessor(model_dir)
     requests = [make_request(prep, "look", ((90, 70),), max_tokens=10), make_request(prep, "hi")]
     for request in requests:
         validate_request(request, runner.spec)

@@ -315,29 +315,37 @@ def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> Non
 # ---------------------------------------------------------------- the policy, in process
 
 
-def sequence(handle: int, *, image: bool) -> Sequence:
-    """A request for the scheduler alone: an image one still in its vision pass, or a text one
-    decoding."""
+def sequence(handle: int, *, image: bool, prefilled: bool | None = None) -> Sequence:
+    """A request for the scheduler alone: by default an image one still in its vision pass, or a
+    text one decoding."""
     items = [MMItem(offset=0, length=4, tensors={})] if image else []
     request = EngineRequest(request_id=f"s{handle}", reply_to="", prompt_token_ids=[1] * 4,
                             sampling=SamplingParams(), mm_items=items)
     seq = Sequence(handle, request, torch.ones(1, 4), DynamicCache(), frozenset(), arrived=0.0)
-    if not image:
+    if not image if prefilled is None else prefilled:
         seq.num_cached = seq.prompt_len
     return seq
 
 
-def run_picks(scheduler: Scheduler, seqs: list[Sequence], count: int) -> list[Sequence]:
+def run_batches(
+    scheduler: Scheduler, seqs: list[Sequence], count: int, max_batch: int = 1
+) -> list[list[Sequence]]:
     """Pick `count` units, charging 1 ms per interactive unit and 4 ms per bulk unit."""
     picked = []
     for unit in range(count):
-        picks = scheduler.pick(seqs)
+        picks = scheduler.pick(seqs, max_batch=max_batch)
         assert picks is not None
-        seq, lane = picks
-        seq.last_run = unit
+        batch, lane = picks
+        for seq in batch:
+            seq.last_run = unit
         scheduler.charge(lane, 0.001 if lane is Lane.INTERACTIVE else 0.004)
-        picked.append(seq)
+        picked.append(batch)
     return picked
+
+
+def run_picks(scheduler: Scheduler, seqs: list[Sequence], count: int) -> list[Sequence]:
+    """`run_batches` without batching: the one request of each unit."""
+    return [seq for (seq,) in run_batches(scheduler, seqs, count)]
 
 
 def test_the_bulk_lane_gets_its_share_and_text_goes_round_robin() -> None:
@@ -357,3 +365,38 @@ def test_a_lane_that_was_idle_starts_even_and_wins_the_tie() -> None:
     picked = run_picks(scheduler, [image, text], 5)
     assert [seq.handle for seq in picked] == [1, 0, 1, 1, 1]  # text first, then the shares
     assert scheduler.pick([]) is None
+
+
+def handles(batches: list[list[Sequence]]) -> list[list[int]]:
+    return [[seq.handle for seq in batch] for batch in batches]
+
+
+def test_decode_steps_batch_least_recently_run_first() -> None:
+    decoding = [sequence(handle, image=False) for handle in range(5)]
+    picked = run_batches(Scheduler(), decoding, 4, max_batch=2)
+    assert handles(picked) == [[0, 1], [2, 3], [4, 0], [1, 2]]  # round robin, two at a time
+    assert handles(run_batches(Scheduler(), decoding, 1, max_batch=8)) == [[3, 0, 4, 1, 2]]
+
+
+def test_a_new_text_request_runs_before_a_decode_batch_and_alone() -> None:
+    decoding = [sequence(handle, image=False) for handle in range(3)]
+    for seq in decoding:
+        seq.last_run = 0
+    new = sequence(3, image=False, prefilled=False)
+    image_decoding = sequence(4, image=True, prefilled=True)
+    image_decoding.last_run = 0
+    picked = run_batches(Scheduler(), [*decoding, new, image_decoding], 3, max_batch=8)
+    # The new request's prefill first, alone; then every decoding request, the image one too.
+    # It is not decoding yet (one prefill unit of this scheduler-only test does not fill it).
+    assert handles(picked) == [[3], [0, 1, 2, 4], [3]]
+
+
+def test_image_work_is_never_batched_and_keeps_its_share() -> None:
+    images = [sequence(handle, image=True) for handle in range(2)]
+    texts = [sequence(handle, image=False) for handle in range(2, 6)]
+    picked = run_batches(Scheduler(), [*images, *texts], 400, max_batch=8)
+    bulk = [batch for batch in picked if batch[0] in images]
+    assert all(len(batch) == 1 and batch[0] is images[0] for batch in bulk)  # arrival order
+    share = 4 * len(bulk) / (4 * len(bulk) + len(picked) - len(bulk))
+    assert share == pytest.approx(BULK_SHARE, abs=0.01)
+    assert all(len(batch) == 4 for batch in picked if batch[0] in texts)

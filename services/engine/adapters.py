@@ -3,7 +3,8 @@
 An adapter checks the shapes of one image's tensors, runs the vision encoder for one image, and
 gives a request its own position ids. Qwen2-VL needs explicit 3-D (M-RoPE) positions: the model
 would otherwise keep one `rope_deltas` on itself, shared by every request it serves. LLaVA uses
-plain positions, which the model derives from the request's own KV cache.
+plain positions, which the model derives from the request's own KV cache in a prefill; a decode
+step gets them explicitly, as a batched step runs without that cache (hf_runner.py).
 
 The vision encoder runs as a `VisionPass`, one bounded slice per unit of work. Qwen2-VL's
 encoder slices by rows of patches (the patch embedding, then each block's attention by query
@@ -47,19 +48,26 @@ class VisionPass:
 
 
 class Positions:
-    """Position ids of one request; None lets the model count from the request's KV cache."""
+    """Plain position ids of one request. A prompt's are None: the model counts them from the
+    request's KV cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
 
     def prompt(self, start: int, end: int) -> torch.Tensor | None:
         return None
 
-    def decode(self, position: int) -> torch.Tensor | None:
-        return None
+    def decode(self, position: int) -> torch.Tensor:
+        """The ids of the token at `position` (the KV cache's length), shaped as one batch row:
+        (1, 1); rows of several requests are joined on dimension -2."""
+        return torch.full((1, 1), position, device=self._device)
 
 
 class MRopePositions(Positions):
     """Qwen2-VL's 3-D positions: computed for the whole prompt once, then `delta` + position."""
 
     def __init__(self, prompt_ids: torch.Tensor, delta: int) -> None:
+        super().__init__(prompt_ids.device)
         self._prompt_ids = prompt_ids  # (3, 1, prompt_len)
         self._delta = delta
 
@@ -67,7 +75,7 @@ class MRopePositions(Positions):
         return self._prompt_ids[:, :, start:end]
 
     def decode(self, position: int) -> torch.Tensor:
-        return torch.full((3, 1, 1), position + self._delta, device=self._prompt_ids.device)
+        return torch.full((3, 1, 1), position + self._delta, device=self._device)
 
 
 class Adapter:
@@ -104,7 +112,7 @@ class Adapter:
         yield  # a generator without a yield point: the whole pass is one slice
 
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
-        return Positions()
+        return Positions(prompt.device)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         # Received arrays are read-only views of ZMQ frames; torch wants its own copy anyway.

@@ -1,10 +1,22 @@
-"""The embedded default runner: a Hugging Face model run with torch, one unit at a time.
+"""The embedded default runner: a Hugging Face model run with torch, a bounded unit at a time.
 
-Each `step` runs one unit of one request, picked by the scheduler (scheduler.py): a slice of an
-image's vision pass, a prefill chunk, or a decode step, each a forward pass of batch size one
-over that request's own KV cache. Requests are not batched: on CPU, a batched forward does not
-give bit-identical logits to the same request run alone (BENCHMARKS.md), and a request's tokens
-must not depend on what else the engine is running.
+Each `step` runs one unit picked by the scheduler (scheduler.py): a slice of one request's image
+vision pass, or a prefill chunk of one request, each a forward pass of batch size one over that
+request's own KV cache; or a decode step of up to `max_batch` requests together, one token each.
+
+A request's tokens must not depend on what else the engine is running, so a batched decode step
+gives each request the same bits as it would get alone:
+- Every decode step has the same shape: `max_batch` rows, the rows no request uses filled with a
+  dummy token. A matrix kernel may sum in a different order for a different number of rows (a
+  step of 8 rows differs from a step of one by up to 3e-7 on CPU), but for a fixed shape a row's
+  result depends on that row alone, wherever it is and whatever is beside it. The runner checks
+  this on the loaded model at startup.
+- Attention runs per request (`per_sequence_attention`): each row's query attends to its own
+  request's KV cache, with the model's own SDPA attention called exactly as for a batch of one,
+  so caches of different lengths need no padding, whose masked sums would differ.
+With `max_batch` 1, a decode step is the model's own forward over one request's cache, as before
+batching; it differs from a batched step's (up to 3e-7 in logits), which a greedy near-tie could
+turn into a different token.
 """
 
 from __future__ import annotations
@@ -12,10 +24,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
 
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError
 from protocol.messages import EngineRequest
@@ -27,6 +43,34 @@ from services.engine.sequence import Sequence, Unit, UnitKind
 from services.model import load_model, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
+
+MAX_BATCH = 16
+"""The most requests one decode step runs by default."""
+
+PER_SEQUENCE = "mmlane_per_sequence"
+"""The attention implementation a batched decode step switches the model's text layers to."""
+
+
+def per_sequence_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, *, decode_caches: list[DynamicCache], **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A decode step's attention, row by row: row i's new key and value go into
+    `decode_caches[i]` (request i's cache), and its query attends to that cache alone, through
+    SDPA as in a step of one request (no mask: one query attends to every cached token). Rows
+    past the requests attend to nothing and give zeros. `attention_mask` is None: the step is
+    run with an implementation name that has no mask function."""
+    rows = []
+    for row, cache in enumerate(decode_caches):
+        keys, values = cache.update(key[row : row + 1], value[row : row + 1], module.layer_idx)
+        out, _ = sdpa_attention_forward(module, query[row : row + 1], keys, values, None, **kwargs)
+        rows.append(out)
+    unused = query.shape[0] - len(rows)
+    rows.append(rows[0].new_zeros((unused, *rows[0].shape[1:])))
+    return torch.cat(rows), None
+
+
+AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
 
 
 def pick_device(setting: str) -> str:
@@ -47,12 +91,16 @@ def torch_threads(setting: int) -> int:
 
 
 class HFRunner:
-    """Runs requests on a transformers model: vision, prefill and decode units, batch size one."""
+    """Runs requests on a transformers model: vision and prefill units of one request, decode
+    steps of up to `max_batch` requests."""
 
     def __init__(
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,
-        prefill_chunk_tokens: int | None = None, metrics: Metrics | None = None,
+        prefill_chunk_tokens: int | None = None, max_batch: int = MAX_BATCH,
+        metrics: Metrics | None = None,
     ) -> None:
+        if max_batch < 1:
+            raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
         self.model = model  # a transformers model (Any: its submodules are untyped)
         self.spec = spec
         self.adapter = adapter
@@ -60,7 +108,13 @@ class HFRunner:
         """The most tokens a unit takes: prefill chunks (the KV cache carries over) and vision
         slices (in image tokens). None runs a whole prompt, or a whole image, as one unit."""
         self.metrics = metrics or Metrics("engine", "engine")
-        """Where unit times (engine_step:KIND) and first-unit waits (queue_wait:KIND) go."""
+        """Where unit times (engine_step:KIND), first-unit waits (queue_wait:KIND) and the
+        decode_steps and decode_tokens counters (their ratio: the mean batch) go."""
+        self._text_config = model.config.get_text_config()
+        self.max_batch = max_batch
+        """The most requests a decode step runs, and the rows it always has when above one."""
+        if max_batch > 1 and not self._can_batch():
+            self.max_batch = 1
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._units = 0  # units run so far: the scheduler's round-robin clock
@@ -68,10 +122,11 @@ class HFRunner:
     @classmethod
     def load(
         cls, model: str | None, device: str, *, prefill_chunk_tokens: int | None = None,
-        threads: int = 0, metrics: Metrics | None = None,
+        max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
-        `threads` threads per CPU operation (see `torch_threads`)."""
+        `threads` threads per CPU operation (see `torch_threads`); a decode step runs up to
+        `max_batch` requests (1: one at a time)."""
         torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
@@ -88,16 +143,17 @@ class HFRunner:
             count_image_tokens=preprocessor.count_image_tokens,
             check_items=adapter.check_items,
         )
-        log.info("loaded %s (%s) on %s, %d torch threads", model_dir, spec.family,
-                 network.device, torch.get_num_threads())
-        return cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
-                   metrics=metrics)
+        runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
+                     max_batch=max_batch, metrics=metrics)
+        log.info("loaded %s (%s) on %s, %d torch threads, decode steps of up to %d requests",
+                 model_dir, spec.family, network.device, torch.get_num_threads(), runner.max_batch)
+        return runner
 
     # ------------------------------------------------------------ the ModelRunner interface
 
     def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
         prompt = torch.tensor([request.prompt_token_ids], device=self.model.device)
-        cache = DynamicCache(config=self.model.config.get_text_config())
+        cache = DynamicCache(config=self._text_config)
         self._sequences[handle] = Sequence(
             handle, request, prompt, cache, self.spec.eos_token_ids,
             arrived=time.monotonic() if arrived is None else arrived,
@@ -105,23 +161,24 @@ class HFRunner:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        picked = self._scheduler.pick(self._sequences.values())
+        picked = self._scheduler.pick(self._sequences.values(), max_batch=self.max_batch)
         if picked is None:
             return []
-        seq, lane = picked
-        unit = seq.next_unit(self.prefill_chunk_tokens)
+        batch, lane = picked
+        unit = batch[0].next_unit(self.prefill_chunk_tokens)
         started = time.monotonic()
-        if seq.last_run < 0:
-            self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
-        seq.last_run = self._units
+        for seq in batch:
+            if seq.last_run < 0:
+                self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
+            seq.last_run = self._units
         self._units += 1
-        output = self._advance(seq, unit)
+        outputs = self._advance(batch, unit)
         if self.model.device.type == "cuda":  # kernels run asynchronously: time what they took
             torch.cuda.synchronize(self.model.device)
         elapsed = time.monotonic() - started
         self._scheduler.charge(lane, elapsed)
         self.metrics.observe(f"engine_step:{unit.kind.label}", elapsed)
-        return [] if output is None else [output]
+        return outputs
 
     def abort(self, handle: int) -> None:
         self._sequences.pop(handle, None)
@@ -131,30 +188,48 @@ class HFRunner:
 
     # ------------------------------------------------------------ units
 
-    def _advance(self, seq: Sequence, unit: Unit) -> StepOutput | None:
-        """Run `seq`'s next unit; an output when it produced a token or failed."""
+    def _advance(self, batch: list[Sequence], unit: Unit) -> list[StepOutput]:
+        """Run the unit (`batch` is one request unless it is a decode step); an output for each
+        request that produced a token or failed."""
         try:
-            token = self._run(seq, unit)
-        except Exception as exc:  # one request's failure must not stop the others
-            log.exception("request %s failed in the model", seq.request.request_id)
-            self.abort(seq.handle)
-            return StepOutput(seq.handle, [], error=_model_error(exc))
-        if token is None:
+            logits = self._run(batch, unit)
+        except Exception as exc:  # a failed forward pass fails only the requests it ran
+            log.exception("requests %s failed in the model",
+                          [seq.request.request_id for seq in batch])
+            return [self._fail(seq, exc) for seq in batch]
+        if logits is None:
+            return []
+        return [self._emit(seq, row) for seq, row in zip(batch, logits, strict=True)]
+
+    def _run(self, batch: list[Sequence], unit: Unit) -> torch.Tensor | None:
+        """The unit's next-token logits, a row per request; None when it makes no token yet."""
+        if unit.kind is UnitKind.DECODE:
+            self.metrics.counters["decode_steps"] += 1
+            self.metrics.counters["decode_tokens"] += len(batch)
+            return self._decode(batch)
+        (seq,) = batch
+        if unit.kind is UnitKind.VISION:
+            self._encode_image(seq, unit.image)
             return None
+        logits = self._prefill(seq, unit.tokens)
+        return logits if seq.decoding else None
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """Sample `seq`'s next token from its logits (vocab,); its output."""
+        try:
+            token = seq.sampler(logits)
+        except Exception as exc:  # e.g. NaN logits: this request alone fails
+            log.exception("request %s failed in sampling", seq.request.request_id)
+            return self._fail(seq, exc)
         seq.output_ids.append(token)
         reason = seq.finish_reason()
         if reason is not None:
             self.abort(seq.handle)
         return StepOutput(seq.handle, [token], finish_reason=reason)
 
-    def _run(self, seq: Sequence, unit: Unit) -> int | None:
-        if unit.kind is UnitKind.VISION:
-            self._encode_image(seq, unit.image)
-            return None
-        if unit.kind is UnitKind.PREFILL:
-            logits = self._prefill(seq, unit.tokens)
-            return seq.sampler(logits) if seq.num_cached == seq.prompt_len else None
-        return seq.sampler(self._decode(seq))
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        self.abort(seq.handle)
+        return StepOutput(seq.handle, [], error=_model_error(exc))
 
     def _encode_image(self, seq: Sequence, index: int) -> None:
         """Run the next slice of image `index`'s vision pass (starting it if need be)."""
@@ -173,7 +248,8 @@ class HFRunner:
         seq.image_features[index] = features
 
     def _prefill(self, seq: Sequence, count: int) -> torch.Tensor:
-        """Put prompt tokens [num_cached, num_cached + count) into the cache; the last logits."""
+        """Put prompt tokens [num_cached, num_cached + count) into the cache; the last logits,
+        (1, vocab)."""
         start, end = seq.num_cached, seq.num_cached + count
         if seq.positions is None:
             seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
@@ -185,7 +261,7 @@ class HFRunner:
         seq.num_cached = end
         if end == seq.prompt_len:
             seq.image_features = []  # in the KV cache now
-        return out.logits[0, -1]
+        return out.logits[:, -1]
 
     def _prompt_embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Token embeddings of prompt[start:end], image placeholders replaced by image features."""
@@ -197,15 +273,100 @@ class HFRunner:
                 embeds[0, first - start : last - start] = rows.to(embeds.dtype)
         return embeds
 
-    def _decode(self, seq: Sequence) -> torch.Tensor:
-        assert seq.positions is not None  # set by the prefill, which always comes first
-        position = seq.cache.get_seq_length()
-        last = torch.tensor([[seq.output_ids[-1]]], dtype=torch.long, device=self.model.device)
-        out = self.model(
-            input_ids=last, position_ids=seq.positions.decode(position),
-            cache=seq.cache, use_cache=True,
-        )
-        return out.logits[0, -1]
+    # ------------------------------------------------------------ decode steps
+
+    def _decode(self, batch: list[Sequence]) -> torch.Tensor:
+        """One decode step of each request in `batch`; the logits, (len(batch), vocab)."""
+        caches, tokens, positions = [], [], []
+        for seq in batch:
+            assert seq.positions is not None  # set by the prefill, which always comes first
+            caches.append(seq.cache)
+            tokens.append(seq.output_ids[-1])
+            positions.append(seq.positions.decode(seq.cache.get_seq_length()))
+        if self.max_batch == 1:
+            return self._forward_alone(caches[0], tokens[0], positions[0])
+        return self._forward_rows(caches, tokens, positions)
+
+    def _forward_alone(
+        self, cache: DynamicCache, token: int, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One request's decode step through the model's own attention and cache handling."""
+        last = torch.tensor([[token]], device=self.model.device)
+        out = self.model(input_ids=last, position_ids=positions, cache=cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _forward_rows(
+        self, caches: list[DynamicCache], tokens: list[int], positions: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """A decode step of up to `max_batch` requests (their caches, last tokens and position
+        ids) as one forward pass of `max_batch` rows; the logits of their rows."""
+        unused = self.max_batch - len(caches)
+        ids = torch.tensor(tokens + [0] * unused, device=self.model.device).view(-1, 1)
+        position_ids = torch.cat(positions + [torch.zeros_like(positions[0])] * unused, dim=-2)
+        with self._attention(PER_SEQUENCE):
+            out = self.model(input_ids=ids, position_ids=position_ids, use_cache=False,
+                             decode_caches=caches)
+        return out.logits[: len(caches), -1]
+
+    @contextmanager
+    def _attention(self, implementation: str) -> Iterator[None]:
+        """Run the text layers with another attention implementation for a while. The layers
+        look the name up on their config at each call; the vision tower's config is another."""
+        config = self._text_config
+        saved = config._attn_implementation_internal
+        config._attn_implementation_internal = implementation
+        try:
+            yield
+        finally:
+            config._attn_implementation_internal = saved
+
+    # ------------------------------------------------------------ checks at startup
+
+    def _can_batch(self) -> bool:
+        """Whether decode steps can run batched, bit for bit as alone; logs why not."""
+        config = self._text_config
+        if config._attn_implementation != "sdpa":
+            reason = f"its text attention is {config._attn_implementation!r}, not 'sdpa'"
+        elif any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+            reason = "it has sliding-window layers"  # per_sequence_attention has no window
+        elif not self._rows_are_independent():
+            reason = "a row's logits depend on the other rows on this device"
+        else:
+            return True
+        log.warning("decode steps run one request at a time: %s", reason)
+        return False
+
+    @torch.inference_mode()
+    def _rows_are_independent(self) -> bool:
+        """Whether a request's logits are the same bits in any row of a decode step, beside any
+        other requests, on two random prompts. True of the CPU and CUDA matrix kernels for a
+        fixed shape, as far as measured, but nothing promises it."""
+        try:  # it follows transformers' attention interface, which a new release may change
+            alone = self._forward_rows(*self._probe(lengths=(3,)))
+            beside = self._forward_rows(*self._probe(lengths=(7, 3)))  # same seeds, same prompts
+        except Exception:
+            log.warning("a batched decode step failed on a probe request", exc_info=True)
+            return False
+        return torch.equal(alone[0], beside[1])
+
+    def _probe(
+        self, lengths: tuple[int, ...]
+    ) -> tuple[list[DynamicCache], list[int], list[torch.Tensor]]:
+        """Random text prompts of `lengths` tokens (the same tokens for the same length),
+        prefilled: their caches, last tokens and next position ids."""
+        caches, tokens, positions = [], [], []
+        for length in lengths:
+            generator = torch.Generator().manual_seed(length)
+            prompt = torch.randint(self.spec.vocab_size, (1, length), generator=generator)
+            prompt = prompt.to(self.model.device)
+            cache = DynamicCache(config=self._text_config)
+            prompt_positions = self.adapter.positions(prompt, [])
+            self.model(input_ids=prompt, position_ids=prompt_positions.prompt(0, length),
+                       cache=cache, use_cache=True)
+            caches.append(cache)
+            tokens.append(int(prompt[0, -1]))
+            positions.append(prompt_positions.decode(length))
+        return caches, tokens, positions
 
 
 def _model_error(exc: Exception) -> MMLaneError:

@@ -64,7 +64,8 @@ class ModelRunner(Protocol):
         ...
 
     def step(self) -> list[StepOutput]:
-        """Run the next bounded unit of work; a request's last output has `finished` set."""
+        """Run the next bounded unit of work, which may advance several requests (a batched
+        decode step: one output each); a request's last output has `finished` set."""
         ...
 
     def abort(self, handle: int) -> None:

@@ -1,4 +1,4 @@
-"""Which request's unit runs next.
+"""Which requests' unit runs next.
 
 Two lanes share the engine's time:
 
@@ -13,9 +13,11 @@ never with credit saved while it was idle, and a tie goes to the interactive lan
 
 Within the interactive lane, a request that has not run yet goes first (a new text request waits
 for no decode step), then the one that advanced least recently (round robin over decode steps and
-the chunks of long text prompts). Within the bulk lane, requests go in arrival order, so each
-image finishes as early as it can. The scheduler only chooses whose unit runs next: a request's own
-units always run in order.
+the chunks of long text prompts). When that one is decoding, the decode steps of up to `max_batch`
+decoding requests of the lane, least recently advanced first, run together as one unit (one
+batched forward pass); a prefill chunk or a vision slice is always one request's. Within the bulk
+lane, requests go in arrival order, so each image finishes as early as it can. The scheduler only
+chooses whose unit runs next: a request's own units always run in order.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ class Scheduler:
         """Each lane's time so far divided by its share: the lane behind runs next."""
         self._active: set[Lane] = set()
 
-    def pick(self, sequences: Iterable[Sequence]) -> tuple[Sequence, Lane] | None:
-        """The request whose next unit runs now, and its lane; None when there is no work."""
+    def pick(
+        self, sequences: Iterable[Sequence], *, max_batch: int = 1
+    ) -> tuple[list[Sequence], Lane] | None:
+        """The requests whose next unit runs now, and their lane; None when there is no work.
+        Several only for a decode batch, of `max_batch` at most."""
         lanes: dict[Lane, list[Sequence]] = {Lane.INTERACTIVE: [], Lane.BULK: []}
         for seq in sequences:
             lanes[lane_of(seq)].append(seq)
@@ -57,11 +62,13 @@ class Scheduler:
         self._start_even(active - self._active, active & self._active)
         self._active = active
         lane = min(active, key=lambda lane: (self._vtime[lane], lane is Lane.BULK))
-        if lane is Lane.INTERACTIVE:  # new requests (last_run -1) first, then round robin
-            seq = min(lanes[lane], key=lambda seq: (seq.last_run, seq.handle))
-        else:  # arrival order
-            seq = min(lanes[lane], key=lambda seq: seq.handle)
-        return seq, lane
+        if lane is Lane.BULK:  # arrival order
+            return [min(lanes[lane], key=lambda seq: seq.handle)], lane
+        # New requests (last_run -1) first, then round robin.
+        waiting = sorted(lanes[lane], key=lambda seq: (seq.last_run, seq.handle))
+        if not waiting[0].decoding:
+            return waiting[:1], lane
+        return [seq for seq in waiting if seq.decoding][:max_batch], lane
 
     def _start_even(self, woken: set[Lane], running: set[Lane]) -> None:
         """A lane that gets work after having none starts even with the running one: neither
@@ -80,6 +87,6 @@ class Scheduler:
 
 def lane_of(seq: Sequence) -> Lane:
     """An image request's prompt work is bulk; everything else is interactive."""
-    if seq.request.mm_items and seq.num_cached < seq.prompt_len:
+    if seq.request.mm_items and not seq.decoding:
         return Lane.BULK
     return Lane.INTERACTIVE

@@ -1,7 +1,8 @@
 """One request's state inside the HF runner, and the bounded units of work it is run in.
 
 A request advances one unit at a time: a vision-encoder pass per image (in slices, see
-adapters.py), then prompt prefill in chunks, then one decode step per output token. Everything a
+adapters.py), then prompt prefill in chunks, then one decode step per output token; the decode
+steps of several requests may run together, as one batched step (hf_runner.py). Everything a
 unit needs is kept here, per request (its own KV cache, its own position ids, its image
 embeddings, its half-done vision pass), so units of different requests can run in any
 interleaving and give the same tokens.
@@ -77,8 +78,13 @@ class Sequence:
         """'image' or 'text': how stats group requests."""
         return "image" if self.request.mm_items else "text"
 
+    @property
+    def decoding(self) -> bool:
+        """Whether the whole prompt is in the KV cache: every unit left is a decode step."""
+        return self.num_cached == self.prompt_len
+
     def next_unit(self, prefill_chunk_tokens: int | None = None) -> Unit:
-        if self.num_cached < self.prompt_len:
+        if not self.decoding:
             for index, features in enumerate(self.image_features):
                 if features is None:  # every image is encoded before the prefill starts
                     return Unit(UnitKind.VISION, self.request.mm_items[index].length, index)
