@@ -16,6 +16,7 @@ from services.common.config import (
     EngineConfig,
     FrontendConfig,
     MMWorkerConfig,
+    default_run_dir,
     load_config,
 )
 from services.common.lifecycle import run_role
@@ -47,6 +48,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the most tokens one unit of engine work takes: prompts prefill in chunks of N, "
         "vision-encoder passes run in slices of N image tokens (default 64; smaller: text "
         "waits less behind images, larger: less overhead per unit)",
+    )
+    g.add_argument(
+        "--max-batch", type=int, default=16, metavar="N",
+        help="the most requests one decode step runs together (default 16; 1: one at a time); "
+        "each request's tokens are the same as when it runs alone",
     )
     g.add_argument(
         "--torch-threads", type=int, default=0, metavar="N",
@@ -175,6 +181,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "model": args.model, "input_endpoint": args.engine_endpoint or "",
         "device": args.device, "max_queued_requests": args.max_queued_requests,
         "prefill_chunk_tokens": args.prefill_chunk_tokens, "mm_cache_gb": args.mm_cache_gb,
+        "max_batch": args.max_batch,
         "torch_threads": args.torch_threads, "ops": _ops(args),
     })
 
@@ -212,7 +219,7 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
         "model": args.model, "client_endpoint": f"tcp://{args.host}:{args.port}",
         "output_endpoint": args.output_endpoint or "",
         "engine_endpoint": args.engine_endpoint or "",
-        "mm_worker_endpoints": [args.mm_worker_endpoint] if args.mm_worker_endpoint else [],
+        "mm_worker_endpoints": args.mm_worker_endpoint or [],
         "tokenizer_workers": args.tokenizer_workers,
         "max_images_per_request": args.max_images_per_request,
         "request_timeout_s": args.request_timeout,
@@ -273,6 +280,47 @@ def _cmd_bench_server(args: argparse.Namespace) -> int:
     return run_bench_server(args)
 
 
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from services.ops.stats_cli import stats_command
+
+    return stats_command(args)
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from services.ops.top import top_command
+
+    return top_command(args)
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    from services.ops.health import health_command
+
+    return health_command(args)
+
+
+def _cmd_exporter(args: argparse.Namespace) -> int:
+    from services.ops.exporter import exporter_command
+
+    return exporter_command(args)
+
+
+def _add_watch_args(p: argparse.ArgumentParser, kind: str) -> None:
+    """Which processes an operator tool talks to (services/ops/discovery.py)."""
+    g = p.add_argument_group(
+        "which processes (default: every one whose socket is found under the run dir)"
+    )
+    g.add_argument(
+        "--connect", action="append", default=[], metavar="ADDR",
+        help=f"a process's {kind} socket, e.g. ipc:///tmp/mmlane/{kind}-engine.sock or "
+        f"tcp://HOST:PORT (repeatable; default: every {kind}-*.sock under --run-dir)",
+    )
+    g.add_argument(
+        "--run-dir", default=str(default_run_dir()), metavar="DIR",
+        help="the folder searched, recursively, for the sockets (default: $MMLANE_RUN_DIR or "
+        "/tmp/mmlane, here %(default)s; `mmlane serve` puts its own in serve-PORT there)",
+    )
+
+
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from services.model import build_tiny_model
 
@@ -281,7 +329,11 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_endpoint_args(p: argparse.ArgumentParser, *names: str) -> None:
+def _add_endpoint_args(
+    p: argparse.ArgumentParser, *names: str, repeatable: tuple[str, ...] = ()
+) -> None:
+    """One --NAME-endpoint option per name; those in `repeatable` may be given several times
+    (their value is then a list)."""
     g = p.add_argument_group("internal addresses (default: ipc:// sockets in $MMLANE_RUN_DIR)")
     helps = {
         "engine": "the engine's request socket",
@@ -289,7 +341,11 @@ def _add_endpoint_args(p: argparse.ArgumentParser, *names: str) -> None:
         "output": "this frontend's reply socket",
     }
     for name in names:
-        g.add_argument(f"--{name}-endpoint", metavar="ADDR", help=helps[name])
+        if name in repeatable:
+            g.add_argument(f"--{name}-endpoint", metavar="ADDR", action="append",
+                           help=f"{helps[name]}; repeat it for several (they take turns)")
+        else:
+            g.add_argument(f"--{name}-endpoint", metavar="ADDR", help=helps[name])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("frontend", _cmd_frontend, "run one frontend (client API, chat template, tokenizer)")
     _add_model(p)
     _add_frontend_args(p)
-    _add_endpoint_args(p, "engine", "mm-worker", "output")
+    _add_endpoint_args(p, "engine", "mm-worker", "output", repeatable=("mm-worker",))
     _add_ops_args(p, one_role=True)
     _add_ready(p)
 
@@ -369,6 +425,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="native API address (default: serve's default)",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
+
+    p = add("stats", _cmd_stats, "print the stats the running processes publish")
+    p.description = (
+        "Print the Stats snapshots the running processes publish: one line per snapshot as they "
+        "come, or (--once) one snapshot per process, exiting 1 if a process sends none in "
+        "time."
+    )
+    p.add_argument("--once", action="store_true",
+                   help="print one snapshot per process and exit (1 if one sent none in time)")
+    p.add_argument("--json", action="store_true",
+                   help='with --once, exactly one JSON object {"processes": [...], "silent": '
+                   "[...]}, processes in pipeline order; without, one JSON object per line")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="with --once, seconds to wait for every process's snapshot (default 5)")
+    _add_watch_args(p, "stats")
+
+    p = add("top", _cmd_top, "watch every process and the latency of every lane, live")
+    p.description = (
+        "Watch every process (state, uptime, in-flight requests, queue depths, requests/s, "
+        "errors) and every lane's latency (p50/p90/p99 over the last window, i.e. between a "
+        "process's two latest snapshots, and since start), live. A process that stops "
+        "publishing shows as stale. Ctrl-C quits."
+    )
+    p.add_argument("--interval", type=float, default=1.0, metavar="S",
+                   help="seconds between two screen updates (default 1)")
+    p.add_argument("--once", action="store_true",
+                   help="wait for two snapshots of every process, print the view as plain text "
+                   "and exit (1 if a process sent nothing)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="with --once, the longest wait for those snapshots (default 5)")
+    _add_watch_args(p, "stats")
+
+    p = add("health", _cmd_health, "ping every process; exit 0 only if all serve")
+    p.description = (
+        "Ping every process's control socket at once and print a line per process. Exit 0 "
+        "only if each answers within --timeout, is serving, and (engines) has its model "
+        "loaded, and, when the sockets are discovered (no --connect), a frontend, an MM worker "
+        "and an engine all answer. Else exit 1, naming what is wrong."
+    )
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="seconds to wait for the answers (default 5)")
+    _add_watch_args(p, "control")
+
+    p = add("exporter", _cmd_exporter, "serve the processes' stats to Prometheus")
+    p.description = (
+        "Serve the latest stats of every process to Prometheus at http://HOST:PORT/metrics: "
+        "mmlane_<lane>_seconds histograms, mmlane_<counter>_total and mmlane_errors_total "
+        "counters, mmlane_queue_depth, mmlane_in_flight, mmlane_uptime_seconds and mmlane_up "
+        "gauges, labelled by role and name. Runs until SIGINT or SIGTERM."
+    )
+    p.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400)")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="HTTP host (default %(default)s; 0.0.0.0 to let a remote Prometheus in)")
+    _add_watch_args(p, "stats")
 
     p = add(
         "tiny-model", _cmd_tiny_model, "write the embedded tiny model (built offline) to a folder"

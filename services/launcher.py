@@ -4,6 +4,11 @@ Startup waits for each child's `Ready` on a ready socket while watching for earl
 that fails makes serve stop the others and exit 1 with that child's reason. Once all are ready,
 serve prints one `ready` line with the client endpoint, then waits for SIGINT/SIGTERM (exit 0
 after stopping every child) or for a child to die (exit 1).
+
+Stopping is graceful, frontends first: a frontend drains while the MM worker and the engine
+still serve its requests in flight; once it has exited every request has had its reply, so the
+others then stop together (whatever they still hold, nobody waits for). Each child gets SIGTERM,
+then its drain timeout plus `KILL_GRACE_S` to exit before SIGKILL.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import zmq
 
 from protocol.errors import FatalError
 from protocol.messages import LauncherInput, StartupFailed
-from services.common.config import default_run_dir, ipc
+from services.common.config import OpsConfig, default_run_dir, ipc
 from services.common.lifecycle import setup_logging
 from services.common.sockets import make_socket
 from services.model import resolve_model_dir
 
-_STOP_GRACE_S = 10.0
+KILL_GRACE_S = 10.0
+"""How long after its drain timeout a stopping child may take to exit (closing its sockets,
+logging its totals) before it is killed."""
 
 
 class Child:
@@ -45,6 +52,8 @@ class Child:
     ) -> None:
         self.role = role
         self.endpoint: str | None = None
+        self.stop_timeout_s = drain_timeout_s(argv) + KILL_GRACE_S
+        """From SIGTERM to SIGKILL."""
         self.log_path = None if log_dir is None else log_dir / f"{role}.log"
         env = None if run_dir is None else {**os.environ, "MMLANE_RUN_DIR": str(run_dir)}
         with self.log_path.open("wb") if self.log_path else contextlib.nullcontext() as stderr:
@@ -53,6 +62,7 @@ class Child:
             )
 
     def stop(self) -> None:
+        """SIGTERM: the child drains, then exits."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
@@ -62,6 +72,18 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def drain_timeout_s(argv: list[str]) -> float:
+    """The --drain-timeout of a role's command line (the role's default when it has none, or
+    one it cannot read: the role refuses that itself, naming it)."""
+    default = OpsConfig().drain_timeout_s
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--drain-timeout", type=float, default=default)
+    try:
+        return parser.parse_known_args(argv)[0].drain_timeout
+    except argparse.ArgumentError:
+        return default
 
 
 def _opt(name: str, value: object) -> list[str]:
@@ -85,6 +107,7 @@ def child_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict
             *common, "--device", args.device,
             *_opt("max-queued-requests", args.max_queued_requests),
             *_opt("prefill-chunk-tokens", args.prefill_chunk_tokens),
+            *_opt("max-batch", args.max_batch),
             *_opt("torch-threads", args.torch_threads),
             *_opt("mm-cache-gb", args.mm_cache_gb),
         ],
@@ -212,8 +235,14 @@ def _watch(children: list[Child], stop: threading.Event, log: logging.Logger) ->
 
 
 def stop_all(children: list[Child]) -> None:
+    """Stop the frontends, then the others (see the module docstring)."""
+    _stop_together([child for child in children if child.role == "frontend"])
+    _stop_together([child for child in children if child.role != "frontend"])
+
+
+def _stop_together(children: list[Child]) -> None:
     for child in children:
         child.stop()
-    deadline = time.monotonic() + _STOP_GRACE_S
+    stopped_at = time.monotonic()
     for child in children:
-        child.wait_or_kill(deadline)
+        child.wait_or_kill(stopped_at + child.stop_timeout_s)

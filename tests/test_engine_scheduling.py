@@ -301,11 +301,13 @@ def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
 
 def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> None:
     args = build_parser().parse_args(
-        ["serve", "--prefill-chunk-tokens", "64", "--torch-threads", "3"]
+        ["serve", "--prefill-chunk-tokens", "64", "--torch-threads", "3", "--max-batch", "4"]
     )
     engine_argv = child_argv(args, run_dir, run_dir)["engine"]
     config = engine_config(build_parser().parse_args(["engine", *engine_argv]))
-    assert (config.prefill_chunk_tokens, config.torch_threads) == (64, 3)
+    assert (config.prefill_chunk_tokens, config.torch_threads, config.max_batch) == (64, 3, 4)
+    with pytest.raises(FatalError, match="max_batch must be positive"):
+        load_config(EngineConfig, {"max_batch": 0})
     with pytest.raises(FatalError, match="prefill_chunk_tokens must be positive"):
         load_config(EngineConfig, {"prefill_chunk_tokens": 0})
     with pytest.raises(FatalError, match="torch_threads must be 0"):

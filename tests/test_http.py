@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
 from media import make_image, png_uri
 from protocol.codec import Codec
-from protocol.messages import AbortRequests, EngineInput, EngineRequest
+from protocol.messages import (
+    AbortRequests,
+    EngineInput,
+    EngineOutput,
+    EngineRequest,
+    FrontendInput,
+)
+from services.launcher import Child
 
 FETCH_TIMEOUT_S = 3.0
 MAX_BODY_BYTES = 4_000_000
@@ -303,10 +311,12 @@ def test_a_client_disconnect_cancels_the_request(
 # ---------------------------------------------------------------- a frontend with a silent engine
 
 
-@pytest.fixture
-def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, zmq.Socket]]:
-    """A frontend (HTTP API on, at most one request in flight, 2 s timeout) whose engine is this
-    test's socket: it receives and never answers."""
+@contextmanager
+def frontend_with_silent_engine(
+    run_dir: Path, qwen_dir: Path, *args: str
+) -> Iterator[tuple[Child, str, zmq.Socket]]:
+    """A frontend (HTTP API on, ARGS added) whose engine is this test's socket: it receives and
+    answers only when the test does. Yields the frontend, its HTTP base URL and that socket."""
     ctx = zmq.Context.instance()
     engine = ctx.socket(zmq.PULL)
     engine.setsockopt(zmq.LINGER, 0)
@@ -316,14 +326,22 @@ def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, zmq.Sock
     frontend = start_role("frontend", [
         "--model", str(qwen_dir), "--engine-endpoint", engine_endpoint,
         "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock", "--port", str(free_port()),
-        "--output-endpoint", f"ipc://{run_dir}/out.sock", "--request-timeout", "2",
-        "--max-inflight-requests", "1", "--http-port", str(http_port),
+        "--output-endpoint", f"ipc://{run_dir}/out.sock", "--http-port", str(http_port), *args,
     ], run_dir, log_dir=run_dir / "logs")
     try:
-        yield f"http://127.0.0.1:{http_port}/v1", engine
+        yield frontend, f"http://127.0.0.1:{http_port}/v1", engine
     finally:
         assert stop_role(frontend) == 0, role_log(frontend)
         engine.close()
+
+
+@pytest.fixture
+def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, zmq.Socket]]:
+    """A frontend (HTTP API on, at most one request in flight, 2 s timeout) whose engine is this
+    test's socket: it receives and never answers."""
+    with frontend_with_silent_engine(run_dir, qwen_dir, "--request-timeout", "2",
+                                     "--max-inflight-requests", "1") as (_, base_url, engine):
+        yield base_url, engine
 
 
 def _engine_message(engine: zmq.Socket) -> Any:
@@ -356,3 +374,46 @@ def test_overload_timeout_and_disconnect_reach_the_engine(
     request = _engine_message(engine)
     abort = _engine_message(engine)  # well before the 2 s deadline would have sent it
     assert isinstance(abort, AbortRequests) and abort.request_ids == [request.request_id]
+
+
+# ---------------------------------------------------------------- a frontend that drains
+
+
+def _health(base_url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"{base_url.removesuffix('/v1')}/health", timeout=10) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def test_a_draining_frontend_refuses_new_requests_and_answers_held_ones(
+    run_dir: Path, qwen_dir: Path
+) -> None:
+    with frontend_with_silent_engine(run_dir, qwen_dir, "--drain-timeout", "60") as (
+        frontend, base_url, engine
+    ), openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        hi = {"model": qwen_dir.name, "messages": [{"role": "user", "content": "hi"}]}
+        held: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: held.append(client.chat.completions.create(**hi)), name="held")
+        thread.start()
+        request = _engine_message(engine)  # in flight: the engine holds it
+        frontend.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while (health := _health(base_url))[0] != 503:
+            assert time.monotonic() < deadline, "/health never said the frontend is draining"
+            time.sleep(0.05)
+        assert health[1]["error"]["code"] == "peer_restarted"
+
+        _assert_error(_status_error(client, None, **hi), 503, "peer_restarted",
+                      "the frontend is stopping and takes no new requests")
+        with zmq.Context.instance().socket(zmq.PUSH) as reply:
+            reply.connect(request.reply_to)
+            reply.send_multipart(Codec(FrontendInput).encode(EngineOutput(
+                request_id=request.request_id, token_ids=[42], finished=True,
+                finish_reason="length", prompt_token_ids=request.prompt_token_ids,
+            )))
+        thread.join(60)
+        assert held[0].choices[0].finish_reason == "length"
+        assert frontend.process.wait(timeout=60) == 0, role_log(frontend)

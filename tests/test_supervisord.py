@@ -272,7 +272,7 @@ def test_k8s_pod_runs_each_role_with_flags_it_has() -> None:
     assert set(roles) == {"engine", "mm-worker", "frontend"}
     engine = roles["engine"].engine_endpoint
     assert roles["mm-worker"].engine_endpoint == roles["frontend"].engine_endpoint == engine
-    assert roles["frontend"].mm_worker_endpoint == roles["mm-worker"].mm_worker_endpoint
+    assert roles["frontend"].mm_worker_endpoint == [roles["mm-worker"].mm_worker_endpoint]
 
 
 def test_mm_worker_killed_under_load(supervised: Supervised, load: Load) -> None:
@@ -350,6 +350,43 @@ def test_engine_killed_under_load(supervised: Supervised, load: Load) -> None:
     for rid in doomed + racing:
         assert load.outcome(rid) in ("ok", "timeout"), load.sent[rid].replies[0].error
     assert supervised.running_pid("mm-worker") is not None
+
+
+def test_frontend_killed_under_load(supervised: Supervised, load: Load) -> None:
+    victim, other = 0, 1
+    program = f"frontend:frontend-{supervised.ports[victim]}"
+    old_pid = supervised.running_pid(program)
+    assert old_pid is not None
+    # Requests in flight in the victim die with it: their client gets no reply (its own timeout
+    # ends them), and their late replies reach the restarted frontend, which ignores them.
+    with Client(f"tcp://127.0.0.1:{supervised.ports[victim]}") as lost:
+        for seed in range(3):
+            lost.submit([user_message("What is in it?", [jpeg_uri(320, 240, seed)])],
+                        max_tokens=48)
+            lost.submit([user_message("Tell me about lanes.")], max_tokens=48)
+        before = [load.image(other), load.text(other), load.image(other), load.text(other)]
+        time.sleep(0.2)
+        _kill(old_pid)
+    killed_at = time.monotonic()
+    _wait_until_gone(supervised, program, old_pid)
+
+    # While it is down, the other frontend serves both lanes.
+    while_down: list[str] = []
+    while (new_pid := supervised.running_pid(program)) in (None, old_pid):
+        assert time.monotonic() - killed_at < PATIENCE_S, f"{program} not restarted"
+        while_down += [load.text(other), load.image(other)]
+        load.poll(wait_s=0.3)
+    answered_while_down = [r for r in while_down if load.sent[r].replies]
+    restarted_s = time.monotonic() - killed_at
+
+    after = _both(load.text) + _both(load.image)  # the restarted one serves again
+    load.settle()
+    print(f"frontend {old_pid} -> {new_pid} after {restarted_s:.1f} s; through the other one "
+          f"while it was down {dict(load.tally(while_down))} ({len(answered_while_down)} "
+          f"answered before the restart), after {dict(load.tally(after))}")
+
+    assert all(load.outcome(r) == "ok" for r in before + while_down + after), load.tally()
+    assert answered_while_down, "the other frontend answered nothing while the victim was down"
 
 
 def test_sigterm_stops_every_role_with_exit_0(supervised: Supervised) -> None:

@@ -88,6 +88,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     of at most this many tokens, and an image's vision-encoder pass runs in slices of at most
     this many image tokens' worth of patches. Smaller bounds how long a text request can wait
     behind image work; larger costs less per-unit overhead (on a GPU, try 512 or more)."""
+    max_batch: int = 16
+    """The most requests one decode step runs together (1: one at a time). A batched step
+    gives each request the same logits, bit for bit, as a step of its own (see hf_runner.py)."""
     torch_threads: int = 0
     """Threads torch may use for one CPU operation. 0: every core this process may run on but
     two, and at least one, since an MM worker and a frontend on the same machine need theirs:
@@ -102,7 +105,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.input_endpoint = self.input_endpoint or ipc("engine")
         self.ops = self.ops.named(process_name("engine", self.input_endpoint))
         capacity_bytes(self.mm_cache_gb)
-        _positive(self, "max_queued_requests", "prefill_chunk_tokens")
+        _positive(self, "max_queued_requests", "prefill_chunk_tokens", "max_batch")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be 0 (automatic) or more, "
                              f"got {self.torch_threads}")

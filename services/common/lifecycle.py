@@ -3,8 +3,14 @@
 A role is any object with `endpoint`, `serve(stop)` and `close()`. `run_role` builds it, starts
 its stats thread (when given the role's `OpsConfig`: the role then has `metrics`), reports
 `Ready` (or `StartupFailed` with the reason) to the launcher's ready socket when one is given,
-serves until SIGINT/SIGTERM, then closes it and returns the exit status. At the signal the
-role's `serve` returns once it has drained (see each role's `drain_timeout_s`).
+serves until SIGINT/SIGTERM, then closes it and returns the exit status.
+
+The signal starts a graceful stop, the same in every role: its state turns 'draining' at once
+(stats and health show it), it refuses new work with `refused_while_draining`, finishes what it
+holds for up to `drain_timeout_s` (counted from the signal: `Stop.drain_expired`), fails what is
+left with `unfinished_at_drain_timeout`, and `serve` returns once every request it held has had
+its terminal reply. Both errors are retryable, code `DRAINING_CODE`: the request may succeed on
+another instance, or on this one once it is back.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Protocol
@@ -20,15 +27,73 @@ from typing import Protocol
 import msgspec
 import zmq
 
+from protocol.errors import RetryableError
 from protocol.messages import Ready, StartupFailed
 from services.common.config import OpsConfig
-from services.common.stats import StatsServer
+from services.common.stats import Metrics, StatsServer
+
+DRAINING_CODE = "peer_restarted"
+"""The error code of work a stopping role refuses or cannot finish: to the client, the process
+that had its request is restarting."""
+
+
+class Stop(threading.Event):
+    """Set at SIGINT/SIGTERM: the role stops taking work and has `drain_timeout_s` from that
+    moment to answer what it holds. Setting it also turns the role's `metrics` 'draining'."""
+
+    def __init__(self, drain_timeout_s: float = 0.0) -> None:
+        super().__init__()
+        self.drain_timeout_s = drain_timeout_s
+        self.metrics: Metrics | None = None
+        self._deadline = float("inf")
+
+    def set(self) -> None:
+        if not self.is_set():
+            self._deadline = time.monotonic() + self.drain_timeout_s
+            if self.metrics is not None:
+                self.metrics.state = "draining"
+        super().set()
+
+    def drain_expired(self) -> bool:
+        """Whether the drain timeout has passed since the stop (False before any stop)."""
+        return time.monotonic() >= self._deadline
+
+
+def drain(
+    stop: Stop, log: logging.Logger, *, held: Callable[[], int], turn: Callable[[], None]
+) -> None:
+    """Run the role's loop (`turn`) while it holds work (`held`) and the drain timeout has not
+    passed; the role then fails what is left."""
+    count = held()
+    log.info("draining %d requests (up to %g s)", count, stop.drain_timeout_s)
+    started = time.monotonic()
+    while held() and not stop.drain_expired():
+        turn()
+    left = held()
+    if left:
+        log.warning("drain timeout: failing %d unfinished requests", left)
+    elif count:
+        log.info("drained in %.1f s", time.monotonic() - started)
+
+
+def refused_while_draining(role: str) -> RetryableError:
+    """The error for new work that reaches a role after its stop began."""
+    return RetryableError(f"the {role} is stopping and takes no new requests",
+                          code=DRAINING_CODE)
+
+
+def unfinished_at_drain_timeout(role: str, stop: Stop) -> RetryableError:
+    """The error for held work still unfinished when the drain timeout ran out."""
+    return RetryableError(
+        f"the {role} stopped before the request finished (drain timeout "
+        f"{stop.drain_timeout_s:g} s)", code=DRAINING_CODE,
+    )
 
 
 class Role(Protocol):
     endpoint: str
 
-    def serve(self, stop: threading.Event) -> None: ...
+    def serve(self, stop: Stop) -> None: ...
 
     def close(self) -> None: ...
 
@@ -44,7 +109,7 @@ def run_role(
 ) -> int:
     """Build, announce, serve and stop one role; returns the process exit status."""
     log = setup_logging(role)
-    stop = threading.Event()
+    stop = Stop(ops.drain_timeout_s if ops is not None else 0.0)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     service: Role | None = None
@@ -52,9 +117,10 @@ def run_role(
     try:
         service = build()
         if ops is not None:
+            metrics: Metrics = service.metrics  # type: ignore[attr-defined]  # roles given `ops` have it
+            stop.metrics = metrics  # from the signal on, stats and health say 'draining'
             stats = StatsServer(
-                service.metrics,  # type: ignore[attr-defined]  # the roles that take `ops` have it
-                stats_endpoint=ops.stats_endpoint,
+                metrics, stats_endpoint=ops.stats_endpoint,
                 control_endpoint=ops.control_endpoint, interval_s=ops.stats_interval_s,
             ).start()
     except Exception as exc:  # any startup failure is reported, not raised through

@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -154,6 +155,10 @@ def log_totals(metrics: Metrics) -> None:
     ))
 
 
+_STOP_CHECK_MS = 100
+"""How often the stats thread looks at its stop flag while it waits."""
+
+
 class StatsServer:
     """Publishes `Stats` and answers `Ping` on its own thread (see the module docstring)."""
 
@@ -189,13 +194,19 @@ class StatsServer:
         if self._thread.is_alive():
             self._thread.join()
         self._ctx.destroy(linger=0)
+        # A clean stop takes its socket files along, so the tools that search a run dir report
+        # only processes that died (a kill -9 leaves them; a restart binds over them).
+        for endpoint in (self.stats_endpoint, self.control_endpoint):
+            if endpoint.startswith("ipc://"):
+                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
 
     def _run(self) -> None:
         codec: Codec[Ping] = Codec(ControlRequest)
         encoder = msgspec.msgpack.Encoder()
         next_publish = time.monotonic()
         while not self._stop.is_set():
-            if self._control.poll(max(0, int((next_publish - time.monotonic()) * 1000)) + 1):
+            wait_ms = min(_STOP_CHECK_MS, max(0, int((next_publish - time.monotonic()) * 1e3)))
+            if self._control.poll(wait_ms + 1):
                 self._answer(codec, encoder)
             if time.monotonic() >= next_publish:
                 self._publish(encoder)

@@ -14,6 +14,11 @@ Socket I/O stays at the edges, on threads that own their sockets:
 Every admitted request leaves with exactly one terminal reply: its last EngineOutput
 (`finished`), or a RequestFailed (bad input, model error, deadline passed, aborted by its
 frontend, engine stopping). A dropped request's KV cache is freed between two units.
+
+At SIGTERM the engine drains: the input thread keeps reading, but answers each new request at
+once with a retryable error (after applying its cache updates, which its MM worker has already
+committed); the main loop runs the requests it holds until they finish or the drain timeout
+passes, then fails the rest. `serve` returns once every one has had its terminal reply.
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ from protocol.messages import (
 )
 from services.common.config import EngineConfig
 from services.common.feature_cache import capacity_bytes
+from services.common.lifecycle import (
+    Stop,
+    drain,
+    refused_while_draining,
+    unfinished_at_drain_timeout,
+)
 from services.common.sockets import ReplySockets, make_socket
 from services.common.stats import Metrics, log_totals
 from services.engine.cache import ReceiverCaches
@@ -87,6 +98,7 @@ class Engine:
         try:
             self.runner = runner or HFRunner.load(
                 config.model, config.device, prefill_chunk_tokens=config.prefill_chunk_tokens,
+                max_batch=config.max_batch,
                 threads=config.torch_threads, metrics=self.metrics,
             )
         except BaseException:
@@ -103,6 +115,7 @@ class Engine:
         self._handles = itertools.count()
         self._by_id: dict[str, int] = {}  # request ids are unique: frontends prefix their pid
         self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, handle)
+        self._stop = Stop()  # serve's: from its signal on, new requests are refused
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
         self._sender: threading.Thread | None = None
@@ -113,24 +126,29 @@ class Engine:
         m.model = self.runner.spec.model_id
         m.add_counters(self.caches.counters)
         m.epoch = lambda: self.caches.epoch
-        m.in_flight = lambda: len(self._held) + self._arrivals.qsize()
+        m.in_flight = self._holds
         m.gauge("arrivals", self._arrivals.qsize)
         m.gauge("running", lambda: len(self._held))
         m.gauge("replies", self._replies.qsize)
 
     # ------------------------------------------------------------ the Role interface
 
-    def serve(self, stop: threading.Event) -> None:
+    def serve(self, stop: Stop) -> None:
+        self._stop = stop
         self._receiver = _start_thread("engine-input", self._receive_loop)
         self._sender = _start_thread("engine-output", self._send_loop)
         try:
             while not stop.is_set():
-                self._admit(wait=not self.runner.has_work())  # 1
-                self._expire(time.time())  # 2
-                for output in self.runner.step():  # 3
-                    self._reply(output)  # 4
+                self._turn()
+            drain(stop, log, held=self._holds, turn=self._turn)
         finally:
-            self._drain()
+            self._fail_all_held(unfinished_at_drain_timeout("engine", stop))
+
+    def _turn(self) -> None:
+        self._admit(wait=not self.runner.has_work())  # 1
+        self._expire(time.time())  # 2
+        for output in self.runner.step():  # 3
+            self._reply(output)  # 4
 
     def close(self) -> None:
         self._stopping.set()
@@ -229,8 +247,12 @@ class Engine:
         if output.finished:
             self._release(output.handle)
 
-    def _drain(self) -> None:
-        """At stop: every request not yet answered gets a retryable error, then the replies go."""
+    def _holds(self) -> int:
+        """Requests admitted or waiting to be (and aborts not yet applied)."""
+        return len(self._held) + self._arrivals.qsize()
+
+    def _fail_all_held(self, error: MMLaneError) -> None:
+        """At the end: every request not yet answered gets `error`, then the replies go."""
         self._stopping.set()
         if self._receiver is not None:  # once it has ended, nothing new arrives
             self._receiver.join()
@@ -239,11 +261,7 @@ class Engine:
             message = self._arrivals.get_nowait().message
             if isinstance(message, EngineRequest):
                 waiting.append(message)
-        held = [h.request for h in self._held.values()]
-        if waiting or held:
-            log.info("draining %d requests", len(waiting) + len(held))
-        error = RetryableError("the engine is stopping", code="peer_restarted")
-        for request in waiting + held:
+        for request in waiting + [h.request for h in self._held.values()]:
             self._fail(request, error)
         for handle in list(self._held):
             self.runner.abort(handle)
@@ -296,6 +314,10 @@ class Engine:
             self.metrics.counters["invalid_messages"] += 1
             log.warning("dropped request %s: reply_to %r is no ZMQ address",
                         request.request_id, request.reply_to)
+            return
+        if self._stop.is_set():
+            self.metrics.counters["refused_draining"] += 1
+            self._fail(request, refused_while_draining("engine"))
             return
         if not self._capacity.acquire(blocking=False):
             self.metrics.counters["overloaded"] += 1

@@ -12,6 +12,10 @@ before its reply cancels the request (`CancelChat`), which the frontend turns in
 Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events ending with
 `data: [DONE]`), GET /v1/models, GET /health. Errors are OpenAI-style bodies,
 `{"error": {"message", "type", "param", "code"}}`, with the status of `STATUS_BY_CODE`.
+
+While the frontend drains (after SIGTERM), /health answers 503 so that load balancers send no
+more, and new chat requests get the I/O thread's refusal (503, code `peer_restarted`); the
+requests in flight are answered as usual.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from protocol.messages import (
     ClientReply,
     ClientRequest,
 )
+from services.common.lifecycle import DRAINING_CODE
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +87,14 @@ class HttpApi:
 
     def __init__(
         self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
-        max_body_bytes: int, alive: Callable[[], bool],
+        max_body_bytes: int, alive: Callable[[], bool], draining: Callable[[], bool],
     ) -> None:
         self.model_id = model_id
         self._client_endpoint = client_endpoint
         self._host, self._port = host, port
         self._max_body_bytes = max_body_bytes
         self._alive = alive
+        self._draining = draining
         self._ctx = zmq.asyncio.Context.shadow(ctx)  # inproc needs the frontend's context
         self._codec: Codec[Any] = Codec(ClientRequest)
         self._reply_codec: Codec[Any] = Codec(ClientReply)
@@ -179,6 +185,9 @@ class HttpApi:
     # ------------------------------------------------------------ routes
 
     async def _health(self, _: web.Request) -> web.Response:
+        if self._draining():
+            return _error_response(ApiError(503, "the frontend is stopping (draining)",
+                                            DRAINING_CODE))
         if self._alive():
             return web.json_response({"status": "ok"})
         return _error_response(ApiError(503, "the frontend's I/O loop is not turning",

@@ -10,7 +10,14 @@ Every accepted request is held in `_inflight` until exactly one terminal reply h
 The OpenAI-compatible HTTP API (`http_api.HttpApi`, its own thread and event loop) is one more
 client of this loop: it connects to the client ROUTER over inproc and sends native requests, so
 every request, whichever API it came by, goes through the same checks, deadlines and replies.
-A `CancelChat` (an HTTP client that went away) drops the request and aborts it in the engine.
+A request the frontend drops before its reply (a `CancelChat`, e.g. from an HTTP client that
+went away, or a passed deadline) is stopped downstream: `AbortRequests` to the engine, and for an
+image request `CancelJobs` to its MM worker, which skips the job if it has not processed it yet.
+
+At SIGTERM the frontend drains: new requests (native and HTTP) are refused at once with a
+retryable error and /health answers 503, while the requests in flight are served until they
+finish or the drain timeout passes; the rest then get a retryable error and are stopped
+downstream.
 
 The mirrored feature cache needs three things from the frontend: it passes the newest engine
 cache epoch it has seen (from any engine reply) to the MM workers, on every job and in an
@@ -38,6 +45,7 @@ from protocol.messages import (
     AbortRequests,
     CacheReset,
     CancelChat,
+    CancelJobs,
     ChatError,
     ChatOutput,
     ChatRequest,
@@ -53,6 +61,12 @@ from protocol.messages import (
     ResetEngineCache,
 )
 from services.common.config import FrontendConfig
+from services.common.lifecycle import (
+    Stop,
+    drain,
+    refused_while_draining,
+    unfinished_at_drain_timeout,
+)
 from services.common.sockets import make_socket
 from services.common.stats import Metrics, log_totals
 from services.frontend.http_api import HttpApi
@@ -121,6 +135,7 @@ class Frontend:
             config.tokenizer_workers, thread_name_prefix="frontend-tokenizer"
         )
         self._last_turn = time.monotonic()
+        self._stop = Stop()  # serve's: from its signal on, new requests are refused
         self.http: HttpApi | None = None
         if config.http_port:
             self.http = HttpApi(
@@ -128,6 +143,7 @@ class Frontend:
                 port=config.http_port, model_id=self._pre.model_id,
                 max_body_bytes=config.http_max_body_bytes,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
+                draining=lambda: self._stop.is_set(),
             )
             try:
                 self.http.start()
@@ -155,20 +171,35 @@ class Frontend:
 
     # ------------------------------------------------------------------ the I/O loop
 
-    def serve(self, stop: threading.Event) -> None:
+    def serve(self, stop: Stop) -> None:
+        self._stop = stop
         poller = zmq.Poller()
         for sock in (self._client, self._wake, self._output):
             poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
-            self._last_turn = time.monotonic()
-            ready = dict(poller.poll(_POLL_MS))
-            if self._client in ready:
-                self._read_clients()
-            if self._wake in ready:
-                self._route_tokenized()
-            if self._output in ready:
-                self._read_outputs()
-            self._expire(time.monotonic())
+            self._turn(poller)
+        # Requests arriving from now on are refused at once (`_accept`).
+        drain(stop, log, held=lambda: len(self._inflight), turn=lambda: self._turn(poller))
+        self._read_clients()  # the last arrivals get their refusal too
+        self._fail_unfinished(unfinished_at_drain_timeout("frontend", stop))
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        self._last_turn = time.monotonic()
+        ready = dict(poller.poll(_POLL_MS))
+        if self._client in ready:
+            self._read_clients()
+        if self._wake in ready:
+            self._route_tokenized()
+        if self._output in ready:
+            self._read_outputs()
+        self._expire(time.monotonic())
+
+    def _fail_unfinished(self, error: MMLaneError) -> None:
+        """At the end of the drain: fail every request still in flight, and stop it downstream."""
+        left = dict(self._inflight)
+        for request_id in left:
+            self._fail(request_id, error)
+        self._stop_downstream(left)
 
     def _read_clients(self) -> None:
         while True:
@@ -186,11 +217,17 @@ class Frontend:
             log.warning("unreadable client message: %s", exc)
             self._reply(client, ChatError(request_id="", error=exc.to_info()))
             return
-        if isinstance(request, ResetCache):
-            self._reset_cache(client, request)
-            return
         if isinstance(request, CancelChat):
             self._cancel(client, request.request_id)
+            return
+        if self._stop.is_set():
+            self.metrics.counters["refused_draining"] += 1
+            error = refused_while_draining("frontend")
+            self.metrics.errors[error.code] += 1
+            self._reply(client, ChatError(request_id=request.request_id, error=error.to_info()))
+            return
+        if isinstance(request, ResetCache):
+            self._reset_cache(client, request)
             return
         try:
             checked = self._admit(request)
@@ -419,26 +456,40 @@ class Frontend:
         self._reply(pending.client, ChatError(request_id=pending.client_request_id, error=error))
 
     def _cancel(self, client: bytes, client_request_id: str) -> None:
-        """The client no longer waits: drop the request here and abort it in the engine."""
-        found = [rid for rid, p in self._inflight.items()
-                 if p.client == client and p.client_request_id == client_request_id]
+        """The client no longer waits: drop the request here and stop it downstream."""
+        found = {rid: p for rid, p in self._inflight.items()
+                 if p.client == client and p.client_request_id == client_request_id}
         for request_id in found:
             del self._inflight[request_id]
             self.metrics.counters["cancelled"] += 1
-        if found:
-            self._abort(found)
+        self._stop_downstream(found)
 
-    def _abort(self, request_ids: list[str]) -> None:
-        """Tell the engine to drop these requests (ones it has not received expire there)."""
+    def _stop_downstream(self, dropped: dict[str, InFlight]) -> None:
+        """Tell the engine to drop these requests, and each image job's MM worker to skip the
+        job if it is still queued there. Work that misses its notice (a job the MM worker hands
+        to the engine after the engine's abort went by) still runs until its deadline; its
+        replies are ignored here."""
+        if not dropped:
+            return
+        self._send_notice(self._engine, AbortRequests(request_ids=list(dropped)), "engine")
+        jobs_by_worker: dict[int, list[str]] = {}
+        for request_id, pending in dropped.items():
+            if pending.job is not None:
+                jobs_by_worker.setdefault(pending.worker, []).append(request_id)
+        for worker, request_ids in jobs_by_worker.items():
+            self._send_notice(self._mm_workers[worker], CancelJobs(request_ids=request_ids),
+                              f"MM worker {worker}")
+
+    def _send_notice(self, sock: zmq.Socket, notice: AbortRequests | CancelJobs,
+                     peer: str) -> None:
         try:
-            abort = AbortRequests(request_ids=request_ids)
-            self._engine.send_multipart(self._client_codec.encode(abort), zmq.NOBLOCK, copy=False)
+            sock.send_multipart(self._client_codec.encode(notice), zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            log.warning("engine queue full: not aborting %d requests (the engine drops them "
-                        "by their deadline)", len(request_ids))
+            log.warning("%s queue full: %d requests not stopped there (their deadline ends "
+                        "them)", peer, len(notice.request_ids))
 
     def _expire(self, now: float) -> None:
-        expired = [rid for rid, p in self._inflight.items() if p.deadline <= now]
+        expired = {rid: p for rid, p in self._inflight.items() if p.deadline <= now}
         for request_id in expired:
             self._fail(
                 request_id,
@@ -447,8 +498,7 @@ class Frontend:
                     code="timeout",
                 ),
             )
-        if expired:  # the engine frees them now; ones it has not yet received expire on arrival
-            self._abort(expired)
+        self._stop_downstream(expired)  # the engine and MM workers free them now
 
     def _reply(self, client: bytes, message: ChatOutput | ChatError | CacheReset) -> None:
         frames = self._client_codec.encode(message)

@@ -12,6 +12,15 @@ fetches, and processes and commits strictly in arrival order. Engine-epoch notic
 same queue, so they apply in their turn.
 A job's bad input fails that job alone, with a clear error sent to its frontend; an unreadable
 message on the job socket is counted, logged and dropped.
+
+`CancelJobs` (its frontend no longer waits: the client went away, or the deadline passed) takes
+the named jobs out of the queue: never processed, no reply, nothing committed to the sender
+cache, the order of the others kept. A job that is no longer queued (being processed, done, or
+not yet arrived) is not affected.
+
+At SIGTERM the worker drains: it keeps reading the job socket and answers each new job at once
+with a retryable error, keeps processing the jobs it holds in order until they are done or the
+drain timeout passes, then fails the rest with a retryable error.
 """
 
 from __future__ import annotations
@@ -30,8 +39,9 @@ from typing import Any
 import zmq
 
 from protocol.codec import Codec
-from protocol.errors import MMLaneError, RequestError, RetryableError
+from protocol.errors import MMLaneError, RequestError
 from protocol.messages import (
+    CancelJobs,
     EngineEpoch,
     EngineInput,
     EngineRequest,
@@ -42,6 +52,12 @@ from protocol.messages import (
 )
 from services.common.config import MMWorkerConfig
 from services.common.feature_cache import capacity_bytes
+from services.common.lifecycle import (
+    Stop,
+    drain,
+    refused_while_draining,
+    unfinished_at_drain_timeout,
+)
 from services.common.sockets import ReplySockets, make_socket
 from services.common.stats import Metrics, log_totals
 from services.mm_worker.cache import ImageHasher, SenderCache
@@ -86,7 +102,7 @@ class MMWorker:
         self.metrics = Metrics("mm-worker", config.ops.name)
         self.metrics.model = self.preprocessor.model_id
         configure_pillow(config.max_image_pixels)
-        self._job_codec: Codec[MMJob | EngineEpoch] = Codec(MMWorkerInput)
+        self._job_codec: Codec[MMJob | EngineEpoch | CancelJobs] = Codec(MMWorkerInput)
         self._engine_codec: Codec[Any] = Codec(EngineInput)
         self._reply_codec: Codec[Any] = Codec(FrontendInput)
         self._ctx = zmq.Context()
@@ -119,6 +135,7 @@ class MMWorker:
         )
         self._queue: collections.deque[PendingJob | EngineEpoch] = collections.deque()
         self._processing = 0  # 1 while the loop works on a job taken off the queue
+        self._stop = Stop()  # serve's: from its signal on, new jobs are refused
         self.metrics.add_counters(self.cache.counters)
         self.metrics.epoch = lambda: self.cache.epoch
         self.metrics.gauge("jobs_queued", lambda: len(self._queue))
@@ -131,27 +148,34 @@ class MMWorker:
             if config.mm_cache_gb > 0 else "off",
         )
 
-    def serve(self, stop: threading.Event) -> None:
-        """Run the FIFO loop until `stop` is set."""
+    def serve(self, stop: Stop) -> None:
+        """Run the FIFO loop until `stop` is set, then drain."""
         threading.current_thread().name = "mm-worker-fifo"
+        self._stop = stop
         while not stop.is_set():
-            self._receive()  # 1. take in arriving jobs; their image fetches start now
-            head = self._ready_head()  # 2. the oldest job, once its own fetches are done
-            if head is None:
-                continue
-            self._processing = 1
-            self.metrics.observe("queue_wait", time.monotonic() - head.received_at)
-            try:
-                # 3. load, hash, look up the sender cache, decode and process the misses
-                request = self.renderer.render(head.job, head.fetches)
-            except Exception as exc:
-                self._fail(head.job, exc)
-            else:
-                if self._send(head.job, request, stop):  # 4. send one EngineRequest
-                    self.cache.commit(request)  # 5. commit it to the sender cache, in send order
-                    self.metrics.observe("mm_job", time.monotonic() - head.received_at)
-            self._processing = 0
-        self._fail_queued()
+            self._turn()
+        # Jobs arriving from now on are refused at once (`_next_message`).
+        drain(stop, log, held=self._jobs_queued, turn=self._turn)
+        self._receive()  # the last arrivals get their refusal too
+        self._fail_queued(unfinished_at_drain_timeout("MM worker", stop))
+
+    def _turn(self) -> None:
+        self._receive()  # 1. take in arriving jobs; their image fetches start now
+        head = self._ready_head()  # 2. the oldest job, once its own fetches are done
+        if head is None:
+            return
+        self._processing = 1
+        self.metrics.observe("queue_wait", time.monotonic() - head.received_at)
+        try:
+            # 3. load, hash, look up the sender cache, decode and process the misses
+            request = self.renderer.render(head.job, head.fetches)
+        except Exception as exc:
+            self._fail(head.job, exc)
+        else:
+            if self._send(head.job, request):  # 4. send one EngineRequest
+                self.cache.commit(request)  # 5. commit it to the sender cache, in send order
+                self.metrics.observe("mm_job", time.monotonic() - head.received_at)
+        self._processing = 0
 
     def close(self) -> None:
         """Close every socket (flushing within their linger) and the context."""
@@ -171,18 +195,26 @@ class MMWorker:
         wait_ms = POLL_MS if head is None else HEAD_WAIT_MS
         if isinstance(head, EngineEpoch) or (head is not None and head.ready()):
             wait_ms = 0
-        if len(self._queue) >= self.config.fetch_ahead_jobs:
+        if self._full():
             if isinstance(head, PendingJob):  # full: the head's fetches are all we wait for
                 concurrent.futures.wait(list(head.fetches.values()), timeout=POLL_MS / 1e3)
             return
         if not self._jobs.poll(wait_ms):
             return
-        while len(self._queue) < self.config.fetch_ahead_jobs:
+        while not self._full():
             message = self._next_message()
             if message is not None:
                 self._queue.append(message)
             if not self._jobs.poll(0):
                 return
+
+    def _full(self) -> bool:
+        """Whether the queue holds `fetch_ahead_jobs`; while draining it takes no new jobs, so
+        the socket is read on regardless (the jobs there get their refusal at once)."""
+        return not self._stop.is_set() and len(self._queue) >= self.config.fetch_ahead_jobs
+
+    def _jobs_queued(self) -> int:
+        return sum(isinstance(item, PendingJob) for item in self._queue)
 
     def _ready_head(self) -> PendingJob | None:
         """Pop the head once it can be processed; an engine-epoch notice is applied here."""
@@ -214,19 +246,30 @@ class MMWorker:
         started = time.monotonic()
         return lambda _: self.metrics.observe("fetch", time.monotonic() - started)
 
-    def _fail_queued(self) -> None:
-        """On stop: every job still queued gets its terminal error."""
+    def _fail_queued(self, error: MMLaneError) -> None:
+        """At the end: every job still queued gets `error`."""
         while self._queue:
             head = self._queue.popleft()
             if isinstance(head, PendingJob):
                 for fetch in head.fetches.values():
                     fetch.cancel()
-                self._fail(head.job, RetryableError(
-                    "the MM worker stopped before processing the request", code="overloaded"
-                ))
+                self._fail(head.job, error)
+
+    def _cancel(self, request_ids: list[str]) -> None:
+        """Take the named jobs out of the queue, unprocessed and unanswered (see the module
+        docstring); ids not queued are ignored."""
+        cancelled = set(request_ids)
+        for item in list(self._queue):
+            if isinstance(item, PendingJob) and item.job.request_id in cancelled:
+                self._queue.remove(item)
+                for fetch in item.fetches.values():
+                    fetch.cancel()
+                self.metrics.counters["cancelled"] += 1
+                log.info("request %s cancelled by its frontend: skipped", item.job.request_id)
 
     def _next_message(self) -> PendingJob | EngineEpoch | None:
-        """The next message on the job socket (None: invalid, dropped)."""
+        """The next message on the job socket to queue (None: nothing to queue: it was invalid
+        and dropped, a cancel applied at once, or a job refused while draining)."""
         frames = self._jobs.recv_multipart(copy=False)
         received_at = time.monotonic()
         counters = self.metrics.counters
@@ -242,20 +285,25 @@ class MMWorker:
             return None
         if isinstance(message, EngineEpoch):
             return message
+        if isinstance(message, CancelJobs):
+            self._cancel(message.request_ids)
+            return None
         counters["requests"] += 1
+        if self._stop.is_set():
+            counters["refused_draining"] += 1
+            self._fail(message, refused_while_draining("MM worker"))
+            return None
         return self._start_fetches(message, received_at)
 
-    def _send(self, job: MMJob, request: EngineRequest, stop: threading.Event) -> bool:
-        """Hand the request to the engine, waiting (stop-aware) while the engine is behind;
-        False when it was not sent (the job got an error instead)."""
+    def _send(self, job: MMJob, request: EngineRequest) -> bool:
+        """Hand the request to the engine, waiting while the engine is behind (until the drain
+        timeout, once stopping); False when it was not sent (the job got an error instead)."""
         frames = self._engine_codec.encode(request)
         waiting_since = time.monotonic()
         warned = False
         while not self._engine.poll(POLL_MS, zmq.POLLOUT):
-            if stop.is_set():
-                self._fail(job, RetryableError(
-                    "the MM worker stopped before the engine took the request", code="overloaded"
-                ))
+            if self._stop.drain_expired():
+                self._fail(job, unfinished_at_drain_timeout("MM worker", self._stop))
                 return False
             if not warned and time.monotonic() - waiting_since > SLOW_ENGINE_WARNING_S:
                 log.warning("engine %s is not reading; the FIFO waits", self.config.engine_endpoint)

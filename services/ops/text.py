@@ -1,0 +1,40 @@
+"""How the tools write durations and small dicts as text (the same in `stats` and `top`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def latency_text(seconds: float) -> str:
+    """A latency at a useful precision: '0.42 ms', '12.3 ms', '1.25 s'."""
+    if seconds < 0.01:
+        return f"{seconds * 1e3:.2f} ms"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def ms_text(seconds: float) -> str:
+    """A latency as a bare number of milliseconds, for columns headed 'ms': '0.27', '12.5',
+    '1540'."""
+    milliseconds = seconds * 1e3
+    if milliseconds < 10:
+        return f"{milliseconds:.2f}"
+    if milliseconds < 1000:
+        return f"{milliseconds:.1f}"
+    return f"{milliseconds:.0f}"
+
+
+def uptime_text(seconds: float) -> str:
+    """'42s', '12m03s', '3h07m'."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def counts_text(counts: Mapping[str, int]) -> str:
+    """'arrivals 0, running 2'; '-' when empty."""
+    return ", ".join(f"{name} {count}" for name, count in sorted(counts.items())) or "-"

@@ -1,0 +1,157 @@
+"""`mmlane top`: every process and every lane's latency, live in the terminal (rich).
+
+The view has two tables, laid out for a terminal of 100 columns or more. Processes: one row
+each, with its state ('stale' once it stops publishing), queues, in-flight count, request rate
+and errors by code. Lanes: each latency histogram, summed per role, with p50/p90/p99 in ms over
+the last window and since start. "The last window" is the time between each process's two
+latest snapshots (its --stats-interval), so rates and windowed quantiles need two snapshots;
+until then they show '-'.
+
+`--once` waits for two snapshots from every process (or --timeout), prints the view as plain
+text and exits: 1 if a process sent nothing, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rich import box
+from rich.console import Console, Group, JustifyMethod
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from services.ops.discovery import Targets, targets
+from services.ops.feed import ProcessSnapshots, StatsFeed
+from services.ops.lanes import Lane, lanes
+from services.ops.text import counts_text, ms_text, uptime_text
+
+# Columns the plain-text view (--once, output not a terminal) is laid out for.
+PLAIN_WIDTH = 150
+# The process table's columns that never wrap, and how each is aligned.
+FIXED_PROCESS_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("role", "left"), ("name", "left"), ("pid", "right"), ("state", "left"), ("up", "right"),
+    ("in\nflight", "right"),
+)
+
+
+def top_command(args: argparse.Namespace) -> int:
+    where = targets(args, "stats")
+    if args.once:
+        where.require_endpoints()
+    with StatsFeed(where) as feed:
+        return _print_once(feed, args.timeout) if args.once else _show_live(feed, args.interval)
+
+
+def _print_once(feed: StatsFeed, timeout_s: float) -> int:
+    feed.wait_for(2, timeout_s)
+    print(plain_text(render(feed, time.monotonic())))
+    return 1 if feed.silent() else 0
+
+
+def plain_text(view: Group) -> str:
+    """The view as text without colour or trailing blanks, PLAIN_WIDTH wide (or the terminal's)."""
+    width = None if sys.stdout.isatty() else PLAIN_WIDTH
+    console = Console(width=width, color_system=None, highlight=False)
+    with console.capture() as capture:
+        console.print(view)
+    return "\n".join(line.rstrip() for line in capture.get().splitlines())
+
+
+def _show_live(feed: StatsFeed, interval_s: float) -> int:
+    with Live(render(feed, time.monotonic()), auto_refresh=False, transient=False) as live:
+        try:
+            while True:
+                feed.receive_for(interval_s)
+                live.update(render(feed, time.monotonic()), refresh=True)
+        except KeyboardInterrupt:
+            return 0
+
+
+def render(feed: StatsFeed, now: float) -> Group:
+    """The whole view: a header line, the process table and the lane table."""
+    processes = feed.ordered()
+    return Group(
+        _header(feed.targets, processes, now),
+        process_table(processes, now),
+        lane_table(lanes(processes, now)),
+    )
+
+
+def _header(where: Targets, processes: list[ProcessSnapshots], now: float) -> Text:
+    source = f"under {where.run_dir}" if where.discovering else "at " + ", ".join(where.connect)
+    silent = sum(process.latest is None for process in processes)
+    stale = sum(not process.fresh(now) for process in processes) - silent
+    notes = []
+    if stale:
+        notes.append(f"{stale} stale")
+    if silent:
+        notes.append(f"{silent} silent")
+    return Text(
+        f"mmlane top  {time.strftime('%H:%M:%S')}  {len(processes)} "
+        f"process{'' if len(processes) == 1 else 'es'} {source}"
+        + (f"  ({', '.join(notes)})" if notes else "")
+    )
+
+
+def process_table(processes: list[ProcessSnapshots], now: float) -> Table:
+    table = _table("processes")
+    for column, justify in FIXED_PROCESS_COLUMNS:
+        table.add_column(column, no_wrap=True, justify=justify)
+    table.add_column("queues")  # queues and errors wrap when the terminal is narrow
+    table.add_column("req/s", no_wrap=True, justify="right")
+    table.add_column("errors")
+    for process in processes:
+        table.add_row(*_process_row(process, now))
+    return table
+
+
+def _process_row(process: ProcessSnapshots, now: float) -> list[str]:
+    stats = process.latest
+    if stats is None:
+        return ["?", process.name, "-", "no data", "-", "-", process.endpoint, "-", "-"]
+    fresh = process.fresh(now)
+    state = stats.state if fresh else f"stale {uptime_text(now - process.received_at)}"
+    return [
+        stats.role, stats.name, str(stats.pid), state, uptime_text(stats.uptime_s),
+        str(stats.in_flight), counts_text(stats.queues), _request_rate(process) if fresh else "-",
+        counts_text(stats.errors),
+    ]
+
+
+def _request_rate(process: ProcessSnapshots) -> str:
+    """Requests per second over the last window, or '-' without one."""
+    window = process.window()
+    if window is None:
+        return "-"
+    before, after = window
+    requests = after.counters.get("requests", 0) - before.counters.get("requests", 0)
+    return f"{requests / max(after.time - before.time, 1e-9):.1f}"
+
+
+def lane_table(all_lanes: list[Lane]) -> Table:
+    table = _table("lane latency in ms: last window | since start")
+    table.add_column("lane", no_wrap=True)
+    table.add_column("role", no_wrap=True)
+    for period in ("last", "total"):
+        for column in ("n", "p50", "p90", "p99"):
+            table.add_column(f"{column}\n{period}", no_wrap=True, justify="right")
+    for lane in all_lanes:
+        table.add_row(lane.name, lane.role, *_quantile_cells(lane, lane.last_window),
+                      *_quantile_cells(lane, lane.since_start))
+    return table
+
+
+def _table(title: str) -> Table:
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                 collapse_padding=True)
+
+
+def _quantile_cells(lane: Lane, counts: list[int] | None) -> list[str]:
+    """n, p50, p90, p99 of `counts`; '-' where there is nothing to measure."""
+    observations = sum(counts) if counts is not None else 0
+    if counts is None or observations == 0:
+        return ["-" if counts is None else "0", "-", "-", "-"]
+    return [str(observations), *(ms_text(value) for value in lane.quantiles(counts))]
