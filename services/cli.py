@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -229,6 +230,20 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
     })
 
 
+def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
+    """The command function `target` ('module:function'), imported only when it runs: each
+    command loads its own dependencies (torch, aiohttp, rich), not every command's."""
+
+    def run(args: argparse.Namespace) -> int:
+        module, _, function = target.partition(":")
+        command: Callable[[argparse.Namespace], int] = getattr(
+            importlib.import_module(module), function
+        )
+        return command(args)
+
+    return run
+
+
 def _cmd_engine(args: argparse.Namespace) -> int:
     from services.engine import Engine
 
@@ -248,60 +263,6 @@ def _cmd_frontend(args: argparse.Namespace) -> int:
 
     config = frontend_config(args)
     return run_role("frontend", lambda: Frontend(config), args.ready_endpoint, config.ops)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from services.launcher import serve
-
-    return serve(args)
-
-
-def _cmd_chat(args: argparse.Namespace) -> int:
-    from services.client import chat_command
-
-    return chat_command(args)
-
-
-def _cmd_reset_cache(args: argparse.Namespace) -> int:
-    from services.client import reset_cache_command
-
-    return reset_cache_command(args)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from services.bench.cli import run_bench
-
-    return run_bench(args)
-
-
-def _cmd_bench_server(args: argparse.Namespace) -> int:
-    from services.bench.cli import run_bench_server
-
-    return run_bench_server(args)
-
-
-def _cmd_stats(args: argparse.Namespace) -> int:
-    from services.ops.stats_cli import stats_command
-
-    return stats_command(args)
-
-
-def _cmd_top(args: argparse.Namespace) -> int:
-    from services.ops.top import top_command
-
-    return top_command(args)
-
-
-def _cmd_health(args: argparse.Namespace) -> int:
-    from services.ops.health import health_command
-
-    return health_command(args)
-
-
-def _cmd_exporter(args: argparse.Namespace) -> int:
-    from services.ops.exporter import exporter_command
-
-    return exporter_command(args)
 
 
 def _add_watch_args(p: argparse.ArgumentParser, kind: str) -> None:
@@ -356,12 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> Any:
+    def add(name: str, func: Callable[[argparse.Namespace], int] | str, help_: str) -> Any:
+        """A subcommand running `func`, or the 'module:function' it names (see `_lazy`)."""
         p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(func=func)
+        p.set_defaults(func=_lazy(func) if isinstance(func, str) else func)
         return p
 
-    p = add("serve", _cmd_serve, "run frontend, MM worker and engine on this machine")
+    p = add("serve", "services.launcher:serve",
+            "run frontend, MM worker and engine on this machine")
     _add_model(p)
     _add_frontend_args(p)
     _add_mm_worker_args(p)
@@ -401,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ops_args(p, one_role=True)
     _add_ready(p)
 
-    p = add("chat", _cmd_chat, "send one chat request to a running mmlane and print the reply")
+    p = add("chat", "services.client:chat_command",
+            "send one chat request to a running mmlane and print the reply")
     p.add_argument("prompt", help="the user message")
     p.add_argument(
         "--endpoint", default=f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}",
@@ -418,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reply")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
-    p = add("reset-cache", _cmd_reset_cache,
+    p = add("reset-cache", "services.client:reset_cache_command",
             "empty the feature caches of a running mmlane (engine and MM workers)")
     p.add_argument(
         "--endpoint", default=f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}",
@@ -426,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
 
-    p = add("stats", _cmd_stats, "print the stats the running processes publish")
+    p = add("stats", "services.ops.stats_cli:stats_command",
+            "print the stats the running processes publish")
     p.description = (
         "Print the Stats snapshots the running processes publish: one line per snapshot as they "
         "come, or (--once) one snapshot per process, exiting 1 if a process sends none in "
@@ -441,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --once, seconds to wait for every process's snapshot (default 5)")
     _add_watch_args(p, "stats")
 
-    p = add("top", _cmd_top, "watch every process and the latency of every lane, live")
+    p = add("top", "services.ops.top:top_command",
+            "watch every process and the latency of every lane, live")
     p.description = (
         "Watch every process (state, uptime, in-flight requests, queue depths, requests/s, "
         "errors) and every lane's latency (p50/p90/p99 over the last window, i.e. between a "
@@ -457,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --once, the longest wait for those snapshots (default 5)")
     _add_watch_args(p, "stats")
 
-    p = add("health", _cmd_health, "ping every process; exit 0 only if all serve")
+    p = add("health", "services.ops.health:health_command",
+            "ping every process; exit 0 only if all serve")
     p.description = (
         "Ping every process's control socket at once and print a line per process. Exit 0 "
         "only if each answers within --timeout, is serving, and (engines) has its model "
@@ -468,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the answers (default 5)")
     _add_watch_args(p, "control")
 
-    p = add("exporter", _cmd_exporter, "serve the processes' stats to Prometheus")
+    p = add("exporter", "services.ops.exporter:exporter_command",
+            "serve the processes' stats to Prometheus")
     p.description = (
         "Serve the latest stats of every process to Prometheus at http://HOST:PORT/metrics: "
         "mmlane_<lane>_seconds histograms, mmlane_<counter>_total and mmlane_errors_total "
@@ -487,11 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "llava"])
     p.add_argument("--seed", type=int, default=0)
 
-    p = add("bench", _cmd_bench, "measure mmlane against in-process preprocessing designs "
+    p = add("bench", "services.bench.cli:run_bench",
+            "measure mmlane against in-process preprocessing designs "
             "(shared pool, split executors) side by side; needs the 'bench' extra")
     add_bench_arguments(p)
     # No help: unlisted. The in-process server `mmlane bench` starts for its shared/split modes.
-    sub.add_parser("bench-server").set_defaults(func=_cmd_bench_server)
+    sub.add_parser("bench-server").set_defaults(func=_lazy("services.bench.cli:run_bench_server"))
     add_bench_server_arguments(sub.choices["bench-server"])
     return parser
 

@@ -86,7 +86,9 @@ class ReceiverCaches:
         mirror = self._mirror_for(header, request.mm_items) if header is not None else None
         held: dict[str, Tensors] = {}
         if mirror is not None:
+            evicted = mirror.cache.evictions
             held = commit(mirror.cache, request, lambda item: item.tensors)
+            self.counters["cache_evictions"] += mirror.cache.evictions - evicted
             mirror.next_seq += 1
         items, missing = _resolve(request.mm_items, held)
         self.counters["cache_hits"] += sum(

@@ -131,5 +131,7 @@ class SenderCache:
         header = request.mm_cache
         if header is None or header.sender_epoch != self.epoch or header.seq != self.seq:
             return  # rendered before P0 started over: the engine will not mirror it either
+        evicted = self.cache.evictions
         commit(self.cache, request, lambda item: ItemInfo(item.nbytes, item.length))
+        self.counters["cache_evictions"] += self.cache.evictions - evicted
         self.seq += 1
