@@ -252,6 +252,23 @@ def test_an_aborted_request_is_dropped_and_frees_its_place(one_slot_engine: Fron
     assert len(terminal_replies(replies, running.request_id)) == 1
 
 
+def test_a_request_aborted_before_it_arrives_is_refused_not_run(
+    one_slot_engine: Frontend, prep
+) -> None:
+    """An image request's abort can reach the engine before its MM worker sends the request."""
+    fe = one_slot_engine
+    late = long_request(fe, prep)
+    fe.send_frames(fe.codec.encode(AbortRequests(request_ids=[late.request_id])))
+    fe.send(late)
+    replies = replies_until(fe, late.request_id)
+    assert len(replies) == 1 and isinstance(replies[0], RequestFailed)  # no token was made
+    assert (replies[0].error.kind, replies[0].error.code) == ("retryable", "aborted")
+    after = to(fe, make_request(prep, "next one", max_tokens=3))
+    fe.send(after)  # its place was given back
+    replies = replies_until(fe, after.request_id)
+    assert isinstance(replies[-1], EngineOutput) and replies[-1].finish_reason == "length"
+
+
 def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
     run_dir: Path, qwen_dir: Path
 ) -> None:

@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,8 @@ from services.engine.validation import validate_request
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how soon the loops notice a stop
+ABORTS_REMEMBERED = 4096
+"""Aborted request ids the engine keeps in mind while it waits to see whether they arrive."""
 _REPLY_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -114,6 +117,9 @@ class Engine:
         self._held: dict[int, _Held] = {}
         self._handles = itertools.count()
         self._by_id: dict[str, int] = {}  # request ids are unique: frontends prefix their pid
+        # Aborts of requests not here yet (an image request still in its MM worker): refused on
+        # arrival instead of run for nobody. Bounded: the oldest are forgotten first.
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()
         self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, handle)
         self._stop = Stop()  # serve's: from its signal on, new requests are refused
         self._stopping = threading.Event()
@@ -175,6 +181,12 @@ class Engine:
             pass
 
     def _admit_one(self, request: EngineRequest, received_at: float) -> None:
+        if request.request_id in self._aborted_early:
+            del self._aborted_early[request.request_id]
+            self.metrics.counters["aborted_before_arrival"] += 1
+            self._fail(request, _aborted(request.request_id))
+            self._capacity.release()
+            return
         if request.deadline and request.deadline <= time.time():
             self.metrics.counters["expired_requests"] += 1
             self._fail(request, _timeout(request))
@@ -205,14 +217,17 @@ class Engine:
                 self._drop(handle, _timeout(held.request))
 
     def _abort(self, request_ids: list[str]) -> None:
-        """Drop the held requests named (ids the engine does not hold are already over)."""
+        """Drop the held requests named; the others are remembered, to be refused if they
+        arrive later (from an MM worker that had not sent them yet)."""
         for request_id in request_ids:
             handle = self._by_id.get(request_id)
-            if handle is not None:
-                self.metrics.counters["aborted_requests"] += 1
-                self._drop(handle, RetryableError(
-                    f"request {request_id} aborted by its frontend", code="aborted"
-                ))
+            if handle is None:
+                self._aborted_early[request_id] = None
+                if len(self._aborted_early) > ABORTS_REMEMBERED:
+                    self._aborted_early.popitem(last=False)
+                continue
+            self.metrics.counters["aborted_requests"] += 1
+            self._drop(handle, _aborted(request_id))
 
     def _drop(self, handle: int, error: MMLaneError) -> None:
         """End a held request with `error` and free what the runner holds for it."""
@@ -364,6 +379,10 @@ def _start_thread(name: str, target: Callable[[], None]) -> threading.Thread:
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def _aborted(request_id: str) -> RetryableError:
+    return RetryableError(f"request {request_id} aborted by its frontend", code="aborted")
 
 
 def _timeout(request: EngineRequest) -> RetryableError:
