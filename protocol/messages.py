@@ -325,6 +325,8 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     """Requests failed by this process, by error code."""
     histograms: dict[str, HistogramSnapshot]
     """Latencies by name; 'name:label' splits one histogram by a label (e.g. queue_wait:text)."""
+    interval_s: float = 0.0
+    """Seconds until the next snapshot is due (0: not said): past a few, the process is stale."""
 
 
 StatsMessage = Stats

@@ -111,6 +111,8 @@ class Metrics:
         self.epoch: Callable[[], int] = lambda: 0
         self.model = ""
         """The id of the model this process has loaded; "" while none is."""
+        self.interval_s = 0.0
+        """How often the snapshots are published (set by the StatsServer that publishes them)."""
 
     def observe(self, name: str, seconds: float) -> None:
         """Add one latency, in seconds, to histogram `name` ('name:label' for a labelled one)."""
@@ -138,6 +140,7 @@ class Metrics:
             queues={name: read() for name, read in dict(self._gauges).items()},
             counters=counters, errors=dict(self.errors),
             histograms={name: h.snapshot() for name, h in dict(self.histograms).items()},
+            interval_s=self.interval_s,
         )
 
     def pong(self) -> Pong:
@@ -166,7 +169,7 @@ class StatsServer:
         self, metrics: Metrics, *, stats_endpoint: str, control_endpoint: str, interval_s: float
     ) -> None:
         self.metrics = metrics
-        self.interval_s = interval_s
+        self.interval_s = metrics.interval_s = interval_s
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         try:

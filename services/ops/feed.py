@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ROLE_ORDER = ("frontend", "mm-worker", "engine")
 # A process is stale once its last snapshot is older than this many of its publishing intervals
-# (measured between its last two snapshots), and never sooner than MIN_STALE_S.
+# (as it says, or as measured between its last two snapshots), and never sooner than MIN_STALE_S.
 STALE_INTERVALS = 3
 MIN_STALE_S = 3.0
 # How often a long-running tool looks for new socket files under the run directory.
@@ -74,6 +74,8 @@ class ProcessSnapshots:
     def _stale_after(self) -> float:
         window = self.window()
         interval = window[1].time - window[0].time if window else 0.0
+        if self.latest is not None and self.latest.interval_s:
+            interval = self.latest.interval_s
         return max(STALE_INTERVALS * interval, MIN_STALE_S)
 
 
