@@ -384,6 +384,14 @@ class TestBadInput:
         bad = jobs.job(make_url(media_dir))
         self.assert_fails_then_serves(worker, peers, jobs, bad, code, pattern)
 
+    def test_a_job_past_its_deadline_is_not_processed(
+        self, worker: Child, peers: Peers, jobs: Jobs
+    ) -> None:
+        late = msgspec.structs.replace(jobs.job(png_uri(noise_image(40, 40))), deadline=1.0)
+        self.assert_fails_then_serves(
+            worker, peers, jobs, late, "timeout", r"passed its deadline", kind="retryable"
+        )
+
     def test_second_image_is_named(self, worker: Child, peers: Peers, jobs: Jobs) -> None:
         bad = jobs.job(png_uri(noise_image(40, 40)), data_uri(b"not an image", "image/png"))
         self.assert_fails_then_serves(
@@ -436,13 +444,14 @@ class TestBadInput:
 
     @staticmethod
     def assert_fails_then_serves(
-        worker: Child, peers: Peers, jobs: Jobs, bad: MMJob, code: str, pattern: str
+        worker: Child, peers: Peers, jobs: Jobs, bad: MMJob, code: str, pattern: str,
+        kind: str = "request",
     ) -> None:
         good = jobs.job(png_uri(noise_image(40, 40)))
         peers.send(worker, bad, good)
         failure = peers.next_failure()
         assert failure.request_id == bad.request_id
-        assert (failure.error.kind, failure.error.code) == ("request", code), failure.error
+        assert (failure.error.kind, failure.error.code) == (kind, code), failure.error
         assert re.search(pattern, failure.error.message), failure.error.message
         # FIFO: had the bad job reached the engine, it would arrive before the good one
         assert peers.next_request()[0].request_id == good.request_id

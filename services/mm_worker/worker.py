@@ -39,7 +39,7 @@ from typing import Any
 import zmq
 
 from protocol.codec import Codec
-from protocol.errors import MMLaneError, RequestError
+from protocol.errors import MMLaneError, RequestError, RetryableError
 from protocol.messages import (
     CancelJobs,
     EngineEpoch,
@@ -167,15 +167,29 @@ class MMWorker:
         self._processing = 1
         self.metrics.observe("queue_wait", time.monotonic() - head.received_at)
         try:
+            self._process(head)
+        finally:
+            self._processing = 0
+
+    def _process(self, head: PendingJob) -> None:
+        """Steps 3-5 for one job, or its terminal error: it fails alone."""
+        job = head.job
+        if job.deadline and job.deadline <= time.time():  # nobody waits for it any more
+            self.metrics.counters["expired"] += 1
+            self._fail(job, RetryableError(
+                f"request {job.request_id} passed its deadline before the MM worker reached it",
+                code="timeout",
+            ))
+            return
+        try:
             # 3. load, hash, look up the sender cache, decode and process the misses
-            request = self.renderer.render(head.job, head.fetches)
+            request = self.renderer.render(job, head.fetches)
         except Exception as exc:
-            self._fail(head.job, exc)
-        else:
-            if self._send(head.job, request):  # 4. send one EngineRequest
-                self.cache.commit(request)  # 5. commit it to the sender cache, in send order
-                self.metrics.observe("mm_job", time.monotonic() - head.received_at)
-        self._processing = 0
+            self._fail(job, exc)
+            return
+        if self._send(job, request):  # 4. send one EngineRequest to the engine
+            self.cache.commit(request)  # 5. commit it to the sender cache, in send order
+            self.metrics.observe("mm_job", time.monotonic() - head.received_at)
 
     def close(self) -> None:
         """Close every socket (flushing within their linger) and the context."""
