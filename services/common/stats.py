@@ -7,10 +7,12 @@ while the role's main loop is busy (an MM worker in the middle of a 12 MP image)
     stats socket    PUB, bound at `stats_endpoint`: one `Stats` every `stats_interval_s`
     control socket  ROUTER, bound at `control_endpoint`: `Ping` → `Pong`
 
-Writers never lock: a counter increment or a histogram bucket increment is one bytecode-level
-store under the GIL, and the snapshot copies each dict in one C-level call before reading it.
-A snapshot may see a histogram between two of its fields' updates; the bucket counts are the
-truth and the count is derived from them.
+Writers never lock, and the snapshot copies each dict in one C-level call (atomic under the
+GIL) before reading it. Each histogram has one writing thread, so none of its increments is
+lost; a snapshot may see it between two of its fields' updates (the bucket counts are the truth,
+the count is derived from them). A counter that two threads bump (an error code counted by the
+engine's input and main threads) could in rare races lose an increment: these numbers are for
+watching and alerting, not for accounting.
 """
 
 from __future__ import annotations
