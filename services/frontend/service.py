@@ -466,9 +466,9 @@ class Frontend:
 
     def _stop_downstream(self, dropped: dict[str, InFlight]) -> None:
         """Tell the engine to drop these requests, and each image job's MM worker to skip the
-        job if it is still queued there. Work that misses its notice (a job the MM worker hands
-        to the engine after the engine's abort went by) still runs until its deadline; its
-        replies are ignored here."""
+        job if it is still queued there. A job the MM worker hands over after the engine's abort
+        went by is refused by the engine on arrival (it remembers early aborts); any reply that
+        still comes is ignored here."""
         if not dropped:
             return
         self._send_notice(self._engine, AbortRequests(request_ids=list(dropped)), "engine")
