@@ -15,6 +15,7 @@ from image_server import ImageServer
 from protocol.errors import FatalError
 from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
 from services.launcher import Child, start_roles, stop_all
+from services.model import Preprocessor, load_preprocessor
 
 REPO = Path(__file__).resolve().parent.parent
 # Every test process and child shares one model cache, kept in an ignored folder of the repo.
@@ -59,6 +60,12 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
         chat_template=tokenizer.chat_template,
     )
     return {"qwen2_vl": qwen, "llava": LlavaProcessor.from_pretrained(model_dirs["llava"])}
+
+
+@pytest.fixture(scope="session")
+def prep(qwen_dir: Path) -> Preprocessor:
+    """The tiny Qwen2-VL's tokenizer, chat template and image processor, loaded once."""
+    return load_preprocessor(qwen_dir)
 
 
 @pytest.fixture(scope="session")

@@ -44,14 +44,13 @@ from protocol.messages import (
     ImageUrl,
     MMJob,
     MMWorkerInput,
-    Ping,
-    Pong,
     RequestFailed,
     SamplingParams,
 )
 from services.client import user_message
 from services.launcher import Child, start_roles, stop_all
-from services.model import Preprocessor, load_preprocessor
+from services.model import Preprocessor
+from services.ops.health import ping_all
 
 PATIENCE_S = 60.0
 """The longest any wait here may take: a hang fails, never passes."""
@@ -103,18 +102,10 @@ def site(run_dir: Path, qwen_dir: Path) -> Iterator[Site]:
         ctx.destroy(linger=0)
 
 
-@pytest.fixture(scope="module")
-def prep(qwen_dir: Path) -> Preprocessor:
-    return load_preprocessor(qwen_dir)
-
-
 def _state(control_endpoint: str) -> str:
-    with zmq.Context.instance().socket(zmq.REQ) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(control_endpoint)
-        sock.send(msgspec.msgpack.encode(Ping()))
-        assert sock.poll(int(PATIENCE_S * 1000)), "no answer to a ping"
-        return msgspec.msgpack.decode(sock.recv(), type=Pong).state
+    (answer,) = ping_all([control_endpoint], PATIENCE_S)
+    assert answer.pong is not None, answer.problem
+    return answer.pong.state
 
 
 def exit_status(child: Child) -> int:

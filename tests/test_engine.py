@@ -7,6 +7,7 @@ reply socket. Greedy outputs are checked against the same Hugging Face model's `
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -62,6 +63,18 @@ def start_engine(run_dir: Path, *args: str) -> Child:
 class Frontend:
     """Stands in for a frontend: pushes EngineRequests, pulls replies on its own `reply_to`."""
 
+    @classmethod
+    @contextlib.contextmanager
+    def connected(cls, engine: Child, run_dir: Path) -> Iterator[Frontend]:
+        """One connected to `engine`; on leaving, checks that the engine process still runs."""
+        with zmq.Context() as ctx:
+            fe = cls(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+            try:
+                yield fe
+            finally:
+                fe.close()
+        assert engine.process.poll() is None, "the engine process died"
+
     def __init__(self, ctx: zmq.Context, engine_endpoint: str, reply_to: str) -> None:
         self.reply_to = reply_to
         self.push = ctx.socket(zmq.PUSH)
@@ -114,19 +127,11 @@ def engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[Child]:
 
 @pytest.fixture
 def frontend(engine: Child, run_dir: Path) -> Iterator[Frontend]:
-    with zmq.Context() as ctx:
-        fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+    with Frontend.connected(engine, run_dir) as fe:
         yield fe
-        fe.close()
-    assert engine.process.poll() is None, "the engine process died"
 
 
 # ---------------------------------------------------------------- requests and the reference
-
-
-@pytest.fixture(scope="module")
-def prep(qwen_dir: Path) -> Preprocessor:
-    return load_preprocessor(qwen_dir)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ from services.common.config import EngineConfig, load_config
 from services.engine.scheduler import BULK_SHARE, Lane, Scheduler
 from services.engine.sequence import Sequence
 from services.launcher import Child, child_argv, stop_all
-from services.model import Preprocessor, load_model, load_preprocessor
+from services.model import Preprocessor, load_model
 
 SMALL_CHUNK = 4  # splits every image mid-way, in prefill and in the vision pass alike
 
@@ -61,11 +61,6 @@ CASES = {
     "big-image": ("and this one?", ((640, 480),)),
     "two-images": ("compare them", ((100, 60), (56, 84))),
 }
-
-
-@pytest.fixture(scope="module")
-def prep(qwen_dir: Path) -> Preprocessor:
-    return load_preprocessor(qwen_dir)
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +77,8 @@ def small_chunk_engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[Child]:
 
 @pytest.fixture
 def frontend(small_chunk_engine: Child, run_dir: Path) -> Iterator[Frontend]:
-    with zmq.Context() as ctx:
-        fe = Frontend(ctx, small_chunk_engine.endpoint, f"ipc://{run_dir}/reply.sock")
+    with Frontend.connected(small_chunk_engine, run_dir) as fe:
         yield fe
-        fe.close()
-    assert small_chunk_engine.process.poll() is None, "the engine process died"
 
 
 def next_terminal(fe: Frontend) -> str:
@@ -197,11 +189,8 @@ def terminal_replies(replies: list[Reply], request_id: str) -> list[Reply]:
 def one_slot_engine(run_dir: Path, qwen_dir: Path) -> Iterator[Frontend]:
     """An engine that holds one request at most: a second is refused until the first is freed."""
     engine = start_engine(run_dir, "--max-queued-requests", "1")
-    with zmq.Context() as ctx:
-        fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+    with Frontend.connected(engine, run_dir) as fe:
         yield fe
-        fe.close()
-    assert engine.process.poll() is None, "the engine process died"
     assert stop_role(engine) == 0
 
 
