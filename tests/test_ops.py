@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, free_port, start_role
+from conftest import REPO, free_port, role_log, start_role
 from media import jpeg_uri
 from protocol.messages import HistogramSnapshot, Stats
 from services.bench.config import ImageSpec
@@ -138,6 +139,25 @@ def test_health_passes_when_every_role_serves(
     lines = out.splitlines()
     assert [line.split()[0] for line in lines] == ROLES
     assert all(line.endswith("ok") and " serving " in line for line in lines)
+
+
+def test_garbage_on_a_control_socket_is_logged_and_pings_still_answer(
+    deployment: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    endpoints = Targets("control", (), deployment.run_dir).require_endpoints()
+    for endpoint in endpoints:
+        with zmq.Context.instance().socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(endpoint)
+            sock.send(b"not a ping")
+    logged = "dropped an unreadable control message"
+    deadline = time.monotonic() + 30
+    while not all(logged in role_log(child) for child in deployment.children.values()):
+        assert time.monotonic() < deadline, "a role did not log the unreadable message"
+        time.sleep(0.1)
+    status, _, err = mmlane(capsys, "health", "--timeout", "5",
+                            "--run-dir", str(deployment.run_dir))
+    assert status == 0, err  # every role still answers
 
 
 def test_health_and_stats_answer_while_the_mm_worker_is_saturated(
