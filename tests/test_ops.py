@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, role_log, start_role
 from media import jpeg_uri
+from protocol.errors import FatalError
 from protocol.messages import HistogramSnapshot, Stats
 from services.bench.config import ImageSpec
 from services.bench.images import ImageSource
@@ -196,6 +197,17 @@ def _wait_for_snapshot(
             if wanted(stats):
                 return stats
     pytest.fail(f"no such snapshot within {timeout_s} s")
+
+
+def test_a_taken_stats_address_fails_the_start_naming_it(run_dir: Path, qwen_dir: Path) -> None:
+    with zmq.Context.instance().socket(zmq.PUB) as squatter:
+        port = squatter.bind_to_random_port("tcp://127.0.0.1")
+        taken = f"tcp://127.0.0.1:{port}"
+        with pytest.raises(FatalError, match=f"cannot bind {taken}"):
+            start_role("mm-worker", [
+                "--model", str(qwen_dir), "--engine-endpoint", ipc("engine", run_dir),
+                "--mm-worker-endpoint", ipc("mm-worker", run_dir), "--stats-endpoint", taken,
+            ], run_dir)
 
 
 def test_health_names_a_killed_process(
