@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import numpy as np
 
-from protocol.errors import RequestError
+from protocol.errors import RequestError, translate
 
 T = TypeVar("T")
 
@@ -58,7 +58,7 @@ class Codec(Generic[T]):
         try:
             return self._decoder.decode(_buffer(frames[0]))
         except msgspec.DecodeError as exc:
-            raise RequestError(f"undecodable message: {exc}", code="invalid_message") from exc
+            raise translate(exc, "undecodable message") from exc
         finally:
             self._in_frames = ()
 

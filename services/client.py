@@ -15,7 +15,7 @@ from pathlib import Path
 import zmq
 
 from protocol.codec import Codec
-from protocol.errors import MMLaneError, RetryableError, from_info
+from protocol.errors import MMLaneError, RequestError, RetryableError, from_info
 from protocol.messages import (
     CacheReset,
     ChatError,
@@ -184,7 +184,7 @@ def chat_command(args: argparse.Namespace) -> int:
     except MMLaneError as exc:
         result = ChatResult("", error=exc)
     except OSError as exc:
-        result = ChatResult("", error=MMLaneError(f"cannot read image: {exc}", code="bad_image"))
+        result = ChatResult("", error=RequestError(f"cannot read image: {exc}", code="bad_image"))
     if args.json:
         print(json.dumps(result.to_json()))
     elif result.error is not None:

@@ -1,20 +1,38 @@
-"""protocol/: every message round-trips through the codec, arrays travel as their own frames."""
+"""protocol/: every message round-trips through the codec, arrays travel as their own frames;
+the error table agrees with its docstring and the tree, and foreign errors translate to it."""
 
 from __future__ import annotations
+
+import ast
+import importlib
+import io
+import re
 
 import msgspec
 import numpy as np
 import pytest
+import torch
 import zmq
+from PIL import Image
+
+from conftest import REPO
 
 from protocol.codec import Codec
+from protocol import errors
 from protocol.errors import (
+    CODES,
+    FOREIGN_ERRORS,
+    CacheMissError,
     ErrorInfo,
     FatalError,
+    InternalError,
     MMLaneError,
     RequestError,
     RetryableError,
     from_info,
+    http_status,
+    translate,
+    translated,
 )
 from protocol.messages import (
     ChatError,
@@ -151,7 +169,10 @@ def test_bad_tensor_frames_are_refused(header, frames, match) -> None:
         Codec(EngineInput).decode(_tensor_request(header, frames))
 
 
-@pytest.mark.parametrize("cls", [RequestError, RetryableError, FatalError])
+KINDS = [RequestError, RetryableError, InternalError, FatalError]
+
+
+@pytest.mark.parametrize("cls", KINDS)
 def test_errors_cross_as_data_and_come_back_as_the_same_kind(cls: type[MMLaneError]) -> None:
     error = cls("it broke", code="some_code")
     info = msgspec.msgpack.decode(msgspec.msgpack.encode(error.to_info()), type=ErrorInfo)
@@ -159,5 +180,163 @@ def test_errors_cross_as_data_and_come_back_as_the_same_kind(cls: type[MMLaneErr
     assert type(back) is cls and back.code == "some_code" and str(back) == "it broke"
 
 
-def test_unknown_error_kind_is_fatal() -> None:
-    assert type(from_info(ErrorInfo(kind="???", code="c", message="m"))) is FatalError
+def test_unknown_error_kind_is_internal() -> None:
+    assert type(from_info(ErrorInfo(kind="???", code="c", message="m"))) is InternalError
+
+
+def test_an_unclassified_error_is_internal_not_fatal() -> None:
+    info = MMLaneError("a bug while serving one request").to_info()
+    assert (info.kind, info.code) == ("internal", "internal")
+    assert type(from_info(info)) is InternalError
+
+
+# ---------------------------------------------------------------- the code table
+
+
+def test_every_code_has_a_kind_and_each_kind_class_a_code_of_its_kind() -> None:
+    assert {code.kind for code in CODES.values()} == {cls.kind for cls in KINDS}
+    for cls in [*KINDS, CacheMissError]:
+        assert CODES[cls.default_code].kind == cls.kind, cls
+
+
+def _docstring_codes() -> dict[str, set[str]]:
+    """kind -> the codes the module docstring's tree lists under that kind's class."""
+    tree = errors.__doc__.split("\n\n")[1]
+    listed: dict[str, set[str]] = {}
+    kind = ""
+    for line in tree.splitlines():
+        if found := re.search(r"── (\w+)", line):
+            kind = getattr(errors, found[1]).kind
+        words = line.strip(" │").removeprefix("│ ").removeprefix("codes:")
+        if "codes:" in line or re.fullmatch(r"\s*[a-z_]+(, [a-z_]+)*,?", words):
+            listed.setdefault(kind, set()).update(re.findall(r"[a-z_]+", words))
+    return listed
+
+
+def test_the_docstring_lists_every_code_under_its_kind() -> None:
+    by_kind: dict[str, set[str]] = {}
+    for name, code in CODES.items():
+        by_kind.setdefault(code.kind, set()).add(name)
+    assert _docstring_codes() == by_kind
+
+
+def _module_strings(trees: list[ast.Module]) -> dict[str, str]:
+    """Module-level NAME = "string" constants, for codes given by name (DRAINING_CODE)."""
+    return {
+        target.id: node.value.value
+        for tree in trees for node in tree.body if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for target in node.targets if isinstance(target, ast.Name)
+    }
+
+
+def _code(value: ast.expr, constants: dict[str, str]) -> str | None:
+    """The code a `code=` argument names; None for one passed through (`code=exc.code`)."""
+    if isinstance(value, ast.Constant):
+        return str(value.value)
+    return constants.get(value.id) if isinstance(value, ast.Name) else None
+
+
+def _raised_codes() -> list[tuple[str, str, str]]:
+    """(where, class name, code) of every `X(..., code=...)` and `default_code = ...` in the
+    tree."""
+    files = [*(REPO / "services").rglob("*.py"), *(REPO / "protocol").rglob("*.py")]
+    trees = [ast.parse(path.read_text(), str(path)) for path in files]
+    constants = _module_strings(trees)
+    found = []
+    for path, tree in zip(files, trees, strict=True):
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                codes = [_code(k.value, constants) for k in node.keywords if k.arg == "code"]
+                found += [(where, name, code) for code in codes if code is not None]
+            elif isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "default_code":
+                found.append((where, "", ast.literal_eval(node.value)))
+    return found
+
+
+def test_every_code_raised_in_the_tree_is_in_the_table_with_its_class_kind() -> None:
+    raised = _raised_codes()
+    assert len(raised) > 40  # the scan sees the tree
+    for where, name, code in raised:
+        assert code in CODES, f"{where}: code {code!r} is not in protocol.errors.CODES"
+        cls = getattr(errors, name, None)
+        if isinstance(cls, type) and issubclass(cls, MMLaneError):
+            assert CODES[code].kind == cls.kind, f"{where}: {name} raised with {code!r}"
+
+
+@pytest.mark.parametrize(
+    "info, status",
+    [
+        (ErrorInfo(kind="request", code="model_error", message="m"), 400),
+        (ErrorInfo(kind="request", code="image_too_large", message="m"), 413),
+        (ErrorInfo(kind="retryable", code="timeout", message="m"), 504),
+        (ErrorInfo(kind="internal", code="internal", message="m"), 500),
+        (ErrorInfo(kind="request", code="from_a_newer_peer", message="m"), 400),
+        (ErrorInfo(kind="retryable", code="from_a_newer_peer", message="m"), 503),
+        (ErrorInfo(kind="???", code="???", message="m"), 500),
+    ],
+    ids=["code", "code_413", "code_504", "internal", "new_request_code", "new_retryable_code",
+         "unknown"],
+)
+def test_http_status_is_the_codes_or_else_its_kinds(info: ErrorInfo, status: int) -> None:
+    assert http_status(info) == status
+
+
+# ---------------------------------------------------------------- translating foreign errors
+
+
+def test_every_foreign_error_names_a_real_type_and_a_known_code() -> None:
+    for name, foreign in FOREIGN_ERRORS.items():
+        module, _, qualname = name.rpartition(".")
+        assert isinstance(getattr(importlib.import_module(module), qualname), type), name
+        assert foreign.code in CODES, name
+
+
+def _pil_error(data: bytes) -> Exception:
+    with pytest.raises(Exception) as caught:
+        Image.open(io.BytesIO(data))
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    "make, kind, code, message",
+    [
+        (lambda: _pil_error(b"not an image"), RequestError, "invalid_image",
+         "where: not an image in a format we can read"),
+        (lambda: Image.DecompressionBombError("too big"), RequestError, "image_too_large",
+         r"where: more pixels than max_image_pixels allows \(too big\)"),
+        (lambda: msgspec.ValidationError("Expected `int`"), RequestError, "invalid_message",
+         "where: Expected `int`"),
+        (lambda: torch.OutOfMemoryError("CUDA out of memory"), RetryableError, "overloaded",
+         "where: out of device memory: CUDA out of memory"),
+        (lambda: MemoryError(), RetryableError, "overloaded", "where: out of memory"),
+        (lambda: KeyError("x"), InternalError, "internal", "where: 'x'"),
+    ],
+    ids=["pil_unidentified", "pil_bomb", "msgspec", "torch_oom", "memory", "unmapped"],
+)
+def test_translate_maps_foreign_types_to_our_codes(make, kind, code, message) -> None:
+    error = translate(make(), "where")
+    assert (type(error), error.code) == (kind, code)
+    assert re.fullmatch(message, error.message), error.message
+
+
+def test_translate_keeps_ours_and_falls_back_to_the_boundarys_default() -> None:
+    ours = RetryableError("busy")
+    assert translate(ours, "where", default="invalid_image") is ours
+    error = translate(ValueError("tile cannot extend outside image"), "image 0",
+                      default="invalid_image")
+    assert (type(error), error.code) == (RequestError, "invalid_image")
+    assert error.message == "image 0: tile cannot extend outside image"
+
+
+def test_translated_raises_ours_from_the_foreign_error() -> None:
+    with pytest.raises(RetryableError, match="^decoding: out of memory$") as caught:
+        with translated("decoding", default="invalid_image"):
+            raise MemoryError
+    assert isinstance(caught.value.__cause__, MemoryError)
+    ours = RequestError("bad")
+    with pytest.raises(RequestError) as caught_ours, translated("decoding"):
+        raise ours
+    assert caught_ours.value is ours and ours.__cause__ is None
