@@ -40,7 +40,14 @@ import zmq
 from msgspec.structs import replace
 
 from protocol.codec import Codec
-from protocol.errors import CacheMissError, ErrorInfo, MMLaneError, RequestError, RetryableError
+from protocol.errors import (
+    CacheMissError,
+    ErrorInfo,
+    MMLaneError,
+    RequestError,
+    RetryableError,
+    translate,
+)
 from protocol.messages import (
     AbortRequests,
     CacheReset,
@@ -262,10 +269,8 @@ class Frontend:
             prompt = self._pre.render_prompt(checked.template_messages)
             token_ids = self._pre.tokenize_batch([prompt])[0]
             self._check_prompt(token_ids, checked)
-        except MMLaneError as exc:
-            error = exc
         except Exception as exc:  # a template or tokenizer failure is this request's fault
-            error = RequestError(f"cannot render prompt: {exc}")
+            error = translate(exc, "cannot render prompt", default="invalid_request")
         seconds = time.monotonic() - started
         self._tokenized.put(Tokenized(request_id, seconds, token_ids, error))
         self._wake_socket().send(b"", zmq.NOBLOCK)

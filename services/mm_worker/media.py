@@ -25,9 +25,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
-from protocol.errors import RequestError
+from protocol.errors import RequestError, translated
 from services.common.config import MMWorkerConfig
 
 # Modes whose alpha channel is composited on white; other modes carrying a `transparency`
@@ -206,32 +206,19 @@ def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
     """
     if not data:
         raise _invalid(index, "image is empty (0 bytes)")
-    image = _open(data, index, max_pixels)
+    # Decoders of hostile data raise anything (OSError, ValueError, SyntaxError, Pillow's bomb
+    # guard): FOREIGN_ERRORS names the types that are not simply an invalid image.
+    with translated(f"image {index}", default="invalid_image"):
+        image: Image.Image = Image.open(io.BytesIO(data))  # lazy: reads the header only
     _check_pixels(image, index, max_pixels)
-    try:
+    with translated(f"image {index}: cannot decode the {image.format} data",
+                    default="invalid_image"):
         image.load()
-    except Exception as exc:  # decoders of hostile data raise anything: OSError, ValueError, ...
-        raise _invalid(index, f"cannot decode the {image.format} data: {exc}") from exc
-    try:
+    with translated(f"image {index}: cannot convert the {image.mode} image to RGB",
+                    default="invalid_image"):
         ImageOps.exif_transpose(image, in_place=True)
-        return to_rgb(image)
-    except Exception as exc:
-        raise _invalid(index, f"cannot convert the {image.mode} image to RGB: {exc}") from exc
-
-
-def _open(data: bytes, index: int, max_pixels: int) -> Image.Image:
-    """Read the header only (Image.open is lazy)."""
-    try:
-        return Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:  # Pillow's guard, at twice max_image_pixels
-        raise RequestError(
-            f"image {index}: more pixels than max_image_pixels {max_pixels} ({exc})",
-            code="image_too_large",
-        ) from exc
-    except UnidentifiedImageError as exc:
-        raise _invalid(index, "not an image in a format we can read") from exc
-    except Exception as exc:
-        raise _invalid(index, f"unreadable image header: {type(exc).__name__}: {exc}") from exc
+        image = to_rgb(image)
+    return image
 
 
 def _check_pixels(image: Image.Image, index: int, max_pixels: int) -> None:
