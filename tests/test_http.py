@@ -6,6 +6,9 @@ Images by URL come from a loopback server, allowed here by --allow-http-media an
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import itertools
 import json
 import re
 import signal
@@ -15,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +32,14 @@ from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
 from media import make_image, png_uri
 from protocol.codec import Codec
+from protocol.errors import ErrorInfo
 from protocol.messages import (
     AbortRequests,
     EngineInput,
     EngineOutput,
     EngineRequest,
     FrontendInput,
+    RequestFailed,
 )
 from services.launcher import Child
 
@@ -374,6 +379,65 @@ def test_overload_timeout_and_disconnect_reach_the_engine(
     request = _engine_message(engine)
     abort = _engine_message(engine)  # well before the 2 s deadline would have sent it
     assert isinstance(abort, AbortRequests) and abort.request_ids == [request.request_id]
+
+
+# ---------------------------------------------------------------- each kind of error, over HTTP
+
+
+def _answered(engine: zmq.Socket, call: Callable[[], Any],
+              answer: Callable[[EngineRequest], EngineOutput | RequestFailed]) -> Any:
+    """What `call` (a client request) returns while this test's engine answers the request that
+    reaches it with `answer(request)`."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="http-client") as pool:
+        result = pool.submit(call)
+        request = _engine_message(engine)
+        with zmq.Context.instance().socket(zmq.PUSH) as reply:
+            reply.connect(request.reply_to)
+            reply.send_multipart(Codec(FrontendInput).encode(answer(request)))
+        return result.result(timeout=60)
+
+
+ENGINE_ERRORS = [
+    # the engine's error: kind, code, message; the HTTP status and OpenAI error type it gets
+    ("request", "model_error", "the model failed on this request: NaN probabilities", 400,
+     "invalid_request_error"),
+    ("request", "prompt_too_long", "prompt is 9000 tokens", 400, "invalid_request_error"),
+    ("retryable", "overloaded", "engine overloaded", 503, "overloaded_error"),
+    ("retryable", "timeout", "passed its deadline", 504, "overloaded_error"),
+    ("internal", "internal", "internal error in the receiver cache: KeyError", 500,
+     "server_error"),
+    ("fatal", "cannot_serve", "the engine cannot serve", 500, "server_error"),
+    ("retryable", "from_a_newer_peer", "a code this frontend does not know", 503,
+     "overloaded_error"),
+]
+
+
+def test_each_kind_of_engine_error_gets_its_status_and_the_frontend_serves_on(
+    run_dir: Path, qwen_dir: Path
+) -> None:
+    hi = {"model": qwen_dir.name, "messages": [{"role": "user", "content": "hi"}]}
+    with frontend_with_silent_engine(run_dir, qwen_dir) as (frontend, base_url, engine), (
+        openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    ) as client:
+        for (kind, code, message, status, error_type), stream in itertools.product(
+                ENGINE_ERRORS, [False, True]):
+            info = ErrorInfo(kind=kind, code=code, message=message)
+            error = _answered(
+                engine, functools.partial(_status_error, client, None, stream=stream, **hi),
+                lambda request, info=info: RequestFailed(request_id=request.request_id,
+                                                         error=info))
+            body = error.response.json()["error"]
+            assert (error.status_code, body["type"], body["code"], body["message"]) == (
+                status, error_type, code, message), (kind, code, stream)
+
+        # after every kind (an internal error among them) the frontend serves on
+        completion = _answered(
+            engine, functools.partial(client.chat.completions.create, **hi),
+            lambda request: EngineOutput(request_id=request.request_id, token_ids=[42],
+                                         finished=True, finish_reason="length",
+                                         prompt_token_ids=request.prompt_token_ids))
+        assert completion.choices[0].finish_reason == "length"
+        assert frontend.process.poll() is None
 
 
 # ---------------------------------------------------------------- a frontend that drains

@@ -16,9 +16,8 @@ import zmq
 from PIL import Image
 
 from conftest import REPO
-
-from protocol.codec import Codec
 from protocol import errors
+from protocol.codec import Codec
 from protocol.errors import (
     CODES,
     FOREIGN_ERRORS,

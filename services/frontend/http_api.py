@@ -11,7 +11,8 @@ before its reply cancels the request (`CancelChat`), which the frontend turns in
 
 Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events ending with
 `data: [DONE]`), GET /v1/models, GET /health. Errors are OpenAI-style bodies,
-`{"error": {"message", "type", "param", "code"}}`, with the status of `STATUS_BY_CODE`.
+`{"error": {"message", "type", "param", "code"}}`, with the status of the code
+(`protocol.errors.CODES`).
 
 While the frontend drains (after SIGTERM), /health answers 503 so that load balancers send no
 more, and new chat requests get the I/O thread's refusal (503, code `peer_restarted`); the
@@ -36,7 +37,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from protocol.codec import Codec
-from protocol.errors import ErrorInfo, FatalError, RequestError
+from protocol.errors import CODES, ErrorInfo, FatalError, RequestError, http_status
 from protocol.messages import (
     CancelChat,
     ChatError,
@@ -50,13 +51,6 @@ from services.common.lifecycle import DRAINING_CODE
 
 log = logging.getLogger(__name__)
 
-STATUS_BY_CODE = {
-    "invalid_request": 400, "invalid_image": 400, "media_not_allowed": 400,
-    "too_many_images": 400, "prompt_too_long": 400, "fetch_failed": 400,
-    "model_not_found": 404, "image_too_large": 413, "request_too_large": 413,
-    "overloaded": 503, "cache_miss": 503, "peer_restarted": 503, "timeout": 504,
-}
-"""HTTP status of each error code; any other code is a 500."""
 REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v in (None, 1),
     "tools": lambda v: not v,
@@ -75,11 +69,13 @@ _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
 class ApiError(Exception):
-    """An error answered before the request reaches the I/O thread."""
+    """An error as this API answers it; the status is its code's, unless one is given."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+    def __init__(self, message: str, code: str, param: str | None = None, *,
+                 status: int | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
+        self.message, self.code, self.param = message, code, param
+        self.status = status or CODES[code].http_status
 
 
 class HttpApi:
@@ -186,12 +182,10 @@ class HttpApi:
 
     async def _health(self, _: web.Request) -> web.Response:
         if self._draining():
-            return _error_response(ApiError(503, "the frontend is stopping (draining)",
-                                            DRAINING_CODE))
+            return _error_response(ApiError("the frontend is stopping (draining)", DRAINING_CODE))
         if self._alive():
             return web.json_response({"status": "ok"})
-        return _error_response(ApiError(503, "the frontend's I/O loop is not turning",
-                                        "overloaded"))
+        return _error_response(ApiError("the frontend's I/O loop is not turning", "overloaded"))
 
     async def _models(self, _: web.Request) -> web.Response:
         model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mmlane"}
@@ -277,15 +271,14 @@ class HttpApi:
     def _to_native(self, body: Any, request_id: str) -> tuple[ChatRequest, bool, bool]:
         """The native request for an OpenAI body, whether to stream, whether to send usage."""
         if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", "invalid_request")
+            raise ApiError("the request body must be a JSON object", "invalid_request")
         model = body.get("model")
         if model is not None and model != self.model_id:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+            raise ApiError(f"the model {model!r} does not exist; this server serves "
                            f"{self.model_id!r}", "model_not_found", "model")
         for name, is_default in REJECTED_UNLESS_DEFAULT.items():
             if name in body and not is_default(body[name]):
-                raise ApiError(400, f"{name}: not supported by this server", "invalid_request",
-                               name)
+                raise ApiError(f"{name}: not supported by this server", "invalid_request", name)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         fields: dict[str, Any] = {
             "request_id": request_id, "messages": _messages(body.get("messages")),
@@ -297,18 +290,18 @@ class HttpApi:
         try:
             request = msgspec.convert(fields, ChatRequest)
         except msgspec.ValidationError as exc:
-            raise ApiError(400, str(exc).replace("$.", ""), "invalid_request") from exc
+            raise ApiError(str(exc).replace("$.", ""), "invalid_request") from exc
         stream = body.get("stream") or False
         options = body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(options, dict):
-            raise ApiError(400, "stream must be a boolean and stream_options an object",
+            raise ApiError("stream must be a boolean and stream_options an object",
                            "invalid_request", "stream")
         return request, stream, bool(options.get("include_usage"))
 
 
 def _messages(raw: Any) -> list[ChatMessage]:
     if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "messages: a non-empty list of messages is required",
+        raise ApiError("messages: a non-empty list of messages is required",
                        "invalid_request", "messages")
     messages = []
     for index, message in enumerate(raw):
@@ -320,7 +313,7 @@ def _messages(raw: Any) -> list[ChatMessage]:
             messages.append(msgspec.convert(message, ChatMessage))
         except msgspec.ValidationError as exc:
             problem = str(exc).replace("`$", f"`messages[{index}]")
-            raise ApiError(400, f"messages[{index}]: {problem}", "invalid_request",
+            raise ApiError(f"messages[{index}]: {problem}", "invalid_request",
                            f"messages[{index}]") from exc
     return messages
 
@@ -329,11 +322,10 @@ async def _read_json(http: web.Request) -> Any:
     try:
         return json.loads(await http.read())
     except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, f"the request body is larger than {http.app._client_max_size} "
+        raise ApiError(f"the request body is larger than {http.app._client_max_size} "
                        "bytes", "request_too_large") from exc
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}",
-                       "invalid_request") from exc
+        raise ApiError(f"the request body is not valid JSON: {exc}", "invalid_request") from exc
 
 
 # ---------------------------------------------------------------- the OpenAI response
@@ -372,8 +364,7 @@ def _completion_id() -> str:
 
 
 def _from_info(error: ErrorInfo) -> ApiError:
-    return ApiError(STATUS_BY_CODE.get(error.code, 500), error.message, error.code,
-                    _param_of(error))
+    return ApiError(error.message, error.code, _param_of(error), status=http_status(error))
 
 
 def _param_of(error: ErrorInfo) -> str | None:
