@@ -9,6 +9,8 @@ Every failure here is the request's fault and leaves as a `RequestError` whose m
 with the image's position in the request (`image 2: ...`), so a client sending several images
 knows which one was wrong. Codes: `invalid_image` (unreadable data, missing file),
 `media_not_allowed` (a scheme or path we refuse) and `image_too_large` (bytes or pixels).
+Pillow's exceptions become ours through `protocol.errors.translated` (running out of memory
+while decoding is no fault of the request's: `overloaded`).
 """
 
 from __future__ import annotations
