@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,10 +37,11 @@ from transformers.modeling_utils import AttentionInterface
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError
 from protocol.messages import EngineRequest
 from services.common.stats import Metrics
-from services.engine.adapters import Adapter, adapter_for
+from services.engine.config import EngineConfig
+from services.engine.hf.adapters import Adapter, adapter_for
+from services.engine.hf.scheduler import Lane, Scheduler
+from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.runner import ModelSpec, StepOutput
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence, Unit, UnitKind
 from services.model import load_model, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class HFRunner:
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._units = 0  # units run so far: the scheduler's round-robin clock
+        self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
 
     @classmethod
     def load(
@@ -141,7 +144,7 @@ class HFRunner:
             vocab_size=network.get_input_embeddings().num_embeddings,
             image_fields=preprocessor.family.item_fields,
             count_image_tokens=preprocessor.count_image_tokens,
-            check_items=adapter.check_items,
+            check_items=preprocessor.family.item_checker(network.config),
         )
         runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
                      max_batch=max_batch, metrics=metrics)
@@ -159,12 +162,21 @@ class HFRunner:
             arrived=time.monotonic() if arrived is None else arrived,
         )
 
-    @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def step(self, timeout: float = 0.0) -> list[StepOutput]:
+        """Run the unit the scheduler picks; with no request held, wait up to `timeout`
+        seconds for `wake` instead (nothing runs in the background, so nothing else comes)."""
         picked = self._scheduler.pick(self._sequences.values(), max_batch=self.max_batch)
         if picked is None:
+            self._woken.wait(timeout)
+            self._woken.clear()  # after the wait: a wake that came before this step counts
             return []
-        batch, lane = picked
+        return self._step(*picked)
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    @torch.inference_mode()
+    def _step(self, batch: list[Sequence], lane: Lane) -> list[StepOutput]:
         unit = batch[0].next_unit(self.prefill_chunk_tokens)
         started = time.monotonic()
         for seq in batch:
@@ -184,6 +196,8 @@ class HFRunner:
         self._sequences.pop(handle, None)
 
     def has_work(self) -> bool:
+        """Whether it holds a request: what callers that drive it themselves (tests,
+        benchmarks) step until."""
         return bool(self._sequences)
 
     # ------------------------------------------------------------ units
@@ -367,6 +381,15 @@ class HFRunner:
             tokens.append(int(prompt[0, -1]))
             positions.append(prompt_positions.decode(length))
         return caches, tokens, positions
+
+
+def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
+    """The "hf" backend's factory (BACKENDS in services/engine/runner.py)."""
+    hf = config.hf
+    return HFRunner.load(
+        config.model, hf.device, prefill_chunk_tokens=hf.prefill_chunk_tokens,
+        max_batch=hf.max_batch, threads=hf.torch_threads, metrics=metrics,
+    )
 
 
 def _model_error(exc: Exception) -> MMLaneError:
