@@ -6,6 +6,9 @@ import msgspec
 
 from services.common.config import _positive
 
+MAX_BATCH = 16
+"""The most requests one decode step runs by default."""
+
 
 class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
@@ -15,7 +18,7 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     of at most this many tokens, and an image's vision-encoder pass runs in slices of at most
     this many image tokens' worth of patches. Smaller bounds how long a text request can wait
     behind image work; larger costs less per-unit overhead (on a GPU, try 512 or more)."""
-    max_batch: int = 16
+    max_batch: int = MAX_BATCH
     """The most requests one decode step runs together (1: one at a time). A batched step
     gives each request the same logits, bit for bit, as a step of its own (see runner.py)."""
     torch_threads: int = 0

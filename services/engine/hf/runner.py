@@ -1,4 +1,4 @@
-"""The embedded default runner: a Hugging Face model run with torch, a bounded unit at a time.
+"""The "hf" backend's runner: a Hugging Face model run with torch, a bounded unit at a time.
 
 Each `step` runs one unit picked by the scheduler (scheduler.py): a slice of one request's image
 vision pass, or a prefill chunk of one request, each a forward pass of batch size one over that
@@ -11,9 +11,10 @@ gives each request the same bits as it would get alone:
   step of 8 rows differs from a step of one by up to 3e-7 on CPU), but for a fixed shape a row's
   result depends on that row alone, wherever it is and whatever is beside it. The runner checks
   this on the loaded model at startup.
-- Attention runs per request (`per_sequence_attention`): each row's query attends to its own
-  request's KV cache, with the model's own SDPA attention called exactly as for a batch of one,
-  so caches of different lengths need no padding, whose masked sums would differ.
+- Attention runs per request (`per_sequence_attention`, attention.py): each row's query
+  attends to its own request's KV cache, with the model's own SDPA attention called exactly as
+  for a batch of one, so caches of different lengths need no padding, whose masked sums would
+  differ.
 With `max_batch` 1, a decode step is the model's own forward over one request's cache, as before
 batching; it differs from a batched step's (up to 3e-7 in logits), which a greedy near-tie could
 turn into a different token.
@@ -31,49 +32,20 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import AttentionInterface
 
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError
 from protocol.messages import EngineRequest
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
+from services.engine.hf.attention import PER_SEQUENCE
+from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.scheduler import Lane, Scheduler
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.runner import ModelSpec, StepOutput
 from services.model import load_model, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
-
-MAX_BATCH = 16
-"""The most requests one decode step runs by default."""
-
-PER_SEQUENCE = "mmlane_per_sequence"
-"""The attention implementation a batched decode step switches the model's text layers to."""
-
-
-def per_sequence_attention(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, *, decode_caches: list[DynamicCache], **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """A decode step's attention, row by row: row i's new key and value go into
-    `decode_caches[i]` (request i's cache), and its query attends to that cache alone, through
-    SDPA as in a step of one request (no mask: one query attends to every cached token). Rows
-    past the requests attend to nothing and give zeros. `attention_mask` is None: the step is
-    run with an implementation name that has no mask function."""
-    rows = []
-    for row, cache in enumerate(decode_caches):
-        keys, values = cache.update(key[row : row + 1], value[row : row + 1], module.layer_idx)
-        out, _ = sdpa_attention_forward(module, query[row : row + 1], keys, values, None, **kwargs)
-        rows.append(out)
-    unused = query.shape[0] - len(rows)
-    rows.append(rows[0].new_zeros((unused, *rows[0].shape[1:])))
-    return torch.cat(rows), None
-
-
-AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
-
 
 def pick_device(setting: str) -> str:
     """'auto' is CUDA when torch sees a GPU, else the CPU."""
