@@ -123,13 +123,12 @@ class FakeRunner:
 
 @contextlib.contextmanager
 def serving(run_dir: Path, drain_timeout_s: float = 0.0) -> Iterator[tuple[Engine, Frontend, Stop]]:
-    """The engine role, built with a FakeRunner by the factory, serving on its own thread; a
-    stand-in frontend connected to it; and the role's Stop (set it to drain)."""
-    runners: list[FakeRunner] = []
+    """The engine role, its runner a FakeRunner built by the factory it is given, serving on
+    its own thread; a stand-in frontend connected to it; and the role's Stop (set: drain)."""
+    runner = FakeRunner()
 
     def make_runner(config: EngineConfig, metrics: Metrics) -> FakeRunner:
-        runners.append(FakeRunner())
-        return runners[-1]
+        return runner
 
     config = EngineConfig(engine_endpoint=f"ipc://{run_dir}/e.sock",
                           ops=OpsConfig(drain_timeout_s=drain_timeout_s))
@@ -149,7 +148,7 @@ def serving(run_dir: Path, drain_timeout_s: float = 0.0) -> Iterator[tuple[Engin
                 frontend.close()
     finally:
         engine.close()
-        runners[0].close()
+        runner.close()
 
 
 @pytest.fixture
@@ -164,11 +163,6 @@ def request(frontend: Frontend, prompt: list[int], max_tokens: int = 5,
         request_id=f"b{next(_ids)}", reply_to=frontend.reply_to, prompt_token_ids=prompt,
         sampling=SamplingParams(max_tokens=max_tokens), deadline=deadline,
     )
-
-
-def sent(frontend: Frontend, *requests: EngineRequest) -> list[EngineRequest]:
-    frontend.send(*requests)
-    return list(requests)
 
 
 def started(frontend: Frontend, *requests: EngineRequest) -> dict[str, list[Reply]]:
@@ -211,7 +205,8 @@ def test_tokens_stream_and_each_request_ends_once(engine) -> None:
 
 def test_an_abort_ends_a_running_request_and_frees_its_place(engine) -> None:
     _, frontend, _ = engine
-    (endless,) = sent(frontend, request(frontend, [3], FOREVER))
+    endless = request(frontend, [3], FOREVER)
+    frontend.send(endless)
     started(frontend, endless)
     frontend.send(AbortRequests(request_ids=[endless.request_id]))
     replies = frontend.collect([endless.request_id])
@@ -258,7 +253,8 @@ def test_an_idle_engine_waits_in_step_and_an_arrival_wakes_it(engine) -> None:
 
 def test_a_drain_finishes_what_it_can_then_fails_the_rest(run_dir: Path) -> None:
     with serving(run_dir, drain_timeout_s=0.5) as (_, frontend, stop):
-        short, endless = sent(frontend, request(frontend, [3], 40), request(frontend, [4], FOREVER))
+        short, endless = request(frontend, [3], 40), request(frontend, [4], FOREVER)
+        frontend.send(short, endless)
         early = started(frontend, short, endless)
         stop.set()
         refused = request(frontend, [5])

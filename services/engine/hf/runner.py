@@ -47,6 +47,7 @@ from services.model import load_model, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
+
 def pick_device(setting: str) -> str:
     """'auto' is CUDA when torch sees a GPU, else the CPU."""
     if setting == "auto":
