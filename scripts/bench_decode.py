@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from protocol.messages import EngineRequest, SamplingParams  # noqa: E402
 from services.common.stats import Metrics  # noqa: E402
-from services.engine.hf_runner import HFRunner  # noqa: E402
+from services.engine.hf.runner import HFRunner  # noqa: E402
 from services.model import Preprocessor, load_preprocessor, resolve_model_dir  # noqa: E402
 
 

@@ -14,13 +14,13 @@ from services.bench.cli import add_bench_arguments, add_bench_server_arguments
 from services.common.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
-    EngineConfig,
     FrontendConfig,
     MMWorkerConfig,
     default_run_dir,
     load_config,
 )
 from services.common.lifecycle import run_role
+from services.engine.config import EngineConfig
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -179,11 +179,13 @@ def _ops(args: argparse.Namespace) -> dict[str, object]:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return load_config(EngineConfig, {
-        "model": args.model, "input_endpoint": args.engine_endpoint or "",
-        "device": args.device, "max_queued_requests": args.max_queued_requests,
-        "prefill_chunk_tokens": args.prefill_chunk_tokens, "mm_cache_gb": args.mm_cache_gb,
-        "max_batch": args.max_batch,
-        "torch_threads": args.torch_threads, "ops": _ops(args),
+        "model": args.model, "engine_endpoint": args.engine_endpoint or "",
+        "max_queued_requests": args.max_queued_requests, "mm_cache_gb": args.mm_cache_gb,
+        "hf": {
+            "device": args.device, "prefill_chunk_tokens": args.prefill_chunk_tokens,
+            "max_batch": args.max_batch, "torch_threads": args.torch_threads,
+        },
+        "ops": _ops(args),
     })
 
 

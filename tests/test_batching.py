@@ -17,7 +17,8 @@ from test_engine import DEVICE, generate_greedy, make_request
 
 from protocol.errors import FatalError
 from protocol.messages import EngineRequest
-from services.engine.hf_runner import MAX_BATCH, HFRunner
+from services.engine.hf.config import MAX_BATCH
+from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_preprocessor
 
 FAMILIES = ["qwen2_vl", "llava"]

@@ -27,9 +27,10 @@ from protocol.messages import (
     MMWorkerInput,
     SamplingParams,
 )
-from services.common.config import EngineConfig, MMWorkerConfig, load_config
+from services.common.config import MMWorkerConfig, load_config
 from services.common.feature_cache import FeatureCache, capacity_bytes, commit
 from services.engine.cache import ReceiverCaches
+from services.engine.config import EngineConfig
 from services.mm_worker.cache import ImageHasher, SenderCache
 from services.mm_worker.jobs import JobRenderer
 from services.mm_worker.media import MediaPolicy

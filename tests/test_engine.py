@@ -35,7 +35,8 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.engine.hf_runner import MAX_BATCH, HFRunner
+from services.engine.hf.config import MAX_BATCH
+from services.engine.hf.runner import HFRunner
 from services.engine.validation import validate_request
 from services.launcher import Child
 from services.model import Preprocessor, load_model, load_preprocessor

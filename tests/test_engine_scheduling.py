@@ -45,9 +45,10 @@ from protocol.messages import (
 )
 from services.cli import build_parser, engine_config
 from services.client import Client, user_message
-from services.common.config import EngineConfig, load_config
-from services.engine.scheduler import BULK_SHARE, Lane, Scheduler
-from services.engine.sequence import Sequence
+from services.common.config import load_config
+from services.engine.config import EngineConfig
+from services.engine.hf.scheduler import BULK_SHARE, Lane, Scheduler
+from services.engine.hf.sequence import Sequence
 from services.launcher import Child, child_argv, stop_all
 from services.model import Preprocessor, load_model
 
@@ -311,13 +312,14 @@ def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> Non
     )
     engine_argv = child_argv(args, run_dir, run_dir)["engine"]
     config = engine_config(build_parser().parse_args(["engine", *engine_argv]))
-    assert (config.prefill_chunk_tokens, config.torch_threads, config.max_batch) == (64, 3, 4)
+    hf = config.hf
+    assert (hf.prefill_chunk_tokens, hf.torch_threads, hf.max_batch) == (64, 3, 4)
     with pytest.raises(FatalError, match="max_batch must be positive"):
-        load_config(EngineConfig, {"max_batch": 0})
+        load_config(EngineConfig, {"hf": {"max_batch": 0}})
     with pytest.raises(FatalError, match="prefill_chunk_tokens must be positive"):
-        load_config(EngineConfig, {"prefill_chunk_tokens": 0})
+        load_config(EngineConfig, {"hf": {"prefill_chunk_tokens": 0}})
     with pytest.raises(FatalError, match="torch_threads must be 0"):
-        load_config(EngineConfig, {"torch_threads": -1})
+        load_config(EngineConfig, {"hf": {"torch_threads": -1}})
 
 
 # ---------------------------------------------------------------- the policy, in process

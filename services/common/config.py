@@ -74,43 +74,6 @@ class OpsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
 
 
-class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: str | None = None
-    """Local Hugging Face model directory; None builds and uses the embedded tiny-qwen2-vl."""
-    input_endpoint: str = ""
-    """Where the engine binds its request socket (PULL); frontends and MM workers connect."""
-    device: str = "auto"
-    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
-    max_queued_requests: int = 1024
-    """Requests held at once; above it new ones get an 'overloaded' error."""
-    prefill_chunk_tokens: int = 64
-    """The most tokens one unit of work puts through the model: a prompt is prefilled in chunks
-    of at most this many tokens, and an image's vision-encoder pass runs in slices of at most
-    this many image tokens' worth of patches. Smaller bounds how long a text request can wait
-    behind image work; larger costs less per-unit overhead (on a GPU, try 512 or more)."""
-    max_batch: int = 16
-    """The most requests one decode step runs together (1: one at a time). A batched step
-    gives each request the same logits, bit for bit, as a step of its own (see hf_runner.py)."""
-    torch_threads: int = 0
-    """Threads torch may use for one CPU operation. 0: every core this process may run on but
-    two, and at least one, since an MM worker and a frontend on the same machine need theirs:
-    torch threads that wait for a busy core make each unit many times slower."""
-
-    mm_cache_gb: float = 4.0
-    """The most GiB of tensors one MM worker's receiver cache may hold; 0 caches nothing. Each
-    receiver cache mirrors its MM worker's own --mm-cache-gb, which must not be larger."""
-    ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
-
-    def __post_init__(self) -> None:
-        self.input_endpoint = self.input_endpoint or ipc("engine")
-        self.ops = self.ops.named(process_name("engine", self.input_endpoint))
-        capacity_bytes(self.mm_cache_gb)
-        _positive(self, "max_queued_requests", "prefill_chunk_tokens", "max_batch")
-        if self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be 0 (automatic) or more, "
-                             f"got {self.torch_threads}")
-
-
 class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """Local Hugging Face model directory (its tokenizer and image processor are used)."""

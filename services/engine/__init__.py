@@ -1,7 +1,11 @@
-"""The engine role: runs the model on rendered requests and streams their tokens back."""
+"""The engine role: runs the model on rendered requests and streams their tokens back.
 
+Importing it loads no backend (no torch): the runner is built by the factory that the `backend`
+setting names (runner.py), when the engine starts.
+"""
+
+from services.engine.config import EngineConfig
 from services.engine.engine import Engine
-from services.engine.hf_runner import HFRunner
 from services.engine.runner import ModelRunner, ModelSpec, StepOutput
 
-__all__ = ["Engine", "HFRunner", "ModelRunner", "ModelSpec", "StepOutput"]
+__all__ = ["Engine", "EngineConfig", "ModelRunner", "ModelSpec", "StepOutput"]

@@ -2,14 +2,18 @@
 
 Socket I/O stays at the edges, on threads that own their sockets:
 
-    engine-input    PULL (binds `input_endpoint`) → decode → receiver cache (applied at
-                    receipt, in arrival order; see cache.py) → admission → arrivals queue
+    engine-input    PULL (binds `engine_endpoint`) → decode → receiver cache (applied at
+                    receipt, in arrival order; see cache.py) → admission → arrivals queue,
+                    and wakes the runner
     serve (main)    1. admit: validate arrivals, hand the valid ones to the runner; apply aborts
                     2. expire: drop the requests whose deadline has passed
-                    3. step: the runner runs one bounded unit of one request (its scheduler
-                       picks whose)
+                    3. step: the runner's next outputs; it waits (until woken by an arrival,
+                       the next deadline or a short poll for a stop) only while it has none
                     4. reply: turn the runner's outputs into EngineOutput / RequestFailed
     engine-output   replies queue → encode → PUSH to each request's `reply_to`
+
+The runner is whatever the `backend` setting names (runner.py): the engine sees only the
+ModelRunner interface.
 
 Every admitted request leaves with exactly one terminal reply: its last EngineOutput
 (`finished`), or a RequestFailed (bad input, model error, deadline passed, aborted by its
@@ -49,7 +53,6 @@ from protocol.messages import (
     RequestFailed,
     ResetEngineCache,
 )
-from services.common.config import EngineConfig
 from services.common.feature_cache import capacity_bytes
 from services.common.lifecycle import (
     Stop,
@@ -60,8 +63,8 @@ from services.common.lifecycle import (
 from services.common.sockets import ReplySockets, make_socket
 from services.common.stats import Metrics, log_totals
 from services.engine.cache import ReceiverCaches
-from services.engine.hf_runner import HFRunner
-from services.engine.runner import ModelRunner, StepOutput
+from services.engine.config import EngineConfig
+from services.engine.runner import RunnerFactory, StepOutput, backend_factory
 from services.engine.validation import validate_request
 
 log = logging.getLogger(__name__)
@@ -91,19 +94,17 @@ class _Arrival:
 class Engine:
     """The engine role (see the module docstring); `serve` runs it until `stop` is set."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, config: EngineConfig, make_runner: RunnerFactory | None = None) -> None:
+        """`make_runner` builds the runner (None: the factory of `config.backend`)."""
         self.config = config
-        self.endpoint = config.input_endpoint
+        self.endpoint = config.engine_endpoint
         self.metrics = Metrics("engine", config.ops.name)
         self._ctx = zmq.Context()
         # Bind before loading the model: a taken address fails in a second, not after the load.
         self._input = make_socket(self._ctx, zmq.PULL, self.endpoint, bind=True)
         try:
-            self.runner = runner or HFRunner.load(
-                config.model, config.device, prefill_chunk_tokens=config.prefill_chunk_tokens,
-                max_batch=config.max_batch,
-                threads=config.torch_threads, metrics=self.metrics,
-            )
+            make_runner = make_runner or backend_factory(config.backend)
+            self.runner = make_runner(config, self.metrics)
         except BaseException:
             self._close_sockets()
             raise
@@ -151,10 +152,18 @@ class Engine:
             self._fail_all_held(unfinished_at_drain_timeout("engine", stop))
 
     def _turn(self) -> None:
-        self._admit(wait=not self.runner.has_work())  # 1
-        self._expire(time.time())  # 2
-        for output in self.runner.step():  # 3
+        self._admit()  # 1
+        now = time.time()
+        self._expire(now)  # 2
+        for output in self.runner.step(self._wait_s(now)):  # 3
             self._reply(output)  # 4
+
+    def _wait_s(self, now: float) -> float:
+        """How long the runner may wait for outputs: until the next deadline, POLL_S at most
+        (so a stop is noticed); an arrival wakes it sooner."""
+        if not self._deadlines:
+            return POLL_S
+        return min(POLL_S, max(0.0, self._deadlines[0][0] - now))
 
     def close(self) -> None:
         self._stopping.set()
@@ -167,16 +176,15 @@ class Engine:
 
     # ------------------------------------------------------------ main loop steps
 
-    def _admit(self, *, wait: bool) -> None:
-        """Validate what arrived and hand it to the runner; when idle, wait briefly for work."""
+    def _admit(self) -> None:
+        """Validate what arrived and hand it to the runner; apply aborts, in arrival order."""
         try:
-            arrival = self._arrivals.get(timeout=POLL_S) if wait else self._arrivals.get_nowait()
             while True:
+                arrival = self._arrivals.get_nowait()
                 if isinstance(arrival.message, AbortRequests):
                     self._abort(arrival.message.request_ids)
                 else:
                     self._admit_one(arrival.message, arrival.received_at)
-                arrival = self._arrivals.get_nowait()
         except queue.Empty:
             pass
 
@@ -308,7 +316,7 @@ class Engine:
             log.warning("dropped an undecodable message (%d so far): %s", count, exc)
             return
         if isinstance(request, AbortRequests):  # takes no capacity; ordered after its requests
-            self._arrivals.put(_Arrival(request, received_at))
+            self._arrive(_Arrival(request, received_at))
             return
         if isinstance(request, ResetEngineCache):
             self._reset_cache(request)
@@ -342,7 +350,12 @@ class Engine:
                 code="overloaded",
             ))
             return
-        self._arrivals.put(_Arrival(request, received_at))
+        self._arrive(_Arrival(request, received_at))
+
+    def _arrive(self, arrival: _Arrival) -> None:
+        """Queue it for the main loop, and end the runner's wait so the loop admits it now."""
+        self._arrivals.put(arrival)
+        self.runner.wake()
 
     def _reset_cache(self, message: ResetEngineCache) -> None:
         """Drop every receiver cache now, between two arrivals; MM workers follow the epoch."""

@@ -1,20 +1,37 @@
-"""The boundary between the engine role and whatever runs the model.
+"""The boundary between the engine role and whatever runs the model: a backend's runner.
 
 The engine owns sockets, admission, validation and replies; a runner owns the model and decides
-which piece of work runs next. The embedded default is `HFRunner` (hf_runner.py); a backend that
-hands rendered requests to a serving engine such as vLLM fits the same interface.
+which piece of work runs next. Which runner the engine gets is the `backend` setting: BACKENDS
+names each backend's factory as 'module:function', imported only when chosen, so the engine
+role (and its config) never import a backend it does not run. The factory gets the whole
+EngineConfig and reads its own sub-config (e.g. `config.hf`).
+
+A synchronous backend (the built-in "hf") runs a bounded unit of work in each `step`; an
+asynchronous one (a serving engine that runs on its own threads or processes, such as vLLM's
+AsyncLLM) collects the outputs that are ready. Either way `step` waits, up to its timeout, only
+while it has nothing to return, and `wake` ends that wait when new work arrives, so the engine
+loop neither spins nor polls.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from protocol.errors import MMLaneError
 from protocol.messages import EngineRequest, MMItem
+
+if TYPE_CHECKING:
+    from services.common.stats import Metrics
+    from services.engine.config import EngineConfig
+
+BACKENDS: dict[str, str] = {"hf": "services.engine.hf.runner:load"}
+"""The factory of each `backend` setting: 'module:function', called as
+`function(config, metrics) -> ModelRunner`."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +51,8 @@ class ModelSpec:
     count_image_tokens: Callable[[Mapping[str, np.ndarray]], int]
     """How many placeholder tokens an image with these (shape-checked) tensors expands to."""
     check_items: Callable[[list[MMItem]], None]
-    """Raises RequestError when the images' tensors have shapes the model cannot take."""
+    """Raises RequestError when the images' tensors have shapes the model cannot take (the
+    family's check, services/model/families.py)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,12 @@ class StepOutput:
 
 
 class ModelRunner(Protocol):
-    """Runs validated requests to completion, a bounded piece of work per `step`."""
+    """Runs validated requests to completion and reports their tokens as `StepOutput`s.
+
+    The engine calls `add`, `step` and `abort` from its main thread only, and `wake` from any.
+    After `abort(handle)`, no output for that handle may follow; a request's last output has
+    `finished` set, and after it the handle is forgotten.
+    """
 
     spec: ModelSpec
 
@@ -63,13 +86,26 @@ class ModelRunner(Protocol):
         when the engine received it (`time.monotonic()`; None: now), for queue-wait stats."""
         ...
 
-    def step(self) -> list[StepOutput]:
-        """Run the next bounded unit of work, which may advance several requests (a batched
-        decode step: one output each); a request's last output has `finished` set."""
+    def step(self, timeout: float) -> list[StepOutput]:
+        """The outputs of the next bounded piece of work, which may advance several requests
+        (a batched decode step: one output each). With none ready, wait up to `timeout`
+        seconds for some, or until `wake`; [] when none came."""
+        ...
+
+    def wake(self) -> None:
+        """End a `step` that is waiting, or the next one, now: the engine has new work."""
         ...
 
     def abort(self, handle: int) -> None:
         """Forget a request and free what it holds (its KV cache)."""
         ...
 
-    def has_work(self) -> bool: ...
+
+RunnerFactory = Callable[["EngineConfig", "Metrics"], ModelRunner]
+
+
+def backend_factory(backend: str) -> RunnerFactory:
+    """The factory BACKENDS names for `backend`, imported now (and only now)."""
+    module, _, function = BACKENDS[backend].partition(":")
+    factory: RunnerFactory = getattr(importlib.import_module(module), function)
+    return factory

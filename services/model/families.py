@@ -1,8 +1,9 @@
 """Per-family description of image placeholders, so adding a model family is a local change.
 
 A family says which token marks an image in the rendered prompt, which image-processor outputs
-belong to one image, how to split a batched processor output into per-image items, and how many
-placeholder tokens the Hugging Face processor expands one image into.
+belong to one image, how to split a batched processor output into per-image items, how many
+placeholder tokens the Hugging Face processor expands one image into, and which tensor shapes
+the model takes (the engine checks every request against them, whatever its backend).
 """
 
 import json
@@ -13,8 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from protocol.errors import RequestError
+from protocol.messages import MMItem
+
 Tensors = Mapping[str, np.ndarray]
 TokenCounter = Callable[[Tensors], int]
+ItemChecker = Callable[[list[MMItem]], None]
+"""Raises RequestError when a request's images have tensors the model cannot take."""
 
 
 class UnsupportedModelError(ValueError):
@@ -31,6 +37,8 @@ class Family:
     split_items: Callable[[Tensors], list[dict[str, np.ndarray]]]
     # Reads the model's settings once and returns `num_image_tokens(item) -> int`.
     token_counter: Callable[[Path, Any, Any], TokenCounter]
+    # Reads the model's config (transformers' PretrainedConfig) once and returns the check.
+    item_checker: Callable[[Any], ItemChecker]
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
         """The inverse of `split_items`: the batched tensors the model takes for these images."""
@@ -59,6 +67,42 @@ def _qwen2_vl_token_counter(model_dir: Path, config: Any, image_processor: Any) 
     return lambda item: int(item["image_grid_thw"].prod()) // merge_length
 
 
+def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        grid = _tensor(tensors, where, "image_grid_thw", ndim=2, kind="iu")
+        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="f")
+        if grid.shape != (1, 3) or (grid < 1).any():
+            raise RequestError(
+                f"{where}.image_grid_thw must be one positive (t, h, w) row, got {grid.tolist()}"
+            )
+        t, h, w = (int(v) for v in grid[0])
+        if h % merge or w % merge:
+            raise RequestError(
+                f"{where}.image_grid_thw h and w must be multiples of {merge}, got {h}x{w}"
+            )
+        if pixels.shape != (t * h * w, patch_dim):
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, grid {(t, h, w)} needs "
+                f"({t * h * w}, {patch_dim})"
+            )
+
+    def check_items(items: list[MMItem]) -> None:
+        _check_each(items, check_tensors)
+        # M-RoPE finds images as runs of image tokens: two touching images would merge.
+        for index in range(1, len(items)):
+            if items[index].offset == items[index - 1].offset + items[index - 1].length:
+                raise RequestError(
+                    f"mm_items[{index}] starts right where mm_items[{index - 1}] ends; "
+                    "Qwen2-VL needs a token (e.g. <|vision_end|>) between two images"
+                )
+
+    return check_items
+
+
 def _split_llava(batch: Tensors) -> list[dict[str, np.ndarray]]:
     pixel_values = batch["pixel_values"]
     return [{"pixel_values": pixel_values[index : index + 1]} for index in range(len(pixel_values))]
@@ -83,6 +127,37 @@ def _llava_token_counter(model_dir: Path, config: Any, image_processor: Any) -> 
     return num_image_tokens
 
 
+def _llava_item_checker(config: Any) -> ItemChecker:
+    vision = config.vision_config
+    pixel_shape = (1, vision.num_channels, vision.image_size, vision.image_size)
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="f")
+        if pixels.shape != pixel_shape:
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, expected {pixel_shape}"
+            )
+
+    return lambda items: _check_each(items, check_tensors)
+
+
+def _check_each(items: list[MMItem], check_tensors: Callable[[str, Tensors], None]) -> None:
+    for index, item in enumerate(items):
+        check_tensors(f"mm_items[{index}]", item.tensors)
+
+
+def _tensor(tensors: Tensors, where: str, name: str, *, ndim: int, kind: str) -> np.ndarray:
+    array = tensors.get(name)
+    if array is None:
+        raise RequestError(f"{where} lacks tensor {name!r} (has {sorted(tensors)})")
+    if array.ndim != ndim or array.dtype.kind not in kind:
+        raise RequestError(
+            f"{where}.{name} must be a {ndim}-D array of kind {kind!r}, "
+            f"got {array.ndim}-D {array.dtype}"
+        )
+    return array
+
+
 def _read_processor_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "processor_config.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
@@ -95,6 +170,7 @@ QWEN2_VL = Family(
     item_fields=("pixel_values", "image_grid_thw"),
     split_items=_split_qwen2_vl,
     token_counter=_qwen2_vl_token_counter,
+    item_checker=_qwen2_vl_item_checker,
 )
 
 LLAVA = Family(
@@ -104,6 +180,7 @@ LLAVA = Family(
     item_fields=("pixel_values",),
     split_items=_split_llava,
     token_counter=_llava_token_counter,
+    item_checker=_llava_item_checker,
 )
 
 FAMILIES = (QWEN2_VL, LLAVA)

@@ -1,4 +1,4 @@
-"""The embedded default runner: a Hugging Face model run with torch, a bounded unit at a time.
+"""The "hf" backend's runner: a Hugging Face model run with torch, a bounded unit at a time.
 
 Each `step` runs one unit picked by the scheduler (scheduler.py): a slice of one request's image
 vision pass, or a prefill chunk of one request, each a forward pass of batch size one over that
@@ -11,9 +11,10 @@ gives each request the same bits as it would get alone:
   step of 8 rows differs from a step of one by up to 3e-7 on CPU), but for a fixed shape a row's
   result depends on that row alone, wherever it is and whatever is beside it. The runner checks
   this on the loaded model at startup.
-- Attention runs per request (`per_sequence_attention`): each row's query attends to its own
-  request's KV cache, with the model's own SDPA attention called exactly as for a batch of one,
-  so caches of different lengths need no padding, whose masked sums would differ.
+- Attention runs per request (`per_sequence_attention`, attention.py): each row's query
+  attends to its own request's KV cache, with the model's own SDPA attention called exactly as
+  for a batch of one, so caches of different lengths need no padding, whose masked sums would
+  differ.
 With `max_batch` 1, a decode step is the model's own forward over one request's cache, as before
 batching; it differs from a batched step's (up to 3e-7 in logits), which a greedy near-tie could
 turn into a different token.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,47 +32,20 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import AttentionInterface
 
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError
 from protocol.messages import EngineRequest
 from services.common.stats import Metrics
-from services.engine.adapters import Adapter, adapter_for
+from services.engine.config import EngineConfig
+from services.engine.hf.adapters import Adapter, adapter_for
+from services.engine.hf.attention import PER_SEQUENCE
+from services.engine.hf.config import MAX_BATCH
+from services.engine.hf.scheduler import Lane, Scheduler
+from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.runner import ModelSpec, StepOutput
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence, Unit, UnitKind
 from services.model import load_model, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
-
-MAX_BATCH = 16
-"""The most requests one decode step runs by default."""
-
-PER_SEQUENCE = "mmlane_per_sequence"
-"""The attention implementation a batched decode step switches the model's text layers to."""
-
-
-def per_sequence_attention(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, *, decode_caches: list[DynamicCache], **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """A decode step's attention, row by row: row i's new key and value go into
-    `decode_caches[i]` (request i's cache), and its query attends to that cache alone, through
-    SDPA as in a step of one request (no mask: one query attends to every cached token). Rows
-    past the requests attend to nothing and give zeros. `attention_mask` is None: the step is
-    run with an implementation name that has no mask function."""
-    rows = []
-    for row, cache in enumerate(decode_caches):
-        keys, values = cache.update(key[row : row + 1], value[row : row + 1], module.layer_idx)
-        out, _ = sdpa_attention_forward(module, query[row : row + 1], keys, values, None, **kwargs)
-        rows.append(out)
-    unused = query.shape[0] - len(rows)
-    rows.append(rows[0].new_zeros((unused, *rows[0].shape[1:])))
-    return torch.cat(rows), None
-
-
-AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
 
 
 def pick_device(setting: str) -> str:
@@ -118,6 +93,7 @@ class HFRunner:
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._units = 0  # units run so far: the scheduler's round-robin clock
+        self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
 
     @classmethod
     def load(
@@ -141,7 +117,7 @@ class HFRunner:
             vocab_size=network.get_input_embeddings().num_embeddings,
             image_fields=preprocessor.family.item_fields,
             count_image_tokens=preprocessor.count_image_tokens,
-            check_items=adapter.check_items,
+            check_items=preprocessor.family.item_checker(network.config),
         )
         runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
                      max_batch=max_batch, metrics=metrics)
@@ -159,12 +135,21 @@ class HFRunner:
             arrived=time.monotonic() if arrived is None else arrived,
         )
 
-    @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def step(self, timeout: float = 0.0) -> list[StepOutput]:
+        """Run the unit the scheduler picks; with no request held, wait up to `timeout`
+        seconds for `wake` instead (nothing runs in the background, so nothing else comes)."""
         picked = self._scheduler.pick(self._sequences.values(), max_batch=self.max_batch)
         if picked is None:
+            self._woken.wait(timeout)
+            self._woken.clear()  # after the wait: a wake that came before this step counts
             return []
-        batch, lane = picked
+        return self._step(*picked)
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    @torch.inference_mode()
+    def _step(self, batch: list[Sequence], lane: Lane) -> list[StepOutput]:
         unit = batch[0].next_unit(self.prefill_chunk_tokens)
         started = time.monotonic()
         for seq in batch:
@@ -184,6 +169,8 @@ class HFRunner:
         self._sequences.pop(handle, None)
 
     def has_work(self) -> bool:
+        """Whether it holds a request: what callers that drive it themselves (tests,
+        benchmarks) step until."""
         return bool(self._sequences)
 
     # ------------------------------------------------------------ units
@@ -367,6 +354,15 @@ class HFRunner:
             tokens.append(int(prompt[0, -1]))
             positions.append(prompt_positions.decode(length))
         return caches, tokens, positions
+
+
+def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
+    """The "hf" backend's factory (BACKENDS in services/engine/runner.py)."""
+    hf = config.hf
+    return HFRunner.load(
+        config.model, hf.device, prefill_chunk_tokens=hf.prefill_chunk_tokens,
+        max_batch=hf.max_batch, threads=hf.torch_threads, metrics=metrics,
+    )
 
 
 def _model_error(exc: Exception) -> MMLaneError:

@@ -1,10 +1,11 @@
-"""Everything the engine does differently per model family, in one place.
+"""Everything the HF runner does differently per model family, in one place.
 
-An adapter checks the shapes of one image's tensors, runs the vision encoder for one image, and
-gives a request its own position ids. Qwen2-VL needs explicit 3-D (M-RoPE) positions: the model
+An adapter runs the vision encoder for one image and gives a request its own position ids (the
+checks of an image's tensor shapes are the family's, in services/model/families.py, so every
+backend makes them). Qwen2-VL needs explicit 3-D (M-RoPE) positions: the model
 would otherwise keep one `rope_deltas` on itself, shared by every request it serves. LLaVA uses
 plain positions, which the model derives from the request's own KV cache in a prefill; a decode
-step gets them explicitly, as a batched step runs without that cache (hf_runner.py).
+step gets them explicitly, as a batched step runs without that cache (runner.py).
 
 The vision encoder runs as a `VisionPass`, one bounded slice per unit of work. Qwen2-VL's
 encoder slices by rows of patches (the patch embedding, then each block's attention by query
@@ -23,7 +24,6 @@ import numpy as np
 import torch
 from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
-from protocol.errors import RequestError
 from protocol.messages import MMItem
 
 log = logging.getLogger(__name__)
@@ -82,18 +82,8 @@ class Adapter:
     """The family-independent part: tensors go to the device, the vision tower's pooled output
     (one row per placeholder token) is what replaces the image's placeholders."""
 
-    name = "base"
-
     def __init__(self, model: Any) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
-
-    def check_items(self, items: list[MMItem]) -> None:
-        """Raise RequestError when an item's tensors have shapes this model cannot take."""
-        for index, item in enumerate(items):
-            self.check_tensors(f"mm_items[{index}]", item.tensors)
-
-    def check_tensors(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
-        pass
 
     def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The image's embeddings, (num_placeholder_tokens, hidden), on the model's device."""
@@ -122,8 +112,6 @@ class Adapter:
 
 
 class Qwen2VLAdapter(Adapter):
-    name = "qwen2_vl"
-
     def __init__(self, model: Any) -> None:
         super().__init__(model)
         vision = model.config.vision_config
@@ -193,34 +181,6 @@ class Qwen2VLAdapter(Adapter):
             return False
         return True
 
-    def check_tensors(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
-        grid = _tensor(tensors, where, "image_grid_thw", ndim=2, kind="iu")
-        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="f")
-        if grid.shape != (1, 3) or (grid < 1).any():
-            raise RequestError(
-                f"{where}.image_grid_thw must be one positive (t, h, w) row, got {grid.tolist()}"
-            )
-        t, h, w = (int(v) for v in grid[0])
-        if h % self.merge or w % self.merge:
-            raise RequestError(
-                f"{where}.image_grid_thw h and w must be multiples of {self.merge}, got {h}x{w}"
-            )
-        if pixels.shape != (t * h * w, self.patch_dim):
-            raise RequestError(
-                f"{where}.pixel_values has shape {pixels.shape}, grid {(t, h, w)} needs "
-                f"({t * h * w}, {self.patch_dim})"
-            )
-
-    def check_items(self, items: list[MMItem]) -> None:
-        super().check_items(items)
-        # get_rope_index finds images as runs of image tokens: two touching images would merge.
-        for index in range(1, len(items)):
-            if items[index].offset == items[index - 1].offset + items[index - 1].length:
-                raise RequestError(
-                    f"mm_items[{index}] starts right where mm_items[{index - 1}] ends; "
-                    "Qwen2-VL needs a token (e.g. <|vision_end|>) between two images"
-                )
-
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         if not items:  # text: the same position on all three axes. Explicit, so the model never
             # falls back on the rope_deltas it keeps on itself.
@@ -234,23 +194,7 @@ class Qwen2VLAdapter(Adapter):
         return MRopePositions(ids, int(deltas[0, 0]))
 
 
-class LlavaAdapter(Adapter):
-    name = "llava"
-
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
-        vision = model.config.vision_config
-        self.pixel_shape = (1, vision.num_channels, vision.image_size, vision.image_size)
-
-    def check_tensors(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
-        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="f")
-        if pixels.shape != self.pixel_shape:
-            raise RequestError(
-                f"{where}.pixel_values has shape {pixels.shape}, expected {self.pixel_shape}"
-            )
-
-
-ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "llava": LlavaAdapter}
+ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "llava": Adapter}
 
 
 def _run(vision: VisionPass) -> torch.Tensor:
@@ -263,17 +207,3 @@ def adapter_for(family: str, model: Any) -> Adapter:
     if family not in ADAPTERS:
         raise ValueError(f"the engine has no runner for model family {family!r}")
     return ADAPTERS[family](model)
-
-
-def _tensor(
-    tensors: Mapping[str, Any], where: str, name: str, *, ndim: int, kind: str
-) -> np.ndarray:
-    array = tensors.get(name)
-    if array is None:
-        raise RequestError(f"{where} lacks tensor {name!r} (has {sorted(tensors)})")
-    if array.ndim != ndim or array.dtype.kind not in kind:
-        raise RequestError(
-            f"{where}.{name} must be a {ndim}-D array of kind {kind!r}, "
-            f"got {array.ndim}-D {array.dtype}"
-        )
-    return array

@@ -2,7 +2,7 @@
 
 A request advances one unit at a time: a vision-encoder pass per image (in slices, see
 adapters.py), then prompt prefill in chunks, then one decode step per output token; the decode
-steps of several requests may run together, as one batched step (hf_runner.py). Everything a
+steps of several requests may run together, as one batched step (runner.py). Everything a
 unit needs is kept here, per request (its own KV cache, its own position ids, its image
 embeddings, its half-done vision pass), so units of different requests can run in any
 interleaving and give the same tokens.
@@ -17,8 +17,8 @@ import torch
 from transformers import DynamicCache
 
 from protocol.messages import EngineRequest
-from services.engine.adapters import Positions, VisionPass
-from services.engine.sampling import Sampler
+from services.engine.hf.adapters import Positions, VisionPass
+from services.engine.hf.sampling import Sampler
 
 
 class UnitKind(enum.IntEnum):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from services.engine.sequence import Sequence
+from services.engine.hf.sequence import Sequence
 
 BULK_SHARE = 0.25
 """The bulk lane's share of the engine's time while both lanes have work."""

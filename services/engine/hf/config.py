@@ -1,0 +1,33 @@
+"""The Hugging Face backend's settings, nested in EngineConfig as `hf` (import-light: no torch)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from services.common.config import _positive
+
+MAX_BATCH = 16
+"""The most requests one decode step runs by default."""
+
+
+class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
+    prefill_chunk_tokens: int = 64
+    """The most tokens one unit of work puts through the model: a prompt is prefilled in chunks
+    of at most this many tokens, and an image's vision-encoder pass runs in slices of at most
+    this many image tokens' worth of patches. Smaller bounds how long a text request can wait
+    behind image work; larger costs less per-unit overhead (on a GPU, try 512 or more)."""
+    max_batch: int = MAX_BATCH
+    """The most requests one decode step runs together (1: one at a time). A batched step
+    gives each request the same logits, bit for bit, as a step of its own (see runner.py)."""
+    torch_threads: int = 0
+    """Threads torch may use for one CPU operation. 0: every core this process may run on but
+    two, and at least one, since an MM worker and a frontend on the same machine need theirs:
+    torch threads that wait for a busy core make each unit many times slower."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "prefill_chunk_tokens", "max_batch")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be 0 (automatic) or more, "
+                             f"got {self.torch_threads}")
