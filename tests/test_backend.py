@@ -45,6 +45,8 @@ FAILS = 7
 """A prompt that starts with this token fails in the backend after its first token."""
 REFUSED = 8
 """A prompt that starts with this token is refused by the backend's `add`."""
+BREAKS = 11
+"""A prompt that starts with this token makes the backend's next `step` raise (a backend bug)."""
 FOREVER = 10**6
 """max_tokens of a request that runs until something stops it."""
 
@@ -63,6 +65,7 @@ class FakeRunner:
     def __init__(self) -> None:
         self.spec = SPEC
         self.steps = 0
+        self._break_next_step = False
         self._lock = threading.Lock()
         self._making: dict[int, EngineRequest] = {}  # the thread's: requests still producing
         self._made: dict[int, int] = {}  # tokens made so far, per request
@@ -74,6 +77,7 @@ class FakeRunner:
     def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
         if request.prompt_token_ids[0] == REFUSED:
             raise RuntimeError("the fake backend refuses this prompt")
+        self._break_next_step = request.prompt_token_ids[0] == BREAKS
         self._live.add(handle)
         with self._lock:
             self._making[handle] = request
@@ -81,6 +85,9 @@ class FakeRunner:
 
     def step(self, timeout: float) -> list[StepOutput]:
         self.steps += 1
+        if self._break_next_step:
+            self._break_next_step = False
+            raise RuntimeError("the fake backend's step broke")
         ready = []
         with contextlib.suppress(queue.Empty):
             ready.append(self._ready.get(timeout=timeout))
@@ -234,6 +241,24 @@ def test_the_backends_errors_end_their_request_alone(engine) -> None:
     (refusal,) = replies[refused.request_id]
     assert isinstance(refusal, RequestFailed) and "refuses this prompt" in refusal.error.message
     assert_streamed(replies[fine.request_id], fine)
+    assert_nothing_more(frontend)
+
+
+def test_a_step_that_raises_fails_what_the_backend_held_and_the_engine_serves_on(engine) -> None:
+    _, frontend, _ = engine
+    running = request(frontend, [3, 4], FOREVER)
+    frontend.send(running)
+    started(frontend, running)
+    breaking = request(frontend, [BREAKS, 2], FOREVER)
+    frontend.send(breaking)
+    replies = frontend.collect([breaking.request_id, running.request_id])
+    (error,) = replies[breaking.request_id]
+    assert isinstance(error, RequestFailed) and error.error.kind == "internal"
+    assert "the engine's backend failed" in error.error.message
+    assert "step broke" in error.error.message
+    assert failed(replies[running.request_id]).error.kind == "internal"
+    after = request(frontend, [5, 6])
+    assert_streamed(frontend.run(after)[after.request_id], after)
     assert_nothing_more(frontend)
 
 

@@ -42,7 +42,7 @@ import zmq
 from msgspec.structs import replace
 
 from protocol.codec import Codec
-from protocol.errors import CacheMissError, MMLaneError, RequestError, RetryableError
+from protocol.errors import CacheMissError, MMLaneError, RetryableError, translate
 from protocol.messages import (
     AbortRequests,
     EngineCacheReset,
@@ -155,7 +155,15 @@ class Engine:
         self._admit()  # 1
         now = time.time()
         self._expire(now)  # 2
-        for output in self.runner.step(self._wait_s(now)):  # 3
+        try:
+            outputs = self.runner.step(self._wait_s(now))  # 3
+        except Exception as exc:  # a backend's bug fails what it holds, not the engine
+            log.exception("the backend's step failed; failing its %d requests", len(self._held))
+            error = translate(exc, "the engine's backend failed")
+            for handle in list(self._held):
+                self._drop(handle, error)
+            return
+        for output in outputs:
             self._reply(output)  # 4
 
     def _wait_s(self, now: float) -> float:
@@ -207,7 +215,7 @@ class Engine:
         except Exception as exc:  # a bad request fails alone
             self.metrics.counters["invalid_requests"] += 1
             log.info("refused request %s: %s", request.request_id, exc)
-            self._fail(request, _as_request_error(exc))
+            self._fail(request, translate(exc, f"cannot admit the request: {type(exc).__name__}"))
             self._capacity.release()
             return
         self._held[handle] = _Held(request)
@@ -331,7 +339,7 @@ class Engine:
         except Exception as exc:  # a bug must not stop this thread; start the caches over
             log.exception("request %s: receiver cache failed", request.request_id)
             self.caches.reset()
-            self._fail(request, MMLaneError(f"internal error in the receiver cache: {exc}"))
+            self._fail(request, translate(exc, "internal error in the receiver cache"))
             return
         if not request.reply_to.startswith(_REPLY_SCHEMES):
             self.metrics.counters["invalid_messages"] += 1
@@ -404,8 +412,3 @@ def _timeout(request: EngineRequest) -> RetryableError:
         f"request {request.request_id} passed its deadline {late:.3f} s ago", code="timeout"
     )
 
-
-def _as_request_error(exc: Exception) -> MMLaneError:
-    if isinstance(exc, MMLaneError):
-        return exc
-    return RequestError(f"invalid request: {type(exc).__name__}: {exc}")

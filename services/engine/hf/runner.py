@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError
+from protocol.errors import FatalError, MMLaneError, RequestError, translate
 from protocol.messages import EngineRequest
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
@@ -366,10 +366,8 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
 
 
 def _model_error(exc: Exception) -> MMLaneError:
-    if isinstance(exc, MMLaneError):
-        return exc
-    if isinstance(exc, torch.OutOfMemoryError):
-        return RetryableError(f"the engine ran out of device memory: {exc}", code="overloaded")
-    return RequestError(
-        f"the model failed on this request: {type(exc).__name__}: {exc}", code="model_error"
+    # Out of memory is retryable (protocol.errors.FOREIGN_ERRORS); anything else the model
+    # raises on one request's inputs is that request's error.
+    return translate(
+        exc, f"the model failed on this request: {type(exc).__name__}", default="model_error"
     )
