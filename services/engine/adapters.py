@@ -25,6 +25,7 @@ from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
 from protocol.errors import RequestError
 from protocol.messages import MMItem
+from services.model import PixelNorm, normalize
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ class Adapter:
 
     name = "base"
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
+        self.pixel_norm = pixel_norm
 
     def check_items(self, items: list[MMItem]) -> None:
         """Raise RequestError when an item's tensors have shapes this model cannot take."""
@@ -98,6 +100,7 @@ class Adapter:
     def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The image's embeddings, (num_placeholder_tokens, hidden), on the model's device."""
         inputs = {name: self._to_device(array) for name, array in tensors.items()}
+        inputs["pixel_values"] = self._pixels(tensors)
         pooled = self.model.model.get_image_features(**inputs, return_dict=True).pooler_output
         return torch.cat(list(pooled))
 
@@ -114,6 +117,12 @@ class Adapter:
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         return Positions(prompt.device)
 
+    def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
+        """The uint8 pixel_values normalised on the device, as the HF processor would have
+        (services/model/pixels.py), in the model's dtype."""
+        pixels = torch.from_numpy(np.array(tensors["pixel_values"])).to(self.model.device)
+        return normalize(pixels, self.pixel_norm).to(self.model.dtype)
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         # Received arrays are read-only views of ZMQ frames; torch wants its own copy anyway.
         tensor = torch.from_numpy(np.array(array))
@@ -124,8 +133,8 @@ class Adapter:
 class Qwen2VLAdapter(Adapter):
     name = "qwen2_vl"
 
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
+    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
+        super().__init__(model, pixel_norm)
         vision = model.config.vision_config
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -143,7 +152,7 @@ class Qwen2VLAdapter(Adapter):
     def _sliced(self, tensors: Mapping[str, np.ndarray], rows: int) -> Slices:
         """Qwen2VisionTransformerPretrainedModel.forward for one image, `rows` patches a slice."""
         visual = self.model.model.visual
-        pixels = self._to_device(tensors["pixel_values"]).to(visual.dtype)
+        pixels = self._pixels(tensors).to(visual.dtype)
         grid = self._to_device(tensors["image_grid_thw"])
         spans = [(start, start + rows) for start in range(0, pixels.shape[0], rows)]
         embedded = []
@@ -179,7 +188,9 @@ class Qwen2VLAdapter(Adapter):
         it follows transformers' code, which a new transformers release may change."""
         side = 4 * self.merge
         generator = torch.Generator().manual_seed(0)
-        pixels = torch.randn(side * side, self.patch_dim, generator=generator).numpy()
+        pixels = torch.randint(
+            0, 256, (side * side, self.patch_dim), generator=generator, dtype=torch.uint8
+        ).numpy()
         tensors = {"pixel_values": pixels, "image_grid_thw": np.array([[1, side, side]])}
         whole = self.image_features(tensors)
         try:
@@ -195,7 +206,8 @@ class Qwen2VLAdapter(Adapter):
 
     def check_tensors(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
         grid = _tensor(tensors, where, "image_grid_thw", ndim=2, kind="iu")
-        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="f")
+        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="u")  # uint8 (the codec's
+        # only unsigned dtype): pixels before the processor's rescale and normalise
         if grid.shape != (1, 3) or (grid < 1).any():
             raise RequestError(
                 f"{where}.image_grid_thw must be one positive (t, h, w) row, got {grid.tolist()}"
@@ -237,13 +249,13 @@ class Qwen2VLAdapter(Adapter):
 class LlavaAdapter(Adapter):
     name = "llava"
 
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
+    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
+        super().__init__(model, pixel_norm)
         vision = model.config.vision_config
         self.pixel_shape = (1, vision.num_channels, vision.image_size, vision.image_size)
 
     def check_tensors(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
-        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="f")
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8, as above
         if pixels.shape != self.pixel_shape:
             raise RequestError(
                 f"{where}.pixel_values has shape {pixels.shape}, expected {self.pixel_shape}"
@@ -259,10 +271,10 @@ def _run(vision: VisionPass) -> torch.Tensor:
     return features
 
 
-def adapter_for(family: str, model: Any) -> Adapter:
+def adapter_for(family: str, model: Any, pixel_norm: PixelNorm) -> Adapter:
     if family not in ADAPTERS:
         raise ValueError(f"the engine has no runner for model family {family!r}")
-    return ADAPTERS[family](model)
+    return ADAPTERS[family](model, pixel_norm)
 
 
 def _tensor(
@@ -277,3 +289,4 @@ def _tensor(
             f"got {array.ndim}-D {array.dtype}"
         )
     return array
+

@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 Tensors = Mapping[str, np.ndarray]
 TokenCounter = Callable[[Tensors], int]
+Uint8Processor = Callable[[Any, Image.Image], dict[str, np.ndarray]]
 
 
 class UnsupportedModelError(ValueError):
@@ -31,6 +34,10 @@ class Family:
     split_items: Callable[[Tensors], list[dict[str, np.ndarray]]]
     # Reads the model's settings once and returns `num_image_tokens(item) -> int`.
     token_counter: Callable[[Path, Any, Any], TokenCounter]
+    # `(image_processor, rgb_image) -> tensors`: one image's tensors with the pixels as uint8
+    # in the model's layout, before the processor's rescale and normalise (services/model/
+    # pixels.py: the engine runs those two).
+    uint8_pixels: Uint8Processor
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
         """The inverse of `split_items`: the batched tensors the model takes for these images."""
@@ -57,6 +64,48 @@ def _qwen2_vl_token_counter(model_dir: Path, config: Any, image_processor: Any) 
     # Each group of merge_size x merge_size patches becomes one placeholder token.
     merge_length = image_processor.merge_size**2
     return lambda item: int(item["image_grid_thw"].prod()) // merge_length
+
+
+def _processor_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+    """Any family: the processor itself with its rescale and normalise turned off. Its resize
+    works in uint8, so the values it returns (float32 for some families) are whole 0-255."""
+    batch = image_processor(
+        images=[image], do_rescale=False, do_normalize=False, return_tensors="np"
+    )
+    tensors = dict(batch)
+    tensors["pixel_values"] = np.asarray(tensors["pixel_values"]).astype(np.uint8)
+    return tensors
+
+
+def _qwen2_vl_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+    """Qwen2VLImageProcessorPil's resize and patch layout, done in uint8 on the PIL image.
+
+    The processor turns the image into a channel-first array, back into a PIL image to resize
+    it, and lays the patches out in float32: two copies of the full-size image and a float
+    pass this skips. Same resize (its smart_resize rule, PIL, its resample filter), same
+    layout, so the pixels are the processor's bit for bit (tests/test_pixels.py)."""
+    p = image_processor
+    factor = p.patch_size * p.merge_size
+    height, width = smart_resize(
+        image.height, image.width, factor=factor,
+        min_pixels=p.size["shortest_edge"], max_pixels=p.size["longest_edge"],
+    )
+    resized = np.asarray(image.resize((width, height), resample=p.resample, reducing_gap=None))
+    grid_h, grid_w = height // p.patch_size, width // p.patch_size
+    merge, patch = p.merge_size, p.patch_size
+    # (H, W, C) -> (h/m, w/m, m, m, C, patch, patch), as the processor's patchify orders it
+    patches = resized.reshape(grid_h // merge, merge, patch, grid_w // merge, merge, patch, -1)
+    patches = patches.transpose(0, 3, 1, 4, 6, 2, 5)
+    channels = patches.shape[4]
+    # One image is `temporal_patch_size` identical frames.
+    frames = np.broadcast_to(
+        patches[:, :, :, :, :, None], (*patches.shape[:5], p.temporal_patch_size, patch, patch)
+    )
+    pixel_values = frames.reshape(grid_h * grid_w, channels * p.temporal_patch_size * patch**2)
+    return {
+        "pixel_values": np.ascontiguousarray(pixel_values),
+        "image_grid_thw": np.array([[1, grid_h, grid_w]], dtype=np.int64),
+    }
 
 
 def _split_llava(batch: Tensors) -> list[dict[str, np.ndarray]]:
@@ -95,6 +144,7 @@ QWEN2_VL = Family(
     item_fields=("pixel_values", "image_grid_thw"),
     split_items=_split_qwen2_vl,
     token_counter=_qwen2_vl_token_counter,
+    uint8_pixels=_qwen2_vl_uint8,
 )
 
 LLAVA = Family(
@@ -104,6 +154,7 @@ LLAVA = Family(
     item_fields=("pixel_values",),
     split_items=_split_llava,
     token_counter=_llava_token_counter,
+    uint8_pixels=_processor_uint8,
 )
 
 FAMILIES = (QWEN2_VL, LLAVA)
