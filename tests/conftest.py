@@ -8,14 +8,16 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor, Qwen2VLProcessor
 
 from image_server import ImageServer
 from protocol.errors import FatalError
 from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
 from services.launcher import Child, start_roles, stop_all
-from services.model import Preprocessor, load_preprocessor
+from services.model import PixelNorm, Preprocessor, load_preprocessor, normalize
 
 REPO = Path(__file__).resolve().parent.parent
 # Every test process and child shares one model cache, kept in an ignored folder of the repo.
@@ -60,6 +62,20 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
         chat_template=tokenizer.chat_template,
     )
     return {"qwen2_vl": qwen, "llava": LlavaProcessor.from_pretrained(model_dirs["llava"])}
+
+
+def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:
+    """An item's tensors as the HF processor returns them: its uint8 pixels normalised the way
+    the engine does it (services/model/pixels.py)."""
+    assert tensors["pixel_values"].dtype == np.uint8, tensors["pixel_values"].dtype
+    pixels = normalize(torch.from_numpy(np.array(tensors["pixel_values"])), norm)
+    return {**tensors, "pixel_values": pixels.numpy()}
+
+
+@pytest.fixture(scope="session")
+def preprocessors(model_dirs: dict[str, Path]) -> dict[str, Preprocessor]:
+    """mmlane's preprocessor of each tiny family, loaded once."""
+    return {family: load_preprocessor(path) for family, path in model_dirs.items()}
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import free_port, start_role
+from conftest import as_processor_output, free_port, start_role
 from media import jpeg_uri, make_image, png_uri
 from protocol.codec import Codec
 from protocol.messages import EngineInput, EngineRequest
 from services.client import Client, user_message
 from services.launcher import stop_all
+from services.model import PixelNorm
 
 
 @dataclass
@@ -89,10 +90,14 @@ def test_engine_receives_what_the_hf_processor_makes(
     )
     expected = processor(text=[prompt], images=images, return_tensors="np")
     assert got.prompt_token_ids == expected["input_ids"][0].tolist()
-    for name in got.mm_items[0].tensors:
-        joined = np.concatenate([item.tensors[name] for item in got.mm_items])
-        assert joined.dtype == expected[name].dtype
-        assert np.array_equal(joined, expected[name]), name
+    joined = as_processor_output(
+        {name: np.concatenate([item.tensors[name] for item in got.mm_items])
+         for name in got.mm_items[0].tensors},
+        PixelNorm.of(processor.image_processor),
+    )
+    for name in joined:
+        assert joined[name].dtype == expected[name].dtype
+        assert np.array_equal(joined[name], expected[name]), name
 
 
 def test_text_only_request_goes_straight_to_the_engine(lane: Lane, hf_processors: dict,

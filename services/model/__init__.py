@@ -12,6 +12,7 @@ from services.model.loading import (
     load_preprocessor,
     resolve_model_dir,
 )
+from services.model.pixels import PixelNorm, normalize
 from services.model.tiny import build_tiny_model, default_model_dir, ensure_default_model
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ImageError",
     "ImageItem",
     "ModelDirError",
+    "PixelNorm",
     "Preprocessor",
     "PromptError",
     "UnsupportedModelError",
@@ -29,5 +31,6 @@ __all__ = [
     "family_for",
     "load_model",
     "load_preprocessor",
+    "normalize",
     "resolve_model_dir",
 ]

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from protocol.errors import RequestError
 from protocol.messages import MMItem
@@ -21,6 +23,7 @@ Tensors = Mapping[str, np.ndarray]
 TokenCounter = Callable[[Tensors], int]
 ItemChecker = Callable[[list[MMItem]], None]
 """Raises RequestError when a request's images have tensors the model cannot take."""
+Uint8Processor = Callable[[Any, Image.Image], dict[str, np.ndarray]]
 
 
 class UnsupportedModelError(ValueError):
@@ -39,6 +42,10 @@ class Family:
     token_counter: Callable[[Path, Any, Any], TokenCounter]
     # Reads the model's config (transformers' PretrainedConfig) once and returns the check.
     item_checker: Callable[[Any], ItemChecker]
+    # `(image_processor, rgb_image) -> tensors`: one image's tensors with the pixels as uint8
+    # in the model's layout, before the processor's rescale and normalise (services/model/
+    # pixels.py: the engine runs those two).
+    uint8_pixels: Uint8Processor
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
         """The inverse of `split_items`: the batched tensors the model takes for these images."""
@@ -74,7 +81,8 @@ def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
 
     def check_tensors(where: str, tensors: Tensors) -> None:
         grid = _tensor(tensors, where, "image_grid_thw", ndim=2, kind="iu")
-        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="f")
+        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="u")  # uint8, the codec's only
+        # unsigned dtype: pixels before the processor's rescale and normalise (pixels.py)
         if grid.shape != (1, 3) or (grid < 1).any():
             raise RequestError(
                 f"{where}.image_grid_thw must be one positive (t, h, w) row, got {grid.tolist()}"
@@ -101,6 +109,47 @@ def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
                 )
 
     return check_items
+
+def _processor_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+    """Any family: the processor itself with its rescale and normalise turned off. Its resize
+    works in uint8, so the values it returns (float32 for some families) are whole 0-255."""
+    batch = image_processor(
+        images=[image], do_rescale=False, do_normalize=False, return_tensors="np"
+    )
+    tensors = dict(batch)
+    tensors["pixel_values"] = np.asarray(tensors["pixel_values"]).astype(np.uint8)
+    return tensors
+
+
+def _qwen2_vl_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+    """Qwen2VLImageProcessorPil's resize and patch layout, done in uint8 on the PIL image.
+
+    The processor turns the image into a channel-first array, back into a PIL image to resize
+    it, and lays the patches out in float32: two copies of the full-size image and a float
+    pass this skips. Same resize (its smart_resize rule, PIL, its resample filter), same
+    layout, so the pixels are the processor's bit for bit (tests/test_pixels.py)."""
+    p = image_processor
+    factor = p.patch_size * p.merge_size
+    height, width = smart_resize(
+        image.height, image.width, factor=factor,
+        min_pixels=p.size["shortest_edge"], max_pixels=p.size["longest_edge"],
+    )
+    resized = np.asarray(image.resize((width, height), resample=p.resample, reducing_gap=None))
+    grid_h, grid_w = height // p.patch_size, width // p.patch_size
+    merge, patch = p.merge_size, p.patch_size
+    # (H, W, C) -> (h/m, w/m, m, m, C, patch, patch), as the processor's patchify orders it
+    patches = resized.reshape(grid_h // merge, merge, patch, grid_w // merge, merge, patch, -1)
+    patches = patches.transpose(0, 3, 1, 4, 6, 2, 5)
+    channels = patches.shape[4]
+    # One image is `temporal_patch_size` identical frames.
+    frames = np.broadcast_to(
+        patches[:, :, :, :, :, None], (*patches.shape[:5], p.temporal_patch_size, patch, patch)
+    )
+    pixel_values = frames.reshape(grid_h * grid_w, channels * p.temporal_patch_size * patch**2)
+    return {
+        "pixel_values": np.ascontiguousarray(pixel_values),
+        "image_grid_thw": np.array([[1, grid_h, grid_w]], dtype=np.int64),
+    }
 
 
 def _split_llava(batch: Tensors) -> list[dict[str, np.ndarray]]:
@@ -132,7 +181,7 @@ def _llava_item_checker(config: Any) -> ItemChecker:
     pixel_shape = (1, vision.num_channels, vision.image_size, vision.image_size)
 
     def check_tensors(where: str, tensors: Tensors) -> None:
-        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="f")
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
         if pixels.shape != pixel_shape:
             raise RequestError(
                 f"{where}.pixel_values has shape {pixels.shape}, expected {pixel_shape}"
@@ -171,6 +220,7 @@ QWEN2_VL = Family(
     split_items=_split_qwen2_vl,
     token_counter=_qwen2_vl_token_counter,
     item_checker=_qwen2_vl_item_checker,
+    uint8_pixels=_qwen2_vl_uint8,
 )
 
 LLAVA = Family(
@@ -181,6 +231,7 @@ LLAVA = Family(
     split_items=_split_llava,
     token_counter=_llava_token_counter,
     item_checker=_llava_item_checker,
+    uint8_pixels=_processor_uint8,
 )
 
 FAMILIES = (QWEN2_VL, LLAVA)

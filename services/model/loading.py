@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from services.model.families import Family, TokenCounter, UnsupportedModelError, family_for
+from services.model.pixels import PixelNorm
 from services.model.tiny import ensure_default_model
 
 
@@ -70,6 +71,8 @@ class Preprocessor:
     eos_token_ids: list[int]
     max_context: int
     count_image_tokens: TokenCounter
+    pixel_norm: PixelNorm
+    """What the engine applies to an item's uint8 pixel_values (services/model/pixels.py)."""
     # Special tokens the tokenizer adds around a text when asked (e.g. Llama's BOS).
     special_prefix: list[int]
     special_suffix: list[int]
@@ -105,8 +108,10 @@ class Preprocessor:
         return self.special_prefix + ids + self.special_suffix
 
     def process_image(self, image: Image.Image) -> ImageItem:
+        """The image's tensors, pixels as uint8 (`pixel_norm` turns them into the processor's
+        float output)."""
         try:
-            batch = self.image_processor(images=[image], return_tensors="np")
+            batch = self.family.uint8_pixels(self.image_processor, image)
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}
@@ -163,6 +168,7 @@ def load_preprocessor(model_dir: str | Path) -> Preprocessor:
         eos_token_ids=_eos_token_ids(model_dir, config, tokenizer),
         max_context=_max_context(model_dir, config),
         count_image_tokens=family.token_counter(model_dir, config, image_processor),
+        pixel_norm=PixelNorm.of(image_processor),
         special_prefix=special_prefix,
         special_suffix=special_suffix,
     )

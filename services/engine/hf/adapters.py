@@ -25,6 +25,7 @@ import torch
 from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
 from protocol.messages import MMItem
+from services.model import PixelNorm, normalize
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,14 @@ class Adapter:
     """The family-independent part: tensors go to the device, the vision tower's pooled output
     (one row per placeholder token) is what replaces the image's placeholders."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
+        self.pixel_norm = pixel_norm
 
     def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The image's embeddings, (num_placeholder_tokens, hidden), on the model's device."""
         inputs = {name: self._to_device(array) for name, array in tensors.items()}
+        inputs["pixel_values"] = self._pixels(tensors)
         pooled = self.model.model.get_image_features(**inputs, return_dict=True).pooler_output
         return torch.cat(list(pooled))
 
@@ -104,6 +107,12 @@ class Adapter:
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         return Positions(prompt.device)
 
+    def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
+        """The uint8 pixel_values normalised on the device, as the HF processor would have
+        (services/model/pixels.py), in the model's dtype."""
+        pixels = torch.from_numpy(np.array(tensors["pixel_values"])).to(self.model.device)
+        return normalize(pixels, self.pixel_norm).to(self.model.dtype)
+
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         # Received arrays are read-only views of ZMQ frames; torch wants its own copy anyway.
         tensor = torch.from_numpy(np.array(array))
@@ -112,8 +121,8 @@ class Adapter:
 
 
 class Qwen2VLAdapter(Adapter):
-    def __init__(self, model: Any) -> None:
-        super().__init__(model)
+    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
+        super().__init__(model, pixel_norm)
         vision = model.config.vision_config
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -131,7 +140,7 @@ class Qwen2VLAdapter(Adapter):
     def _sliced(self, tensors: Mapping[str, np.ndarray], rows: int) -> Slices:
         """Qwen2VisionTransformerPretrainedModel.forward for one image, `rows` patches a slice."""
         visual = self.model.model.visual
-        pixels = self._to_device(tensors["pixel_values"]).to(visual.dtype)
+        pixels = self._pixels(tensors).to(visual.dtype)
         grid = self._to_device(tensors["image_grid_thw"])
         spans = [(start, start + rows) for start in range(0, pixels.shape[0], rows)]
         embedded = []
@@ -167,7 +176,9 @@ class Qwen2VLAdapter(Adapter):
         it follows transformers' code, which a new transformers release may change."""
         side = 4 * self.merge
         generator = torch.Generator().manual_seed(0)
-        pixels = torch.randn(side * side, self.patch_dim, generator=generator).numpy()
+        pixels = torch.randint(
+            0, 256, (side * side, self.patch_dim), generator=generator, dtype=torch.uint8
+        ).numpy()
         tensors = {"pixel_values": pixels, "image_grid_thw": np.array([[1, side, side]])}
         whole = self.image_features(tensors)
         try:
@@ -203,7 +214,7 @@ def _run(vision: VisionPass) -> torch.Tensor:
     return features
 
 
-def adapter_for(family: str, model: Any) -> Adapter:
+def adapter_for(family: str, model: Any, pixel_norm: PixelNorm) -> Adapter:
     if family not in ADAPTERS:
         raise ValueError(f"the engine has no runner for model family {family!r}")
     return ADAPTERS[family](model)

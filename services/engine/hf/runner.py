@@ -107,7 +107,7 @@ class HFRunner:
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
         network: Any = load_model(model_dir, pick_device(device))
-        adapter = adapter_for(preprocessor.family.name, network)
+        adapter = adapter_for(preprocessor.family.name, network, preprocessor.pixel_norm)
         spec = ModelSpec(
             family=preprocessor.family.name,
             model_id=preprocessor.model_id,

@@ -1,0 +1,59 @@
+"""Pixels travel as uint8; the engine normalises them, bit-identical to the HF processor.
+
+The HF image processor (PIL backend) resizes in uint8, then rescales (`uint8 as float64 *
+rescale_factor`, cast to float32) and normalises (`(x - mean) / std` in float32), then lays the
+values out for the model. The MM worker stops before the rescale and sends uint8 in the model's
+layout (a quarter of the bytes, and the float passes are skipped); `normalize` runs the two
+remaining steps on the engine's device in the same order and dtypes. Both steps are
+element-wise, so doing them after the layout instead of before changes no bit.
+
+Every family's layout is channel-major after the first axis: reshaped to (N, channels, -1),
+each channel's values are one block (Qwen2-VL patch rows are channel x time x patch x patch;
+LLaVA's are (1, channels, height, width)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PixelNorm:
+    """The processor's rescale and normalise steps, as the engine applies them."""
+
+    rescale_factor: float | None
+    """None: the processor does not rescale."""
+    mean: tuple[float, ...] | None
+    """Per channel; None: the processor does not normalise (then std is None too)."""
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def of(cls, image_processor: Any) -> PixelNorm:
+        """The steps `image_processor` runs after its resize, with its own settings."""
+        rescale = float(image_processor.rescale_factor) if image_processor.do_rescale else None
+        if not image_processor.do_normalize:
+            return cls(rescale, None, None)
+        return cls(rescale, _per_channel(image_processor.image_mean),
+                   _per_channel(image_processor.image_std))
+
+
+def _per_channel(values: Any) -> tuple[float, ...]:
+    return tuple(float(v) for v in np.atleast_1d(np.asarray(values)))
+
+
+def normalize(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
+    """The float32 tensor the HF processor would have produced from these uint8 pixels."""
+    if norm.rescale_factor is None:
+        values = pixels.to(torch.float32)
+    else:  # numpy's order: upcast to float64, multiply by the (double) factor, cast down
+        values = (pixels.to(torch.float64) * norm.rescale_factor).to(torch.float32)
+    if norm.mean is None or norm.std is None:
+        return values
+    mean = torch.tensor(norm.mean, dtype=torch.float32, device=values.device)[:, None]
+    std = torch.tensor(norm.std, dtype=torch.float32, device=values.device)[:, None]
+    channels = values.reshape(values.shape[0], len(norm.mean), -1)
+    return ((channels - mean) / std).reshape(pixels.shape)
