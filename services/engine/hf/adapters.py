@@ -217,4 +217,4 @@ def _run(vision: VisionPass) -> torch.Tensor:
 def adapter_for(family: str, model: Any, pixel_norm: PixelNorm) -> Adapter:
     if family not in ADAPTERS:
         raise ValueError(f"the engine has no runner for model family {family!r}")
-    return ADAPTERS[family](model)
+    return ADAPTERS[family](model, pixel_norm)
