@@ -17,18 +17,8 @@ from hypothesis import strategies as st
 
 from conftest import free_port, role_log, start_role, stop_role
 from protocol.codec import Codec
-from protocol.messages import (
-    ChatMessage,
-    ChatOutput,
-    ChatRequest,
-    ClientReply,
-    ClientRequest,
-    EngineInput,
-    EngineOutput,
-    EngineRequest,
-    FrontendInput,
-    TextPart,
-)
+from protocol.messages import ChatOutput, ChatRequest, ClientReply, EngineOutput, EngineRequest
+from services.client import user_message
 from services.frontend.detokenize import IncrementalDetokenizer
 from services.model import Preprocessor
 
@@ -114,7 +104,7 @@ def test_the_window_stays_short(prep: Preprocessor) -> None:
 @pytest.fixture
 def frontend(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
     """A real frontend whose engine is this test's PULL socket; yields (client, engine)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     engine = ctx.socket(zmq.PULL)
     engine.bind(f"ipc://{run_dir}/engine.sock")
     port = free_port()
@@ -139,16 +129,14 @@ def test_a_streamed_reply_carries_the_whole_text(
     """The engine streams one id per output, a special token among them: the client's chunks
     concatenate to the decoded output, and none holds a replacement character."""
     client, engine = frontend
-    client.send_multipart(Codec(ClientRequest).encode(ChatRequest(
-        request_id="r", messages=[ChatMessage(role="user", content=[TextPart(text="hi")])],
-    )))
+    codec: Codec[EngineRequest] = Codec(EngineRequest)  # encodes any message
+    client.send_multipart(codec.encode(ChatRequest(request_id="r", messages=[user_message("hi")])))
     assert engine.poll(20_000), "nothing reached the engine"
-    request = Codec(EngineInput).decode(engine.recv_multipart())
-    assert isinstance(request, EngineRequest)
+    request = codec.decode(engine.recv_multipart())
     output_ids = [*tricky_ids[:4], prep.tokenizer.all_special_ids[0], *tricky_ids[4:]]
-    with zmq.Context.instance().socket(zmq.PUSH) as reply:
+    ctx: zmq.Context = zmq.Context.instance()
+    with ctx.socket(zmq.PUSH) as reply:
         reply.connect(request.reply_to)
-        codec: Codec[FrontendInput] = Codec(FrontendInput)
         for number, token in enumerate(output_ids, 1):
             done = number == len(output_ids)
             reply.send_multipart(codec.encode(EngineOutput(
@@ -159,11 +147,12 @@ def test_a_streamed_reply_carries_the_whole_text(
     assert [r.token_ids for r in replies] == [[token] for token in output_ids]
     assert "".join(r.text for r in replies) == prep.decode(output_ids) == TRICKY_TEXT
     assert not any("\ufffd" in r.text for r in replies)
+    assert "" in [r.text for r in replies]  # held: the first bytes of a multi-byte character
     assert replies[-1].finished
 
 
 def _reply(client: zmq.Socket) -> ChatOutput:
     assert client.poll(20_000), "no reply reached the client"
-    reply = Codec(ClientReply).decode(client.recv_multipart())
+    reply: ClientReply = Codec(ClientReply).decode(client.recv_multipart())
     assert isinstance(reply, ChatOutput), reply
     return reply
