@@ -1,4 +1,4 @@
-"""Incremental detokenization: a request's output text, chunk by chunk, in constant work per chunk.
+"""Incremental detokenization: an output's text chunk by chunk, in work that does not grow with it.
 
 Re-decoding the whole output for every streamed chunk costs time quadratic in its length. An
 `IncrementalDetokenizer` decodes only a short window instead (the prefix/read offsets of vLLM's
