@@ -9,6 +9,7 @@ with the same preprocessing run in this process.
     TestBadInput       every bad job gets a RequestFailed naming the problem; the next job passes
     TestJobSocket      garbage on the job socket is dropped; the worker serves on
     TestFilesDisabled  a worker started without --allowed-media-dir refuses file:// URLs
+    TestInputThread    cancels and new jobs' fetches are taken in while a big job is processed
     TestMedia, TestRender  the loading/decoding boundary and the placeholder arithmetic, in-process
 """
 
@@ -34,6 +35,7 @@ from media import data_uri, encode, noise_image, png_uri
 from protocol.codec import Codec
 from protocol.errors import RequestError
 from protocol.messages import (
+    CancelJobs,
     EngineInput,
     EngineRequest,
     FrontendInput,
@@ -41,10 +43,13 @@ from protocol.messages import (
     MMJob,
     RequestFailed,
     SamplingParams,
+    Stats,
 )
 from services.launcher import Child
 from services.mm_worker.media import MediaPolicy, decode_image, load_image_bytes, to_rgb
 from services.mm_worker.render import placeholder_offsets
+from services.ops.discovery import Targets
+from services.ops.feed import StatsFeed
 
 MAX_IMAGE_PIXELS = 4_000_000  # small, so an over-limit image is cheap to make
 RECV_TIMEOUT_MS = 30_000
@@ -683,3 +688,67 @@ class TestFetchedImages:
         failure = peers.next_failure()
         assert failure.error.code == "media_not_allowed"
         assert "allowed with --allow-http-media" in failure.error.message
+
+
+# ---------------------------------------------------------------- end to end: the input thread
+
+
+@pytest.fixture(scope="module")
+def watched_worker(
+    module_run_dir: Path, qwen_dir: Path, peers: Peers
+) -> Iterator[tuple[Child, StatsFeed]]:
+    """A worker allowed to fetch from the loopback server, and the feed of its stats (published
+    every 50 ms), which say what it holds and has done; TestInputThread's alone."""
+    stats_endpoint = f"ipc://{module_run_dir}/stats-watched.sock"
+    worker = start_worker(
+        "mm-worker-watched", module_run_dir, qwen_dir, peers.engine_endpoint,
+        "--allow-http-media", "--allow-internal-media", "--stats-endpoint", stats_endpoint,
+        "--stats-interval", "0.05",
+    )
+    with StatsFeed(Targets("stats", (stats_endpoint,), module_run_dir)) as feed:
+        yield worker, feed
+    assert stop_role(worker) == 0, role_log(worker)
+
+
+def big_image_uri(gradient: Callable[[str], Image.Image]) -> str:
+    """12 MP, cheap to make and send, a second or so to decode and process."""
+    return data_uri(encode(gradient("L").resize((4000, 3000)).convert("RGB")))
+
+
+def next_snapshot(feed: StatsFeed, what: str, wanted: Callable[[Stats], bool]) -> Stats:
+    """The first snapshot to arrive that satisfies `wanted` (it shows `what`)."""
+    timeout_s = 30
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for stats in feed.receive(0.1):
+            if wanted(stats):
+                return stats
+    raise AssertionError(f"no snapshot within {timeout_s} s shows {what}")
+
+
+class TestInputThread:
+    def test_a_cancel_and_a_fetch_are_taken_in_while_a_big_job_is_processed(
+        self, watched_worker: tuple[Child, StatsFeed], peers: Peers, jobs: Jobs,
+        image_server: ImageServer,
+    ) -> None:
+        worker, feed = watched_worker
+        big = jobs.job(big_image_uri(Image.radial_gradient), big_image_uri(Image.linear_gradient))
+        queued = jobs.job(png_uri(noise_image(40, 40, seed=7)))
+        fetched = jobs.job(image_server.url("/image.png"))
+        peers.send(worker, big, queued)
+        next_snapshot(feed, "the big job processed, the other queued behind it",
+                      lambda stats: stats.in_flight == 2 and stats.queues["jobs_queued"] == 1)
+        # Meanwhile: cancel the queued one, send one more whose image is fetched.
+        peers.send(worker, msgspec.msgpack.encode(CancelJobs(request_ids=[queued.request_id])),
+                   fetched)
+        taken_in = next_snapshot(feed, "a fetch started",
+                                 lambda stats: stats.counters.get("fetches", 0) > 0)
+        # One snapshot: the cancel applied and the fetch started before anything was sent.
+        assert taken_in.counters.get("cancelled", 0) == 1
+        assert taken_in.counters.get("sent", 0) == 0
+        assert (taken_in.in_flight, taken_in.queues["jobs_queued"]) == (2, 1)
+        arrived = [peers.next_request()[0].request_id for _ in range(2)]
+        assert arrived == [big.request_id, fetched.request_id]  # the cancelled job never ran
+        assert f"request {queued.request_id} cancelled by its frontend: skipped" in (
+            role_log(worker))
+        peers.assert_quiet()

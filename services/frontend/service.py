@@ -76,6 +76,7 @@ from services.common.lifecycle import (
 )
 from services.common.sockets import make_socket
 from services.common.stats import Metrics, log_totals
+from services.frontend.detokenize import IncrementalDetokenizer
 from services.frontend.http_api import HttpApi
 from services.frontend.requests import CheckedRequest, check_request
 from services.model import load_preprocessor, resolve_model_dir
@@ -96,8 +97,7 @@ class InFlight:
     deadline: float
     checked: CheckedRequest | None
     """None for a ResetCache request."""
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    detokenizer: IncrementalDetokenizer
     job: MMJob | None = None
     """The job as sent to MM worker number `worker`, kept to resend it after a cache miss."""
     worker: int = 0
@@ -246,7 +246,8 @@ class Frontend:
         self._tokenizing += 1
         request_id = f"{self._prefix}-{next(self._ids)}"
         deadline = time.monotonic() + self.config.request_timeout_s
-        self._inflight[request_id] = InFlight(client, request.request_id, deadline, checked)
+        self._inflight[request_id] = InFlight(client, request.request_id, deadline, checked,
+                                              IncrementalDetokenizer(self._pre.decode))
         self._pool.submit(self._tokenize, request_id, checked)
 
     def _admit(self, request: ChatRequest) -> CheckedRequest:
@@ -413,7 +414,8 @@ class Frontend:
         """Ask the engine for a new cache epoch; MM workers clear their caches as they learn it."""
         request_id = f"{self._prefix}-{next(self._ids)}"
         deadline = time.monotonic() + self.config.request_timeout_s
-        self._inflight[request_id] = InFlight(client, request.request_id, deadline, None)
+        self._inflight[request_id] = InFlight(client, request.request_id, deadline, None,
+                                              IncrementalDetokenizer(self._pre.decode))
         reset = ResetEngineCache(request_id=request_id, reply_to=self.config.output_endpoint)
         try:
             self._engine.send_multipart(self._client_codec.encode(reset), zmq.NOBLOCK, copy=False)
@@ -432,13 +434,9 @@ class Frontend:
         pending = self._inflight.get(output.request_id)
         if pending is None:
             return
-        pending.output_ids.extend(output.token_ids)
-        text = self._pre.decode(pending.output_ids)
-        # Hold back a trailing replacement char: it is half of a multi-byte character.
-        stable = text[:-1] if text.endswith("\ufffd") and not output.finished else text
-        delta, pending.text = stable[len(pending.text):], stable
+        text = pending.detokenizer.step(output.token_ids, final=output.finished)
         reply = ChatOutput(
-            request_id=pending.client_request_id, token_ids=list(output.token_ids), text=delta,
+            request_id=pending.client_request_id, token_ids=list(output.token_ids), text=text,
             finished=output.finished, finish_reason=output.finish_reason,
             prompt_token_ids=output.prompt_token_ids,
         )

@@ -1,26 +1,34 @@
 """The MM worker role: one FIFO loop that turns `MMJob`s into fully rendered `EngineRequest`s.
 
-    frontend ──MMJob──▶ job socket (PULL, bound) ──▶ loop ──EngineRequest──▶ engine (PUSH)
-                                                      └──RequestFailed──▶ the job's `reply_to`
+Socket reading stays at the edge, on a thread that owns the job socket:
+
+    mm-worker-input   job socket (PULL, bound) → decode → cancels applied to the queue at once;
+                      jobs (their http(s) fetches started) and engine-epoch notices → the queue
+    mm-worker-fifo    1. take the head of the queue once its own fetches are done
+    (serve)           2. load, hash, look up the sender cache, decode and process the misses
+                      3. send one EngineRequest to the engine (PUSH)
+                      4. commit it to the sender cache; a failed job's RequestFailed goes to its
+                         `reply_to` instead
 
 One thread processes one job at a time, so jobs leave in the order they arrived: the order the
-sender cache relies on, since each request is committed to it right after its send. So that a
-slow image server never holds up the jobs behind it, jobs are received eagerly into a bounded
-local queue (`fetch_ahead_jobs`) and the fetches of their http(s) images start on arrival
-(`MediaFetcher`, its own thread); the loop then takes the head, waiting only for the head's own
-fetches, and processes and commits strictly in arrival order. Engine-epoch notices wait in the
-same queue, so they apply in their turn.
+sender cache relies on, since each request is committed to it right after its send. So that
+neither a slow image server nor a big image holds up what comes behind it, jobs are received
+into a bounded queue (`fetch_ahead_jobs`) while the loop works, and the fetches of their http(s)
+images start on arrival (`MediaFetcher`, its own thread); the loop takes the head, waiting only
+for the head's own fetches, and processes and commits strictly in arrival order. Engine-epoch
+notices wait in the same queue, so they apply in their turn.
 A job's bad input fails that job alone, with a clear error sent to its frontend; an unreadable
 message on the job socket is counted, logged and dropped.
 
 `CancelJobs` (its frontend no longer waits: the client went away, or the deadline passed) takes
 the named jobs out of the queue: never processed, no reply, nothing committed to the sender
 cache, the order of the others kept. A job that is no longer queued (being processed, done, or
-not yet arrived) is not affected.
+not yet arrived) is not affected. The input thread applies a cancel as it reads it, even while
+the loop processes a 12 MP image.
 
-At SIGTERM the worker drains: it keeps reading the job socket and answers each new job at once
-with a retryable error, keeps processing the jobs it holds in order until they are done or the
-drain timeout passes, then fails the rest with a retryable error.
+At SIGTERM the worker drains: the input thread keeps reading the job socket and answers each new
+job at once with a retryable error, while the loop keeps processing the jobs it holds in order
+until they are done or the drain timeout passes, then fails the rest with a retryable error.
 """
 
 from __future__ import annotations
@@ -74,8 +82,6 @@ ENGINE_SEND_HWM = 8
 """Rendered requests queued toward the engine before the loop waits. Kept small: one 12 MP
 photo is about 300 MB of float32 pixel values, held until ZMQ has sent it (copy=False)."""
 SLOW_ENGINE_WARNING_S = 5.0
-HEAD_WAIT_MS = 5
-"""While the head job waits for its fetches, how often the loop also takes in new jobs."""
 
 
 @dataclass
@@ -104,7 +110,6 @@ class MMWorker:
         configure_pillow(config.max_image_pixels)
         self._job_codec: Codec[MMJob | EngineEpoch | CancelJobs] = Codec(MMWorkerInput)
         self._engine_codec: Codec[Any] = Codec(EngineInput)
-        self._reply_codec: Codec[Any] = Codec(FrontendInput)
         self._ctx = zmq.Context()
         with ExitStack() as undo:  # a failed bind or connect closes what was opened
             undo.callback(self._ctx.term)
@@ -114,7 +119,7 @@ class MMWorker:
                 self._ctx, zmq.PUSH, config.engine_endpoint, bind=False, hwm=ENGINE_SEND_HWM
             )
             undo.pop_all()
-        self._replies = ReplySockets(self._ctx)
+        self._failures = FailureReplies(self._ctx)  # the loop's; the input thread has its own
         # The engine keeps one receiver cache per sender: name ours by host and bound address
         # (resolved, so two workers bound to 'tcp://host:*' get different names).
         bound = self._jobs.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -134,8 +139,12 @@ class MMWorker:
             policy.connect_timeout_s, policy.total_timeout_s, policy.retries,
         )
         self._queue: collections.deque[PendingJob | EngineEpoch] = collections.deque()
+        self._queue_changed = threading.Condition()
+        """Guards `_queue`; notified when an item comes or goes and when a fetch finishes."""
         self._processing = 0  # 1 while the loop works on a job taken off the queue
         self._stop = Stop()  # serve's: from its signal on, new jobs are refused
+        self._input_done = threading.Event()
+        self._input: threading.Thread | None = None
         self.metrics.add_counters(self.cache.counters)
         self.metrics.epoch = lambda: self.cache.epoch
         self.metrics.gauge("jobs_queued", lambda: len(self._queue))
@@ -152,16 +161,18 @@ class MMWorker:
         """Run the FIFO loop until `stop` is set, then drain."""
         threading.current_thread().name = "mm-worker-fifo"
         self._stop = stop
+        self._input = threading.Thread(target=self._input_loop, name="mm-worker-input",
+                                       daemon=True)
+        self._input.start()
         while not stop.is_set():
             self._turn()
-        # Jobs arriving from now on are refused at once (`_next_message`).
+        # Jobs arriving from now on are refused at once (`_take_message`).
         drain(stop, log, held=self._jobs_queued, turn=self._turn)
-        self._receive()  # the last arrivals get their refusal too
+        self._stop_input()  # the last arrivals get their refusal too
         self._fail_queued(unfinished_at_drain_timeout("MM worker", stop))
 
     def _turn(self) -> None:
-        self._receive()  # 1. take in arriving jobs; their image fetches start now
-        head = self._ready_head()  # 2. the oldest job, once its own fetches are done
+        head = self._next_head()  # 1. the oldest job, once its own fetches are done
         if head is None:
             return
         self._processing = 1
@@ -172,7 +183,7 @@ class MMWorker:
             self._processing = 0
 
     def _process(self, head: PendingJob) -> None:
-        """Steps 3-5 for one job, or its terminal error: it fails alone."""
+        """Steps 2-4 for one job, or its terminal error: it fails alone."""
         job = head.job
         if job.deadline and job.deadline <= time.time():  # nobody waits for it any more
             self.metrics.counters["expired"] += 1
@@ -182,56 +193,40 @@ class MMWorker:
             ))
             return
         try:
-            # 3. load, hash, look up the sender cache, decode and process the misses
+            # 2. load, hash, look up the sender cache, decode and process the misses
             request = self.renderer.render(job, head.fetches)
         except Exception as exc:
             self._fail(job, exc)
             return
-        if self._send(job, request):  # 4. send one EngineRequest to the engine
-            self.cache.commit(request)  # 5. commit it to the sender cache, in send order
+        if self._send(job, request):  # 3. send one EngineRequest to the engine
+            self.cache.commit(request)  # 4. commit it to the sender cache, in send order
             self.metrics.observe("mm_job", time.monotonic() - head.received_at)
 
     def close(self) -> None:
         """Close every socket (flushing within their linger) and the context."""
+        self._stop_input()
         log_totals(self.metrics)
         self.fetcher.close()
-        self._replies.close()
+        self._failures.close()
         self._engine.close()
         self._jobs.close()
         self._ctx.term()
 
-    # ------------------------------------------------------------ the steps
+    # ------------------------------------------------------------ the FIFO loop's side
 
-    def _receive(self) -> None:
-        """Take in the jobs that have arrived, up to `fetch_ahead_jobs` held, starting their
-        fetches; waits up to POLL_MS when idle, HEAD_WAIT_MS while the head fetches."""
-        head = self._queue[0] if self._queue else None
-        wait_ms = POLL_MS if head is None else HEAD_WAIT_MS
-        if isinstance(head, EngineEpoch) or (head is not None and head.ready()):
-            wait_ms = 0
-        if self._full():
-            if isinstance(head, PendingJob):  # full: the head's fetches are all we wait for
-                concurrent.futures.wait(list(head.fetches.values()), timeout=POLL_MS / 1e3)
-            return
-        if not self._jobs.poll(wait_ms):
-            return
-        while not self._full():
-            message = self._next_message()
-            if message is not None:
-                self._queue.append(message)
-            if not self._jobs.poll(0):
-                return
-
-    def _full(self) -> bool:
-        """Whether the queue holds `fetch_ahead_jobs`; while draining it takes no new jobs, so
-        the socket is read on regardless (the jobs there get their refusal at once)."""
-        return not self._stop.is_set() and len(self._queue) >= self.config.fetch_ahead_jobs
-
-    def _jobs_queued(self) -> int:
-        return sum(isinstance(item, PendingJob) for item in self._queue)
+    def _next_head(self) -> PendingJob | None:
+        """Pop the head once it can be processed, waiting up to POLL_MS for one; engine-epoch
+        notices before it are applied here, in their turn."""
+        with self._queue_changed:
+            head = self._ready_head()
+            if head is None:
+                self._queue_changed.wait(POLL_MS / 1e3)
+                head = self._ready_head()
+            if head is not None:
+                self._queue_changed.notify_all()  # room for the input thread
+            return head
 
     def _ready_head(self) -> PendingJob | None:
-        """Pop the head once it can be processed; an engine-epoch notice is applied here."""
         while self._queue:
             head = self._queue[0]
             if isinstance(head, PendingJob):
@@ -245,45 +240,54 @@ class MMWorker:
                          head.engine_epoch, self.cache.epoch)
         return None
 
-    def _start_fetches(self, job: MMJob, received_at: float) -> PendingJob:
-        fetches: dict[int, concurrent.futures.Future[bytes]] = {}
-        for index, image in enumerate(job.images):
-            scheme = image.url.partition(":")[0].lower()
-            if is_fetched(image.url) and scheme in self.media.allowed_schemes:
-                fetches[index] = fetch = self.fetcher.submit(image.url)
-                fetch.add_done_callback(self._fetch_timer())
-                self.metrics.counters["fetches"] += 1
-        return PendingJob(job, fetches, received_at)
-
-    def _fetch_timer(self) -> Callable[[concurrent.futures.Future[bytes]], None]:
-        """A done-callback that records how long a fetch took (runs on the fetcher's thread)."""
-        started = time.monotonic()
-        return lambda _: self.metrics.observe("fetch", time.monotonic() - started)
+    def _jobs_queued(self) -> int:
+        with self._queue_changed:
+            return sum(isinstance(item, PendingJob) for item in self._queue)
 
     def _fail_queued(self, error: MMLaneError) -> None:
         """At the end: every job still queued gets `error`."""
-        while self._queue:
-            head = self._queue.popleft()
-            if isinstance(head, PendingJob):
-                for fetch in head.fetches.values():
-                    fetch.cancel()
-                self._fail(head.job, error)
-
-    def _cancel(self, request_ids: list[str]) -> None:
-        """Take the named jobs out of the queue, unprocessed and unanswered (see the module
-        docstring); ids not queued are ignored."""
-        cancelled = set(request_ids)
-        for item in list(self._queue):
-            if isinstance(item, PendingJob) and item.job.request_id in cancelled:
-                self._queue.remove(item)
+        with self._queue_changed:
+            left, self._queue = self._queue, collections.deque()
+        for item in left:
+            if isinstance(item, PendingJob):
                 for fetch in item.fetches.values():
                     fetch.cancel()
-                self.metrics.counters["cancelled"] += 1
-                log.info("request %s cancelled by its frontend: skipped", item.job.request_id)
+                self._fail(item.job, error)
 
-    def _next_message(self) -> PendingJob | EngineEpoch | None:
-        """The next message on the job socket to queue (None: nothing to queue: it was invalid
-        and dropped, a cancel applied at once, or a job refused while draining)."""
+    # ------------------------------------------------------------ the input thread
+
+    def _input_loop(self) -> None:
+        """The mm-worker-input thread: reads the job socket, which it alone uses, into the queue
+        while there is room (always, once draining: new jobs are refused, not queued); ends at
+        `_stop_input`, after reading what has arrived by then."""
+        replies = FailureReplies(self._ctx)
+        try:
+            while not self._input_done.is_set():
+                if self._wait_for_room() and self._jobs.poll(POLL_MS):
+                    self._take_message(replies)
+            while self._jobs.poll(0):
+                self._take_message(replies)
+        finally:
+            replies.close()
+
+    def _stop_input(self) -> None:
+        self._input_done.set()
+        if self._input is not None:
+            self._input.join()
+
+    def _wait_for_room(self) -> bool:
+        """Whether the queue has room for one more message; waits up to POLL_MS for it."""
+        with self._queue_changed:
+            return self._queue_changed.wait_for(lambda: not self._full(), POLL_MS / 1e3)
+
+    def _full(self) -> bool:
+        """Whether the queue holds `fetch_ahead_jobs`; while draining it takes no new jobs, so
+        the socket is read on regardless (the jobs there get their refusal at once)."""
+        return not self._stop.is_set() and len(self._queue) >= self.config.fetch_ahead_jobs
+
+    def _take_message(self, replies: FailureReplies) -> None:
+        """Read one message off the job socket: queue it, apply it (a cancel), refuse it (a job
+        while draining) or drop it (invalid)."""
         frames = self._jobs.recv_multipart(copy=False)
         received_at = time.monotonic()
         counters = self.metrics.counters
@@ -296,18 +300,64 @@ class MMWorker:
                 "dropped an invalid message on the job socket (%d so far): %s",
                 counters["invalid_messages"], exc,
             )
-            return None
-        if isinstance(message, EngineEpoch):
-            return message
+            return
         if isinstance(message, CancelJobs):
             self._cancel(message.request_ids)
-            return None
+            return
+        if isinstance(message, EngineEpoch):
+            self._enqueue(message)
+            return
         counters["requests"] += 1
         if self._stop.is_set():
             counters["refused_draining"] += 1
-            self._fail(message, refused_while_draining("MM worker"))
-            return None
-        return self._start_fetches(message, received_at)
+            self._fail(message, refused_while_draining("MM worker"), replies)
+            return
+        self._enqueue(self._start_fetches(message, received_at))
+
+    def _enqueue(self, item: PendingJob | EngineEpoch) -> None:
+        with self._queue_changed:
+            self._queue.append(item)
+            self._queue_changed.notify_all()
+
+    def _start_fetches(self, job: MMJob, received_at: float) -> PendingJob:
+        fetches: dict[int, concurrent.futures.Future[bytes]] = {}
+        for index, image in enumerate(job.images):
+            scheme = image.url.partition(":")[0].lower()
+            if is_fetched(image.url) and scheme in self.media.allowed_schemes:
+                fetches[index] = fetch = self.fetcher.submit(image.url)
+                fetch.add_done_callback(self._fetch_done())
+                self.metrics.counters["fetches"] += 1
+        return PendingJob(job, fetches, received_at)
+
+    def _fetch_done(self) -> Callable[[concurrent.futures.Future[bytes]], None]:
+        """A done-callback (on the fetcher's thread) that records how long a fetch took and
+        wakes the loop, whose head may now be ready."""
+        started = time.monotonic()
+
+        def done(_: concurrent.futures.Future[bytes]) -> None:
+            self.metrics.observe("fetch", time.monotonic() - started)
+            with self._queue_changed:
+                self._queue_changed.notify_all()
+
+        return done
+
+    def _cancel(self, request_ids: list[str]) -> None:
+        """Take the named jobs out of the queue, unprocessed and unanswered (see the module
+        docstring); ids not queued are ignored."""
+        cancelled = set(request_ids)
+        with self._queue_changed:
+            found = [item for item in self._queue
+                     if isinstance(item, PendingJob) and item.job.request_id in cancelled]
+            for item in found:
+                self._queue.remove(item)
+            self._queue_changed.notify_all()  # the head may have changed
+        for item in found:
+            for fetch in item.fetches.values():
+                fetch.cancel()
+            self.metrics.counters["cancelled"] += 1
+            log.info("request %s cancelled by its frontend: skipped", item.job.request_id)
+
+    # ------------------------------------------------------------ the loop's sending side
 
     def _send(self, job: MMJob, request: EngineRequest) -> bool:
         """Hand the request to the engine, waiting while the engine is behind (until the drain
@@ -327,8 +377,9 @@ class MMWorker:
         self.metrics.counters["bytes_out"] += sum(len(frame) for frame in frames)
         return True
 
-    def _fail(self, job: MMJob, exc: Exception) -> None:
-        """Send the job's terminal error to its frontend; the loop serves on."""
+    def _fail(self, job: MMJob, exc: Exception, replies: FailureReplies | None = None) -> None:
+        """Send the job's terminal error to its frontend (through `replies`, the calling
+        thread's; the loop's by default); the loop serves on."""
         if isinstance(exc, MMLaneError):
             error = exc
             log.info("request %s failed (%s): %s", job.request_id, error.code, error.message)
@@ -336,11 +387,26 @@ class MMWorker:
             log.exception("request %s: internal error", job.request_id, exc_info=exc)
             error = MMLaneError(f"internal error in the MM worker: {type(exc).__name__}: {exc}")
         self.metrics.errors[error.code] += 1
+        (replies or self._failures).send(job, error)
+
+
+class FailureReplies:
+    """Sends jobs' RequestFailed replies to their frontends. Sockets and codecs are not
+    thread-safe: each thread that replies has its own."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._codec: Codec[Any] = Codec(FrontendInput)
+        self._sockets = ReplySockets(ctx)
+
+    def send(self, job: MMJob, error: MMLaneError) -> None:
         reply = RequestFailed(request_id=job.request_id, error=error.to_info())
         try:
-            self._replies.send(job.reply_to, self._reply_codec.encode(reply))
+            self._sockets.send(job.reply_to, self._codec.encode(reply))
         except zmq.ZMQError as exc:  # e.g. a reply_to that is not a valid address
             log.warning("cannot reply to %r for request %s: %s", job.reply_to, job.request_id, exc)
+
+    def close(self) -> None:
+        self._sockets.close()
 
 
 def fetch_policy(config: MMWorkerConfig) -> FetchPolicy:

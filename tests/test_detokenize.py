@@ -1,0 +1,158 @@
+"""Incremental detokenization: streamed chunks concatenate to decoding the whole output at once.
+
+The tokenizer is the embedded tiny Qwen2-VL's, a byte-level BPE: a multi-byte character (emoji,
+CJK, accents) often spans several token ids, some of which decode to an incomplete UTF-8
+sequence on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import free_port, role_log, start_role, stop_role
+from protocol.codec import Codec
+from protocol.messages import ChatOutput, ChatRequest, ClientReply, EngineOutput, EngineRequest
+from services.client import user_message
+from services.frontend.detokenize import IncrementalDetokenizer
+from services.model import Preprocessor
+
+TRICKY_TEXT = "naïve 😀 中文 👩‍👩‍👧 ok"
+"""Accents, a 4-byte emoji, CJK and a ZWJ sequence: characters that span token ids."""
+
+
+def stream(prep: Preprocessor, chunks: list[list[int]]) -> list[str]:
+    """The text each chunk adds, the last one flushed; checks on the way that the text so far
+    never runs ahead of decoding the ids so far (nothing a later id could still change)."""
+    detokenizer = IncrementalDetokenizer(prep.decode)
+    texts: list[str] = []
+    seen: list[int] = []
+    for number, chunk in enumerate(chunks, 1):
+        seen.extend(chunk)
+        texts.append(detokenizer.step(chunk, final=number == len(chunks)))
+        assert prep.decode(seen).startswith("".join(texts))
+    return texts
+
+
+def split(ids: list[int], cuts: list[int]) -> list[list[int]]:
+    bounds = [0, *sorted({cut % (len(ids) + 1) for cut in cuts}), len(ids)]
+    return [ids[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
+
+
+@st.composite
+def outputs(draw: st.DrawFn, vocab_size: int, text_ids: list[int]) -> list[list[int]]:
+    """Token ids in chunks: random ids of the whole vocabulary (special and byte tokens too),
+    mixed with runs of a tricky text's ids, cut at random places."""
+    pieces = draw(st.lists(st.one_of(
+        st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=8),
+        st.integers(0, len(text_ids) - 1).map(lambda start: text_ids[start:start + 6]),
+    ), max_size=12))
+    ids = [token for piece in pieces for token in piece]
+    return split(ids, draw(st.lists(st.integers(0, 1000), max_size=len(ids))))
+
+
+@pytest.fixture(scope="module")
+def tricky_ids(prep: Preprocessor) -> list[int]:
+    return prep.tokenize_batch([TRICKY_TEXT])[0]
+
+
+def test_random_outputs_stream_their_whole_text(prep: Preprocessor, tricky_ids: list[int]) -> None:
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(outputs(len(prep.tokenizer), tricky_ids))
+    def check(chunks: list[list[int]]) -> None:
+        ids = [token for chunk in chunks for token in chunk]
+        assert "".join(stream(prep, chunks)) == prep.decode(ids)
+
+    check()
+
+
+def test_a_character_spanning_ids_comes_once_complete(prep: Preprocessor) -> None:
+    ids = prep.tokenize_batch(["😀"])[0]
+    assert len(ids) > 1  # the emoji's four bytes are several byte tokens
+    assert stream(prep, [[token] for token in ids]) == [""] * (len(ids) - 1) + ["😀"]
+
+
+def test_special_tokens_are_skipped(prep: Preprocessor, tricky_ids: list[int]) -> None:
+    special = prep.tokenizer.all_special_ids
+    chunks = [[special[0]], tricky_ids[:3], [special[-1]], tricky_ids[3:], [special[0]]]
+    assert "".join(stream(prep, chunks)) == TRICKY_TEXT
+
+
+def test_the_final_chunk_flushes_an_incomplete_character(prep: Preprocessor) -> None:
+    ids = prep.tokenize_batch(["a😀"])[0][:-1]  # the emoji's last byte never comes
+    texts = stream(prep, [[token] for token in ids])
+    assert texts[:-1] == ["a"] + [""] * (len(ids) - 2)
+    assert texts[-1] == prep.decode(ids)[1:] == "\ufffd"
+
+
+def test_the_window_stays_short(prep: Preprocessor) -> None:
+    """The work per chunk does not grow with the output: only a window of ids is kept."""
+    detokenizer = IncrementalDetokenizer(prep.decode)
+    for token in prep.tokenize_batch([TRICKY_TEXT * 20])[0]:
+        detokenizer.step([token])
+    assert len(detokenizer._ids) < 16
+
+
+# ---------------------------------------------------------------- through a real frontend
+
+
+@pytest.fixture
+def frontend(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    """A real frontend whose engine is this test's PULL socket; yields (client, engine)."""
+    ctx: zmq.Context = zmq.Context.instance()
+    engine = ctx.socket(zmq.PULL)
+    engine.bind(f"ipc://{run_dir}/engine.sock")
+    port = free_port()
+    child = start_role("frontend", [
+        "--model", str(qwen_dir), "--engine-endpoint", f"ipc://{run_dir}/engine.sock",
+        "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock", "--port", str(port),
+        "--output-endpoint", f"ipc://{run_dir}/out.sock",
+    ], run_dir, log_dir=run_dir / "logs")
+    client = ctx.socket(zmq.DEALER)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield client, engine
+    finally:
+        client.close(linger=0)
+        engine.close(linger=0)
+        assert stop_role(child) == 0, role_log(child)
+
+
+def test_a_streamed_reply_carries_the_whole_text(
+    frontend: tuple[zmq.Socket, zmq.Socket], prep: Preprocessor, tricky_ids: list[int]
+) -> None:
+    """The engine streams one id per output, a special token among them: the client's chunks
+    concatenate to the decoded output, and none holds a replacement character."""
+    client, engine = frontend
+    codec: Codec[EngineRequest] = Codec(EngineRequest)  # encodes any message
+    client.send_multipart(codec.encode(ChatRequest(request_id="r", messages=[user_message("hi")])))
+    assert engine.poll(20_000), "nothing reached the engine"
+    request = codec.decode(engine.recv_multipart())
+    output_ids = [*tricky_ids[:4], prep.tokenizer.all_special_ids[0], *tricky_ids[4:]]
+    ctx: zmq.Context = zmq.Context.instance()
+    with ctx.socket(zmq.PUSH) as reply:
+        reply.connect(request.reply_to)
+        for number, token in enumerate(output_ids, 1):
+            done = number == len(output_ids)
+            reply.send_multipart(codec.encode(EngineOutput(
+                request_id=request.request_id, token_ids=[token], finished=done,
+                finish_reason="stop" if done else None,
+            )))
+        replies = [_reply(client) for _ in output_ids]
+    assert [r.token_ids for r in replies] == [[token] for token in output_ids]
+    assert "".join(r.text for r in replies) == prep.decode(output_ids) == TRICKY_TEXT
+    assert not any("\ufffd" in r.text for r in replies)
+    assert "" in [r.text for r in replies]  # held: the first bytes of a multi-byte character
+    assert replies[-1].finished
+
+
+def _reply(client: zmq.Socket) -> ChatOutput:
+    assert client.poll(20_000), "no reply reached the client"
+    reply: ClientReply = Codec(ClientReply).decode(client.recv_multipart())
+    assert isinstance(reply, ChatOutput), reply
+    return reply
