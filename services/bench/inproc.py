@@ -1,7 +1,9 @@
 """The in-process designs mmlane is measured against: `mmlane bench-server --mode shared|split`.
 
 One process tokenizes and preprocesses images, then hands each request to the same real
-`mmlane engine` process every mode uses, as vLLM's API server hands requests to its engine core:
+`mmlane engine` process every mode uses, as vLLM's API server hands requests to its engine core.
+The work is mmlane's own code (the frontend's `check_request` and `prompt_token_ids`, the MM
+worker's `JobRenderer`, its feature cache off): only where it runs differs between the designs:
 
     shared  one ThreadPoolExecutor (`pool_size` threads) runs each request's whole preprocessing:
             chat template and tokenization, then, for an image request, loading, decoding and
@@ -42,21 +44,29 @@ from protocol.errors import MMLaneError, RequestError
 from protocol.messages import (
     ChatError,
     ChatOutput,
+    ChatRequest,
     ClientRequest,
     EngineOutput,
     EngineRequest,
     FrontendInput,
+    MMJob,
     RequestFailed,
-    SamplingParams,
 )
-from services.bench.render import engine_request, template_messages
+from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
-from services.mm_worker.media import MediaPolicy, configure_pillow, decode_image, load_image_bytes
-from services.model import load_preprocessor, resolve_model_dir
+from services.frontend.requests import check_request, prompt_token_ids
+from services.mm_worker.cache import ImageHasher, SenderCache
+from services.mm_worker.jobs import JobRenderer
+from services.mm_worker.media import MediaPolicy, configure_pillow
+from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+MAX_IMAGES = next(
+    f.default for f in msgspec.structs.fields(FrontendConfig) if f.name == "max_images_per_request"
+)
+"""mmlane's frontend's default limit: every design refuses the same requests."""
 
 
 class InProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -113,6 +123,32 @@ class Done(msgspec.Struct, tag="ok", frozen=True):
 ControlReply = ProbeWaits | Handoffs | Done
 
 
+# ---------------------------------------------------------------- mmlane's work, in process
+
+
+def routed_message(
+    pre: Preprocessor, request: ChatRequest, request_id: str, reply_to: str
+) -> EngineRequest | MMJob:
+    """What mmlane's frontend makes of a chat request: a text request for the engine, or a job
+    for the MM lane (raises RequestError as the frontend refuses it)."""
+    checked = check_request(request, max_images=MAX_IMAGES)
+    token_ids = prompt_token_ids(pre, checked)
+    if not checked.images:
+        return EngineRequest(request_id=request_id, reply_to=reply_to,
+                             prompt_token_ids=token_ids, sampling=checked.sampling)
+    return MMJob(request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
+                 images=checked.images, sampling=checked.sampling)
+
+
+def job_renderer(pre: Preprocessor, max_image_pixels: int) -> JobRenderer:
+    """The MM worker's renderer with its feature cache off (the bench's images are all new
+    bytes, so no cache could hit), for inline data URIs."""
+    media = MediaPolicy(allowed_media_dir=None, max_image_bytes=64 * 1024 * 1024,
+                        max_image_pixels=max_image_pixels)
+    hasher = ImageHasher("blake3", pre.model_id, {})  # unused: a cache that is off hashes nothing
+    return JobRenderer(pre, media, SenderCache("bench", capacity=0), hasher)
+
+
 # ---------------------------------------------------------------- the server
 
 
@@ -140,10 +176,7 @@ class InProcessServer:
         self.config = config
         self.endpoint = config.client_endpoint
         self._pre = load_preprocessor(resolve_model_dir(config.model))
-        self._media = MediaPolicy(
-            allowed_media_dir=None, max_image_bytes=64 * 1024 * 1024,
-            max_image_pixels=config.max_image_pixels,
-        )
+        self._renderers = threading.local()  # a JobRenderer is made for one thread
         configure_pillow(config.max_image_pixels)
         self._inflight: dict[str, _Pending] = {}
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
@@ -211,51 +244,29 @@ class InProcessServer:
             except RequestError as exc:
                 self._reply(client, ChatError(request_id="", error=exc.to_info()))
                 continue
-            sampling = SamplingParams(
-                max_tokens=request.max_tokens, temperature=request.temperature,
-                top_p=request.top_p, seed=request.seed,
-            )
             self._inflight[request.request_id] = _Pending(client, request.request_id)
-            messages, urls = template_messages(request.messages)
-            self._tokenizer_pool.submit(
-                self._guard(self._tokenize), request.request_id, messages, urls, sampling
-            )
+            self._tokenizer_pool.submit(self._guard(self._tokenize), request.request_id, request)
 
     # ------------------------------------------------------------ the executors' work
 
-    def _tokenize(
-        self, request_id: str, messages: list[dict], urls: list[str], sampling: SamplingParams
-    ) -> None:
-        """On the tokenizer executor: chat template and tokens; then the images' turn."""
-        token_ids = self._pre.tokenize_batch([self._pre.render_prompt(messages)])[0]
-        if token_ids.count(self._pre.image_token_id) != len(urls):
-            raise RequestError(
-                f"messages: text contains the reserved image token "
-                f"{self._pre.family.image_token!r}"
-            )
-        if not urls:
-            self._hand_back(_Finished(request_id, engine_request(
-                self._pre, request_id, self.config.output_endpoint, token_ids, [], sampling,
-            )))
+    def _tokenize(self, request_id: str, request: ChatRequest) -> None:
+        """On the tokenizer executor: the frontend's work; then the images' turn."""
+        message = routed_message(self._pre, request, request_id, self.config.output_endpoint)
+        if isinstance(message, EngineRequest):
+            self._hand_back(_Finished(request_id, message))
         elif self.config.mode == "shared":  # the whole request is one task of the shared pool
-            self._process_images(request_id, token_ids, urls, sampling)
+            self._render_job(request_id, message)
         else:
-            self._mm_pool.submit(
-                self._guard(self._process_images), request_id, token_ids, urls, sampling
-            )
+            self._mm_pool.submit(self._guard(self._render_job), request_id, message)
 
-    def _process_images(
-        self, request_id: str, token_ids: list[int], urls: list[str], sampling: SamplingParams
-    ) -> None:
-        """On the MM executor (split) or the shared pool: what mmlane's MM worker does."""
-        items = []
-        for index, url in enumerate(urls):
-            data = load_image_bytes(url, index, self._media)
-            image = decode_image(data, index, self.config.max_image_pixels)
-            items.append(self._pre.process_image(image))
-        self._hand_back(_Finished(request_id, engine_request(
-            self._pre, request_id, self.config.output_endpoint, token_ids, items, sampling,
-        )))
+    def _render_job(self, request_id: str, job: MMJob) -> None:
+        """On the MM executor (split) or the shared pool: the MM worker's work."""
+        renderer = getattr(self._renderers, "renderer", None)
+        if renderer is None:
+            renderer = self._renderers.renderer = job_renderer(
+                self._pre, self.config.max_image_pixels
+            )
+        self._hand_back(_Finished(request_id, renderer.render(job)))
 
     def _guard(self, work: Callable[..., None]) -> Callable[..., None]:
         """Run `work` on an executor thread; its exception becomes the request's error."""
