@@ -24,7 +24,6 @@ import zmq
 from msgspec.structs import replace
 
 from conftest import start_role, stop_role
-from media import make_image
 from protocol.codec import Codec
 from protocol.messages import (
     EngineOutput,
@@ -35,6 +34,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
+from services.bench.images import make_image
 from services.engine.hf_runner import MAX_BATCH, HFRunner
 from services.engine.validation import validate_request
 from services.launcher import Child

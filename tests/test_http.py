@@ -27,7 +27,6 @@ import zmq
 
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
-from media import make_image, png_uri
 from protocol.codec import Codec
 from protocol.messages import (
     AbortRequests,
@@ -36,6 +35,7 @@ from protocol.messages import (
     EngineRequest,
     FrontendInput,
 )
+from services.bench.images import make_image, png_uri
 from services.launcher import Child
 
 FETCH_TIMEOUT_S = 3.0

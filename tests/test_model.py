@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from media import noise_image
+from services.bench.images import noise_image
 from services.model import (
     ImageError,
     ModelDirError,
