@@ -27,8 +27,6 @@ and hands over the handoff times. It is test-harness wiring, not part of mmlane'
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +50,7 @@ from protocol.messages import (
     MMJob,
     RequestFailed,
 )
+from services.bench.loop import Mailbox, received
 from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
 from services.frontend.requests import check_request, prompt_token_ids
@@ -160,13 +159,9 @@ class _Pending:
     text: str = ""
 
 
-@dataclass(frozen=True)
-class _Finished:
-    """What an executor hands back: the request for the engine, or the error that stopped it."""
-
-    request_id: str
-    request: EngineRequest | None = None
-    error: MMLaneError | None = None
+_Finished = tuple[str, EngineRequest | MMLaneError]
+"""What an executor hands back: a request id and its request for the engine, or the error that
+stopped it."""
 
 
 class InProcessServer:
@@ -179,9 +174,7 @@ class InProcessServer:
         self._renderers = threading.local()  # a JobRenderer is made for one thread
         configure_pillow(config.max_image_pixels)
         self._inflight: dict[str, _Pending] = {}
-        self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
+        self._finished: Mailbox[_Finished] = Mailbox()
         self._handoffs: dict[str, float] = {}
         self._probe: _ExecutorProbe | None = None
         self._tokenizer_pool, self._mm_pool = self._executors(config)
@@ -209,12 +202,12 @@ class InProcessServer:
         poller = zmq.Poller()
         for sock in (self._client, self._output, self._control):
             poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        poller.register(self._finished.fd, zmq.POLLIN)
         while not stop.is_set():
             ready = dict(poller.poll(POLL_MS))
             if self._client in ready:
                 self._read_clients()  # 1
-            if self._wake_read in ready:
+            if self._finished.fd in ready:
                 self._send_finished()  # 2
             if self._output in ready:
                 self._read_outputs()  # 3
@@ -227,17 +220,12 @@ class InProcessServer:
         self._tokenizer_pool.shutdown(wait=True, cancel_futures=True)
         self._mm_pool.shutdown(wait=True, cancel_futures=True)
         self._ctx.destroy(linger=0)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._finished.close()
 
     # ------------------------------------------------------------ 1. client requests
 
     def _read_clients(self) -> None:
-        while True:
-            try:
-                frames = self._client.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in received(self._client):
             client = frames[0].bytes
             try:
                 request = self._client_codec.decode(frames[1:])
@@ -253,7 +241,7 @@ class InProcessServer:
         """On the tokenizer executor: the frontend's work; then the images' turn."""
         message = routed_message(self._pre, request, request_id, self.config.output_endpoint)
         if isinstance(message, EngineRequest):
-            self._hand_back(_Finished(request_id, message))
+            self._finished.put((request_id, message))
         elif self.config.mode == "shared":  # the whole request is one task of the shared pool
             self._render_job(request_id, message)
         else:
@@ -266,7 +254,7 @@ class InProcessServer:
             renderer = self._renderers.renderer = job_renderer(
                 self._pre, self.config.max_image_pixels
             )
-        self._hand_back(_Finished(request_id, renderer.render(job)))
+        self._finished.put((request_id, renderer.render(job)))
 
     def _guard(self, work: Callable[..., None]) -> Callable[..., None]:
         """Run `work` on an executor thread; its exception becomes the request's error."""
@@ -275,41 +263,26 @@ class InProcessServer:
             try:
                 work(request_id, *args)
             except MMLaneError as exc:
-                self._hand_back(_Finished(request_id, error=exc))
+                self._finished.put((request_id, exc))
             except Exception as exc:  # template, tokenizer or image processor: the request's
-                self._hand_back(_Finished(request_id, error=RequestError(f"{exc}")))
+                self._finished.put((request_id, RequestError(f"{exc}")))
 
         return run
-
-    def _hand_back(self, finished: _Finished) -> None:
-        self._finished.put(finished)
-        os.write(self._wake_write, b"\0")
 
     # ------------------------------------------------------------ 2. to the engine
 
     def _send_finished(self) -> None:
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while not self._finished.empty():
-            finished = self._finished.get_nowait()
-            if finished.error is not None:
-                self._fail(finished.request_id, finished.error.to_info())
+        for request_id, result in self._finished.take_all():
+            if isinstance(result, MMLaneError):
+                self._fail(request_id, result.to_info())
                 continue
-            assert finished.request is not None
-            self._engine.send_multipart(self._engine_codec.encode(finished.request), copy=False)
-            self._handoffs[finished.request_id] = time.monotonic()
+            self._engine.send_multipart(self._engine_codec.encode(result), copy=False)
+            self._handoffs[request_id] = time.monotonic()
 
     # ------------------------------------------------------------ 3. replies
 
     def _read_outputs(self) -> None:
-        while True:
-            try:
-                frames = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in received(self._output):
             message = self._engine_codec.decode(frames)
             if isinstance(message, RequestFailed):
                 self._fail(message.request_id, message.error)
