@@ -18,19 +18,16 @@ from __future__ import annotations
 import argparse
 import base64
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_common import BIG, LoneMMWorker, big_jpeg
 
-from bench_common import BIG, LoneMMWorker, big_jpeg  # noqa: E402
-
-from media import data_uri  # noqa: E402
-from services.mm_worker.cache import ImageHasher  # noqa: E402
-from services.model import resolve_model_dir  # noqa: E402
+from services.bench.images import data_uri
+from services.mm_worker.cache import ImageHasher
+from services.model import resolve_model_dir
 
 ENGINE_EPOCH = 1  # what the jobs of a frontend carry once the engine has replied
 RUNS = [  # name, --mm-cache-gb, the image's uuid

@@ -7,7 +7,6 @@ and `start_roles`), so a benchmark measures the command a user runs.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 import uuid
@@ -15,13 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zmq
 
-import zmq  # noqa: E402
-
-from media import data_uri, encode, make_image  # noqa: E402
-from protocol.codec import Codec  # noqa: E402
-from protocol.messages import (  # noqa: E402
+from protocol.codec import Codec
+from protocol.messages import (
     ChatMessage,
     EngineInput,
     ImagePart,
@@ -30,12 +26,13 @@ from protocol.messages import (  # noqa: E402
     SamplingParams,
     TextPart,
 )
-from services.bench.stats import percentile  # noqa: E402
-from services.cli import build_parser  # noqa: E402
-from services.client import Client, user_message  # noqa: E402
-from services.common.sockets import free_tcp_port  # noqa: E402
-from services.launcher import child_argv, start_roles, stop_all  # noqa: E402
-from services.model import load_preprocessor, resolve_model_dir  # noqa: E402
+from services.bench.images import data_uri, encode, make_image
+from services.bench.stats import percentile
+from services.cli import build_parser
+from services.client import Client, user_message
+from services.common.sockets import free_tcp_port
+from services.launcher import child_argv, start_roles, stop_all
+from services.model import load_preprocessor, resolve_model_dir
 
 BIG = (4032, 3024)
 

@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from protocol.messages import EngineRequest, SamplingParams  # noqa: E402
-from services.common.stats import Metrics  # noqa: E402
-from services.engine.hf.runner import HFRunner  # noqa: E402
-from services.model import Preprocessor, load_preprocessor, resolve_model_dir  # noqa: E402
+from protocol.messages import EngineRequest, SamplingParams
+from services.common.stats import Metrics
+from services.engine.hf.runner import HFRunner
+from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 
 
 def text_requests(prep: Preprocessor, count: int, max_tokens: int) -> list[EngineRequest]:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from bench_common import (  # noqa: E402
+from bench_common import (
     BIG,
     ImageLoad,
     LoneMMWorker,
@@ -32,9 +29,9 @@ from bench_common import (  # noqa: E402
     text_latencies,
 )
 
-from media import data_uri  # noqa: E402
-from services.mm_worker.media import decode_image  # noqa: E402
-from services.model import resolve_model_dir  # noqa: E402
+from services.bench.images import data_uri
+from services.bench.inproc import job_renderer
+from services.model import resolve_model_dir
 
 
 def bench_serve(args: argparse.Namespace, run_dir: Path, url: str) -> None:
@@ -65,9 +62,10 @@ def bench_mm_worker(args: argparse.Namespace, model_dir: Path, run_dir: Path, jp
         worker = args.images / (time.perf_counter() - start)
         pre = lone.preprocessor
 
+    renderer = job_renderer(pre, 64_000_000)
     start = time.perf_counter()
-    for _ in range(args.images):  # the same decode and processing calls the worker makes
-        pre.process_image(decode_image(jpeg, 0, 64_000_000))
+    for _ in range(args.images):  # the worker's own decode and processing
+        renderer.process_image(0, jpeg)
     in_process = args.images / (time.perf_counter() - start)
     print(f"MM worker, {BIG[0]}x{BIG[1]} JPEG           {worker:8.2f} images/s"
           f"   ({frame_bytes / 1e6:.1f} MB per request to the engine)")

@@ -3,7 +3,8 @@
 One real run of every mode (real processes, the tiny model, images of a few dozen pixels) checks
 that each mode reports each figure, that the JSON file decodes as the documented schema, and that
 the chart is written. The pieces with logic of their own (unique image bytes, Poisson arrivals,
-settings) are checked directly.
+settings) are checked directly, and each in-process design refuses bad requests as mmlane does
+(it runs mmlane's own request checks and MM worker code).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import base64
 import io
 import json
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -19,13 +22,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from protocol.errors import FatalError
+from protocol.errors import FatalError, RequestError
 from services.bench.config import BenchConfig, ImageSpec, load_bench_config
-from services.bench.images import ImageSource, make_image
+from services.bench.images import ImageSource, jpeg_uri, make_image
+from services.bench.inproc import MAX_IMAGES, InProcessConfig, InProcessServer
 from services.bench.results import BenchResult, Latency, ModeResult
 from services.bench.stats import cpu_seconds, percentile
 from services.bench.workload import poisson_arrivals
 from services.cli import main
+from services.client import Client, user_message
 
 pytest.importorskip("matplotlib", reason="the bench extra is not installed")
 pytest.importorskip("tqdm", reason="the bench extra is not installed")
@@ -199,3 +204,36 @@ def test_without_the_extra_it_fails_first_with_a_hint(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert main(["bench", "--modes", "split"]) == 1
     assert "pip install -e '.[bench]'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module", params=["shared", "split"])
+def inproc_server(request: pytest.FixtureRequest, module_run_dir: Path) -> Iterator[str]:
+    """A `bench-server` of each design on ipc sockets; no engine: these requests never reach it."""
+    run = module_run_dir / request.param
+    run.mkdir()
+    config = InProcessConfig(
+        mode=request.param, client_endpoint=f"ipc://{run}/client", engine_endpoint=f"ipc://{run}/engine",
+        output_endpoint=f"ipc://{run}/output", control_endpoint=f"ipc://{run}/control",
+    )
+    server, stop = InProcessServer(config), threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), name="bench-server")
+    thread.start()
+    yield config.client_endpoint
+    stop.set()
+    thread.join()
+    server.close()
+
+
+@pytest.mark.parametrize(("images", "text", "code", "match"), [
+    ([jpeg_uri(8, 8)] * (MAX_IMAGES + 1), "x", "too_many_images", "too many images"),
+    ([], "<|image_pad|>", "invalid_request", "reserved image token"),
+    (["data:image/png;base64,AAAA"], "x", "invalid_image", "image 0"),
+    (["file:///etc/hostname"], "x", "media_not_allowed", "image 0"),
+], ids=["too-many-images", "forged-placeholder", "undecodable-image", "file-url"])
+def test_inproc_designs_refuse_as_mmlane_does(
+    inproc_server: str, images: list[str], text: str, code: str, match: str
+) -> None:
+    with Client(inproc_server, timeout_s=30) as client:
+        with pytest.raises(RequestError, match=match) as exc:
+            client.chat([user_message(text, images)], max_tokens=1)
+    assert exc.value.code == code

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port, role_log, start_role
-from media import jpeg_uri, noise_image, png_uri
 from protocol.errors import RetryableError
+from services.bench.images import jpeg_uri, noise_image, png_uri
 from services.client import ChatResult, Client, user_message
 from services.launcher import Child, start_roles, stop_all
 

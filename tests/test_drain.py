@@ -27,7 +27,6 @@ import pytest
 import zmq
 
 from conftest import free_port, role_log, start_role
-from media import jpeg_uri
 from protocol.codec import Codec
 from protocol.messages import (
     AbortRequests,
@@ -47,6 +46,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
+from services.bench.images import jpeg_uri
 from services.client import user_message
 from services.launcher import Child, start_roles, stop_all
 from services.model import Preprocessor

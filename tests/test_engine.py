@@ -24,7 +24,6 @@ import zmq
 from msgspec.structs import replace
 
 from conftest import as_processor_output, start_role, stop_role
-from media import make_image
 from protocol.codec import Codec
 from protocol.messages import (
     EngineOutput,
@@ -35,6 +34,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
+from services.bench.images import make_image
 from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
 from services.engine.validation import validate_request

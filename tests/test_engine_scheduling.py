@@ -31,7 +31,6 @@ from test_engine import (
 from transformers import DynamicCache
 
 from conftest import free_port, start_role, stop_role
-from media import encode, make_image
 from protocol.codec import Codec
 from protocol.errors import FatalError
 from protocol.messages import (
@@ -43,6 +42,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
+from services.bench.images import encode, make_image
 from services.cli import build_parser, engine_config
 from services.client import Client, user_message
 from services.common.config import load_config

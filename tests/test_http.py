@@ -30,7 +30,6 @@ import zmq
 
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
-from media import make_image, png_uri
 from protocol.codec import Codec
 from protocol.errors import ErrorInfo
 from protocol.messages import (
@@ -41,6 +40,7 @@ from protocol.messages import (
     FrontendInput,
     RequestFailed,
 )
+from services.bench.images import make_image, png_uri
 from services.launcher import Child
 
 FETCH_TIMEOUT_S = 3.0

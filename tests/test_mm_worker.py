@@ -31,7 +31,6 @@ from PIL import Image, ImageOps
 
 from conftest import role_log, start_role, stop_role
 from image_server import PNG, ImageServer
-from media import data_uri, encode, noise_image, png_uri
 from protocol.codec import Codec
 from protocol.errors import RequestError
 from protocol.messages import (
@@ -45,6 +44,7 @@ from protocol.messages import (
     SamplingParams,
     Stats,
 )
+from services.bench.images import data_uri, encode, noise_image, png_uri
 from services.launcher import Child
 from services.mm_worker.media import MediaPolicy, decode_image, load_image_bytes, to_rgb
 from services.mm_worker.render import placeholder_offsets

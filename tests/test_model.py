@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import as_processor_output
-from media import noise_image
+from services.bench.images import noise_image
 from services.model import (
     ImageError,
     ModelDirError,

@@ -22,11 +22,10 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, role_log, start_role
-from media import jpeg_uri
 from protocol.errors import FatalError
 from protocol.messages import HistogramSnapshot, Stats
 from services.bench.config import ImageSpec
-from services.bench.images import ImageSource
+from services.bench.images import ImageSource, jpeg_uri
 from services.cli import build_parser, main
 from services.client import Client, user_message
 from services.common.config import ipc

@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 from conftest import as_processor_output, free_port, start_role
-from media import jpeg_uri, make_image, png_uri
 from protocol.codec import Codec
 from protocol.messages import EngineInput, EngineRequest
+from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.launcher import stop_all
 from services.model import PixelNorm

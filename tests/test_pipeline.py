@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, free_port
-from media import data_uri, encode, jpeg_uri, make_image
 from protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
+from services.bench.images import data_uri, encode, jpeg_uri, make_image
 from services.client import Client, user_message
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import as_processor_output
-from media import make_image, noise_image
+from services.bench.images import make_image, noise_image
 from services.model import FAMILIES, PixelNorm, normalize
 from services.model.families import _processor_uint8
 

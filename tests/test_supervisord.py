@@ -25,9 +25,9 @@ import pytest
 import yaml
 
 from conftest import REPO
-from media import jpeg_uri
 from protocol.errors import RetryableError
 from protocol.messages import ChatMessage
+from services.bench.images import jpeg_uri
 from services.cli import build_parser
 from services.client import ChatResult, Client, user_message
 

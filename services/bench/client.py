@@ -2,8 +2,8 @@
 
 `services.client.Client` waits for whole replies; the bench needs every request's submit, first
 output and last reply times, with requests submitted from several threads at chosen moments. So
-one I/O thread owns one DEALER socket: `submit()` queues pre-encoded frames and wakes it through
-a pipe, it stamps `submitted` right before the send, and stamps `first_output` and `finished` as
+one I/O thread owns one DEALER socket: `submit()` puts pre-encoded frames in its `Mailbox`, it
+stamps `submitted` right before the send, and stamps `first_output` and `finished` as
 the replies arrive. Times are `time.monotonic()`, the clock the in-process server's handoff times
 use too (CLOCK_MONOTONIC on Linux: one clock for every process).
 """
@@ -11,8 +11,6 @@ use too (CLOCK_MONOTONIC on Linux: one clock for every process).
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 import uuid
@@ -24,6 +22,7 @@ import zmq
 
 from protocol.codec import Codec
 from protocol.messages import ChatError, ChatMessage, ChatRequest, ClientReply
+from services.bench.loop import Mailbox, received
 from services.common.sockets import make_socket
 
 log = logging.getLogger(__name__)
@@ -66,10 +65,8 @@ class BenchClient:
         self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER, endpoint, bind=False, linger_ms=0)
         self._codec: Codec[Any] = Codec(ClientReply)
-        self._outbox: queue.SimpleQueue[tuple[list[Any], Record]] = queue.SimpleQueue()
+        self._outbox: Mailbox[tuple[list[Any], Record]] = Mailbox()
         self._pending: dict[str, Record] = {}
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-client-io", daemon=True)
         self._thread.start()
@@ -77,15 +74,13 @@ class BenchClient:
     def submit(self, record: Record, frames: list[Any]) -> Record:
         """Send now (from any thread); `record.done` is set when its terminal reply arrives."""
         self._outbox.put((frames, record))
-        os.write(self._wake_write, b"\0")
         return record
 
     def close(self) -> None:
         self._closing.set()
         self._thread.join()
         self._ctx.destroy(linger=0)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._outbox.close()
 
     def __enter__(self) -> BenchClient:
         return self
@@ -98,32 +93,22 @@ class BenchClient:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        poller.register(self._outbox.fd, zmq.POLLIN)
         while not self._closing.is_set():
             ready = dict(poller.poll(POLL_MS))
-            if self._wake_read in ready:
+            if self._outbox.fd in ready:
                 self._send_queued()
             if self._sock in ready:
                 self._receive()
 
     def _send_queued(self) -> None:
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while not self._outbox.empty():
-            frames, record = self._outbox.get_nowait()
+        for frames, record in self._outbox.take_all():
             self._pending[record.request_id] = record
             record.submitted = time.monotonic()
             self._sock.send_multipart(frames, copy=False)
 
     def _receive(self) -> None:
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in received(self._sock):
             now = time.monotonic()
             reply = self._codec.decode(frames)
             record = self._pending.get(reply.request_id)

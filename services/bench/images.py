@@ -1,5 +1,5 @@
 """The bench's images: deterministic generated JPEGs and real files, as data URIs that are new
-bytes every time they are sent.
+bytes every time they are sent; and the image makers the benchmark scripts and tests share.
 
 Every image request must cost the server a full decode and preprocessing, in every mode: a
 feature cache keyed by the image's bytes (mmlane's, or any server's) must not turn a benchmark of
@@ -48,12 +48,36 @@ def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(pixels, "RGB")
 
 
+def noise_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """Uniform random pixels in every band, alpha included: for exact parity and compositing."""
+    bands = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2}[mode]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, bands), np.uint8)
+    return Image.fromarray(pixels.squeeze(-1) if bands == 1 else pixels)
+
+
+def encode(image: Image.Image, fmt: str = "JPEG", **save_args: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save_args)
+    return buffer.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/jpeg") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def jpeg_uri(width: int, height: int, seed: int = 0) -> str:
+    return data_uri(encode(make_image(width, height, seed)))
+
+
+def png_uri(image: Image.Image) -> str:
+    """A lossless data URI: the receiver decodes exactly these pixels."""
+    return data_uri(encode(image, "PNG"), "image/png")
+
+
 @lru_cache(maxsize=32)
 def generated_jpeg(spec: ImageSpec, seed: int = 0) -> bytes:
     """The encoded JPEG of a generated image (made once per size and seed per process)."""
-    buffer = io.BytesIO()
-    make_image(spec.width, spec.height, seed).save(buffer, format="JPEG", quality=JPEG_QUALITY)
-    return buffer.getvalue()
+    return encode(make_image(spec.width, spec.height, seed), quality=JPEG_QUALITY)
 
 
 class ImageSource:

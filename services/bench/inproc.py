@@ -1,7 +1,9 @@
 """The in-process designs mmlane is measured against: `mmlane bench-server --mode shared|split`.
 
 One process tokenizes and preprocesses images, then hands each request to the same real
-`mmlane engine` process every mode uses, as vLLM's API server hands requests to its engine core:
+`mmlane engine` process every mode uses, as vLLM's API server hands requests to its engine core.
+The work is mmlane's own code (the frontend's `check_request` and `prompt_token_ids`, the MM
+worker's `JobRenderer`, its feature cache off): only where it runs differs between the designs:
 
     shared  one ThreadPoolExecutor (`pool_size` threads) runs each request's whole preprocessing:
             chat template and tokenization, then, for an image request, loading, decoding and
@@ -25,8 +27,6 @@ and hands over the handoff times. It is test-harness wiring, not part of mmlane'
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -42,21 +42,30 @@ from protocol.errors import MMLaneError, RequestError
 from protocol.messages import (
     ChatError,
     ChatOutput,
+    ChatRequest,
     ClientRequest,
     EngineOutput,
     EngineRequest,
     FrontendInput,
+    MMJob,
     RequestFailed,
-    SamplingParams,
 )
-from services.bench.render import engine_request, template_messages
+from services.bench.loop import Mailbox, received
+from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
-from services.mm_worker.media import MediaPolicy, configure_pillow, decode_image, load_image_bytes
-from services.model import load_preprocessor, resolve_model_dir
+from services.frontend.requests import check_request, prompt_token_ids
+from services.mm_worker.cache import ImageHasher, SenderCache
+from services.mm_worker.jobs import JobRenderer
+from services.mm_worker.media import MediaPolicy, configure_pillow
+from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+MAX_IMAGES = next(
+    f.default for f in msgspec.structs.fields(FrontendConfig) if f.name == "max_images_per_request"
+)
+"""mmlane's frontend's default limit: every design refuses the same requests."""
 
 
 class InProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -113,6 +122,32 @@ class Done(msgspec.Struct, tag="ok", frozen=True):
 ControlReply = ProbeWaits | Handoffs | Done
 
 
+# ---------------------------------------------------------------- mmlane's work, in process
+
+
+def routed_message(
+    pre: Preprocessor, request: ChatRequest, request_id: str, reply_to: str
+) -> EngineRequest | MMJob:
+    """What mmlane's frontend makes of a chat request: a text request for the engine, or a job
+    for the MM lane (raises RequestError as the frontend refuses it)."""
+    checked = check_request(request, max_images=MAX_IMAGES)
+    token_ids = prompt_token_ids(pre, checked)
+    if not checked.images:
+        return EngineRequest(request_id=request_id, reply_to=reply_to,
+                             prompt_token_ids=token_ids, sampling=checked.sampling)
+    return MMJob(request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
+                 images=checked.images, sampling=checked.sampling)
+
+
+def job_renderer(pre: Preprocessor, max_image_pixels: int) -> JobRenderer:
+    """The MM worker's renderer with its feature cache off (the bench's images are all new
+    bytes, so no cache could hit), for inline data URIs."""
+    media = MediaPolicy(allowed_media_dir=None, max_image_bytes=64 * 1024 * 1024,
+                        max_image_pixels=max_image_pixels)
+    hasher = ImageHasher("blake3", pre.model_id, {})  # unused: a cache that is off hashes nothing
+    return JobRenderer(pre, media, SenderCache("bench", capacity=0), hasher)
+
+
 # ---------------------------------------------------------------- the server
 
 
@@ -124,13 +159,9 @@ class _Pending:
     text: str = ""
 
 
-@dataclass(frozen=True)
-class _Finished:
-    """What an executor hands back: the request for the engine, or the error that stopped it."""
-
-    request_id: str
-    request: EngineRequest | None = None
-    error: MMLaneError | None = None
+_Finished = tuple[str, EngineRequest | MMLaneError]
+"""What an executor hands back: a request id and its request for the engine, or the error that
+stopped it."""
 
 
 class InProcessServer:
@@ -140,15 +171,10 @@ class InProcessServer:
         self.config = config
         self.endpoint = config.client_endpoint
         self._pre = load_preprocessor(resolve_model_dir(config.model))
-        self._media = MediaPolicy(
-            allowed_media_dir=None, max_image_bytes=64 * 1024 * 1024,
-            max_image_pixels=config.max_image_pixels,
-        )
+        self._renderers = threading.local()  # a JobRenderer is made for one thread
         configure_pillow(config.max_image_pixels)
         self._inflight: dict[str, _Pending] = {}
-        self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
+        self._finished: Mailbox[_Finished] = Mailbox()
         self._handoffs: dict[str, float] = {}
         self._probe: _ExecutorProbe | None = None
         self._tokenizer_pool, self._mm_pool = self._executors(config)
@@ -176,12 +202,12 @@ class InProcessServer:
         poller = zmq.Poller()
         for sock in (self._client, self._output, self._control):
             poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        poller.register(self._finished.fd, zmq.POLLIN)
         while not stop.is_set():
             ready = dict(poller.poll(POLL_MS))
             if self._client in ready:
                 self._read_clients()  # 1
-            if self._wake_read in ready:
+            if self._finished.fd in ready:
                 self._send_finished()  # 2
             if self._output in ready:
                 self._read_outputs()  # 3
@@ -194,68 +220,41 @@ class InProcessServer:
         self._tokenizer_pool.shutdown(wait=True, cancel_futures=True)
         self._mm_pool.shutdown(wait=True, cancel_futures=True)
         self._ctx.destroy(linger=0)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._finished.close()
 
     # ------------------------------------------------------------ 1. client requests
 
     def _read_clients(self) -> None:
-        while True:
-            try:
-                frames = self._client.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in received(self._client):
             client = frames[0].bytes
             try:
                 request = self._client_codec.decode(frames[1:])
             except RequestError as exc:
                 self._reply(client, ChatError(request_id="", error=exc.to_info()))
                 continue
-            sampling = SamplingParams(
-                max_tokens=request.max_tokens, temperature=request.temperature,
-                top_p=request.top_p, seed=request.seed,
-            )
             self._inflight[request.request_id] = _Pending(client, request.request_id)
-            messages, urls = template_messages(request.messages)
-            self._tokenizer_pool.submit(
-                self._guard(self._tokenize), request.request_id, messages, urls, sampling
-            )
+            self._tokenizer_pool.submit(self._guard(self._tokenize), request.request_id, request)
 
     # ------------------------------------------------------------ the executors' work
 
-    def _tokenize(
-        self, request_id: str, messages: list[dict], urls: list[str], sampling: SamplingParams
-    ) -> None:
-        """On the tokenizer executor: chat template and tokens; then the images' turn."""
-        token_ids = self._pre.tokenize_batch([self._pre.render_prompt(messages)])[0]
-        if token_ids.count(self._pre.image_token_id) != len(urls):
-            raise RequestError(
-                f"messages: text contains the reserved image token "
-                f"{self._pre.family.image_token!r}"
-            )
-        if not urls:
-            self._hand_back(_Finished(request_id, engine_request(
-                self._pre, request_id, self.config.output_endpoint, token_ids, [], sampling,
-            )))
+    def _tokenize(self, request_id: str, request: ChatRequest) -> None:
+        """On the tokenizer executor: the frontend's work; then the images' turn."""
+        message = routed_message(self._pre, request, request_id, self.config.output_endpoint)
+        if isinstance(message, EngineRequest):
+            self._finished.put((request_id, message))
         elif self.config.mode == "shared":  # the whole request is one task of the shared pool
-            self._process_images(request_id, token_ids, urls, sampling)
+            self._render_job(request_id, message)
         else:
-            self._mm_pool.submit(
-                self._guard(self._process_images), request_id, token_ids, urls, sampling
-            )
+            self._mm_pool.submit(self._guard(self._render_job), request_id, message)
 
-    def _process_images(
-        self, request_id: str, token_ids: list[int], urls: list[str], sampling: SamplingParams
-    ) -> None:
-        """On the MM executor (split) or the shared pool: what mmlane's MM worker does."""
-        items = []
-        for index, url in enumerate(urls):
-            data = load_image_bytes(url, index, self._media)
-            image = decode_image(data, index, self.config.max_image_pixels)
-            items.append(self._pre.process_image(image))
-        self._hand_back(_Finished(request_id, engine_request(
-            self._pre, request_id, self.config.output_endpoint, token_ids, items, sampling,
-        )))
+    def _render_job(self, request_id: str, job: MMJob) -> None:
+        """On the MM executor (split) or the shared pool: the MM worker's work."""
+        renderer = getattr(self._renderers, "renderer", None)
+        if renderer is None:
+            renderer = self._renderers.renderer = job_renderer(
+                self._pre, self.config.max_image_pixels
+            )
+        self._finished.put((request_id, renderer.render(job)))
 
     def _guard(self, work: Callable[..., None]) -> Callable[..., None]:
         """Run `work` on an executor thread; its exception becomes the request's error."""
@@ -264,41 +263,26 @@ class InProcessServer:
             try:
                 work(request_id, *args)
             except MMLaneError as exc:
-                self._hand_back(_Finished(request_id, error=exc))
+                self._finished.put((request_id, exc))
             except Exception as exc:  # template, tokenizer or image processor: the request's
-                self._hand_back(_Finished(request_id, error=RequestError(f"{exc}")))
+                self._finished.put((request_id, RequestError(f"{exc}")))
 
         return run
-
-    def _hand_back(self, finished: _Finished) -> None:
-        self._finished.put(finished)
-        os.write(self._wake_write, b"\0")
 
     # ------------------------------------------------------------ 2. to the engine
 
     def _send_finished(self) -> None:
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while not self._finished.empty():
-            finished = self._finished.get_nowait()
-            if finished.error is not None:
-                self._fail(finished.request_id, finished.error.to_info())
+        for request_id, result in self._finished.take_all():
+            if isinstance(result, MMLaneError):
+                self._fail(request_id, result.to_info())
                 continue
-            assert finished.request is not None
-            self._engine.send_multipart(self._engine_codec.encode(finished.request), copy=False)
-            self._handoffs[finished.request_id] = time.monotonic()
+            self._engine.send_multipart(self._engine_codec.encode(result), copy=False)
+            self._handoffs[request_id] = time.monotonic()
 
     # ------------------------------------------------------------ 3. replies
 
     def _read_outputs(self) -> None:
-        while True:
-            try:
-                frames = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in received(self._output):
             message = self._engine_codec.decode(frames)
             if isinstance(message, RequestFailed):
                 self._fail(message.request_id, message.error)

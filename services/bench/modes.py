@@ -18,19 +18,20 @@ from typing import Any
 
 import msgspec
 import zmq
+from msgspec.structs import replace
 
 from protocol.codec import Codec
 from protocol.errors import FatalError
-from protocol.messages import EngineOutput, FrontendInput, RequestFailed, SamplingParams
+from protocol.messages import ChatRequest, EngineOutput, EngineRequest, FrontendInput, RequestFailed
 from services.bench.config import BenchConfig
 from services.bench.images import ImageSource
-from services.bench.inproc import ControlReply, ControlRequest
-from services.bench.render import engine_request
+from services.bench.inproc import ControlReply, ControlRequest, job_renderer, routed_message
+from services.client import user_message
 from services.common.config import ipc
 from services.common.sockets import free_tcp_port, make_socket
 from services.launcher import Child, child_argv, start_roles, stop_all
-from services.mm_worker.media import decode_image
-from services.model import ImageItem, Preprocessor
+from services.mm_worker.jobs import JobRenderer
+from services.model import Preprocessor
 
 DESIGNS = {
     "shared": "1 process: one thread pool tokenizes and preprocesses images (+ mmlane engine)",
@@ -198,22 +199,26 @@ class EngineCalibration:
         self, pre: Preprocessor, text_prompt: str, image_classes: dict[str, list[ImageSource]],
         max_image_pixels: int,
     ) -> None:
-        self._pre = pre
         self._codec: Codec[Any] = Codec(FrontendInput)
+        renderer = job_renderer(pre, max_image_pixels)
         # Images first: the engine's bulk lane runs in arrival order, so the first image's
         # warm-up send also waits out any work a previous mode left in the engine.
-        self._prompts: dict[str, tuple[list[int], list[ImageItem]]] = {}
-        for name, sources in image_classes.items():
-            items = [pre.process_image(decode_image(s.unique_bytes(), i, max_image_pixels))
-                     for i, s in enumerate(sources)]
-            self._prompts[name] = (self._tokens("Describe the image.", sources), items)
-        self._prompts["text"] = (self._tokens(text_prompt, []), [])
+        self._requests = {
+            name: self._preprocess(pre, renderer, "Describe the image.", sources)
+            for name, sources in image_classes.items()
+        }
+        self._requests["text"] = self._preprocess(pre, renderer, text_prompt, [])
 
-    def _tokens(self, prompt: str, sources: list[ImageSource]) -> list[int]:
-        # The template messages of `user_message(prompt, images)`: the images, then the text.
-        content = [{"type": "image"} for _ in sources] + [{"type": "text", "text": prompt}]
-        rendered = self._pre.render_prompt([{"role": "user", "content": content}])
-        return self._pre.tokenize_batch([rendered])[0]
+    @staticmethod
+    def _preprocess(
+        pre: Preprocessor, renderer: JobRenderer, prompt: str, sources: list[ImageSource]
+    ) -> EngineRequest:
+        """The engine's request for `user_message(prompt, images)`, as every design makes it
+        (its request id and reply address are set at each send)."""
+        chat = ChatRequest(request_id="", max_tokens=1,
+                           messages=[user_message(prompt, [s.data_uri() for s in sources])])
+        message = routed_message(pre, chat, "", "")
+        return message if isinstance(message, EngineRequest) else renderer.render(message)
 
     def measure(
         self, ctx: zmq.Context, engine_endpoint: str, run_dir: Path, samples: int = 5
@@ -223,7 +228,7 @@ class EngineCalibration:
         with make_socket(ctx, zmq.PULL, reply_to, bind=True, linger_ms=0) as replies, \
                 make_socket(ctx, zmq.PUSH, engine_endpoint, bind=False, linger_ms=0) as engine:
             times = {}
-            for name in self._prompts:
+            for name in self._requests:
                 self._time_one(engine, replies, reply_to, name)  # warm-up
                 runs = [self._time_one(engine, replies, reply_to, name) for _ in range(samples)]
                 times[name] = statistics.median(runs) * 1000
@@ -232,10 +237,8 @@ class EngineCalibration:
     def _time_one(
         self, engine: zmq.Socket, replies: zmq.Socket, reply_to: str, name: str
     ) -> float:
-        token_ids, items = self._prompts[name]
         request_id = f"calibrate-{name}-{time.monotonic_ns()}"
-        request = engine_request(self._pre, request_id, reply_to, token_ids, items,
-                                 SamplingParams(max_tokens=1))
+        request = replace(self._requests[name], request_id=request_id, reply_to=reply_to)
         codec = self._codec
         frames = codec.encode(request)
         sent = time.monotonic()

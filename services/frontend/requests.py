@@ -1,4 +1,11 @@
-"""Check a client's chat request and turn it into what the chat template and the MM worker need."""
+"""Check a client's chat request and turn it into what the chat template and the MM worker need.
+
+    check_request(request, ...)     validate; the template messages, the images, the sampling
+    prompt_token_ids(pre, checked)  render the chat template and tokenize (a pool thread's work)
+
+Pure functions: the frontend runs them, and so do the in-process designs `mmlane bench`
+measures mmlane against, so every design tokenizes exactly as the frontend does.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ from dataclasses import dataclass
 
 from protocol.errors import RequestError
 from protocol.messages import ChatRequest, ImagePart, ImageUrl, SamplingParams, TextPart
+from services.model import Preprocessor
 
 
 @dataclass(frozen=True)
@@ -64,3 +72,25 @@ def _check_sampling(request: ChatRequest) -> SamplingParams:
         top_p=request.top_p,
         seed=request.seed,
     )
+
+
+def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
+    """The prompt's token ids; raise RequestError for forged placeholders or a text prompt
+    too long for the model (an image prompt is checked once its images are expanded)."""
+    token_ids = pre.tokenize_batch([pre.render_prompt(checked.template_messages)])[0]
+    placeholders = token_ids.count(pre.image_token_id)
+    if placeholders != len(checked.images):
+        # Only the chat template may place image placeholders; text must not forge them.
+        raise RequestError(
+            f"messages: text contains the reserved image token {pre.family.image_token!r}",
+        )
+    prompt_tokens = len(token_ids)
+    needed = prompt_tokens + checked.sampling.max_tokens
+    if not checked.images and needed > pre.max_context:
+        raise RequestError(
+            f"prompt too long: {prompt_tokens} prompt tokens + max_tokens "
+            f"{checked.sampling.max_tokens} exceed the model's context of "
+            f"{pre.max_context} tokens",
+            code="prompt_too_long",
+        )
+    return token_ids

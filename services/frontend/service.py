@@ -78,7 +78,7 @@ from services.common.sockets import make_socket
 from services.common.stats import Metrics, log_totals
 from services.frontend.detokenize import IncrementalDetokenizer
 from services.frontend.http_api import HttpApi
-from services.frontend.requests import CheckedRequest, check_request
+from services.frontend.requests import CheckedRequest, check_request, prompt_token_ids
 from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -267,32 +267,12 @@ class Frontend:
         token_ids: list[int] | None = None
         error: MMLaneError | None = None
         try:
-            prompt = self._pre.render_prompt(checked.template_messages)
-            token_ids = self._pre.tokenize_batch([prompt])[0]
-            self._check_prompt(token_ids, checked)
+            token_ids = prompt_token_ids(self._pre, checked)
         except Exception as exc:  # a template or tokenizer failure is this request's fault
             error = translate(exc, "cannot render prompt", default="invalid_request")
         seconds = time.monotonic() - started
         self._tokenized.put(Tokenized(request_id, seconds, token_ids, error))
         self._wake_socket().send(b"", zmq.NOBLOCK)
-
-    def _check_prompt(self, token_ids: list[int], checked: CheckedRequest) -> None:
-        placeholders = token_ids.count(self._pre.image_token_id)
-        if placeholders != len(checked.images):
-            # Only the chat template may place image placeholders; text must not forge them.
-            raise RequestError(
-                f"messages: text contains the reserved image token "
-                f"{self._pre.family.image_token!r}",
-            )
-        prompt_tokens = len(token_ids)
-        needed = prompt_tokens + checked.sampling.max_tokens
-        if not checked.images and needed > self._pre.max_context:
-            raise RequestError(
-                f"prompt too long: {prompt_tokens} prompt tokens + max_tokens "
-                f"{checked.sampling.max_tokens} exceed the model's context of "
-                f"{self._pre.max_context} tokens",
-                code="prompt_too_long",
-            )
 
     def _wake_socket(self) -> zmq.Socket:
         sock = getattr(self._wake_local, "sock", None)

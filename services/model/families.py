@@ -81,8 +81,8 @@ def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
 
     def check_tensors(where: str, tensors: Tensors) -> None:
         grid = _tensor(tensors, where, "image_grid_thw", ndim=2, kind="iu")
-        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="u")  # uint8, the codec's only
-        # unsigned dtype: pixels before the processor's rescale and normalise (pixels.py)
+        # uint8 (the codec's only unsigned dtype): before the processor's rescale and normalise
+        pixels = _tensor(tensors, where, "pixel_values", ndim=2, kind="u")
         if grid.shape != (1, 3) or (grid < 1).any():
             raise RequestError(
                 f"{where}.image_grid_thw must be one positive (t, h, w) row, got {grid.tolist()}"
