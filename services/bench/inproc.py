@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -53,6 +53,7 @@ from protocol.messages import (
 from services.bench.loop import Mailbox, received
 from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
+from services.frontend.detokenize import IncrementalDetokenizer
 from services.frontend.requests import check_request, prompt_token_ids
 from services.mm_worker.cache import ImageHasher, SenderCache
 from services.mm_worker.jobs import JobRenderer
@@ -155,8 +156,7 @@ def job_renderer(pre: Preprocessor, max_image_pixels: int) -> JobRenderer:
 class _Pending:
     client: bytes
     client_request_id: str
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    detokenizer: IncrementalDetokenizer
 
 
 _Finished = tuple[str, EngineRequest | MMLaneError]
@@ -232,7 +232,9 @@ class InProcessServer:
             except RequestError as exc:
                 self._reply(client, ChatError(request_id="", error=exc.to_info()))
                 continue
-            self._inflight[request.request_id] = _Pending(client, request.request_id)
+            self._inflight[request.request_id] = _Pending(
+                client, request.request_id, IncrementalDetokenizer(self._pre.decode)
+            )
             self._tokenizer_pool.submit(self._guard(self._tokenize), request.request_id, request)
 
     # ------------------------------------------------------------ the executors' work
@@ -293,9 +295,7 @@ class InProcessServer:
         pending = self._inflight.get(output.request_id)
         if pending is None:
             return
-        pending.output_ids.extend(output.token_ids)
-        text = self._pre.decode(pending.output_ids)
-        delta, pending.text = text[len(pending.text):], text
+        delta = pending.detokenizer.step(output.token_ids, final=output.finished)
         if output.finished:
             del self._inflight[output.request_id]
         self._reply(pending.client, ChatOutput(
