@@ -27,6 +27,7 @@ from services.common.settings import Settings
 from services.launcher import SERVE_SETTINGS
 
 ROLE_SETTINGS: dict[str, tuple[type[msgspec.Struct], Settings]] = {
+    # `renames` until EngineConfig's field is called like its flag (engine_endpoint).
     "engine": (EngineConfig, Settings(EngineConfig, renames={"input_endpoint": "engine_endpoint"})),
     "mm-worker": (MMWorkerConfig, Settings(MMWorkerConfig)),
     "frontend": (FrontendConfig, Settings(FrontendConfig)),

@@ -80,7 +80,7 @@ SERVE_SETTINGS = Settings(
     exclude=("name", "stats_endpoint", "control_endpoint", "frontend.mm_worker_endpoint",
              "frontend.output_endpoint"),
     no_env=("run-dir",),  # $MMLANE_RUN_DIR is the folder above serve's own (see default_run_dir)
-    renames={"input_endpoint": "engine_endpoint"},
+    renames={"input_endpoint": "engine_endpoint"},  # as for `mmlane engine` (services/cli.py)
 )
 """`mmlane serve`'s flags (services/cli.py) and the command lines `serve_args` of the bench."""
 

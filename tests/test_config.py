@@ -3,7 +3,6 @@ serve handing each child its validated config."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Literal
 
@@ -70,9 +69,13 @@ def test_settings_not_given_take_the_structs_defaults() -> None:
     assert msgspec.convert(TOY.parse([]), Toy) == Toy()
 
 
-def test_a_literal_field_takes_only_its_choices() -> None:
-    with pytest.raises(argparse.ArgumentError, match="invalid choice"):
-        TOY.parse(["--color", "green"])
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--color", "green"], "invalid choice"), (["--size", "big"], "invalid int value"),
+    (["--colour", "red"], "unknown flags --colour red"),
+])
+def test_a_command_line_it_cannot_read_is_refused(argv: list[str], match: str) -> None:
+    with pytest.raises(FatalError, match=match):
+        TOY.parse(argv)
 
 
 def test_one_flag_sets_every_leaf_of_its_name() -> None:
@@ -119,6 +122,7 @@ def test_flags_that_are_not_one_field_keep_their_meaning(run_dir: Path) -> None:
     (["frontend", "--http-port", "70000"], {}, "http_port must be 0"),
     (["mm-worker"], {"MMLANE_ALLOWED_MEDIA_SCHEMES": "gopher"}, "allowed_media_schemes"),
     (["serve", "--startup-timeout", "0"], {}, "startup_timeout_s must be positive"),
+    (["frontend"], {"MMLANE_HTTP_PORT": "eighty"}, "$MMLANE_HTTP_PORT: invalid literal for int"),
 ])
 def test_a_bad_value_names_the_setting(
     argv: list[str], env: dict[str, str], named: str, monkeypatch: pytest.MonkeyPatch,

@@ -33,6 +33,8 @@ from typing import Any
 
 import msgspec
 
+from protocol.errors import FatalError
+
 PRECEDENCE = ("Each setting is taken from its flag, else from its MMLANE_* environment variable "
               "(shown with the setting; empty counts as unset), else from its default.")
 
@@ -55,13 +57,16 @@ class Setting:
         return self.flag.replace("-", "_")
 
     def parse(self, text: str) -> Any:
-        """The value of an environment variable, as the flag would read it."""
+        """The value of its environment variable, read as the flag reads its own."""
         kind = _kind(self.annotation)
         if kind is bool:
             return text.strip().lower() in ("1", "true", "yes", "on")
-        if kind is list:
-            return _split(text, _item_type(self.annotation))
-        return _scalar_type(self.annotation)(text)
+        try:
+            if kind is list:
+                return _split(text, _item_type(self.annotation))
+            return _scalar_type(self.annotation)(text)
+        except ValueError as exc:
+            raise FatalError(f"${self.env}: {exc}", code="bad_config") from None
 
 
 @dataclass
@@ -87,9 +92,7 @@ class Settings:
             if flag in by_flag:
                 by_flag[flag].paths.append(path)
                 continue
-            env = "MMLANE_" + flag.replace("-", "_").upper()
-            if flag in self.no_env or not self.env:
-                env = None
+            env = None if flag in self.no_env or not self.env else env_name(flag)
             by_flag[flag] = Setting(flag, owner, [path], info.type, _default(info), doc, env)
         return list(by_flag.values())
 
@@ -102,8 +105,10 @@ class Settings:
                 groups[setting.owner] = parser.add_argument_group(
                     _group_title(setting.owner), " ".join(doc.split()) or None
                 )
-            groups[setting.owner].add_argument(f"--{setting.flag}", dest=setting.dest, default=None,
-                               help=_help(setting), **_argparse_kind(setting))
+            groups[setting.owner].add_argument(
+                f"--{setting.flag}", dest=setting.dest, default=None, help=_help(setting),
+                **_argparse_kind(setting),
+            )
         if self.env:
             parser.epilog = PRECEDENCE
 
@@ -114,17 +119,28 @@ class Settings:
         for setting in self.settings:
             value = getattr(args, setting.dest, None)
             if value is None and setting.env and os.environ.get(setting.env):
-                value = setting.parse(os.environ[setting.env])
+                value = setting.parse(os.environ[setting.env])  # raises FatalError
             if value is not None:
                 for path in setting.paths:
                     _put(values, path, value)
         return values
 
     def parse(self, argv: Sequence[str]) -> dict[str, Any]:
-        """`values` of a command line holding only these flags."""
+        """`values` of a command line holding only these flags (a bench's `serve_args`)."""
         parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
         self.add_to(parser)
-        return self.values(parser.parse_args(list(argv)))
+        try:
+            args, unknown = parser.parse_known_args(list(argv))
+        except argparse.ArgumentError as exc:
+            raise FatalError(str(exc), code="bad_config") from None
+        if unknown:
+            raise FatalError(f"unknown flags {' '.join(unknown)}", code="bad_config")
+        return self.values(args)
+
+
+def env_name(flag: str) -> str:
+    """`drain-timeout` -> `MMLANE_DRAIN_TIMEOUT`."""
+    return "MMLANE_" + flag.replace("-", "_").upper()
 
 
 def flag_name(field_name: str) -> str:
