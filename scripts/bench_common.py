@@ -1,6 +1,6 @@
 """What the benchmark scripts share: `mmlane serve`'s roles, text latency under image load.
 
-`serving` starts the three roles exactly as `mmlane serve ARGS` does (the launcher's `child_argv`
+`serving` starts the three roles exactly as `mmlane serve ARGS` does (the launcher's `serve_config`
 and `start_roles`), so a benchmark measures the command a user runs.
 """
 
@@ -28,10 +28,10 @@ from protocol.messages import (
 )
 from services.bench.images import data_uri, encode, make_image
 from services.bench.stats import percentile
-from services.cli import build_parser
+from services.cli import config_from_argv
 from services.client import Client, user_message
 from services.common.sockets import free_tcp_port
-from services.launcher import child_argv, start_roles, stop_all
+from services.launcher import SERVE_SETTINGS, serve_config, start_roles, stop_all
 from services.model import load_preprocessor, resolve_model_dir
 
 BIG = (4032, 3024)
@@ -50,13 +50,13 @@ def big_jpeg_url() -> str:
 def serving(run_dir: Path, *serve_args: str, log_dir: Path | None = None) -> Iterator[str]:
     """`mmlane serve SERVE_ARGS` on a free port; yields the client endpoint, stops at exit."""
     port = free_tcp_port()
-    argv = ["serve", "--port", str(port), "--run-dir", str(run_dir), *serve_args]
-    args = build_parser().parse_args(argv)
-    model_dir = resolve_model_dir(args.model)
-    roles = child_argv(args, model_dir, run_dir)
-    children = start_roles(roles, run_dir, args.startup_timeout, log_dir=log_dir)
+    argv = ["--port", str(port), "--run-dir", str(run_dir), *serve_args]
+    config = serve_config(SERVE_SETTINGS.parse(argv))
+    model_dir = str(resolve_model_dir(config.engine.model))
+    config.engine.model = config.mm_worker.model = config.frontend.model = model_dir
+    children = start_roles(config.roles(), run_dir, config.startup_timeout_s, log_dir=log_dir)
     try:
-        yield f"tcp://{args.host}:{port}"
+        yield config.frontend.client_endpoint
     finally:
         stop_all(children)
 
@@ -70,9 +70,10 @@ class LoneMMWorker:
         ctx = zmq.Context.instance()
         self._sink = ctx.socket(zmq.PULL)
         self._sink.bind(engine)
+        argv = ["--model", str(model_dir), "--engine-endpoint", engine,
+                "--mm-worker-endpoint", jobs, *worker_args]
         self._children = start_roles(
-            {"mm-worker": ["--model", str(model_dir), "--engine-endpoint", engine,
-                           "--mm-worker-endpoint", jobs, *worker_args]}, run_dir, 300)
+            {"mm-worker": config_from_argv("mm-worker", argv, run_dir)}, run_dir, 300)
         self._source = ctx.socket(zmq.PUSH)
         self._source.connect(jobs)
         self._codec: Codec = Codec(EngineInput)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from protocol.errors import MMLaneError
-from services.bench.cli import add_bench_arguments, add_bench_server_arguments
 from services.common.config import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -18,218 +19,41 @@ from services.common.config import (
     MMWorkerConfig,
     default_run_dir,
     load_config,
+    run_dir_defaults,
 )
 from services.common.lifecycle import run_role
+from services.common.settings import Settings
 from services.engine.config import EngineConfig
+from services.launcher import SERVE_SETTINGS
+
+ROLE_SETTINGS: dict[str, tuple[type[msgspec.Struct], Settings]] = {
+    "engine": (EngineConfig, Settings(EngineConfig)),
+    "mm-worker": (MMWorkerConfig, Settings(MMWorkerConfig)),
+    "frontend": (FrontendConfig, Settings(FrontendConfig)),
+}
+"""Each role's config type, and the flags derived from it."""
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", metavar="DIR",
-        help="local Hugging Face model directory (default: the embedded tiny-qwen2-vl, built "
-        "once into $MMLANE_HOME, default ~/.cache/mmlane)",
-    )
-
-
-def _add_ready(p: argparse.ArgumentParser) -> None:
+def _add_role_args(p: argparse.ArgumentParser, settings: Settings) -> None:
+    settings.add_to(p)
     p.add_argument("--ready-endpoint", help=argparse.SUPPRESS)  # set by `mmlane serve`
+    # set by `mmlane serve`: the whole validated config, as msgspec JSON (the flags are unused)
+    p.add_argument("--config-json", help=argparse.SUPPRESS)
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda[:N]"
-    )
-    g.add_argument(
-        "--max-queued-requests", type=int, default=1024,
-        help="requests the engine holds before answering 'overloaded'",
-    )
-    g.add_argument(
-        "--prefill-chunk-tokens", type=int, default=64, metavar="N",
-        help="the most tokens one unit of engine work takes: prompts prefill in chunks of N, "
-        "vision-encoder passes run in slices of N image tokens (default 64; smaller: text "
-        "waits less behind images, larger: less overhead per unit)",
-    )
-    g.add_argument(
-        "--max-batch", type=int, default=16, metavar="N",
-        help="the most requests one decode step runs together (default 16; 1: one at a time); "
-        "each request's tokens are the same as when it runs alone",
-    )
-    g.add_argument(
-        "--torch-threads", type=int, default=0, metavar="N",
-        help="threads for one CPU torch operation (default 0: all cores but two, at least one, "
-        "leaving room for the MM worker and the frontend)",
-    )
+def role_config(role: str, args: argparse.Namespace) -> msgspec.Struct:
+    """ROLE's validated config: the one serve handed it, else the one its flags give."""
+    config_type, settings = ROLE_SETTINGS[role]
+    if args.config_json:
+        return load_config(config_type, msgspec.json.decode(args.config_json))
+    return load_config(config_type, settings.values(args))
 
 
-def _add_mm_worker_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("mm worker")
-    g.add_argument(
-        "--allowed-media-dir", metavar="DIR",
-        help="allow file:// image URLs under DIR (default: file:// is refused)",
-    )
-    g.add_argument(
-        "--max-image-pixels", type=int, default=64_000_000,
-        help="refuse larger images before decoding them (default 64 megapixels)",
-    )
-    g.add_argument(
-        "--max-image-bytes", type=int, default=64 * 1024 * 1024,
-        help="refuse larger encoded images, inline or fetched (default 64 MiB)",
-    )
-    g.add_argument(
-        "--allowed-media-schemes", default="data,https", metavar="LIST",
-        help="comma-separated image URL schemes: data, https, http (default data,https)",
-    )
-    g.add_argument(
-        "--allow-http-media", action="store_true",
-        help="also allow plain http:// image URLs",
-    )
-    g.add_argument(
-        "--allowed-media-domains", default="", metavar="LIST",
-        help="comma-separated domains http(s) image URLs must be in (default: any domain)",
-    )
-    g.add_argument(
-        "--allow-internal-media", action="store_true",
-        help="allow image URLs that resolve to loopback or private addresses",
-    )
-    g.add_argument("--media-max-redirects", type=int, default=3, metavar="N",
-                   help="redirects followed per image fetch (default 3)")
-    g.add_argument("--media-connect-timeout", type=float, default=5.0, metavar="S",
-                   help="seconds to connect to an image's host (default 5)")
-    g.add_argument("--media-fetch-timeout", type=float, default=20.0, metavar="S",
-                   help="seconds one image fetch may take, retries included (default 20)")
-    g.add_argument("--media-fetch-retries", type=int, default=2, metavar="N",
-                   help="retries after a timeout or 5xx answer (default 2)")
-
-
-def _add_cache_args(p: argparse.ArgumentParser, *, mm_worker: bool) -> None:
-    g = p.add_argument_group("feature cache (MM worker and engine mirror each other)")
-    g.add_argument(
-        "--mm-cache-gb", type=float, default=4.0, metavar="GIB",
-        help="capacity of the mirrored feature cache: each MM worker's sender cache and its "
-        "receiver cache in the engine (GiB of processed tensors; 0 disables; default 4). Give "
-        "every MM worker and the engine the same value",
-    )
-    if mm_worker:
-        g.add_argument(
-            "--mm-hash", choices=["blake3", "sha256"], default="blake3",
-            help="the hash that names an image in the caches (default blake3)",
-        )
-
-
-def _add_frontend_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("frontend")
-    g.add_argument("--host", default=DEFAULT_HOST, help="native client API host")
-    g.add_argument("--port", type=int, default=DEFAULT_PORT, help="native client API port")
-    g.add_argument(
-        "--http-port", type=int, default=int(os.environ.get("MMLANE_HTTP_PORT") or 8000),
-        help="port of the OpenAI-compatible HTTP API (default 8000, or $MMLANE_HTTP_PORT; "
-        "0 disables it)",
-    )
-    g.add_argument("--http-host", default=DEFAULT_HOST, help="HTTP API host")
-    g.add_argument(
-        "--http-max-body-bytes", type=int, default=128 * 1024 * 1024, metavar="N",
-        help="largest HTTP request body, inline images included (default 128 MiB)",
-    )
-    g.add_argument("--tokenizer-workers", type=int, default=4, help="tokenizer threads")
-    g.add_argument(
-        "--max-images-per-request", type=int, default=8, help="refuse requests with more images"
-    )
-    g.add_argument(
-        "--request-timeout", type=float, default=600.0,
-        help="seconds before a request without a reply gets a 'timeout' error",
-    )
-    g.add_argument(
-        "--max-inflight-requests", type=int, default=1024,
-        help="requests held at once before answering 'overloaded'",
-    )
-
-
-def _add_ops_args(p: argparse.ArgumentParser, *, one_role: bool) -> None:
-    g = p.add_argument_group("operations (stats, health, graceful stop)")
-    if one_role:
-        g.add_argument(
-            "--stats-endpoint", metavar="ADDR",
-            help="where to publish Stats (ZMQ PUB; default ipc://$MMLANE_RUN_DIR/stats-NAME.sock, "
-            "NAME from the role and its port or socket, e.g. frontend-8765)",
-        )
-        g.add_argument(
-            "--control-endpoint", metavar="ADDR",
-            help="where to answer health pings (ZMQ ROUTER; default "
-            "ipc://$MMLANE_RUN_DIR/control-NAME.sock)",
-        )
-    g.add_argument(
-        "--stats-interval", type=float, default=1.0, metavar="S",
-        help="seconds between two published Stats messages (default 1)",
-    )
-    g.add_argument(
-        "--drain-timeout", type=float, default=30.0, metavar="S",
-        help="at SIGTERM, seconds to finish held requests before failing them with a "
-        "retryable error (default 30)",
-    )
-
-
-def _ops(args: argparse.Namespace) -> dict[str, object]:
-    return {
-        "stats_endpoint": args.stats_endpoint or "",
-        "control_endpoint": args.control_endpoint or "",
-        "stats_interval_s": args.stats_interval, "drain_timeout_s": args.drain_timeout,
-    }
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return load_config(EngineConfig, {
-        "model": args.model, "engine_endpoint": args.engine_endpoint or "",
-        "max_queued_requests": args.max_queued_requests, "mm_cache_gb": args.mm_cache_gb,
-        "hf": {
-            "device": args.device, "prefill_chunk_tokens": args.prefill_chunk_tokens,
-            "max_batch": args.max_batch, "torch_threads": args.torch_threads,
-        },
-        "ops": _ops(args),
-    })
-
-
-def mm_worker_config(args: argparse.Namespace) -> MMWorkerConfig:
-    return load_config(MMWorkerConfig, {
-        "model": args.model, "job_endpoint": args.mm_worker_endpoint or "",
-        "engine_endpoint": args.engine_endpoint or "",
-        "allowed_media_dir": args.allowed_media_dir, "max_image_pixels": args.max_image_pixels,
-        "max_image_bytes": args.max_image_bytes, "mm_cache_gb": args.mm_cache_gb,
-        "mm_hash": args.mm_hash,
-        "allowed_media_schemes": _media_schemes(args),
-        "allowed_media_domains": _split(args.allowed_media_domains),
-        "allow_internal_media": args.allow_internal_media,
-        "media_max_redirects": args.media_max_redirects,
-        "media_connect_timeout_s": args.media_connect_timeout,
-        "media_fetch_timeout_s": args.media_fetch_timeout,
-        "media_fetch_retries": args.media_fetch_retries, "ops": _ops(args),
-    })
-
-
-def _split(text: str) -> list[str]:
-    return [part.strip().lower() for part in text.split(",") if part.strip()]
-
-
-def _media_schemes(args: argparse.Namespace) -> list[str]:
-    schemes = _split(args.allowed_media_schemes)
-    if args.allow_http_media and "http" not in schemes:
-        schemes.append("http")
-    return schemes
-
-
-def frontend_config(args: argparse.Namespace) -> FrontendConfig:
-    return load_config(FrontendConfig, {
-        "model": args.model, "client_endpoint": f"tcp://{args.host}:{args.port}",
-        "output_endpoint": args.output_endpoint or "",
-        "engine_endpoint": args.engine_endpoint or "",
-        "mm_worker_endpoints": args.mm_worker_endpoint or [],
-        "tokenizer_workers": args.tokenizer_workers,
-        "max_images_per_request": args.max_images_per_request,
-        "request_timeout_s": args.request_timeout,
-        "max_inflight_requests": args.max_inflight_requests,
-        "http_host": args.http_host, "http_port": args.http_port,
-        "http_max_body_bytes": args.http_max_body_bytes, "ops": _ops(args),
-    })
+def config_from_argv(role: str, argv: Sequence[str], run_dir: Path) -> msgspec.Struct:
+    """The validated config `mmlane ROLE ARGV` runs with, as a child that `start_roles` starts in
+    `run_dir` ($MMLANE_RUN_DIR) builds it: for tests and scripts that start roles by flags."""
+    with run_dir_defaults(run_dir):
+        return role_config(role, build_parser().parse_args([role, *argv]))
 
 
 def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
@@ -246,25 +70,15 @@ def _lazy(target: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def _cmd_engine(args: argparse.Namespace) -> int:
-    from services.engine import Engine
+def _cmd_role(role: str, module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """Run ROLE, the class `name` of `module` built from its config."""
 
-    config = engine_config(args)
-    return run_role("engine", lambda: Engine(config), args.ready_endpoint, config.ops)
+    def run(args: argparse.Namespace) -> int:
+        config = role_config(role, args)
+        service = getattr(importlib.import_module(module), name)
+        return run_role(role, lambda: service(config), args.ready_endpoint, config.ops)  # type: ignore[attr-defined]
 
-
-def _cmd_mm_worker(args: argparse.Namespace) -> int:
-    from services.mm_worker import MMWorker
-
-    config = mm_worker_config(args)
-    return run_role("mm-worker", lambda: MMWorker(config), args.ready_endpoint, config.ops)
-
-
-def _cmd_frontend(args: argparse.Namespace) -> int:
-    from services.frontend import Frontend
-
-    config = frontend_config(args)
-    return run_role("frontend", lambda: Frontend(config), args.ready_endpoint, config.ops)
+    return run
 
 
 def _add_watch_args(p: argparse.ArgumentParser, kind: str) -> None:
@@ -292,26 +106,9 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_endpoint_args(
-    p: argparse.ArgumentParser, *names: str, repeatable: tuple[str, ...] = ()
-) -> None:
-    """One --NAME-endpoint option per name; those in `repeatable` may be given several times
-    (their value is then a list)."""
-    g = p.add_argument_group("internal addresses (default: ipc:// sockets in $MMLANE_RUN_DIR)")
-    helps = {
-        "engine": "the engine's request socket",
-        "mm-worker": "the MM worker's job socket",
-        "output": "this frontend's reply socket",
-    }
-    for name in names:
-        if name in repeatable:
-            g.add_argument(f"--{name}-endpoint", metavar="ADDR", action="append",
-                           help=f"{helps[name]}; repeat it for several (they take turns)")
-        else:
-            g.add_argument(f"--{name}-endpoint", metavar="ADDR", help=helps[name])
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The `mmlane` parser. The bench's flags come from services.bench, imported only when
+    `argv` is a bench command: every other command starts without it."""
     parser = argparse.ArgumentParser(
         prog="mmlane",
         description="Multi-process preprocessing for vision-language model serving: the frontend "
@@ -327,44 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("serve", "services.launcher:serve",
             "run frontend, MM worker and engine on this machine")
-    _add_model(p)
-    _add_frontend_args(p)
-    _add_mm_worker_args(p)
-    _add_engine_args(p)
-    _add_cache_args(p, mm_worker=True)
-    _add_endpoint_args(p, "engine", "mm-worker")
-    _add_ops_args(p, one_role=False)
-    p.add_argument(
-        "--run-dir", help="folder for the ipc:// sockets, stats and control ones included "
-        "(default: $MMLANE_RUN_DIR/serve-PORT, $MMLANE_RUN_DIR defaulting to /tmp/mmlane)"
-    )
-    p.add_argument(
-        "--startup-timeout", type=float, default=300.0,
-        help="seconds to wait for every role to report ready",
-    )
+    SERVE_SETTINGS.add_to(p)
 
-    p = add("frontend", _cmd_frontend, "run one frontend (client API, chat template, tokenizer)")
-    _add_model(p)
-    _add_frontend_args(p)
-    _add_endpoint_args(p, "engine", "mm-worker", "output", repeatable=("mm-worker",))
-    _add_ops_args(p, one_role=True)
-    _add_ready(p)
+    p = add("frontend", _cmd_role("frontend", "services.frontend", "Frontend"),
+            "run one frontend (client API, chat template, tokenizer)")
+    _add_role_args(p, ROLE_SETTINGS["frontend"][1])
 
-    p = add("mm-worker", _cmd_mm_worker, "run one MM worker (FIFO image preprocessing)")
-    _add_model(p)
-    _add_mm_worker_args(p)
-    _add_cache_args(p, mm_worker=True)
-    _add_endpoint_args(p, "engine", "mm-worker")
-    _add_ops_args(p, one_role=True)
-    _add_ready(p)
+    p = add("mm-worker", _cmd_role("mm-worker", "services.mm_worker", "MMWorker"),
+            "run one MM worker (FIFO image preprocessing)")
+    _add_role_args(p, ROLE_SETTINGS["mm-worker"][1])
 
-    p = add("engine", _cmd_engine, "run the engine (the model, on CUDA when present, else CPU)")
-    _add_model(p)
-    _add_engine_args(p)
-    _add_cache_args(p, mm_worker=False)
-    _add_endpoint_args(p, "engine")
-    _add_ops_args(p, one_role=True)
-    _add_ready(p)
+    p = add("engine", _cmd_role("engine", "services.engine", "Engine"),
+            "run the engine (the model, on CUDA when present, else CPU)")
+    _add_role_args(p, ROLE_SETTINGS["engine"][1])
 
     p = add("chat", "services.client:chat_command",
             "send one chat request to a running mmlane and print the reply")
@@ -460,15 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("bench", "services.bench.cli:run_bench",
             "measure mmlane against in-process preprocessing designs "
             "(shared pool, split executors) side by side; needs the 'bench' extra")
-    add_bench_arguments(p)
     # No help: unlisted. The in-process server `mmlane bench` starts for its shared/split modes.
-    sub.add_parser("bench-server").set_defaults(func=_lazy("services.bench.cli:run_bench_server"))
-    add_bench_server_arguments(sub.choices["bench-server"])
+    server = sub.add_parser("bench-server")
+    server.set_defaults(func=_lazy("services.bench.cli:run_bench_server"))
+    if argv[:1] in (["bench"], ["bench-server"]):
+        from services.bench import cli as bench_cli
+
+        bench_cli.add_bench_arguments(p)
+        bench_cli.add_bench_server_arguments(server)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except MMLaneError as exc:

@@ -24,38 +24,99 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
 
 from protocol.errors import FatalError
 from protocol.messages import LauncherInput, StartupFailed
-from services.common.config import OpsConfig, default_run_dir, ipc
+from services.common.config import (
+    DEFAULT_PORT,
+    FrontendConfig,
+    MMWorkerConfig,
+    OpsConfig,
+    default_run_dir,
+    ipc,
+    load_config,
+    run_dir_defaults,
+)
 from services.common.lifecycle import setup_logging
+from services.common.settings import Settings
 from services.common.sockets import make_socket
-from services.model import resolve_model_dir
+from services.engine.config import EngineConfig
 
 KILL_GRACE_S = 10.0
 """How long after its drain timeout a stopping child may take to exit (closing its sockets,
 logging its totals) before it is killed."""
 
 
-class Child:
-    """One role's process, the name it is known by, and the endpoint its `Ready` reported.
+class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`mmlane serve`: each role's settings (one flag sets a setting of that name in every
+    role), and serve's own."""
 
-    With `log_dir`, the child's stderr (its log) goes to LOG_DIR/ROLE.log instead of ours. With
-    `run_dir`, it is the child's $MMLANE_RUN_DIR: its default sockets (stats, control) go there.
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    mm_worker: MMWorkerConfig = msgspec.field(default_factory=MMWorkerConfig)
+    frontend: FrontendConfig = msgspec.field(default_factory=FrontendConfig)
+    run_dir: str | None = None
+    """Folder for the ipc:// sockets, stats and control ones included; None:
+    $MMLANE_RUN_DIR/serve-PORT ($MMLANE_RUN_DIR defaulting to /tmp/mmlane), removed at exit."""
+    startup_timeout_s: float = 300.0
+    """Seconds to wait for every role to report ready."""
+
+    def __post_init__(self) -> None:
+        self.frontend.mm_worker_endpoint = [self.mm_worker.mm_worker_endpoint]
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s}")
+
+    def roles(self) -> dict[str, msgspec.Struct]:
+        """Each child's config, by role."""
+        return {"engine": self.engine, "mm-worker": self.mm_worker, "frontend": self.frontend}
+
+
+SERVE_SETTINGS = Settings(
+    ServeConfig,
+    # Per process, so not one for all three; serve wires the frontend to its own MM worker.
+    exclude=("name", "stats_endpoint", "control_endpoint", "frontend.mm_worker_endpoint",
+             "frontend.output_endpoint"),
+    no_env=("run-dir",),  # $MMLANE_RUN_DIR is the folder above serve's own (see default_run_dir)
+)
+"""`mmlane serve`'s flags (services/cli.py) and the command lines `serve_args` of the bench."""
+
+
+def serve_config(values: dict[str, Any]) -> ServeConfig:
+    """serve's validated config from its settings (`SERVE_SETTINGS.values`), the roles' default
+    sockets in its run dir."""
+    port = values.get("frontend", {}).get("port", DEFAULT_PORT)
+    run_dir = values.get("run_dir") or str(default_run_dir() / f"serve-{port}")
+    with run_dir_defaults(Path(run_dir)):
+        return load_config(ServeConfig, {**values, "run_dir": run_dir})
+
+
+class Child:
+    """One role's process, started with its validated config, the name it is known by, and the
+    endpoint its `Ready` reported.
+
+    The config travels as msgspec JSON (`mmlane ROLE --config-json JSON`): the child decodes and
+    validates it again, with no flag of its own. With `log_dir`, the child's stderr (its log)
+    goes to LOG_DIR/ROLE.log instead of ours. With `run_dir`, it is the child's
+    $MMLANE_RUN_DIR.
     """
 
     def __init__(
-        self, role: str, argv: list[str], log_dir: Path | None = None, run_dir: Path | None = None
+        self, role: str, config: msgspec.Struct, ready_endpoint: str,
+        log_dir: Path | None = None, run_dir: Path | None = None,
     ) -> None:
         self.role = role
+        self.config = config
         self.endpoint: str | None = None
-        self.stop_timeout_s = drain_timeout_s(argv) + KILL_GRACE_S
+        ops: OpsConfig | None = getattr(config, "ops", None)
+        self.stop_timeout_s = (ops.drain_timeout_s if ops else 0.0) + KILL_GRACE_S
         """From SIGTERM to SIGKILL."""
         self.log_path = None if log_dir is None else log_dir / f"{role}.log"
         env = None if run_dir is None else {**os.environ, "MMLANE_RUN_DIR": str(run_dir)}
+        argv = ["--config-json", msgspec.json.encode(config).decode(),
+                "--ready-endpoint", ready_endpoint]
         with self.log_path.open("wb") if self.log_path else contextlib.nullcontext() as stderr:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", role, *argv], stderr=stderr, env=env
@@ -74,110 +135,48 @@ class Child:
             self.process.wait()
 
 
-def drain_timeout_s(argv: list[str]) -> float:
-    """The --drain-timeout of a role's command line (the role's default when it has none, or
-    one it cannot read: the role refuses that itself, naming it)."""
-    default = OpsConfig().drain_timeout_s
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--drain-timeout", type=float, default=default)
-    try:
-        return parser.parse_known_args(argv)[0].drain_timeout
-    except argparse.ArgumentError:
-        return default
-
-
-def _opt(name: str, value: object) -> list[str]:
-    return [] if value is None else [f"--{name}", str(value)]
-
-
-def _flag(name: str, value: bool) -> list[str]:
-    return [f"--{name}"] if value else []
-
-
-def child_argv(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, list[str]]:
-    """The command line of each role, from serve's own arguments."""
-    engine = args.engine_endpoint or ipc("engine", run_dir)
-    mm_worker = args.mm_worker_endpoint or ipc("mm-worker", run_dir)
-    common = [
-        "--model", str(model_dir), "--engine-endpoint", engine,
-        "--stats-interval", str(args.stats_interval), "--drain-timeout", str(args.drain_timeout),
-    ]
-    return {
-        "engine": [
-            *common, "--device", args.device,
-            *_opt("max-queued-requests", args.max_queued_requests),
-            *_opt("prefill-chunk-tokens", args.prefill_chunk_tokens),
-            *_opt("max-batch", args.max_batch),
-            *_opt("torch-threads", args.torch_threads),
-            *_opt("mm-cache-gb", args.mm_cache_gb),
-        ],
-        "mm-worker": [
-            *common, "--mm-worker-endpoint", mm_worker,
-            *_opt("allowed-media-dir", args.allowed_media_dir),
-            *_opt("max-image-pixels", args.max_image_pixels),
-            *_opt("max-image-bytes", args.max_image_bytes),
-            *_opt("mm-cache-gb", args.mm_cache_gb), *_opt("mm-hash", args.mm_hash),
-            *_opt("allowed-media-schemes", args.allowed_media_schemes),
-            *_opt("allowed-media-domains", args.allowed_media_domains or None),
-            *_flag("allow-http-media", args.allow_http_media),
-            *_flag("allow-internal-media", args.allow_internal_media),
-            *_opt("media-max-redirects", args.media_max_redirects),
-            *_opt("media-connect-timeout", args.media_connect_timeout),
-            *_opt("media-fetch-timeout", args.media_fetch_timeout),
-            *_opt("media-fetch-retries", args.media_fetch_retries),
-        ],
-        "frontend": [
-            *common, "--mm-worker-endpoint", mm_worker,
-            "--output-endpoint", ipc("frontend-0", run_dir),
-            "--host", args.host, "--port", str(args.port),
-            "--http-host", args.http_host, "--http-port", str(args.http_port),
-            *_opt("http-max-body-bytes", args.http_max_body_bytes),
-            *_opt("tokenizer-workers", args.tokenizer_workers),
-            *_opt("max-images-per-request", args.max_images_per_request),
-            *_opt("request-timeout", args.request_timeout),
-            *_opt("max-inflight-requests", args.max_inflight_requests),
-        ],
-    }
-
-
 def serve(args: argparse.Namespace) -> int:
+    from services.model import resolve_model_dir  # heavy (transformers): not for --help
+
     log = setup_logging("serve")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     children: list[Child] = []
-    # Under the default run dir, where `mmlane top`, `stats` and `health` look for processes.
-    run_dir = Path(args.run_dir or default_run_dir() / f"serve-{args.port}")
+    values = SERVE_SETTINGS.values(args)
+    run_dir: Path | None = None
     try:
-        model_dir = resolve_model_dir(args.model)  # build the default model once, not per child
-        children = start_roles(child_argv(args, model_dir, run_dir), run_dir,
-                               args.startup_timeout, stop)
+        config = serve_config(values)
+        run_dir = Path(str(config.run_dir))
+        model_dir = resolve_model_dir(config.engine.model)  # build the default model once
+        for role_config in config.roles().values():
+            role_config.model = str(model_dir)  # type: ignore[attr-defined]
+        children = start_roles(config.roles(), run_dir, config.startup_timeout_s, stop)
         if stop.is_set():
             return 0
-        http = f", HTTP API http://{args.http_host}:{args.http_port}/v1" if args.http_port else ""
-        print(
-            f"mmlane ready: client endpoint tcp://{args.host}:{args.port}{http} "
-            f"(model {model_dir})",
-            flush=True,
-        )
+        frontend = config.frontend
+        http = (f", HTTP API http://{frontend.http_host}:{frontend.http_port}/v1"
+                if frontend.http_port else "")
+        print(f"mmlane ready: client endpoint {frontend.client_endpoint}{http} "
+              f"(model {model_dir})", flush=True)
         return _watch(children, stop, log)
     except FatalError as exc:
         print(f"mmlane serve: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         stop_all(children)
-        if not args.run_dir:  # a folder we made for this run only
+        if run_dir is not None and not values.get("run_dir"):  # a folder made for this run only
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def start_roles(
-    roles: dict[str, list[str]],
+    roles: dict[str, msgspec.Struct],
     run_dir: Path,
     timeout_s: float,
     stop: threading.Event | None = None,
     log_dir: Path | None = None,
 ) -> list[Child]:
-    """Start `mmlane ROLE ARGV` for each role and wait until every one reports ready.
+    """Start each role with its config and wait until every one reports ready.
 
     Each child logs to LOG_DIR/ROLE.log when `log_dir` is given, else to our stderr.
     Raises FatalError with the failing child's reason (after stopping the others) when a child
@@ -190,9 +189,8 @@ def start_roles(
         log_dir.mkdir(parents=True, exist_ok=True)
     with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:
         try:
-            for role, argv in roles.items():
-                argv = [*argv, "--ready-endpoint", ready_endpoint]
-                children.append(Child(role, argv, log_dir, run_dir))
+            for role, config in roles.items():
+                children.append(Child(role, config, ready_endpoint, log_dir, run_dir))
             _wait_ready(sock, children, stop or threading.Event(), timeout_s)
         except BaseException:
             stop_all(children)

@@ -15,6 +15,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor, Qwen
 
 from image_server import ImageServer
 from protocol.errors import FatalError
+from services.cli import config_from_argv
 from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
 from services.launcher import Child, start_roles, stop_all
 from services.model import PixelNorm, Preprocessor, load_preprocessor, normalize
@@ -109,7 +110,8 @@ def start_role(
     With `log_dir`, the role logs to LOG_DIR/ROLE.log (see `role_log`), quoted if it fails to start.
     """
     try:
-        (child,) = start_roles({role: args}, run_dir, timeout_s, log_dir=log_dir)
+        config = config_from_argv(role, args, run_dir)
+        (child,) = start_roles({role: config}, run_dir, timeout_s, log_dir=log_dir)
     except FatalError as exc:
         if log_dir is None:
             raise

@@ -29,6 +29,7 @@ import pytest
 from conftest import REPO, free_port, role_log, start_role
 from protocol.errors import RetryableError
 from services.bench.images import jpeg_uri, noise_image, png_uri
+from services.cli import config_from_argv
 from services.client import ChatResult, Client, user_message
 from services.launcher import Child, start_roles, stop_all
 
@@ -53,7 +54,8 @@ class Cluster:
                          "--output-endpoint", f"ipc://{run_dir}/f.sock",
                          "--port", str(self.port), "--request-timeout", str(timeout_s)],
         }
-        children = start_roles(self.argv, run_dir, 180, log_dir=run_dir / "logs")
+        configs = {role: config_from_argv(role, args, run_dir) for role, args in self.argv.items()}
+        children = start_roles(configs, run_dir, 180, log_dir=run_dir / "logs")
         self.roles: dict[str, Child] = {child.role: child for child in children}
         self.stopped: list[Child] = []
 

@@ -47,6 +47,7 @@ from protocol.messages import (
     SamplingParams,
 )
 from services.bench.images import jpeg_uri
+from services.cli import config_from_argv
 from services.client import user_message
 from services.launcher import Child, start_roles, stop_all
 from services.model import Preprocessor
@@ -469,12 +470,15 @@ def test_stopping_a_cluster_frontend_first_finishes_everything_in_flight(site: S
     engine, mm_worker = site.ipc("engine"), site.ipc("mm-worker")
     common = ["--model", str(site.model_dir), "--engine-endpoint", engine,
               "--drain-timeout", str(PATIENCE_S)]
-    site.children = children = start_roles({
+    argv = {
         "engine": [*common, "--device", "cpu"],
         "mm-worker": [*common, "--mm-worker-endpoint", mm_worker],
         "frontend": [*common, "--mm-worker-endpoint", mm_worker, "--port", str(port),
                      "--output-endpoint", site.ipc("output")],
-    }, site.run_dir, PATIENCE_S * 3, log_dir=site.run_dir / "logs")
+    }
+    site.children = children = start_roles(
+        {role: config_from_argv(role, args, site.run_dir) for role, args in argv.items()},
+        site.run_dir, PATIENCE_S * 3, log_dir=site.run_dir / "logs")
     client = Inbox.client(site.ctx, f"tcp://127.0.0.1:{port}")
     ids = []
     for seed, image in enumerate(big_images(4)):

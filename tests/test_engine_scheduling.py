@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -43,13 +44,13 @@ from protocol.messages import (
     SamplingParams,
 )
 from services.bench.images import encode, make_image
-from services.cli import build_parser, engine_config
+from services.cli import build_parser, role_config
 from services.client import Client, user_message
 from services.common.config import load_config
 from services.engine.config import EngineConfig
 from services.engine.hf.scheduler import BULK_SHARE, Lane, Scheduler
 from services.engine.hf.sequence import Sequence
-from services.launcher import Child, child_argv, stop_all
+from services.launcher import SERVE_SETTINGS, Child, serve_config, stop_all
 from services.model import Preprocessor, load_model
 
 SMALL_CHUNK = 4  # splits every image mid-way, in prefill and in the vision pass alike
@@ -307,11 +308,13 @@ def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
 
 
 def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> None:
-    args = build_parser().parse_args(
-        ["serve", "--prefill-chunk-tokens", "64", "--torch-threads", "3", "--max-batch", "4"]
-    )
-    engine_argv = child_argv(args, run_dir, run_dir)["engine"]
-    config = engine_config(build_parser().parse_args(["engine", *engine_argv]))
+    serve = serve_config(SERVE_SETTINGS.parse(
+        ["--prefill-chunk-tokens", "64", "--torch-threads", "3", "--max-batch", "4",
+         "--run-dir", str(run_dir)]
+    ))
+    config_json = msgspec.json.encode(serve.engine).decode()
+    args = build_parser().parse_args(["engine", "--config-json", config_json])
+    config = role_config("engine", args)
     hf = config.hf
     assert (hf.prefill_chunk_tokens, hf.torch_threads, hf.max_batch) == (64, 3, 4)
     with pytest.raises(FatalError, match="max_batch must be positive"):

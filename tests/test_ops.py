@@ -26,10 +26,10 @@ from protocol.errors import FatalError
 from protocol.messages import HistogramSnapshot, Stats
 from services.bench.config import ImageSpec
 from services.bench.images import ImageSource, jpeg_uri
-from services.cli import build_parser, main
+from services.cli import main
 from services.client import Client, user_message
 from services.common.config import ipc
-from services.launcher import Child, child_argv, start_roles, stop_all
+from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.ops.discovery import Targets, endpoint_label
 from services.ops.exporter import metric_name
 from services.ops.feed import ProcessSnapshots, StatsFeed
@@ -55,11 +55,11 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(module_run_dir: Path, qwen_dir: Path) -> Iterator[Deployment]:
     port = free_port()
-    args = build_parser().parse_args(
-        ["serve", "--port", str(port), "--http-port", "0", "--stats-interval", STATS_INTERVAL]
-    )
-    roles = child_argv(args, qwen_dir, module_run_dir)
-    children = start_roles(roles, module_run_dir, 180, log_dir=module_run_dir / "log")
+    config = serve_config(SERVE_SETTINGS.parse(
+        ["--model", str(qwen_dir), "--run-dir", str(module_run_dir), "--port", str(port),
+         "--http-port", "0", "--stats-interval", STATS_INTERVAL]
+    ))
+    children = start_roles(config.roles(), module_run_dir, 180, log_dir=module_run_dir / "log")
     yield Deployment(module_run_dir, f"tcp://127.0.0.1:{port}", {c.role: c for c in children})
     stop_all(children)
 

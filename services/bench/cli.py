@@ -1,7 +1,7 @@
 """`mmlane bench` (the isolation benchmark) and `mmlane bench-server` (its in-process servers).
 
-Kept light to import: `services/cli.py` builds its parser from here on every `mmlane` command,
-so everything heavy (the model, matplotlib, tqdm) is imported when a bench actually runs.
+`services/cli.py` imports this module only for these two commands; even so, everything heavy
+(the model, matplotlib, tqdm) is imported when a bench actually runs.
 """
 
 from __future__ import annotations
@@ -11,76 +11,29 @@ import shlex
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from protocol.errors import FatalError
-from services.bench.config import MODES, BenchConfig, load_bench_config
+from services.bench.config import BenchConfig, load_bench_config
+from services.common.settings import Settings
 
 EXTRA_HINT = "mmlane bench needs the 'bench' extra: pip install -e '.[bench]' (matplotlib, tqdm)"
 
 
-def _floats(text: str) -> list[float]:
-    return [float(part) for part in text.split(",") if part.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+BENCH_SETTINGS = Settings(
+    BenchConfig, exclude=("serve_args",), env=False,
+    # The flags' names predate the fields', which the results file (its `settings`) keeps.
+    renames={"image_files": "image", "idle_s": "idle_seconds", "phase_s": "phase_seconds",
+             "probe_s": "probe_seconds", "probe_idle_s": "probe_idle_seconds"},
+)
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    d = BenchConfig()
-    p.add_argument("--modes", type=_names, default=d.modes, metavar="M,M",
-                   help=f"modes to run, in order (default: {','.join(MODES)})")
-    p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory "
-                   "(default: the embedded tiny-qwen2-vl)")
-    w = p.add_argument_group("workload")
-    w.add_argument("--text-rate", type=float, default=d.text_rate, metavar="PER_S",
-                   help=f"text requests/s, Poisson, in the idle and load phases ({d.text_rate:g})")
-    w.add_argument("--text-words", type=int, default=d.text_words, metavar="N",
-                   help=f"words per text prompt ({d.text_words})")
-    w.add_argument("--image-rates", type=_floats, default=d.image_rates, metavar="R,R",
-                   help="image requests/s, Poisson, one load phase each; the last is the "
-                   f"saturating load the goals are judged at ({','.join(map(str, d.image_rates))})")
-    w.add_argument("--image-sizes", type=_names, default=d.image_sizes, metavar="S,S",
-                   help="generated JPEG sizes the image requests carry in turn: N or WxH "
-                   f"({','.join(d.image_sizes)})")
-    w.add_argument("--image", dest="image_files", action="append", default=[], metavar="FILE",
-                   help="a real image file to send instead of generated ones (repeatable)")
-    w.add_argument("--images-per-request", type=int, default=d.images_per_request, metavar="N")
-    w.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
-                   help=f"output tokens per request ({d.max_tokens})")
-    w.add_argument("--idle-seconds", dest="idle_s", type=float, default=d.idle_s,
-                   metavar="S", help=f"idle phase length ({d.idle_s:g})")
-    w.add_argument("--phase-seconds", dest="phase_s", type=float, default=d.phase_s,
-                   metavar="S", help=f"length of each load phase ({d.phase_s:g})")
-    w.add_argument("--drain-timeout", dest="drain_timeout_s", type=float,
-                   default=d.drain_timeout_s, metavar="S",
-                   help=f"how long a phase's last requests may take ({d.drain_timeout_s:g})")
-    w.add_argument("--seed", type=int, default=d.seed)
-    r = p.add_argument_group("tokenizer probe")
-    r.add_argument("--probe-sizes", type=_names, default=d.probe_sizes, metavar="S,S",
-                   help=f"image size of each probe phase's loops ({','.join(d.probe_sizes)})")
-    r.add_argument("--probe-loops", type=int, default=d.probe_loops, metavar="N",
-                   help=f"closed image loops during a probe phase ({d.probe_loops})")
-    r.add_argument("--probe-seconds", dest="probe_s", type=float, default=d.probe_s,
-                   metavar="S", help=f"length of each probe phase ({d.probe_s:g})")
-    r.add_argument("--probe-idle-seconds", dest="probe_idle_s", type=float,
-                   default=d.probe_idle_s, metavar="S")
-    r.add_argument("--probe-interval-ms", type=float, default=d.probe_interval_ms, metavar="MS")
-    s = p.add_argument_group("servers")
-    s.add_argument("--pool-size", type=int, default=d.pool_size, metavar="N",
-                   help=f"shared mode's one thread pool ({d.pool_size})")
-    s.add_argument("--tokenizer-workers", type=int, default=d.tokenizer_workers, metavar="N",
-                   help=f"split and mmlane tokenizer threads ({d.tokenizer_workers})")
-    s.add_argument("--serve-args", type=shlex.split, default=[], metavar="'ARGS'",
+    BENCH_SETTINGS.add_to(p)
+    p.add_argument("--serve-args", type=shlex.split, metavar="'ARGS'",
                    help="extra `mmlane serve` arguments for mmlane's roles; every mode's engine "
                    "gets serve's engine arguments (e.g. '--torch-threads 1')")
-    s.add_argument("--mmlane-endpoint", metavar="ADDR",
-                   help="measure a running mmlane at this client address instead of starting one")
-    s.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,
-                   default=d.startup_timeout_s, metavar="S")
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=Path("mmlane-bench.json"), metavar="PATH",
                    help="results file (default mmlane-bench.json); schema: --schema")
@@ -93,12 +46,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the results file's JSON Schema and exit")
 
 
-_CONFIG_ARGS = tuple(BenchConfig.__struct_fields__)
-
-
 def bench_config(args: argparse.Namespace) -> BenchConfig:
-    return load_bench_config({name: getattr(args, name) for name in _CONFIG_ARGS
-                              if hasattr(args, name)})
+    values = BENCH_SETTINGS.values(args)
+    if args.serve_args:
+        values["serve_args"] = args.serve_args
+    return load_bench_config(values)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -138,13 +90,8 @@ def _check_extra() -> None:
 
 
 def add_bench_server_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", required=True, choices=["shared", "split"])
-    p.add_argument("--model")
-    for name in ("client", "output", "engine", "control"):
-        p.add_argument(f"--{name}-endpoint", required=True)
-    p.add_argument("--pool-size", type=int, default=4)
-    p.add_argument("--tokenizer-workers", type=int, default=4)
-    p.add_argument("--max-image-pixels", type=int, default=64_000_000)
+    """Only the bench starts it (`modes.server_config`), handing it its config as JSON."""
+    p.add_argument("--config-json", required=True)
     p.add_argument("--ready-endpoint")
 
 
@@ -153,9 +100,5 @@ def run_bench_server(args: argparse.Namespace) -> int:
     from services.common.config import load_config
     from services.common.lifecycle import run_role
 
-    values: dict[str, Any] = {
-        name: getattr(args, name) for name in InProcessConfig.__struct_fields__
-    }
-    config = load_config(InProcessConfig, values)
+    config = load_config(InProcessConfig, msgspec.json.decode(args.config_json))
     return run_role("bench-server", lambda: InProcessServer(config), args.ready_endpoint)
-

@@ -25,11 +25,17 @@ from protocol.errors import FatalError
 from protocol.messages import ChatRequest, EngineOutput, EngineRequest, FrontendInput, RequestFailed
 from services.bench.config import BenchConfig
 from services.bench.images import ImageSource
-from services.bench.inproc import ControlReply, ControlRequest, job_renderer, routed_message
+from services.bench.inproc import (
+    ControlReply,
+    ControlRequest,
+    InProcessConfig,
+    job_renderer,
+    routed_message,
+)
 from services.client import user_message
 from services.common.config import ipc
 from services.common.sockets import free_tcp_port, make_socket
-from services.launcher import Child, child_argv, start_roles, stop_all
+from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.mm_worker.jobs import JobRenderer
 from services.model import Preprocessor
 
@@ -45,33 +51,30 @@ _PROCESS_NAMES = {"bench-server": "server"}
 
 def serve_roles(
     config: BenchConfig, model_dir: Path, run_dir: Path, port: int
-) -> dict[str, list[str]]:
-    """The command line of each role exactly as `mmlane serve` starts it (`serve_args` applied)."""
-    from services.cli import build_parser  # services.cli imports this package's cli module
-
-    args = build_parser().parse_args([
-        "serve", "--model", str(model_dir), "--port", str(port), "--run-dir", str(run_dir),
+) -> dict[str, msgspec.Struct]:
+    """Each role's config exactly as `mmlane serve` builds it (`serve_args` applied)."""
+    values = SERVE_SETTINGS.parse([
+        "--model", str(model_dir), "--port", str(port), "--run-dir", str(run_dir),
         "--engine-endpoint", ipc("bench-engine", run_dir),
         "--tokenizer-workers", str(config.tokenizer_workers),
         "--max-image-pixels", str(config.max_image_pixels), *config.serve_args,
     ])
-    return child_argv(args, model_dir, run_dir)
+    return serve_config(values).roles()
 
 
-def server_argv(
+def server_config(
     mode: str, config: BenchConfig, model_dir: Path, run_dir: Path, port: int
-) -> list[str]:
+) -> InProcessConfig:
     """The in-process server of `mode` (shared or split), in front of the bench's engine."""
-    return [
-        "--mode", mode, "--model", str(model_dir),
-        "--engine-endpoint", ipc("bench-engine", run_dir),
-        "--client-endpoint", f"tcp://127.0.0.1:{port}",
-        "--output-endpoint", ipc(f"bench-{mode}-output", run_dir),
-        "--control-endpoint", ipc(f"bench-{mode}-control", run_dir),
-        "--pool-size", str(config.pool_size),
-        "--tokenizer-workers", str(config.tokenizer_workers),
-        "--max-image-pixels", str(config.max_image_pixels),
-    ]
+    return InProcessConfig(
+        mode=mode, model=str(model_dir),  # type: ignore[arg-type]  # checked by the bench config
+        engine_endpoint=ipc("bench-engine", run_dir),
+        client_endpoint=f"tcp://127.0.0.1:{port}",
+        output_endpoint=ipc(f"bench-{mode}-output", run_dir),
+        control_endpoint=ipc(f"bench-{mode}-control", run_dir),
+        pool_size=config.pool_size, tokenizer_workers=config.tokenizer_workers,
+        max_image_pixels=config.max_image_pixels,
+    )
 
 
 @dataclass
@@ -97,7 +100,7 @@ class Deployment:
 class _Group:
     """Processes started together: the engine, one in-process server, or mmlane's other roles."""
 
-    roles: dict[str, list[str]]
+    roles: dict[str, msgspec.Struct]
     mode: str | None = None
     port: int = 0
 
@@ -154,8 +157,8 @@ def _groups(
             groups[mode] = _Group({"mm-worker": roles["mm-worker"],
                                    "frontend": roles["frontend"]}, mode, port)
         elif mode != "mmlane":
-            argv = server_argv(mode, config, model_dir, run_dir, port)
-            groups[mode] = _Group({"bench-server": argv}, mode, port)
+            server = server_config(mode, config, model_dir, run_dir, port)
+            groups[mode] = _Group({"bench-server": server}, mode, port)
     if groups:
         groups["engine"] = _Group({"engine": serve["engine"]})
     return groups

@@ -6,8 +6,11 @@ startup with a message naming the setting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -22,9 +25,26 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 
 
+_RUN_DIR: ContextVar[Path | None] = ContextVar("run_dir", default=None)
+
+
 def default_run_dir() -> Path:
-    """Where internal ipc:// sockets live unless addresses are given: `$MMLANE_RUN_DIR`."""
-    return Path(os.environ.get("MMLANE_RUN_DIR") or Path(tempfile.gettempdir()) / "mmlane")
+    """Where internal ipc:// sockets live unless addresses are given: `$MMLANE_RUN_DIR`, or
+    the folder of `run_dir_defaults` while configs are built inside it."""
+    return _RUN_DIR.get() or Path(
+        os.environ.get("MMLANE_RUN_DIR") or Path(tempfile.gettempdir()) / "mmlane"
+    )
+
+
+@contextlib.contextmanager
+def run_dir_defaults(run_dir: Path) -> Iterator[None]:
+    """Configs built inside default their ipc:// sockets to `run_dir`: the launcher builds its
+    children's configs as the children, started with MMLANE_RUN_DIR=RUN_DIR, would."""
+    token = _RUN_DIR.set(run_dir)
+    try:
+        yield
+    finally:
+        _RUN_DIR.reset(token)
 
 
 def ipc(name: str, run_dir: Path | None = None) -> str:
@@ -77,10 +97,10 @@ class OpsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """Local Hugging Face model directory (its tokenizer and image processor are used)."""
-    job_endpoint: str = ""
-    """Where this MM worker binds its job socket (PULL); frontends connect."""
+    mm_worker_endpoint: str = ""
+    """Where this MM worker binds its job socket (PULL); frontends connect. "": ipc://RUN_DIR/mm-worker.sock."""
     engine_endpoint: str = ""
-    """The engine's request socket."""
+    """The engine's request socket. "": ipc://RUN_DIR/engine.sock."""
     allowed_media_dir: str | None = None
     """file:// image paths are allowed only under this folder; None refuses every file:// URL."""
     max_image_pixels: int = 64_000_000
@@ -95,6 +115,8 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_media_schemes: list[str] = msgspec.field(default_factory=lambda: ["data", "https"])
     """URL schemes image URLs may use: any of data, https, http (file:// has its own rule,
     `allowed_media_dir`)."""
+    allow_http_media: bool = False
+    """Also allow plain http:// image URLs (adds http to `allowed_media_schemes`)."""
     allowed_media_domains: list[str] = []
     """When set, http(s) image hosts must be one of these domains or a subdomain of one."""
     allow_internal_media: bool = False
@@ -114,6 +136,10 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         capacity_bytes(self.mm_cache_gb)
+        self.allowed_media_schemes = [s.lower() for s in self.allowed_media_schemes]
+        if self.allow_http_media and "http" not in self.allowed_media_schemes:
+            self.allowed_media_schemes.append("http")
+        self.allowed_media_domains = [d.lower() for d in self.allowed_media_domains]
         unknown = set(self.allowed_media_schemes) - {"data", "https", "http"}
         if unknown:
             raise ValueError(f"allowed_media_schemes: unknown scheme(s) {sorted(unknown)} "
@@ -121,8 +147,8 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _positive(self, "media_connect_timeout_s", "media_fetch_timeout_s", "fetch_ahead_jobs")
         if self.media_max_redirects < 0 or self.media_fetch_retries < 0:
             raise ValueError("media_max_redirects and media_fetch_retries must be 0 or more")
-        self.job_endpoint = self.job_endpoint or ipc("mm-worker")
-        self.ops = self.ops.named(process_name("mm-worker", self.job_endpoint))
+        self.mm_worker_endpoint = self.mm_worker_endpoint or ipc("mm-worker")
+        self.ops = self.ops.named(process_name("mm-worker", self.mm_worker_endpoint))
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
         _positive(self, "max_image_pixels", "max_image_bytes")
         if self.allowed_media_dir is not None and not Path(self.allowed_media_dir).is_dir():
@@ -132,16 +158,22 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """Local Hugging Face model directory (its tokenizer and chat template are used)."""
-    client_endpoint: str = ""
-    """Where the native client API (ROUTER, msgspec) binds."""
+    host: str = DEFAULT_HOST
+    """Host of the native client API (ROUTER, msgspec): it binds tcp://HOST:PORT."""
+    port: int = DEFAULT_PORT
+    """Port of the native client API."""
     output_endpoint: str = ""
-    """Where this frontend binds the socket that engine and MM workers reply to (`reply_to`)."""
+    """Where this frontend binds the socket that engine and MM workers reply to (`reply_to`);
+    "": ipc://RUN_DIR/reply-NAME.sock, NAME as in `ops.name` (e.g. frontend-8765)."""
     engine_endpoint: str = ""
-    mm_worker_endpoints: list[str] = []
-    """Job sockets of the MM workers; jobs are spread over them."""
+    """The engine's request socket. "": ipc://RUN_DIR/engine.sock."""
+    mm_worker_endpoint: list[str] = []
+    """Job sockets of the MM workers (repeat the flag for several); jobs are spread over
+    them. None: ipc://RUN_DIR/mm-worker.sock."""
     tokenizer_workers: int = 4
     """Threads that apply the chat template and tokenize."""
     max_images_per_request: int = 8
+    """Requests with more images are refused."""
     request_timeout_s: float = 600.0
     """A request without its terminal reply after this long gets a 'timeout' error."""
     max_inflight_requests: int = 1024
@@ -158,15 +190,18 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be 0 (off) or a port number, got {self.http_port}")
         _positive(self, "http_max_body_bytes")
-        self.client_endpoint = self.client_endpoint or client_endpoint()
         self.ops = self.ops.named(process_name("frontend", self.client_endpoint))
-        self.output_endpoint = self.output_endpoint or ipc(f"frontend-{os.getpid()}")
+        self.output_endpoint = self.output_endpoint or ipc(f"reply-{self.ops.name}")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
-        self.mm_worker_endpoints = self.mm_worker_endpoints or [ipc("mm-worker")]
+        self.mm_worker_endpoint = self.mm_worker_endpoint or [ipc("mm-worker")]
         _positive(
             self, "tokenizer_workers", "max_images_per_request", "request_timeout_s",
             "max_inflight_requests",
         )
+
+    @property
+    def client_endpoint(self) -> str:
+        return client_endpoint(self.host, self.port)
 
 
 def load_config(config_type: type[C], values: dict[str, Any]) -> C:

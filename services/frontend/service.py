@@ -168,7 +168,7 @@ class Frontend:
         # whose sender cache the engine's receiver cache mirrors.
         self._mm_workers = [
             make_socket(self._ctx, zmq.PUSH, endpoint, bind=False)
-            for endpoint in c.mm_worker_endpoints
+            for endpoint in c.mm_worker_endpoint
         ]
         self._next_worker = itertools.cycle(range(len(self._mm_workers)))
         # The client socket binds last: once clients can reach us, everything else is ready.

@@ -102,7 +102,7 @@ class MMWorker:
 
     def __init__(self, config: MMWorkerConfig) -> None:
         self.config = config
-        self.endpoint = config.job_endpoint
+        self.endpoint = config.mm_worker_endpoint
         self.preprocessor = load_preprocessor(resolve_model_dir(config.model))
         self.media = MediaPolicy.from_config(config)
         self.metrics = Metrics("mm-worker", config.ops.name)
@@ -113,7 +113,7 @@ class MMWorker:
         self._ctx = zmq.Context()
         with ExitStack() as undo:  # a failed bind or connect closes what was opened
             undo.callback(self._ctx.term)
-            self._jobs = make_socket(self._ctx, zmq.PULL, config.job_endpoint, bind=True)
+            self._jobs = make_socket(self._ctx, zmq.PULL, config.mm_worker_endpoint, bind=True)
             undo.callback(self._jobs.close)
             self._engine = make_socket(
                 self._ctx, zmq.PUSH, config.engine_endpoint, bind=False, hwm=ENGINE_SEND_HWM

@@ -1,0 +1,194 @@
+"""Settings: flags, `--help` defaults and MMLANE_* variables derived from the config Structs, and
+serve handing each child its validated config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import pytest
+
+from protocol.errors import FatalError
+from services.bench.cli import BENCH_SETTINGS
+from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
+from services.common.config import EngineConfig
+from services.common.settings import Settings, flag_name
+from services.launcher import KILL_GRACE_S, SERVE_SETTINGS, serve_config, start_roles, stop_all
+from services.ops.health import ping_all
+
+
+class Inner(msgspec.Struct, kw_only=True):
+    wait_timeout_s: float = 2.5
+    """How long to wait."""
+
+
+class Toy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    size: int = 3
+    """How big."""
+    label: str | None = None
+    color: Literal["red", "blue"] = "red"
+    fast: bool = False
+    tags: list[str] = msgspec.field(default_factory=lambda: ["a", "b"])
+    inner: Inner = msgspec.field(default_factory=Inner)
+
+
+TOY = Settings(Toy)
+
+
+# ---------------------------------------------------------------- the derivation
+
+
+@pytest.mark.parametrize(("field", "flag"), [
+    ("drain_timeout_s", "drain-timeout"), ("mm_cache_gb", "mm-cache-gb"),
+    ("http_port", "http-port"),
+])
+def test_flag_name_is_the_field_name_without_its_seconds_suffix(field: str, flag: str) -> None:
+    assert flag_name(field) == flag
+
+
+def test_every_field_is_a_flag_nested_ones_named_after_their_leaf() -> None:
+    assert [(s.flag, s.paths) for s in TOY.settings] == [
+        ("size", ["size"]), ("label", ["label"]), ("color", ["color"]), ("fast", ["fast"]),
+        ("tags", ["tags"]), ("wait-timeout", ["inner.wait_timeout_s"]),
+    ]
+
+
+@pytest.mark.parametrize(("argv", "values"), [
+    ([], {}),
+    (["--size", "5", "--label", "x"], {"size": 5, "label": "x"}),
+    (["--color", "blue", "--fast"], {"color": "blue", "fast": True}),
+    (["--tags", "x,y", "--tags", "z"], {"tags": ["x", "y", "z"]}),
+    (["--wait-timeout", "1"], {"inner": {"wait_timeout_s": 1.0}}),
+])
+def test_flags_give_only_what_is_set_nested_as_the_struct(argv: list[str], values: dict) -> None:
+    assert TOY.parse(argv) == values
+
+
+def test_settings_not_given_take_the_structs_defaults() -> None:
+    assert msgspec.convert(TOY.parse([]), Toy) == Toy()
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--color", "green"], "invalid choice"), (["--size", "big"], "invalid int value"),
+    (["--colour", "red"], "unknown flags --colour red"),
+])
+def test_a_command_line_it_cannot_read_is_refused(argv: list[str], match: str) -> None:
+    with pytest.raises(FatalError, match=match):
+        TOY.parse(argv)
+
+
+def test_one_flag_sets_every_leaf_of_its_name() -> None:
+    config = serve_config(SERVE_SETTINGS.parse(["--model", "/m", "--drain-timeout", "3",
+                                                "--mm-cache-gb", "1"]))
+    assert config.engine.model == config.mm_worker.model == config.frontend.model == "/m"
+    assert {c.ops.drain_timeout_s for c in config.roles().values()} == {3.0}
+    assert config.engine.mm_cache_gb == config.mm_worker.mm_cache_gb == 1.0
+
+
+# ---------------------------------------------------------------- precedence: flag > env > default
+
+
+def test_a_flag_beats_its_environment_variable_which_beats_the_default(
+    monkeypatch: pytest.MonkeyPatch, run_dir: Path
+) -> None:
+    monkeypatch.delenv("MMLANE_HTTP_PORT", raising=False)
+    assert config_from_argv("frontend", [], run_dir).http_port == 8000
+    monkeypatch.setenv("MMLANE_HTTP_PORT", "8100")
+    monkeypatch.setenv("MMLANE_DRAIN_TIMEOUT", "7")
+    monkeypatch.setenv("MMLANE_ALLOWED_MEDIA_DOMAINS", "Example.com,b.org")
+    assert config_from_argv("frontend", [], run_dir).http_port == 8100
+    assert config_from_argv("frontend", ["--http-port", "8200"], run_dir).http_port == 8200
+    assert config_from_argv("engine", [], run_dir).ops.drain_timeout_s == 7.0
+    worker = config_from_argv("mm-worker", [], run_dir)
+    assert worker.allowed_media_domains == ["example.com", "b.org"]
+    monkeypatch.setenv("MMLANE_HTTP_PORT", "")  # empty counts as unset
+    assert config_from_argv("frontend", [], run_dir).http_port == 8000
+
+
+def test_flags_that_are_not_one_field_keep_their_meaning(run_dir: Path) -> None:
+    frontend = config_from_argv("frontend", ["--host", "0.0.0.0", "--port", "9100"], run_dir)
+    assert frontend.client_endpoint == "tcp://0.0.0.0:9100"
+    worker = config_from_argv("mm-worker", ["--allowed-media-schemes", "data",
+                                            "--allow-http-media"], run_dir)
+    assert worker.allowed_media_schemes == ["data", "http"]
+
+
+# ---------------------------------------------------------------- bad values name the setting
+
+
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    (["engine", "--max-batch", "0"], {}, "max_batch must be positive"),
+    (["frontend", "--http-port", "70000"], {}, "http_port must be 0"),
+    (["mm-worker"], {"MMLANE_ALLOWED_MEDIA_SCHEMES": "gopher"}, "allowed_media_schemes"),
+    (["serve", "--startup-timeout", "0"], {}, "startup_timeout_s must be positive"),
+    (["frontend"], {"MMLANE_HTTP_PORT": "eighty"}, "$MMLANE_HTTP_PORT: invalid literal for int"),
+])
+def test_a_bad_value_names_the_setting(
+    argv: list[str], env: dict[str, str], named: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(argv) == 1
+    assert named in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- --help
+
+
+def _settings(command: str) -> Settings:
+    if command == "serve":
+        return SERVE_SETTINGS
+    if command == "bench":
+        return BENCH_SETTINGS
+    return ROLE_SETTINGS[command][1]
+
+
+@pytest.mark.parametrize("command", ["serve", "engine", "mm-worker", "frontend", "bench"])
+def test_help_shows_every_setting_with_its_default(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    settings = _settings(command).settings
+    for setting in settings:
+        assert f"--{setting.flag} " in text
+    assert text.count("(default: ") >= len(settings)
+    assert "(default: 30.0; $MMLANE_DRAIN_TIMEOUT)" in text or command == "bench"
+    assert ("else from its MMLANE_* environment variable" in text) == (command != "bench")
+
+
+# ---------------------------------------------------------------- serve's children
+
+
+def test_serves_child_runs_with_the_config_it_was_handed(qwen_dir: Path, run_dir: Path) -> None:
+    config = serve_config(SERVE_SETTINGS.parse(
+        ["--model", str(qwen_dir), "--run-dir", str(run_dir), "--drain-timeout", "4"]))
+    worker = msgspec.structs.replace(
+        config.mm_worker, ops=msgspec.structs.replace(config.mm_worker.ops, name="handed")
+    )
+    (child,) = start_roles({"mm-worker": worker}, run_dir, 180, log_dir=run_dir / "logs")
+    try:
+        assert child.endpoint == worker.mm_worker_endpoint
+        assert child.stop_timeout_s == 4 + KILL_GRACE_S
+        (answer,) = ping_all([worker.ops.control_endpoint], timeout_s=30)
+        assert answer.name == "handed"
+    finally:
+        stop_all([child])
+
+
+def test_a_child_refuses_a_config_that_is_not_its_roles(run_dir: Path) -> None:
+    with pytest.raises(FatalError, match="mm-worker exited with status 1 during startup"):
+        start_roles({"mm-worker": EngineConfig()}, run_dir, 180, log_dir=run_dir / "logs")
+    log = (run_dir / "logs" / "mm-worker.log").read_text()
+    assert "invalid MMWorkerConfig: Object contains unknown field" in log
+
+
+def test_the_config_json_flag_round_trips_every_role(run_dir: Path) -> None:
+    config = serve_config(SERVE_SETTINGS.parse(["--run-dir", str(run_dir), "--allow-http-media"]))
+    for role, handed in config.roles().items():
+        json = msgspec.json.encode(handed).decode()
+        assert role_config(role, build_parser().parse_args([role, "--config-json", json])) == handed
+
