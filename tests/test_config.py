@@ -12,8 +12,8 @@ import pytest
 from protocol.errors import FatalError
 from services.bench.cli import BENCH_SETTINGS
 from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
-from services.common.config import EngineConfig
 from services.common.settings import Settings, flag_name
+from services.engine.config import EngineConfig
 from services.launcher import KILL_GRACE_S, SERVE_SETTINGS, serve_config, start_roles, stop_all
 from services.ops.health import ping_all
 
