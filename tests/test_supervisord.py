@@ -38,6 +38,7 @@ FRONTENDS = 2
 REQUEST_TIMEOUT_S = 10.0
 # The longest any wait in this file may take: a reply, a restart. A hang fails, never passes.
 PATIENCE_S = 60.0
+STATS_ARGS = "--stats-interval 0.1"
 
 
 def _free_port_pair() -> int:
@@ -108,7 +109,10 @@ def supervised(module_run_dir: Path, qwen_dir: Path) -> Iterator[Supervised]:
         "MMLANE_FRONTEND_PORT": str(base_port),
         "MMLANE_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
         "MMLANE_DEVICE": "cpu",
-        "MMLANE_ENGINE_ARGS": "--torch-threads 1",
+        # Frequent stats: the tests wait on them (`_wait_holding`).
+        "MMLANE_ENGINE_ARGS": f"--torch-threads 1 {STATS_ARGS}",
+        "MMLANE_MM_WORKER_ARGS": STATS_ARGS,
+        "MMLANE_FRONTEND_ARGS": STATS_ARGS,
         "MMLANE_STARTSECS": "1",
     }
     process = subprocess.Popen(
