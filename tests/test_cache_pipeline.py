@@ -35,7 +35,7 @@ from services.launcher import Child, start_roles, stop_all
 
 GIB = 1 << 30
 PROMPT = "Describe the picture."
-STATS_INTERVAL_S = "0.05"  # the waits below watch the roles' stats
+STATS_INTERVAL_S = "0.05"  # reset_soon waits on the frontend's stats
 
 
 class Cluster:
