@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny models (built once), free loopback ports, and real role processes."""
+"""Shared fixtures: the tiny models (built once), run dirs, and real role processes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ from services.launcher import Child, start_roles, stop_all
 from services.model import PixelNorm, Preprocessor, load_preprocessor, normalize
 
 REPO = Path(__file__).resolve().parent.parent
+# `free_port` is for ports that cannot be 0 (an HTTP API, `serve`'s client port); elsewhere tests
+# bind port 0 and read the port back (peers.py; a frontend started with `--port 0` reports its
+# port in its Ready, `Child.endpoint`), so that no other process can take it in between.
 # Every test process and child shares one model cache, kept in an ignored folder of the repo.
 os.environ.setdefault("MMLANE_HOME", str(REPO / ".mmlane"))
 # Frontends started by tests serve no HTTP API unless a test asks for one with --http-port:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, role_log, start_role
+from conftest import REPO, role_log, start_role
+from peers import wait_for_stats
 from protocol.errors import RetryableError
 from services.bench.images import jpeg_uri, noise_image, png_uri
 from services.cli import config_from_argv
@@ -35,6 +36,7 @@ from services.launcher import Child, start_roles, stop_all
 
 GIB = 1 << 30
 PROMPT = "Describe the picture."
+STATS_INTERVAL_S = "0.05"  # reset_soon waits on the frontend's stats
 
 
 class Cluster:
@@ -42,21 +44,23 @@ class Cluster:
 
     def __init__(self, run_dir: Path, model: Path, *, cache_gb: float, timeout_s: float) -> None:
         self.run_dir = run_dir
-        self.port = free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
         engine, mm_worker = f"ipc://{run_dir}/e.sock", f"ipc://{run_dir}/m.sock"
-        common = ["--model", str(model), "--engine-endpoint", engine]
+        common = ["--model", str(model), "--engine-endpoint", engine,
+                  "--stats-interval", STATS_INTERVAL_S]
         self.argv = {
             "engine": [*common, "--mm-cache-gb", str(cache_gb)],
             "mm-worker": [*common, "--mm-worker-endpoint", mm_worker,
                           "--mm-cache-gb", str(cache_gb)],
             "frontend": [*common, "--mm-worker-endpoint", mm_worker,
                          "--output-endpoint", f"ipc://{run_dir}/f.sock",
-                         "--port", str(self.port), "--request-timeout", str(timeout_s)],
+                         "--port", "0", "--request-timeout", str(timeout_s)],
         }
         configs = {role: config_from_argv(role, args, run_dir) for role, args in self.argv.items()}
         children = start_roles(configs, run_dir, 180, log_dir=run_dir / "logs")
         self.roles: dict[str, Child] = {child.role: child for child in children}
+        endpoint = self.roles["frontend"].endpoint  # the port it bound (never restarted here)
+        assert endpoint is not None
+        self.endpoint = endpoint
         self.stopped: list[Child] = []
 
     def kill(self, role: str) -> None:
@@ -196,6 +200,8 @@ def test_mm_worker_killed_mid_flight(run_dir: Path, qwen_dir: Path) -> None:
             # A big new image first, so repeated ones wait behind it in the worker's FIFO.
             big = client.submit([user_message(PROMPT, [jpeg_uri(2400, 1800)])], max_tokens=1)
             ids = [client.submit([user_message(PROMPT, [urls[i]])], max_tokens=6) for i in order]
+            # A fixed pause, kept on purpose: the kill must come while the big image is still
+            # being made (a few hundred ms), sooner than any stats snapshot can tell us it is.
             time.sleep(0.05)
             roles.kill("mm-worker")
             results = client.collect([big, *ids])
@@ -220,7 +226,7 @@ def test_reset_cache_while_requests_are_in_flight(run_dir: Path, qwen_dir: Path)
     with cluster(run_dir, qwen_dir, cache_gb=1, timeout_s=60) as roles:
         with Client(roles.endpoint, timeout_s=60) as client:
             expected = warm_up(client, urls)
-            resetter = threading.Thread(target=reset_soon, args=(roles.endpoint,))
+            resetter = threading.Thread(target=reset_soon, args=(roles,))
             resetter.start()
             results = run(client, urls, order, in_flight=6)
             resetter.join()
@@ -240,7 +246,9 @@ def test_reset_cache_while_requests_are_in_flight(run_dir: Path, qwen_dir: Path)
     assert worker["cache_hits"] > len(order)  # hits before and after the reset
 
 
-def reset_soon(endpoint: str) -> None:
-    time.sleep(0.05)
-    with Client(endpoint, timeout_s=60) as client:
+def reset_soon(roles: Cluster) -> None:
+    """Reset the caches as soon as the frontend holds requests."""
+    wait_for_stats(roles.run_dir, lambda s: s.role == "frontend" and s.in_flight > 0,
+                   "the frontend holding requests")
+    with Client(roles.endpoint, timeout_s=60) as client:
         client.reset_cache()

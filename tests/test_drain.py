@@ -22,12 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 
-from conftest import free_port, role_log, start_role
-from protocol.codec import Codec
+from conftest import role_log, start_role
+from peers import PATIENCE_S, Inbox, StandInEngine, is_terminal, push, send, wait_until
 from protocol.messages import (
     AbortRequests,
     CancelChat,
@@ -35,8 +34,6 @@ from protocol.messages import (
     ChatError,
     ChatOutput,
     ChatRequest,
-    ClientReply,
-    EngineInput,
     EngineOutput,
     EngineRequest,
     FrontendInput,
@@ -53,8 +50,6 @@ from services.launcher import Child, start_roles, stop_all
 from services.model import Preprocessor
 from services.ops.health import ping_all
 
-PATIENCE_S = 60.0
-"""The longest any wait here may take: a hang fails, never passes."""
 DRAINING = ("retryable", "peer_restarted")
 """(kind, code) of the error a stopping role answers with."""
 _ids = itertools.count()
@@ -86,10 +81,8 @@ class Site:
     def sigterm_and_wait_until_draining(self, child: Child) -> None:
         """SIGTERM, then ping the role until it says 'draining': from then on it refuses work."""
         child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + PATIENCE_S
-        while _state(self.ipc(f"control-{child.role}")) != "draining":
-            assert time.monotonic() < deadline, f"{child.role} never said 'draining'"
-            time.sleep(0.02)
+        control = self.ipc(f"control-{child.role}")
+        wait_until(lambda: _state(control) == "draining", f"{child.role} saying 'draining'")
 
 
 @pytest.fixture
@@ -111,75 +104,6 @@ def _state(control_endpoint: str) -> str:
 
 def exit_status(child: Child) -> int:
     return child.process.wait(timeout=PATIENCE_S)
-
-
-class Inbox:
-    """Where a role sends to the test, and every message it sent there, in arrival order."""
-
-    def __init__(self, sock: zmq.Socket, endpoint: str, union: Any) -> None:
-        self.sock = sock
-        self.endpoint = endpoint
-        self.codec: Codec[Any] = Codec(union)
-        self.received: list[Any] = []
-
-    @classmethod
-    def bound(cls, ctx: zmq.Context, endpoint: str, union: Any) -> Inbox:
-        """A PULL socket standing in for a peer: a frontend's reply socket, an engine's input,
-        an MM worker's job socket."""
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(endpoint)
-        return cls(sock, endpoint, union)
-
-    @classmethod
-    def client(cls, ctx: zmq.Context, endpoint: str) -> Inbox:
-        """A native client of the frontend at `endpoint` (it sends with `send(inbox.sock)`)."""
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        return cls(sock, endpoint, ClientReply)
-
-    def take(self) -> Any:
-        assert self.sock.poll(int(PATIENCE_S * 1000)), f"nothing arrived at {self.endpoint}"
-        message = self.codec.decode(self.sock.recv_multipart(copy=False))
-        self.received.append(message)
-        return message
-
-    def take_until_answered(self, request_ids: list[str]) -> None:
-        """Read on (as a peer does) until each request has had a terminal reply."""
-        waiting = set(request_ids) - {m.request_id for m in self.received if is_terminal(m)}
-        while waiting:
-            message = self.take()
-            if is_terminal(message):
-                waiting.discard(message.request_id)
-
-    def take_all(self, wait_s: float = 0.5) -> None:
-        """Everything still arriving within `wait_s` (after the sender exited: all it sent)."""
-        while self.sock.poll(int(wait_s * 1000)):
-            self.take()
-
-    def by_request(self) -> dict[str, list[Any]]:
-        replies: dict[str, list[Any]] = {}
-        for message in self.received:
-            replies.setdefault(message.request_id, []).append(message)
-        return replies
-
-
-def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    return sock
-
-
-def send(sock: zmq.Socket, *messages: msgspec.Struct) -> None:
-    codec: Codec[Any] = Codec(Any)
-    for message in messages:
-        sock.send_multipart(codec.encode(message), copy=False)
-
-
-def is_terminal(reply: Any) -> bool:
-    return isinstance(reply, RequestFailed | ChatError) or reply.finished
 
 
 def single_terminal(replies: list[Any]) -> Any:
@@ -275,7 +199,7 @@ class WorkerPeers:
     """A real MM worker, with the test as its engine and its frontend."""
 
     def __init__(self, site: Site, drain_timeout_s: float) -> None:
-        self.engine = Inbox.bound(site.ctx, site.ipc("engine"), EngineInput)
+        self.engine = StandInEngine.at(site.ctx, site.ipc("engine"))
         self.frontend = Inbox.bound(site.ctx, site.ipc("frontend"), FrontendInput)
         self.worker = site.start("mm-worker", drain_timeout_s,
                                  "--engine-endpoint", self.engine.endpoint,
@@ -380,16 +304,15 @@ class FrontendPeers:
     """A real frontend; the test is its client, its engine and its MM worker."""
 
     def __init__(self, site: Site, drain_timeout_s: float, *args: str) -> None:
-        self.engine = Inbox.bound(site.ctx, site.ipc("engine"), EngineInput)
+        self.engine = StandInEngine.at(site.ctx, site.ipc("engine"))
+        self.output = site.ipc("output")
         self.mm_worker = Inbox.bound(site.ctx, site.ipc("mm-worker"), MMWorkerInput)
-        port = free_port()
         self.frontend = site.start("frontend", drain_timeout_s,
                                    "--engine-endpoint", self.engine.endpoint,
                                    "--mm-worker-endpoint", self.mm_worker.endpoint,
-                                   "--output-endpoint", site.ipc("output"),
-                                   "--port", str(port), *args)
-        self.client = Inbox.client(site.ctx, f"tcp://127.0.0.1:{port}")
-        self.output = push(site.ctx, site.ipc("output"))
+                                   "--output-endpoint", self.output, "--port", "0", *args)
+        assert self.frontend.endpoint is not None
+        self.client = Inbox.client(site.ctx, self.frontend.endpoint)
 
     def submit(self, *images: str) -> str:
         request_id = f"c{next(_ids)}"
@@ -399,8 +322,7 @@ class FrontendPeers:
 
     def answer(self, request_id: str) -> None:
         """Answer, as the engine, with one last token."""
-        send(self.output, EngineOutput(request_id=request_id, token_ids=[42], finished=True,
-                                       finish_reason="length"))
+        self.engine.answer(self.output, request_id)
 
 
 def test_frontend_serves_requests_in_flight_and_refuses_new_ones(site: Site) -> None:
@@ -466,20 +388,21 @@ def test_frontend_cancel_and_deadline_reach_the_mm_worker(site: Site) -> None:
 
 
 def test_stopping_a_cluster_frontend_first_finishes_everything_in_flight(site: Site) -> None:
-    port = free_port()
     engine, mm_worker = site.ipc("engine"), site.ipc("mm-worker")
     common = ["--model", str(site.model_dir), "--engine-endpoint", engine,
               "--drain-timeout", str(PATIENCE_S)]
     argv = {
         "engine": [*common, "--device", "cpu"],
         "mm-worker": [*common, "--mm-worker-endpoint", mm_worker],
-        "frontend": [*common, "--mm-worker-endpoint", mm_worker, "--port", str(port),
+        "frontend": [*common, "--mm-worker-endpoint", mm_worker, "--port", "0",
                      "--output-endpoint", site.ipc("output")],
     }
     site.children = children = start_roles(
         {role: config_from_argv(role, args, site.run_dir) for role, args in argv.items()},
         site.run_dir, PATIENCE_S * 3, log_dir=site.run_dir / "logs")
-    client = Inbox.client(site.ctx, f"tcp://127.0.0.1:{port}")
+    frontend = children[-1].endpoint  # the port it bound
+    assert frontend is not None
+    client = Inbox.client(site.ctx, frontend)
     ids = []
     for seed, image in enumerate(big_images(4)):
         ids += [f"img{seed}", f"txt{seed}"]

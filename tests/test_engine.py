@@ -7,11 +7,9 @@ reply socket. Greedy outputs are checked against the same Hugging Face model's `
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +22,10 @@ import zmq
 from msgspec.structs import replace
 
 from conftest import as_processor_output, start_role, stop_role
-from protocol.codec import Codec
+from peers import StandInFrontend as Frontend
 from protocol.messages import (
     EngineOutput,
     EngineRequest,
-    FrontendInput,
     MMItem,
     Ready,
     RequestFailed,
@@ -59,64 +56,6 @@ def start_engine(run_dir: Path, *args: str) -> Child:
     engine = start_role("engine", argv, run_dir)
     assert engine.endpoint == endpoint
     return engine
-
-
-class Frontend:
-    """Stands in for a frontend: pushes EngineRequests, pulls replies on its own `reply_to`."""
-
-    @classmethod
-    @contextlib.contextmanager
-    def connected(cls, engine: Child, run_dir: Path) -> Iterator[Frontend]:
-        """One connected to `engine`; on leaving, checks that the engine process still runs."""
-        with zmq.Context() as ctx:
-            fe = cls(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
-            try:
-                yield fe
-            finally:
-                fe.close()
-        assert engine.process.poll() is None, "the engine process died"
-
-    def __init__(self, ctx: zmq.Context, engine_endpoint: str, reply_to: str) -> None:
-        self.reply_to = reply_to
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(engine_endpoint)
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(reply_to)
-        self.codec: Codec[Reply] = Codec(FrontendInput)
-        self.finished_order: list[str] = []
-
-    def send(self, *requests: EngineRequest) -> None:
-        for request in requests:
-            self.push.send_multipart(self.codec.encode(request), copy=False)
-
-    def send_frames(self, frames: list[bytes]) -> None:
-        self.push.send_multipart(frames)
-
-    def collect(self, request_ids: list[str]) -> dict[str, list[Reply]]:
-        """Every reply until each of `request_ids` has had a terminal one."""
-        replies: dict[str, list[Reply]] = {}
-        open_ids = set(request_ids)
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while open_ids:
-            assert self.pull.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), (
-                f"no terminal reply for {sorted(open_ids)}"
-            )
-            reply = self.codec.decode(self.pull.recv_multipart())
-            replies.setdefault(reply.request_id, []).append(reply)
-            if isinstance(reply, RequestFailed) or reply.finished:
-                open_ids.discard(reply.request_id)
-                self.finished_order.append(reply.request_id)
-        return replies
-
-    def run(self, *requests: EngineRequest) -> dict[str, list[Reply]]:
-        self.send(*requests)
-        return self.collect([r.request_id for r in requests])
-
-    def close(self) -> None:
-        self.push.close()
-        self.pull.close()
 
 
 @pytest.fixture(scope="module")
@@ -377,8 +316,7 @@ def test_undecodable_or_unanswerable_messages_are_dropped(frontend, prep) -> Non
 def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, qwen_dir) -> None:
     # No drain time: at the stop, the held requests fail at once instead of running to the end.
     engine = start_engine(run_dir, "--max-queued-requests", "2", "--drain-timeout", "0")
-    with zmq.Context() as ctx:
-        fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+    with zmq.Context() as ctx, Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock") as fe:
         held = [to(fe, make_request(prep, *TEXT, max_tokens=4000)) for _ in range(2)]
         refused = [to(fe, make_request(prep, *TEXT)) for _ in range(3)]
         fe.send(*held, *refused)
@@ -394,7 +332,6 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
             *outputs, last = replies[request.request_id]
             assert all(isinstance(o, EngineOutput) and not o.finished for o in outputs)
             assert isinstance(last, RequestFailed) and last.error.code == "peer_restarted"
-        fe.close()
 
 
 # ---------------------------------------------------------------- the runner in process

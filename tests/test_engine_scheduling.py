@@ -31,12 +31,11 @@ from test_engine import (
 )
 from transformers import DynamicCache
 
-from conftest import free_port, start_role, stop_role
-from protocol.codec import Codec
+from conftest import start_role, stop_role
+from peers import StandInEngine
 from protocol.errors import FatalError
 from protocol.messages import (
     AbortRequests,
-    EngineInput,
     EngineOutput,
     EngineRequest,
     MMItem,
@@ -86,8 +85,7 @@ def frontend(small_chunk_engine: Child, run_dir: Path) -> Iterator[Frontend]:
 def next_terminal(fe: Frontend) -> str:
     """Receive replies until one is terminal; the id of the request it ends."""
     while True:
-        assert fe.pull.poll(REPLY_TIMEOUT_S * 1000), "no reply"
-        reply = fe.codec.decode(fe.pull.recv_multipart())
+        reply = fe.take()
         if isinstance(reply, RequestFailed) or reply.finished:
             fe.finished_order.append(reply.request_id)
             return reply.request_id
@@ -102,8 +100,8 @@ def test_tokens_are_the_same_alone_chunked_or_interleaved(
 ) -> None:
     engine = start_engine(run_dir, "--prefill-chunk-tokens", str(chunk))
     try:
-        with zmq.Context() as ctx:
-            fe = Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/reply.sock")
+        reply_to = f"ipc://{run_dir}/reply.sock"
+        with zmq.Context() as ctx, Frontend(ctx, engine.endpoint, reply_to) as fe:
             greedy = [make_request(prep, *case, max_tokens=10) for case in CASES.values()]
             sampled = [
                 make_request(prep, *case, max_tokens=10, temperature=1.0, seed=3)
@@ -114,7 +112,6 @@ def test_tokens_are_the_same_alone_chunked_or_interleaved(
             for request in requests:
                 alone.update(fe.run(request))
             together = fe.run(*[replace(r, request_id=r.request_id + "-again") for r in requests])
-            fe.close()
     finally:
         assert stop_role(engine) == 0
     for request in requests:
@@ -172,8 +169,7 @@ def replies_until(fe: Frontend, last_id: str) -> list[Reply]:
     """Every reply, for any request, until `last_id` has had its terminal one."""
     replies: list[Reply] = []
     while True:
-        assert fe.pull.poll(REPLY_TIMEOUT_S * 1000), f"no terminal reply for {last_id}"
-        reply = fe.codec.decode(fe.pull.recv_multipart())
+        reply = fe.take()
         replies.append(reply)
         terminal = isinstance(reply, RequestFailed) or reply.finished
         if terminal and reply.request_id == last_id:
@@ -229,8 +225,7 @@ def test_an_aborted_request_is_dropped_and_frees_its_place(one_slot_engine: Fron
     fe = one_slot_engine
     running = long_request(fe, prep)
     fe.send(running)
-    assert fe.pull.poll(REPLY_TIMEOUT_S * 1000)  # its first token: it is running
-    first = fe.codec.decode(fe.pull.recv_multipart())
+    first = fe.take()  # its first token: it is running
     assert isinstance(first, EngineOutput) and first.request_id == running.request_id
     fe.send_frames(fe.codec.encode(AbortRequests(request_ids=["unknown", running.request_id])))
     replies = replies_until(fe, running.request_id)
@@ -269,26 +264,22 @@ def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
     common = ["--model", str(qwen_dir), "--engine-endpoint", engine_endpoint]
     image_path = run_dir / "small.png"
     image_path.write_bytes(encode(make_image(64, 48), "PNG"))
-    with zmq.Context() as ctx, ctx.socket(zmq.PULL) as engine:
-        engine.setsockopt(zmq.LINGER, 0)
-        engine.bind(engine_endpoint)
-        port = free_port()
+    with zmq.Context() as ctx, StandInEngine.at(ctx, engine_endpoint) as engine:
         children = [
             start_role("mm-worker", [*common, "--mm-worker-endpoint", mm_endpoint], run_dir),
             start_role("frontend", [
-                *common, "--mm-worker-endpoint", mm_endpoint, "--port", str(port),
+                *common, "--mm-worker-endpoint", mm_endpoint, "--port", "0",
                 "--output-endpoint", f"ipc://{run_dir}/out.sock", "--request-timeout", "2",
             ], run_dir),
         ]
-        codec: Codec[EngineRequest | AbortRequests] = Codec(EngineInput)
         try:
-            with Client(f"tcp://127.0.0.1:{port}", timeout_s=REPLY_TIMEOUT_S) as client:
+            with Client(children[1].endpoint, timeout_s=REPLY_TIMEOUT_S) as client:
                 sent_at = time.time()
                 ids = [client.submit([user_message("hello")]),
                        client.submit([user_message("look", [str(image_path)])])]
                 requests, aborted = [], []
                 while len(requests) < 2 or len(aborted) < 2:  # nobody answers: both time out
-                    message = codec.decode(engine.recv_multipart())
+                    message = engine.take()
                     if isinstance(message, AbortRequests):
                         aborted += message.request_ids
                     else:

@@ -30,14 +30,12 @@ import zmq
 
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
-from protocol.codec import Codec
+from peers import StandInEngine, wait_until
 from protocol.errors import ErrorInfo
 from protocol.messages import (
     AbortRequests,
-    EngineInput,
     EngineOutput,
     EngineRequest,
-    FrontendInput,
     RequestFailed,
 )
 from services.bench.images import make_image, png_uri
@@ -73,11 +71,12 @@ def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         )
     served = Server(f"http://127.0.0.1:{http_port}/v1", qwen_dir.name, log_path, process)
-    deadline = time.monotonic() + 180
-    while not _healthy(http_port):
+
+    def healthy() -> bool:
         assert process.poll() is None, f"serve exited: {served.log()}"
-        assert time.monotonic() < deadline, f"serve did not start: {served.log()}"
-        time.sleep(0.2)
+        return _healthy(http_port)
+
+    wait_until(healthy, "serve answering /health", timeout_s=180)
     yield served
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0, served.log()
@@ -290,7 +289,8 @@ def test_a_hanging_image_fetch_does_not_delay_text(
 
     thread = threading.Thread(target=hanging, name="hanging-image")
     thread.start()
-    time.sleep(0.3)  # the image request is in the MM worker, waiting on its fetch
+    # The image request is in the MM worker, waiting on its fetch:
+    wait_until(lambda: image_server.hits.get("never-answers"), "the hanging image fetched")
     chat(client, server, [{"role": "user", "content": "quick"}], max_tokens=2)
     done.append("text")
     thread.join(FETCH_TIMEOUT_S + 30)
@@ -307,10 +307,8 @@ def test_a_client_disconnect_cancels_the_request(
                                      headers={"Content-Type": "application/json"})
     with pytest.raises(OSError):  # TimeoutError, or URLError wrapping it
         urllib.request.urlopen(request, timeout=0.3)
-    deadline = time.monotonic() + 10
-    while "went away: cancelling" not in server.log():
-        assert time.monotonic() < deadline, server.log()[-3000:]
-        time.sleep(0.1)
+    wait_until(lambda: "went away: cancelling" in server.log(),
+               f"the frontend logging the cancel: {server.log()[-3000:]}", timeout_s=10)
 
 
 # ---------------------------------------------------------------- a frontend with a silent engine
@@ -319,18 +317,14 @@ def test_a_client_disconnect_cancels_the_request(
 @contextmanager
 def frontend_with_silent_engine(
     run_dir: Path, qwen_dir: Path, *args: str
-) -> Iterator[tuple[Child, str, zmq.Socket]]:
+) -> Iterator[tuple[Child, str, StandInEngine]]:
     """A frontend (HTTP API on, ARGS added) whose engine is this test's socket: it receives and
     answers only when the test does. Yields the frontend, its HTTP base URL and that socket."""
-    ctx = zmq.Context.instance()
-    engine = ctx.socket(zmq.PULL)
-    engine.setsockopt(zmq.LINGER, 0)
-    engine_endpoint = f"ipc://{run_dir}/engine.sock"
-    engine.bind(engine_endpoint)
-    http_port = free_port()
+    engine = StandInEngine.at(zmq.Context.instance(), f"ipc://{run_dir}/engine.sock")
+    http_port = free_port()  # not port 0: an HTTP port 0 turns the API off
     frontend = start_role("frontend", [
-        "--model", str(qwen_dir), "--engine-endpoint", engine_endpoint,
-        "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock", "--port", str(free_port()),
+        "--model", str(qwen_dir), "--engine-endpoint", engine.endpoint,
+        "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock", "--port", "0",
         "--output-endpoint", f"ipc://{run_dir}/out.sock", "--http-port", str(http_port), *args,
     ], run_dir, log_dir=run_dir / "logs")
     try:
@@ -341,7 +335,7 @@ def frontend_with_silent_engine(
 
 
 @pytest.fixture
-def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, zmq.Socket]]:
+def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, StandInEngine]]:
     """A frontend (HTTP API on, at most one request in flight, 2 s timeout) whose engine is this
     test's socket: it receives and never answers."""
     with frontend_with_silent_engine(run_dir, qwen_dir, "--request-timeout", "2",
@@ -349,13 +343,12 @@ def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, zmq.Sock
         yield base_url, engine
 
 
-def _engine_message(engine: zmq.Socket) -> Any:
-    assert engine.poll(20_000), "nothing reached the engine"
-    return Codec(EngineInput).decode(engine.recv_multipart())
+def _engine_message(engine: StandInEngine) -> Any:
+    return engine.take(timeout_s=20)
 
 
 def test_overload_timeout_and_disconnect_reach_the_engine(
-    silent_engine: tuple[str, zmq.Socket], qwen_dir: Path
+    silent_engine: tuple[str, StandInEngine], qwen_dir: Path
 ) -> None:
     base_url, engine = silent_engine
     hi = {"model": qwen_dir.name, "messages": [{"role": "user", "content": "hi"}]}
@@ -384,16 +377,14 @@ def test_overload_timeout_and_disconnect_reach_the_engine(
 # ---------------------------------------------------------------- each kind of error, over HTTP
 
 
-def _answered(engine: zmq.Socket, call: Callable[[], Any],
+def _answered(engine: StandInEngine, call: Callable[[], Any],
               answer: Callable[[EngineRequest], EngineOutput | RequestFailed]) -> Any:
     """What `call` (a client request) returns while this test's engine answers the request that
     reaches it with `answer(request)`."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="http-client") as pool:
         result = pool.submit(call)
         request = _engine_message(engine)
-        with zmq.Context.instance().socket(zmq.PUSH) as reply:
-            reply.connect(request.reply_to)
-            reply.send_multipart(Codec(FrontendInput).encode(answer(request)))
+        engine.reply(request.reply_to, answer(request))
         return result.result(timeout=60)
 
 
@@ -451,6 +442,12 @@ def _health(base_url: str) -> tuple[int, dict[str, Any]]:
         return exc.code, json.load(exc)
 
 
+def _health_if(base_url: str, status: int) -> tuple[int, dict[str, Any]] | None:
+    """`_health`, if its status is `status`."""
+    health = _health(base_url)
+    return health if health[0] == status else None
+
+
 def test_a_draining_frontend_refuses_new_requests_and_answers_held_ones(
     run_dir: Path, qwen_dir: Path
 ) -> None:
@@ -464,20 +461,14 @@ def test_a_draining_frontend_refuses_new_requests_and_answers_held_ones(
         thread.start()
         request = _engine_message(engine)  # in flight: the engine holds it
         frontend.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while (health := _health(base_url))[0] != 503:
-            assert time.monotonic() < deadline, "/health never said the frontend is draining"
-            time.sleep(0.05)
+        health = wait_until(lambda: _health_if(base_url, 503),
+                            "/health saying the frontend is draining")
         assert health[1]["error"]["code"] == "peer_restarted"
 
         _assert_error(_status_error(client, None, **hi), 503, "peer_restarted",
                       "the frontend is stopping and takes no new requests")
-        with zmq.Context.instance().socket(zmq.PUSH) as reply:
-            reply.connect(request.reply_to)
-            reply.send_multipart(Codec(FrontendInput).encode(EngineOutput(
-                request_id=request.request_id, token_ids=[42], finished=True,
-                finish_reason="length", prompt_token_ids=request.prompt_token_ids,
-            )))
+        engine.answer(request.reply_to, request.request_id,
+                      prompt_token_ids=request.prompt_token_ids)
         thread.join(60)
         assert held[0].choices[0].finish_reason == "length"
         assert frontend.process.wait(timeout=60) == 0, role_log(frontend)

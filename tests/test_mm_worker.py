@@ -31,11 +31,10 @@ from PIL import Image, ImageOps
 
 from conftest import role_log, start_role, stop_role
 from image_server import PNG, ImageServer
-from protocol.codec import Codec
+from peers import Inbox, StandInEngine, push, send
 from protocol.errors import RequestError
 from protocol.messages import (
     CancelJobs,
-    EngineInput,
     EngineRequest,
     FrontendInput,
     ImageUrl,
@@ -52,7 +51,7 @@ from services.ops.discovery import Targets
 from services.ops.feed import StatsFeed
 
 MAX_IMAGE_PIXELS = 4_000_000  # small, so an over-limit image is cheap to make
-RECV_TIMEOUT_MS = 30_000
+RECV_TIMEOUT_S = 30
 
 
 # ---------------------------------------------------------------- images
@@ -97,52 +96,40 @@ class Peers:
 
     def __init__(self, run_dir: Path) -> None:
         self.ctx: zmq.Context = zmq.Context.instance()
-        self.engine_endpoint = f"ipc://{run_dir}/engine.sock"
-        self.reply_to = f"ipc://{run_dir}/frontend.sock"
-        self.engine = self._bind(self.engine_endpoint)
-        self.replies = self._bind(self.reply_to)
+        self.engine = StandInEngine.at(self.ctx, f"ipc://{run_dir}/engine.sock")
+        self.engine_endpoint = self.engine.endpoint
+        self.replies = Inbox.bound(self.ctx, f"ipc://{run_dir}/frontend.sock", FrontendInput)
+        self.reply_to = self.replies.endpoint
         self.senders: dict[str, zmq.Socket] = {}
-        self.engine_codec: Codec[EngineRequest] = Codec(EngineInput)
-        self.reply_codec: Codec[Any] = Codec(FrontendInput)
-
-    def _bind(self, endpoint: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.PULL)
-        sock.bind(endpoint)
-        return sock
 
     def send(self, worker: Child, *messages: MMJob | bytes | list[bytes]) -> None:
+        assert worker.endpoint is not None
         sock = self.senders.get(worker.endpoint)
         if sock is None:
-            sock = self.senders[worker.endpoint] = self.ctx.socket(zmq.PUSH)
-            sock.connect(worker.endpoint)
+            sock = self.senders[worker.endpoint] = push(self.ctx, worker.endpoint)
         for message in messages:
             if isinstance(message, MMJob):
-                sock.send(msgspec.msgpack.encode(message))
+                send(sock, message)
             else:
                 sock.send_multipart(message if isinstance(message, list) else [message])
 
     def next_request(self) -> tuple[EngineRequest, int]:
         """The next message at the engine socket, and how many frames it came in."""
-        frames = self._recv(self.engine, "engine")
-        return self.engine_codec.decode(frames), len(frames)
+        return self.engine.take_frames(RECV_TIMEOUT_S)
 
     def next_failure(self) -> RequestFailed:
-        reply = self.reply_codec.decode(self._recv(self.replies, "frontend"))
+        reply = self.replies.take(RECV_TIMEOUT_S)
         assert isinstance(reply, RequestFailed), reply
         return reply
 
     def assert_quiet(self, wait_ms: int = 200) -> None:
-        assert not self.engine.poll(wait_ms), "unexpected message at the engine"
-        assert not self.replies.poll(0), "unexpected reply at the frontend"
-
-    @staticmethod
-    def _recv(sock: zmq.Socket, name: str) -> list[zmq.Frame]:
-        if not sock.poll(RECV_TIMEOUT_MS):
-            raise AssertionError(f"nothing arrived at the {name} socket in {RECV_TIMEOUT_MS} ms")
-        return sock.recv_multipart(copy=False)
+        self.engine.assert_quiet(wait_ms)
+        self.replies.assert_quiet(0)
 
     def close(self) -> None:
-        for sock in [self.engine, self.replies, *self.senders.values()]:
+        self.engine.close()
+        self.replies.close()
+        for sock in self.senders.values():
             sock.close(linger=0)
 
 

@@ -22,6 +22,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, role_log, start_role
+from peers import wait_until
 from protocol.errors import FatalError
 from protocol.messages import HistogramSnapshot, Stats
 from services.bench.config import ImageSpec
@@ -151,10 +152,8 @@ def test_garbage_on_a_control_socket_is_logged_and_pings_still_answer(
             sock.connect(endpoint)
             sock.send(b"not a ping")
     logged = "dropped an unreadable control message"
-    deadline = time.monotonic() + 30
-    while not all(logged in role_log(child) for child in deployment.children.values()):
-        assert time.monotonic() < deadline, "a role did not log the unreadable message"
-        time.sleep(0.1)
+    wait_until(lambda: all(logged in role_log(child) for child in deployment.children.values()),
+               "every role logging the unreadable message", timeout_s=30)
     status, _, err = mmlane(capsys, "health", "--timeout", "5",
                             "--run-dir", str(deployment.run_dir))
     assert status == 0, err  # every role still answers
@@ -305,13 +304,12 @@ def _frontend_name(deployment: Deployment) -> str:
 
 def _scrape_until(url: str, done: Callable[[Samples], bool], timeout_s: float = 60) -> Samples:
     """Scrape until `done(samples)` holds (the exporter follows the snapshots as they come)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def scraped() -> Samples | None:
         samples = scrape(url)
-        if done(samples) or time.monotonic() > deadline:
-            assert done(samples), f"/metrics never got there: {sorted(samples)[:20]}"
-            return samples
-        time.sleep(0.2)
+        return samples if done(samples) else None
+
+    return wait_until(scraped, f"{url} showing the awaited samples", timeout_s, every_s=0.2)
 
 
 # ---------------------------------------------------------------- mmlane top

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import as_processor_output, free_port, start_role
-from protocol.codec import Codec
-from protocol.messages import EngineInput, EngineRequest
+from conftest import as_processor_output, start_role
+from peers import StandInEngine
+from protocol.messages import EngineRequest
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.launcher import stop_all
@@ -26,15 +26,12 @@ from services.model import PixelNorm
 @dataclass
 class Lane:
     client: Client
-    engine: zmq.Socket
-    codec: Codec
+    engine: StandInEngine
 
     def received(self) -> EngineRequest:
-        assert self.engine.poll(60_000), "nothing reached the engine socket"
-        frames = self.engine.recv_multipart(copy=False)
-        request = self.codec.decode(frames)
+        request, frames = self.engine.take_frames()
         tensors = sum(len(item.tensors) for item in request.mm_items)
-        assert len(frames) == 1 + tensors  # the msgpack body, then one frame per array
+        assert frames == 1 + tensors  # the msgpack body, then one frame per array
         return request
 
 
@@ -44,26 +41,21 @@ def lane(request, module_run_dir: Path, model_dirs: dict[str, Path]) -> Iterator
     run = module_run_dir / family
     # This test plays the engine and never answers: the roles must not drain at stop.
     model = ["--model", str(model_dirs[family]), "--drain-timeout", "0"]
-    engine_endpoint = f"ipc://{run}/engine.sock"
     mm_endpoint = f"ipc://{run}/mm.sock"
-    ctx = zmq.Context.instance()
-    engine = ctx.socket(zmq.PULL)
-    run.mkdir()
-    engine.bind(engine_endpoint)
-    port = free_port()
+    engine = StandInEngine.at(zmq.Context.instance(), f"ipc://{run}/engine.sock")
     children = [
-        start_role("mm-worker", [*model, "--engine-endpoint", engine_endpoint,
+        start_role("mm-worker", [*model, "--engine-endpoint", engine.endpoint,
                                  "--mm-worker-endpoint", mm_endpoint], run),
-        start_role("frontend", [*model, "--engine-endpoint", engine_endpoint,
+        start_role("frontend", [*model, "--engine-endpoint", engine.endpoint,
                                 "--mm-worker-endpoint", mm_endpoint,
                                 "--output-endpoint", f"ipc://{run}/out.sock",
-                                "--port", str(port)], run),
+                                "--port", "0"], run),
     ]
-    client = Client(f"tcp://127.0.0.1:{port}")
-    yield Lane(client, engine, Codec(EngineInput))
+    client = Client(children[1].endpoint)
+    yield Lane(client, engine)
     client.close()
     stop_all(children)
-    engine.close(linger=0)
+    engine.close()
 
 
 SIZES = [(56, 56), (333, 500), (1024, 768), (1200, 90)]

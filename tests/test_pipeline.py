@@ -258,7 +258,7 @@ def test_serve_exits_nonzero_with_the_childs_error(tmp_path: Path) -> None:
     (model / "config.json").write_text('{"model_type": "bert"}')
     out = subprocess.run(
         [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
-         "--port", str(free_port()), "--run-dir", str(tmp_path / "run")],
+         "--port", "0", "--run-dir", str(tmp_path / "run")],
         cwd=REPO, capture_output=True, text=True, timeout=180,
     )
     assert out.returncode != 0

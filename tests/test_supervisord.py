@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from peers import wait_for_stats, wait_until
 from protocol.errors import RetryableError
 from protocol.messages import ChatMessage
 from services.bench.images import jpeg_uri
@@ -37,6 +38,7 @@ FRONTENDS = 2
 REQUEST_TIMEOUT_S = 10.0
 # The longest any wait in this file may take: a reply, a restart. A hang fails, never passes.
 PATIENCE_S = 60.0
+STATS_ARGS = "--stats-interval 0.1"
 
 
 def _free_port_pair() -> int:
@@ -107,7 +109,10 @@ def supervised(module_run_dir: Path, qwen_dir: Path) -> Iterator[Supervised]:
         "MMLANE_FRONTEND_PORT": str(base_port),
         "MMLANE_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
         "MMLANE_DEVICE": "cpu",
-        "MMLANE_ENGINE_ARGS": "--torch-threads 1",
+        # Frequent stats: the tests wait on them (`_wait_holding`).
+        "MMLANE_ENGINE_ARGS": f"--torch-threads 1 {STATS_ARGS}",
+        "MMLANE_MM_WORKER_ARGS": STATS_ARGS,
+        "MMLANE_FRONTEND_ARGS": STATS_ARGS,
         "MMLANE_STARTSECS": "1",
     }
     process = subprocess.Popen(
@@ -130,12 +135,14 @@ def supervised(module_run_dir: Path, qwen_dir: Path) -> Iterator[Supervised]:
 
 def _wait_until_serving(sup: Supervised) -> None:
     """Every program RUNNING and each frontend answering a text request end to end."""
-    deadline = time.monotonic() + PATIENCE_S * 3
     names = {"engine", "mm-worker", *(f"frontend:frontend-{p}" for p in sup.ports)}
-    while not all(sup.running_pid(name) for name in names):
-        if sup.process.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"supervisord programs not running: {sup.status()}\n{sup.logs()}")
-        time.sleep(0.5)
+
+    def running() -> bool:
+        if sup.process.poll() is not None:
+            pytest.fail(f"supervisord exited: {sup.status()}\n{sup.logs()}")
+        return all(sup.running_pid(name) for name in names)
+
+    wait_until(running, f"supervisord running {sorted(names)}", PATIENCE_S * 3, every_s=0.5)
     for port in sup.ports:
         with Client(f"tcp://127.0.0.1:{port}", timeout_s=PATIENCE_S) as client:
             client.chat([user_message("hello")], max_tokens=2)
@@ -233,10 +240,8 @@ def load(supervised: Supervised) -> Iterator[Load]:
 
 def _wait_until_gone(sup: Supervised, program: str, old_pid: int) -> None:
     """Until supervisord has seen `old_pid` exit (so its peers have seen its sockets close)."""
-    deadline = time.monotonic() + PATIENCE_S
-    while sup.running_pid(program) == old_pid:
-        assert time.monotonic() < deadline, f"{program} {old_pid} still running after kill -9"
-        time.sleep(0.05)
+    wait_until(lambda: sup.running_pid(program) != old_pid,
+               f"{program} {old_pid} gone after kill -9", every_s=0.05)
 
 
 def _wait_for_restart(sup: Supervised, program: str, old_pid: int, load: Load) -> int:
@@ -248,6 +253,13 @@ def _wait_for_restart(sup: Supervised, program: str, old_pid: int, load: Load) -
             return pid
         assert time.monotonic() < deadline, f"{program} not restarted: {sup.status()}"
         load.poll(wait_s=0.2)
+
+
+def _wait_holding(sup: Supervised, role: str, name: str = "") -> None:
+    """Until a process of `role` (called `name`, if given) says it holds requests."""
+    wait_for_stats(Path(sup.env["MMLANE_RUN_DIR"]),
+                   lambda s: s.role == role and s.name == (name or s.name) and s.in_flight > 0,
+                   f"{name or role} holding requests")
 
 
 def _kill(pid: int) -> None:
@@ -282,7 +294,7 @@ def test_mm_worker_killed_under_load(supervised: Supervised, load: Load) -> None
     big = [jpeg_uri(2048, 1536, seed) for seed in range(100, 100 + 6 * FRONTENDS)]
     doomed = [load.image(i % FRONTENDS, uri=uri) for i, uri in enumerate(big)]
     doomed += _both(load.text)
-    time.sleep(0.2)  # let the backlog reach the MM worker's socket
+    _wait_holding(supervised, "mm-worker")  # the backlog reached the MM worker
     _kill(old_pid)
     killed_at = time.monotonic()
     # Sent as it dies: a job handed to the dying connection is lost with it (ZMQ has no acks),
@@ -328,7 +340,7 @@ def test_engine_killed_under_load(supervised: Supervised, load: Load) -> None:
     for _ in range(3):
         doomed += _both(lambda fe: load.image(fe, max_tokens=48))
         doomed += _both(lambda fe: load.text(fe, max_tokens=48))
-    time.sleep(0.3)
+    _wait_holding(supervised, "engine")
     _kill(old_pid)
     killed_at = time.monotonic()
     racing = _both(load.text) + _both(load.image)  # lost with the connection, or served
@@ -365,7 +377,7 @@ def test_frontend_killed_under_load(supervised: Supervised, load: Load) -> None:
                         max_tokens=48)
             lost.submit([user_message("Tell me about lanes.")], max_tokens=48)
         before = [load.image(other), load.text(other), load.image(other), load.text(other)]
-        time.sleep(0.2)
+        _wait_holding(supervised, "frontend", f"frontend-{supervised.ports[victim]}")
         _kill(old_pid)
     killed_at = time.monotonic()
     _wait_until_gone(supervised, program, old_pid)

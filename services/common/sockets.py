@@ -46,8 +46,16 @@ def make_socket(
     return sock
 
 
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The address `sock` was last bound to, as bound: `tcp://HOST:0` (or `:*`) comes back with
+    the port the system chose, so a role or test binds a free port without racing for it."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (for tests, benchmarks and local runs)."""
+    """A TCP port that is free on `host` right now (for benchmarks and local runs). Another
+    process may take it before it is bound: where the race matters, bind port 0 and read the
+    port back (`bound_endpoint`)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

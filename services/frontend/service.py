@@ -74,7 +74,7 @@ from services.common.lifecycle import (
     refused_while_draining,
     unfinished_at_drain_timeout,
 )
-from services.common.sockets import make_socket
+from services.common.sockets import bound_endpoint, make_socket
 from services.common.stats import Metrics, log_totals
 from services.frontend.detokenize import IncrementalDetokenizer
 from services.frontend.http_api import HttpApi
@@ -173,6 +173,7 @@ class Frontend:
         self._next_worker = itertools.cycle(range(len(self._mm_workers)))
         # The client socket binds last: once clients can reach us, everything else is ready.
         self._client = make_socket(self._ctx, zmq.ROUTER, c.client_endpoint, bind=True)
+        self.endpoint = bound_endpoint(self._client)  # port 0: the port it got (for Ready)
         self._http_endpoint = f"inproc://frontend-http-{self._prefix}"
         self._client.bind(self._http_endpoint)  # the HTTP API's way in
 

@@ -1,0 +1,252 @@
+"""Stand-in peers: the test plays a role's neighbours on real ZMQ sockets, with the real codec.
+
+    Inbox            where a role sends to the test: a bound PULL socket (an engine's input, a
+                     frontend's reply socket, an MM worker's job socket) or a native client's
+                     DEALER; it decodes each message and keeps them all, in arrival order
+    StandInEngine    an Inbox of EngineInput that answers a request when the test says so
+    StandInFrontend  pushes requests or jobs to a role and takes its replies on `reply_to`
+    push, send       a PUSH socket to a role, and sending messages on any socket
+    wait_for_stats   waits for a role's published Stats to show something (requests held)
+    wait_until       polls for what no socket tells us (a log line, a process's state)
+
+Sockets have linger 0 (but a StandInEngine's answers, which flush on close) and are closed by
+their owner's `close()` or `with` block. An Inbox bound to `tcp://127.0.0.1:0` gets a free port
+and reports it in `endpoint`; a frontend started with `--port 0` reports its port in its Ready
+(`Child.endpoint`). Every wait is bounded (PATIENCE_S unless told): a hang fails with a message
+saying what never came, it never passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from protocol.codec import Codec
+from protocol.messages import (
+    ChatError,
+    ClientReply,
+    EngineInput,
+    EngineOutput,
+    FrontendInput,
+    RequestFailed,
+    Stats,
+)
+from services.common.sockets import ReplySockets, bound_endpoint, make_socket
+from services.launcher import Child
+from services.ops.discovery import Targets
+from services.ops.feed import StatsFeed
+
+PATIENCE_S = 60.0
+"""The longest any wait for a peer may take."""
+
+T = TypeVar("T")
+InboxT = TypeVar("InboxT", bound="Inbox")
+
+
+def is_terminal(reply: Any) -> bool:
+    """Whether `reply` is the last one its request gets (a failure, or the finished output)."""
+    return isinstance(reply, RequestFailed | ChatError) or reply.finished
+
+
+def by_request(messages: Iterable[Any]) -> dict[str, list[Any]]:
+    """`messages` grouped by request id, each group in arrival order."""
+    grouped: dict[str, list[Any]] = {}
+    for message in messages:
+        grouped.setdefault(message.request_id, []).append(message)
+    return grouped
+
+
+def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A PUSH socket connected to a role's input (linger 0)."""
+    return make_socket(ctx, zmq.PUSH, endpoint, bind=False, linger_ms=0)
+
+
+def send(sock: zmq.Socket, *messages: msgspec.Struct) -> None:
+    """Send each message as the real codec frames it (msgpack body, then any arrays)."""
+    codec: Codec[Any] = Codec(Any)
+    for message in messages:
+        sock.send_multipart(codec.encode(message), copy=False)
+
+
+class Inbox:
+    """Where a role sends to the test, and every message it sent there, in arrival order."""
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, union: Any) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.codec: Codec[Any] = Codec(union)
+        self.received: list[Any] = []
+
+    @classmethod
+    def bound(cls: type[InboxT], ctx: zmq.Context, endpoint: str, union: Any) -> InboxT:
+        """A PULL socket standing in for a peer's input, decoding messages of `union`."""
+        sock = make_socket(ctx, zmq.PULL, endpoint, bind=True, linger_ms=0)
+        return cls(sock, bound_endpoint(sock), union)
+
+    @classmethod
+    def client(cls, ctx: zmq.Context, endpoint: str) -> Inbox:
+        """A native client of the frontend at `endpoint` (it sends with `send(inbox.sock)`)."""
+        sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, linger_ms=0)
+        return cls(sock, endpoint, ClientReply)
+
+    def __enter__(self: InboxT) -> InboxT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def take_frames(self, timeout_s: float = PATIENCE_S) -> tuple[Any, int]:
+        """The next message (kept in `received`) and how many frames it came in."""
+        assert self.sock.poll(int(timeout_s * 1000)), (
+            f"nothing arrived at {self.endpoint} within {timeout_s:g} s"
+        )
+        frames = self.sock.recv_multipart(copy=False)
+        message = self.codec.decode(frames)
+        self.received.append(message)
+        return message, len(frames)
+
+    def take(self, timeout_s: float = PATIENCE_S) -> Any:
+        """The next message (kept in `received`)."""
+        return self.take_frames(timeout_s)[0]
+
+    def take_until_answered(self, request_ids: Iterable[str], since: int = 0) -> dict[str, list]:
+        """Read on (as a peer does) until each request has had a terminal reply among
+        `received[since:]`; those messages, by request."""
+        waiting = set(request_ids) - {
+            m.request_id for m in self.received[since:] if is_terminal(m)
+        }
+        while waiting:
+            message = self.take()
+            if is_terminal(message):
+                waiting.discard(message.request_id)
+        return by_request(self.received[since:])
+
+    def take_all(self, wait_s: float = 0.5) -> None:
+        """Everything still arriving within `wait_s` (after the sender exited: all it sent)."""
+        while self.sock.poll(int(wait_s * 1000)):
+            self.take()
+
+    def assert_quiet(self, wait_ms: int = 200) -> None:
+        assert not self.sock.poll(wait_ms), f"unexpected message at {self.endpoint}"
+
+    def by_request(self) -> dict[str, list[Any]]:
+        return by_request(self.received)
+
+
+class StandInEngine(Inbox):
+    """An engine's input socket: keeps the EngineRequests and aborts that reach it, and answers
+    a request (on its frontend's `reply_to`) only when the test says so."""
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, union: Any = EngineInput) -> None:
+        super().__init__(sock, endpoint, union)
+        self._replies = ReplySockets(sock.context)
+        self._reply_codec: Codec[Any] = Codec(FrontendInput)
+
+    @classmethod
+    def at(cls, ctx: zmq.Context, endpoint: str) -> StandInEngine:
+        """One bound to `endpoint` (the address the roles under test send requests to)."""
+        return cls.bound(ctx, endpoint, EngineInput)
+
+    def answer(self, reply_to: str, request_id: str, **fields: Any) -> None:
+        """Finish `request_id` with one last token (EngineOutput FIELDS override the rest)."""
+        self.reply(reply_to, EngineOutput(**{
+            "request_id": request_id, "token_ids": [42], "finished": True,
+            "finish_reason": "length", **fields,
+        }))
+
+    def reply(self, reply_to: str, message: Any) -> None:
+        """Send `message` (a FrontendInput: an output, a RequestFailed) to `reply_to`."""
+        assert self._replies.send(reply_to, self._reply_codec.encode(message)), reply_to
+
+    def close(self) -> None:
+        self._replies.close()
+        super().close()
+
+
+class StandInFrontend:
+    """Stands in for a frontend: pushes requests or jobs to a role, takes replies on `reply_to`."""
+
+    def __init__(self, ctx: zmq.Context, role_endpoint: str, reply_to: str) -> None:
+        self.push = push(ctx, role_endpoint)
+        self.replies = Inbox.bound(ctx, reply_to, FrontendInput)
+        self.reply_to = self.replies.endpoint
+        self.codec: Codec[Any] = self.replies.codec
+        self.finished_order: list[str] = []
+        """Request ids in the order their terminal replies came (through `collect`)."""
+
+    @classmethod
+    @contextlib.contextmanager
+    def connected(cls, role: Child, run_dir: Path) -> Iterator[StandInFrontend]:
+        """One sending to the process `role`, its replies on ipc://RUN_DIR/reply.sock; on
+        leaving, checks that the process still runs."""
+        assert role.endpoint is not None
+        with zmq.Context() as ctx, cls(ctx, role.endpoint, f"ipc://{run_dir}/reply.sock") as fe:
+            yield fe
+        assert role.process.poll() is None, f"the {role.role} process died"
+
+    def __enter__(self) -> StandInFrontend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, *messages: msgspec.Struct) -> None:
+        send(self.push, *messages)
+
+    def send_frames(self, frames: list[Any]) -> None:
+        self.push.send_multipart(frames)
+
+    def take(self) -> Any:
+        """The next reply."""
+        return self.replies.take()
+
+    def collect(self, request_ids: list[str]) -> dict[str, list[Any]]:
+        """Every reply from now on until each of `request_ids` has had a terminal one."""
+        since = len(self.replies.received)
+        replies = self.replies.take_until_answered(request_ids, since)
+        self.finished_order += [m.request_id for m in self.replies.received[since:]
+                                if is_terminal(m)]
+        return replies
+
+    def run(self, *requests: Any) -> dict[str, list[Any]]:
+        self.send(*requests)
+        return self.collect([r.request_id for r in requests])
+
+    def close(self) -> None:
+        self.push.close(linger=0)
+        self.replies.close()
+
+
+def wait_until(
+    done: Callable[[], T], what: str, timeout_s: float = PATIENCE_S, every_s: float = 0.02
+) -> T:
+    """Check `done()` until it is true (returning it), for events no socket tells us of (a line
+    in a log, a process's state); fails saying `what` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := done()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(every_s)
+    return result
+
+
+def wait_for_stats(
+    run_dir: Path, done: Callable[[Stats], bool], what: str, timeout_s: float = PATIENCE_S
+) -> Stats:
+    """The first Stats snapshot, from any role whose stats socket is under `run_dir`, for which
+    `done` holds (a role publishes every --stats-interval, also while it computes)."""
+    deadline = time.monotonic() + timeout_s
+    with StatsFeed(Targets("stats", (), run_dir)) as feed:
+        while (remaining := deadline - time.monotonic()) > 0:
+            for stats in feed.receive_for(min(remaining, 0.5)):
+                if done(stats):
+                    return stats
+    raise AssertionError(f"{what}: no stats under {run_dir} said so within {timeout_s:g} s")
