@@ -162,6 +162,7 @@ FOREIGN_ERRORS: dict[str, Foreign] = {
         "image_too_large", "more pixels than max_image_pixels allows ({exc})"
     ),
     "msgspec.DecodeError": Foreign("invalid_message"),  # ValidationError is one
+    "zmq.error.Again": Foreign("overloaded", "its socket's queue is full"),
     "torch.OutOfMemoryError": Foreign("overloaded", "out of device memory: {exc}"),
     "builtins.MemoryError": Foreign("overloaded", "out of memory"),
 }

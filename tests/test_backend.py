@@ -176,8 +176,7 @@ def started(frontend: Frontend, *requests: EngineRequest) -> dict[str, list[Repl
     """The replies read until each of `requests` has had an output: the backend runs them."""
     replies: dict[str, list[Reply]] = {}
     while not {r.request_id for r in requests} <= set(replies):
-        assert frontend.pull.poll(10_000), "no output"
-        reply = frontend.codec.decode(frontend.pull.recv_multipart())
+        reply = frontend.take()
         replies.setdefault(reply.request_id, []).append(reply)
     return replies
 
@@ -192,7 +191,7 @@ def failed(replies: list[Reply]) -> RequestFailed:
 
 def assert_nothing_more(frontend: Frontend) -> None:
     """No reply follows the terminal ones (each request had exactly one)."""
-    assert not frontend.pull.poll(int(20 * TICK_S * 1000)), "a reply after the terminal one"
+    frontend.replies.assert_quiet(int(20 * TICK_S * 1000))  # no reply after the terminal ones
 
 
 # ---------------------------------------------------------------- the role over a fake backend

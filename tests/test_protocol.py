@@ -311,9 +311,11 @@ def _pil_error(data: bytes) -> Exception:
         (lambda: torch.OutOfMemoryError("CUDA out of memory"), RetryableError, "overloaded",
          "where: out of device memory: CUDA out of memory"),
         (lambda: MemoryError(), RetryableError, "overloaded", "where: out of memory"),
+        (lambda: zmq.Again(), RetryableError, "overloaded", "where: its socket's queue is full"),
         (lambda: KeyError("x"), InternalError, "internal", "where: 'x'"),
     ],
-    ids=["pil_unidentified", "pil_bomb", "msgspec", "torch_oom", "memory", "unmapped"],
+    ids=["pil_unidentified", "pil_bomb", "msgspec", "torch_oom", "memory", "zmq_again",
+         "unmapped"],
 )
 def test_translate_maps_foreign_types_to_our_codes(make, kind, code, message) -> None:
     error = translate(make(), "where")

@@ -323,9 +323,9 @@ class Frontend:
             sock = self._engine
         try:
             sock.send_multipart(self._client_codec.encode(message), zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            lane = "MM worker" if checked.images else "engine"
-            self._fail(request_id, RetryableError(f"{lane} queue full", code="overloaded"))
+        except zmq.Again as exc:
+            lane = "the MM worker" if checked.images else "the engine"
+            self._fail(request_id, translate(exc, f"cannot send to {lane}"))
 
     # ------------------------------------------------------------------ replies
 
@@ -372,8 +372,8 @@ class Frontend:
         sock = self._mm_workers[pending.worker]
         try:
             sock.send_multipart(self._client_codec.encode(pending.job), zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self._fail(request_id, RetryableError("MM worker queue full", code="overloaded"))
+        except zmq.Again as exc:
+            self._fail(request_id, translate(exc, "cannot send to the MM worker"))
 
     def _see_engine_epoch(self, epoch: int) -> None:
         """Follow a newer engine cache epoch, and tell every MM worker at once."""
