@@ -66,11 +66,20 @@ def _check_sampling(request: ChatRequest) -> SamplingParams:
         raise RequestError(f"temperature must be >= 0, got {request.temperature}")
     if not 0 < request.top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {request.top_p}")
+    if not 0 <= request.min_tokens <= request.max_tokens:
+        raise RequestError(f"min_tokens must be in 0..max_tokens ({request.max_tokens}), "
+                           f"got {request.min_tokens}")
+    negative = [token for token in request.stop_token_ids if token < 0]
+    if negative:
+        raise RequestError(f"stop_token_ids must be token ids (>= 0), got {negative[0]}")
     return SamplingParams(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        stop_token_ids=request.stop_token_ids,
     )
 
 
