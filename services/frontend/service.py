@@ -150,7 +150,7 @@ class Frontend:
                 port=config.http_port, model_id=self._pre.model_id,
                 max_body_bytes=config.http_max_body_bytes,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
-                draining=lambda: self._stop.is_set(),
+                draining=lambda: self._stop.is_set(), api_keys=config.api_keys(),
             )
             try:
                 self.http.start()
