@@ -328,6 +328,16 @@ class TestErrors:
         error = _status_error(client, server, stream=stream, **fields)
         _assert_error(error, status, code, pattern)
 
+    @pytest.mark.parametrize(("fields", "param"), [
+        ({"max_tokens": 2, "extra_body": {"min_tokens": 3}}, "min_tokens"),  # the frontend's
+        ({"extra_body": {"stop_token_ids": [10**9]}}, "stop_token_ids"),  # the engine's check
+    ], ids=["min_tokens", "stop_token_ids"])
+    def test_a_bad_sampling_field_is_the_errors_param(
+        self, client: openai.OpenAI, server: Server, fields: dict[str, Any], param: str
+    ) -> None:
+        error = _status_error(client, server, **fields)
+        assert error.response.json()["error"]["param"] == param
+
     @pytest.mark.parametrize("case", URL_ERROR_CASES, ids=[c[0] for c in URL_ERROR_CASES])
     def test_refused_or_failed_image_urls(self, client: openai.OpenAI, server: Server,
                                           image_server: ImageServer, case: tuple) -> None:
