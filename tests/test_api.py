@@ -1,4 +1,6 @@
-"""API keys on the HTTP API (a frontend with a stand-in engine) and `mmlane top` in a pipe."""
+"""What vLLM-class clients expect beyond plain chat: the end-of-sequence options in the HF
+runner (in process, the real tiny model), API keys on the HTTP API (a frontend with a stand-in
+engine), and `mmlane top` in a pipe."""
 
 from __future__ import annotations
 
@@ -8,16 +10,61 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import openai
 import pytest
-from test_http import _answered, _assert_error, _status_error, frontend_with_silent_engine
+from test_engine import DEVICE, make_request
+from test_http import (
+    _answered,
+    _assert_error,
+    _status_error,
+    first_new_token,
+    frontend_with_silent_engine,
+)
 
 from conftest import REPO, free_port
 from protocol.errors import FatalError
 from protocol.messages import EngineOutput, EngineRequest
 from services.cli import config_from_argv
+from services.engine.hf.runner import HFRunner
+from services.model import Preprocessor
+
+# ---------------------------------------------------------------- eos in the HF runner
+
+
+def _run(runner: HFRunner, request: EngineRequest) -> tuple[list[int], str | None]:
+    """The request's tokens and finish reason, run alone to its end."""
+    runner.add(0, request)
+    tokens, reason = [], None
+    while runner.has_work():
+        for output in runner.step():
+            assert output.error is None, output.error
+            tokens += output.token_ids
+            reason = output.finish_reason or reason
+    return tokens, reason
+
+
+def test_eos_ends_the_output_unless_ignored_and_never_before_min_tokens(
+    qwen_dir: Path, prep: Preprocessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model never picks its real eos, so the test makes a token it does pick the eos."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    whole, reason = _run(runner, make_request(prep, "hi", max_tokens=12))
+    assert reason == "length"
+    stop_at = first_new_token(whole)
+    eos = whole[stop_at]
+    monkeypatch.setattr(runner, "spec", replace(runner.spec, eos_token_ids=frozenset({eos})))
+
+    assert _run(runner, make_request(prep, "hi", max_tokens=12)) == (whole[:stop_at + 1], "stop")
+    assert _run(runner, make_request(prep, "hi", max_tokens=12, ignore_eos=True)) == (
+        whole, "length")
+    later, _ = _run(runner, make_request(prep, "hi", max_tokens=12, min_tokens=stop_at + 2))
+    assert len(later) >= stop_at + 2 and eos not in later[:stop_at + 2]
+
+
+# ---------------------------------------------------------------- API keys
 
 
 def _answer(request: EngineRequest) -> EngineOutput:  # the stand-in engine's: one token
@@ -91,6 +138,9 @@ def test_a_key_file_without_keys_is_refused_at_startup(
     with pytest.raises(FatalError, match=f"api_key_file: .*{problem}"):
         config_from_argv("frontend", ["--model", str(qwen_dir), "--api-key-file",
                                       str(key_file)], run_dir)
+
+
+# ---------------------------------------------------------------- mmlane top
 
 
 def test_top_once_into_a_closed_pipe_ends_quietly(run_dir: Path) -> None:
