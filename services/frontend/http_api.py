@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -69,6 +69,7 @@ REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "logit_bias": lambda v: not v,
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids")
 """vLLM's extra sampling fields (`extra_body` in the openai client), passed on as they are."""
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
@@ -190,18 +191,18 @@ class HttpApi:
     # ------------------------------------------------------------ routes
 
     @web.middleware
-    async def _check_api_key(self, http: web.Request, handler: Any) -> web.StreamResponse:
+    async def _check_api_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every /v1 route needs one of the API keys, when there are any; /health stays open."""
-        if not self._api_keys or not http.path.startswith("/v1/"):
-            return await handler(http)
-        scheme, _, key = http.headers.get("Authorization", "").partition(" ")
+        if not self._api_keys or not request.path.startswith("/v1/"):
+            return await handler(request)
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return _error_response(ApiError(
                 "no API key: send it as the header `Authorization: Bearer KEY`",
                 "invalid_api_key"))
         if not _known_key(key.strip().encode(), self._api_keys):
             return _error_response(ApiError("the API key is not valid", "invalid_api_key"))
-        return await handler(http)
+        return await handler(request)
 
     async def _health(self, _: web.Request) -> web.Response:
         if self._draining():
