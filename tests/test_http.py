@@ -233,11 +233,14 @@ class TestSampling:
         stopped = greedy_ids(server, "Count the lanes.", max_tokens=12,
                              stop_token_ids=[whole[stop_at]])
         assert (stopped.token_ids, stopped.finish_reason) == (whole[:stop_at + 1], "stop")
+        before_stop = greedy_ids(server, "Count the lanes.", max_tokens=stop_at, ignore_eos=True)
+        assert stopped.text == before_stop.text  # the stop token adds no text, as in vLLM
 
         completion = chat(client, server, user("Count the lanes."), max_tokens=12,
                           extra_body={"stop_token_ids": [whole[stop_at]]})
         assert completion.usage.completion_tokens == stop_at + 1
         assert completion.choices[0].finish_reason == "stop"
+        assert completion.choices[0].message.content == before_stop.text
 
     def test_no_stop_token_before_min_tokens(self, server: Server) -> None:
         first = greedy_ids(server, "Count the lanes.", max_tokens=1).token_ids[0]

@@ -24,6 +24,13 @@ class CheckedRequest:
     images: list[ImageUrl]
     sampling: SamplingParams
 
+    def shown_ids(self, token_ids: list[int], finish_reason: str | None) -> list[int]:
+        """The output tokens whose text the client sees: a token of `stop_token_ids` that ends
+        the output counts among its tokens but adds no text, as in vLLM."""
+        if finish_reason == "stop" and token_ids and token_ids[-1] in self.sampling.stop_token_ids:
+            return token_ids[:-1]
+        return token_ids
+
 
 def check_request(request: ChatRequest, *, max_images: int) -> CheckedRequest:
     """Validate a chat request; raise RequestError naming the offending field."""

@@ -415,7 +415,10 @@ class Frontend:
         pending = self._inflight.get(output.request_id)
         if pending is None:
             return
-        text = pending.detokenizer.step(output.token_ids, final=output.finished)
+        shown = output.token_ids
+        if pending.checked is not None:  # a stop token adds no text (see `shown_ids`)
+            shown = pending.checked.shown_ids(shown, output.finish_reason)
+        text = pending.detokenizer.step(shown, final=output.finished)
         reply = ChatOutput(
             request_id=pending.client_request_id, token_ids=list(output.token_ids), text=text,
             finished=output.finished, finish_reason=output.finish_reason,
