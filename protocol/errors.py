@@ -4,7 +4,7 @@
     ├── RequestError                 the request's fault: reply with the message, keep serving
     │     codes: invalid_request, invalid_message, invalid_image, bad_image, media_not_allowed,
     │            fetch_failed, too_many_images, prompt_too_long, model_error, model_not_found,
-    │            image_too_large, request_too_large
+    │            image_too_large, request_too_large, invalid_api_key
     ├── RetryableError               not the request's fault; the same request may succeed later
     │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss
     │     └── CacheMissError         the engine lacks cached items a request refers to (`mm_hashes`)
@@ -51,6 +51,7 @@ CODES: dict[str, Code] = {
     "model_not_found": Code("request", 404),
     "image_too_large": Code("request", 413),
     "request_too_large": Code("request", 413),
+    "invalid_api_key": Code("request", 401),  # no key, or a wrong one, for the HTTP API
     "overloaded": Code("retryable", 503),
     "peer_restarted": Code("retryable", 503),
     "aborted": Code("retryable", 503),

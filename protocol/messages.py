@@ -31,6 +31,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, array_like=True)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False
+    """Go on past the model's end-of-sequence tokens (benchmarks ask for exactly max_tokens)."""
+    min_tokens: int = 0
+    """No end-of-sequence or stop token is picked before this many output tokens."""
+    stop_token_ids: list[int] = []
+    """More tokens that end the output (finish_reason "stop"), included in it as eos is."""
 
 
 class ImageUrl(msgspec.Struct, kw_only=True, frozen=True):
@@ -74,6 +80,9 @@ class ChatRequest(msgspec.Struct, tag="chat", kw_only=True, frozen=True):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
 
 
 class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):

@@ -39,6 +39,7 @@ from protocol.messages import (
     RequestFailed,
 )
 from services.bench.images import make_image, png_uri
+from services.client import ChatResult, Client, user_message
 from services.launcher import Child
 
 FETCH_TIMEOUT_S = 3.0
@@ -51,6 +52,8 @@ class Server:
     model: str
     log_path: Path
     process: subprocess.Popen
+    client_endpoint: str
+    """The native client API, which answers with token ids."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -58,19 +61,20 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
-    http_port = free_port()
+    http_port, port = free_port(), free_port()
     log_path = module_run_dir / "serve.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", "--model", str(qwen_dir),
-             "--port", str(free_port()), "--http-port", str(http_port),
+             "--port", str(port), "--http-port", str(http_port),
              "--run-dir", str(module_run_dir / "run"), "--max-images-per-request", "2",
              "--allow-http-media", "--allow-internal-media", "--max-image-bytes", "1000000",
              "--media-fetch-timeout", str(FETCH_TIMEOUT_S), "--media-fetch-retries", "0",
              "--http-max-body-bytes", str(MAX_BODY_BYTES)],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         )
-    served = Server(f"http://127.0.0.1:{http_port}/v1", qwen_dir.name, log_path, process)
+    served = Server(f"http://127.0.0.1:{http_port}/v1", qwen_dir.name, log_path, process,
+                    f"tcp://127.0.0.1:{port}")
 
     def healthy() -> bool:
         assert process.poll() is None, f"serve exited: {served.log()}"
@@ -182,6 +186,71 @@ class TestAnswers:
             assert (r.status, json.load(r)) == (200, {"status": "ok"})
 
 
+# ---------------------------------------------------------------- vLLM's sampling fields
+
+
+def greedy_ids(server: Server, text: str, **sampling: Any) -> ChatResult:
+    """The greedy reply to `text`, by the native client (which answers with token ids)."""
+    with Client(server.client_endpoint, timeout_s=120) as native:
+        return native.chat([user_message(text)], temperature=0, **sampling)
+
+
+def first_new_token(token_ids: list[int]) -> int:
+    """The index of the first token (after the first) not seen before it in `token_ids`."""
+    return next(i for i in range(1, len(token_ids)) if token_ids[i] not in token_ids[:i])
+
+
+class TestSampling:
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    def test_ignore_eos_gives_exactly_max_tokens(
+        self, client: openai.OpenAI, server: Server, stream: bool
+    ) -> None:
+        messages = [{"role": "user", "content": "Say nothing."}]
+        kw = {"max_tokens": 40, "extra_body": {"ignore_eos": True}}
+        if stream:
+            _, chunks = streamed(client, server, messages, stream_options={"include_usage": True},
+                                 **kw)
+            usage = chunks[-1].usage
+            reason = next(c.choices[0].finish_reason for c in chunks
+                          if c.choices and c.choices[0].finish_reason)
+        else:
+            completion = chat(client, server, messages, **kw)
+            usage, reason = completion.usage, completion.choices[0].finish_reason
+        assert (usage.completion_tokens, reason) == (40, "length")
+
+    def test_ignore_eos_over_raw_http(self, server: Server) -> None:
+        body = {"model": server.model, "max_tokens": 25, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        status, raw = _post(server, body)
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["completion_tokens"] == 25
+
+    def test_a_stop_token_ends_the_reply_and_is_included(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        whole = greedy_ids(server, "Count the lanes.", max_tokens=12, ignore_eos=True).token_ids
+        stop_at = first_new_token(whole)
+        stopped = greedy_ids(server, "Count the lanes.", max_tokens=12,
+                             stop_token_ids=[whole[stop_at]])
+        assert (stopped.token_ids, stopped.finish_reason) == (whole[:stop_at + 1], "stop")
+        before_stop = greedy_ids(server, "Count the lanes.", max_tokens=stop_at, ignore_eos=True)
+        assert stopped.text == before_stop.text  # the stop token adds no text, as in vLLM
+
+        completion = chat(client, server, user("Count the lanes."), max_tokens=12,
+                          extra_body={"stop_token_ids": [whole[stop_at]]})
+        assert completion.usage.completion_tokens == stop_at + 1
+        assert completion.choices[0].finish_reason == "stop"
+        assert completion.choices[0].message.content == before_stop.text
+
+    def test_no_stop_token_before_min_tokens(self, server: Server) -> None:
+        first = greedy_ids(server, "Count the lanes.", max_tokens=1).token_ids[0]
+        reply = greedy_ids(server, "Count the lanes.", max_tokens=8, min_tokens=4,
+                           stop_token_ids=[first])
+        assert len(reply.token_ids) >= 4
+        assert first not in reply.token_ids[:4]
+        assert reply.token_ids[-1] == first or len(reply.token_ids) == 8
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -206,6 +275,14 @@ ERROR_CASES = [
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "invalid_request", "tools: not supported"),
     ("max-tokens-0", {"max_tokens": 0}, 400, "invalid_request", "max_tokens must be at least 1"),
+    ("min-tokens-above-max", {"max_tokens": 2, "extra_body": {"min_tokens": 3}}, 400,
+     "invalid_request", r"min_tokens must be in 0\.\.max_tokens \(2\), got 3"),
+    ("stop-token-negative", {"extra_body": {"stop_token_ids": [5, -1]}}, 400,
+     "invalid_request", r"stop_token_ids must be token ids \(>= 0\), got -1"),
+    ("stop-token-outside-vocab", {"extra_body": {"stop_token_ids": [10**9]}}, 400,
+     "invalid_request", "stop_token_ids: 1000000000 is outside the vocabulary"),
+    ("ignore-eos-not-bool", {"extra_body": {"ignore_eos": "yes"}}, 400, "invalid_request",
+     "Expected `bool`, got `str` - at `ignore_eos`"),
     ("bad-base64", {"messages": user("x", "data:image/png;base64,@@@")}, 400, "invalid_image",
      "image 0: data URI is not valid base64"),
     ("too-many-images", {"messages": user("x", *[png_uri(make_image(8, 8))] * 3)}, 400,
@@ -253,6 +330,16 @@ class TestErrors:
         _, fields, status, code, pattern = case
         error = _status_error(client, server, stream=stream, **fields)
         _assert_error(error, status, code, pattern)
+
+    @pytest.mark.parametrize(("fields", "param"), [
+        ({"max_tokens": 2, "extra_body": {"min_tokens": 3}}, "min_tokens"),  # the frontend's
+        ({"extra_body": {"stop_token_ids": [10**9]}}, "stop_token_ids"),  # the engine's check
+    ], ids=["min_tokens", "stop_token_ids"])
+    def test_a_bad_sampling_field_is_the_errors_param(
+        self, client: openai.OpenAI, server: Server, fields: dict[str, Any], param: str
+    ) -> None:
+        error = _status_error(client, server, **fields)
+        assert error.response.json()["error"]["param"] == param
 
     @pytest.mark.parametrize("case", URL_ERROR_CASES, ids=[c[0] for c in URL_ERROR_CASES])
     def test_refused_or_failed_image_urls(self, client: openai.OpenAI, server: Server,

@@ -184,6 +184,11 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Port of the HTTP API; 0 disables it."""
     http_max_body_bytes: int = 128 * 1024 * 1024
     """Largest HTTP request body accepted (inline images included); larger gets a 413."""
+    api_key: list[str] = []
+    """API keys a client must send (`Authorization: Bearer KEY`) on every /v1 route; with none
+    (nor api_key_file) the HTTP API is open."""
+    api_key_file: str = ""
+    """A file of more API keys, one per line (blank lines ignored)."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:
@@ -198,10 +203,27 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self, "tokenizer_workers", "max_images_per_request", "request_timeout_s",
             "max_inflight_requests",
         )
+        self.api_keys()  # refuses an unreadable or empty key file now, by name
 
     @property
     def client_endpoint(self) -> str:
         return client_endpoint(self.host, self.port)
+
+    def api_keys(self) -> list[str]:
+        """api_key and the keys in api_key_file (read at startup, in __post_init__, and when the
+        HTTP API starts). A key file that cannot be read or holds no key is refused with a
+        ValueError: it would leave the API open by mistake."""
+        keys = [key for key in self.api_key if key]  # an empty key would let "Bearer " in
+        if not self.api_key_file:
+            return keys
+        try:
+            lines = Path(self.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"api_key_file: cannot read {self.api_key_file}: {exc}") from exc
+        from_file = [line.strip() for line in lines if line.strip()]
+        if not from_file:
+            raise ValueError(f"api_key_file: {self.api_key_file} holds no key")
+        return [*keys, *from_file]
 
 
 def load_config(config_type: type[C], values: dict[str, Any]) -> C:

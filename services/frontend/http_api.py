@@ -9,6 +9,9 @@ terminal reply per request are the I/O thread's, not repeated here. This module 
 fields and errors between the OpenAI shape and the native one. A client that disconnects
 before its reply cancels the request (`CancelChat`), which the frontend turns into an abort.
 
+With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
+`Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
+
 Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events ending with
 `data: [DONE]`), GET /v1/models, GET /health. Errors are OpenAI-style bodies,
 `{"error": {"message", "type", "param", "code"}}`, with the status of the code
@@ -22,13 +25,14 @@ requests in flight are answered as usual.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -65,6 +69,9 @@ REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "logit_bias": lambda v: not v,
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids")
+"""vLLM's extra sampling fields (`extra_body` in the openai client), passed on as they are."""
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -84,8 +91,10 @@ class HttpApi:
     def __init__(
         self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
         max_body_bytes: int, alive: Callable[[], bool], draining: Callable[[], bool],
+        api_keys: list[str],
     ) -> None:
         self.model_id = model_id
+        self._api_keys = [key.encode() for key in api_keys]
         self._client_endpoint = client_endpoint
         self._host, self._port = host, port
         self._max_body_bytes = max_body_bytes
@@ -138,7 +147,8 @@ class HttpApi:
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.connect(self._client_endpoint)
         self._reader = asyncio.create_task(self._read_replies(), name="frontend-http-replies")
-        app = web.Application(client_max_size=self._max_body_bytes)
+        app = web.Application(client_max_size=self._max_body_bytes,
+                              middlewares=[self._check_api_key])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -179,6 +189,20 @@ class HttpApi:
         await self._dealer.send_multipart(self._codec.encode(CancelChat(request_id=request_id)))
 
     # ------------------------------------------------------------ routes
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every /v1 route needs one of the API keys, when there are any; /health stays open."""
+        if not self._api_keys or not request.path.startswith("/v1/"):
+            return await handler(request)
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return _error_response(ApiError(
+                "no API key: send it as the header `Authorization: Bearer KEY`",
+                "invalid_api_key"))
+        if not _known_key(key.strip().encode(), self._api_keys):
+            return _error_response(ApiError("the API key is not valid", "invalid_api_key"))
+        return await handler(request)
 
     async def _health(self, _: web.Request) -> web.Response:
         if self._draining():
@@ -286,6 +310,7 @@ class HttpApi:
             "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
             "seed": body.get("seed"),
+            **{name: body[name] for name in _VLLM_SAMPLING if body.get(name) is not None},
         }
         try:
             request = msgspec.convert(fields, ChatRequest)
@@ -316,6 +341,12 @@ def _messages(raw: Any) -> list[ChatMessage]:
             raise ApiError(f"messages[{index}]: {problem}", "invalid_request",
                            f"messages[{index}]") from exc
     return messages
+
+
+def _known_key(key: bytes, keys: list[bytes]) -> bool:
+    """Whether `key` is one of `keys`, compared in constant time with every one of them, so that
+    the answer's timing tells nothing about which key, or how much of one, matched."""
+    return any([hmac.compare_digest(key, known) for known in keys])
 
 
 async def _read_json(http: web.Request) -> Any:
@@ -369,10 +400,10 @@ def _from_info(error: ErrorInfo) -> ApiError:
 
 def _param_of(error: ErrorInfo) -> str | None:
     """The request field an error names (its message starts with it), for `error.param`."""
-    head = error.message.replace(":", " ").split(" ", 1)[0]
+    head = error.message.replace(":", " ").split(" ", 1)[0].removeprefix("sampling.")
     if head in ("image", "messages", "too"):  # image N: ..., too many images: ...
         return "messages"
-    return head if head in ("max_tokens", "temperature", "top_p") else None
+    return head if head in ("max_tokens", "temperature", "top_p", *_VLLM_SAMPLING) else None
 
 
 def _error_body(error: ApiError) -> dict[str, Any]:

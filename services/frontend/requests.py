@@ -24,6 +24,13 @@ class CheckedRequest:
     images: list[ImageUrl]
     sampling: SamplingParams
 
+    def shown_ids(self, token_ids: list[int], finish_reason: str | None) -> list[int]:
+        """The output tokens whose text the client sees: a token of `stop_token_ids` that ends
+        the output counts among its tokens but adds no text, as in vLLM."""
+        if finish_reason == "stop" and token_ids and token_ids[-1] in self.sampling.stop_token_ids:
+            return token_ids[:-1]
+        return token_ids
+
 
 def check_request(request: ChatRequest, *, max_images: int) -> CheckedRequest:
     """Validate a chat request; raise RequestError naming the offending field."""
@@ -66,11 +73,20 @@ def _check_sampling(request: ChatRequest) -> SamplingParams:
         raise RequestError(f"temperature must be >= 0, got {request.temperature}")
     if not 0 < request.top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {request.top_p}")
+    if not 0 <= request.min_tokens <= request.max_tokens:
+        raise RequestError(f"min_tokens must be in 0..max_tokens ({request.max_tokens}), "
+                           f"got {request.min_tokens}")
+    negative = [token for token in request.stop_token_ids if token < 0]
+    if negative:
+        raise RequestError(f"stop_token_ids must be token ids (>= 0), got {negative[0]}")
     return SamplingParams(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        stop_token_ids=request.stop_token_ids,
     )
 
 

@@ -150,7 +150,7 @@ class Frontend:
                 port=config.http_port, model_id=self._pre.model_id,
                 max_body_bytes=config.http_max_body_bytes,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
-                draining=lambda: self._stop.is_set(),
+                draining=lambda: self._stop.is_set(), api_keys=config.api_keys(),
             )
             try:
                 self.http.start()
@@ -415,7 +415,10 @@ class Frontend:
         pending = self._inflight.get(output.request_id)
         if pending is None:
             return
-        text = pending.detokenizer.step(output.token_ids, final=output.finished)
+        shown = output.token_ids
+        if pending.checked is not None:  # a stop token adds no text (see `shown_ids`)
+            shown = pending.checked.shown_ids(shown, output.finish_reason)
+        text = pending.detokenizer.step(shown, final=output.finished)
         reply = ChatOutput(
             request_id=pending.client_request_id, token_ids=list(output.token_ids), text=text,
             finished=output.finished, finish_reason=output.finish_reason,

@@ -204,7 +204,7 @@ class HFRunner:
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample `seq`'s next token from its logits (vocab,); its output."""
         try:
-            token = seq.sampler(logits)
+            token = seq.sampler(seq.allowed(logits))
         except Exception as exc:  # e.g. NaN logits: this request alone fails
             log.exception("request %s failed in sampling", seq.request.request_id)
             return self._fail(seq, exc)

@@ -67,7 +67,10 @@ class Sequence:
         self.sampler = Sampler(request.sampling)
         self.last_run = -1
         """The runner's unit number when this request last advanced (-1: never)."""
-        self._eos_token_ids = eos_token_ids
+        sampling = request.sampling
+        ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_token_ids)
+        self._stop_token_ids = frozenset(ends)
+        """Tokens that end the output (eos unless ignored, and the request's stop tokens)."""
 
     @property
     def prompt_len(self) -> int:
@@ -92,9 +95,18 @@ class Sequence:
             return Unit(UnitKind.PREFILL, min(remaining, prefill_chunk_tokens or remaining))
         return Unit(UnitKind.DECODE, 1)
 
+    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (vocab,), the stop tokens masked out while the output is shorter than
+        min_tokens (as vLLM does), so that sampling cannot pick them."""
+        if len(self.output_ids) >= self.request.sampling.min_tokens or not self._stop_token_ids:
+            return logits
+        masked = logits.clone()
+        masked[list(self._stop_token_ids)] = float("-inf")
+        return masked
+
     def finish_reason(self) -> str | None:
         """Why the request is over after its latest token, or None while it goes on."""
-        if self.output_ids[-1] in self._eos_token_ids:
+        if self.output_ids[-1] in self._stop_token_ids:
             return "stop"
         if len(self.output_ids) >= self.request.sampling.max_tokens:
             return "length"

@@ -1,0 +1,157 @@
+"""What vLLM-class clients expect beyond plain chat: the end-of-sequence options in the HF
+runner (in process, the real tiny model), API keys on the HTTP API (a frontend with a stand-in
+engine), and `mmlane top` in a pipe."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import openai
+import pytest
+from test_engine import DEVICE, make_request
+from test_http import (
+    _answered,
+    _assert_error,
+    _status_error,
+    first_new_token,
+    frontend_with_silent_engine,
+)
+
+from conftest import REPO, free_port
+from protocol.errors import FatalError
+from protocol.messages import EngineOutput, EngineRequest
+from services.cli import config_from_argv
+from services.engine.hf.runner import HFRunner
+from services.model import Preprocessor
+
+# ---------------------------------------------------------------- eos in the HF runner
+
+
+def _run(runner: HFRunner, request: EngineRequest) -> tuple[list[int], str | None]:
+    """The request's tokens and finish reason, run alone to its end."""
+    runner.add(0, request)
+    tokens, reason = [], None
+    while runner.has_work():
+        for output in runner.step():
+            assert output.error is None, output.error
+            tokens += output.token_ids
+            reason = output.finish_reason or reason
+    return tokens, reason
+
+
+def test_eos_ends_the_output_unless_ignored_and_never_before_min_tokens(
+    qwen_dir: Path, prep: Preprocessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model never picks its real eos, so the test makes a token it does pick the eos."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    whole, reason = _run(runner, make_request(prep, "hi", max_tokens=12))
+    assert reason == "length"
+    stop_at = first_new_token(whole)
+    eos = whole[stop_at]
+    monkeypatch.setattr(runner, "spec", replace(runner.spec, eos_token_ids=frozenset({eos})))
+
+    assert _run(runner, make_request(prep, "hi", max_tokens=12)) == (whole[:stop_at + 1], "stop")
+    assert _run(runner, make_request(prep, "hi", max_tokens=12, ignore_eos=True)) == (
+        whole, "length")
+    later, _ = _run(runner, make_request(prep, "hi", max_tokens=12, min_tokens=stop_at + 2))
+    assert len(later) >= stop_at + 2 and eos not in later[:stop_at + 2]
+
+
+# ---------------------------------------------------------------- API keys
+
+
+def _answer(request: EngineRequest) -> EngineOutput:  # the stand-in engine's: one token
+    return EngineOutput(request_id=request.request_id, token_ids=[42], finished=True,
+                        finish_reason="length", prompt_token_ids=request.prompt_token_ids)
+
+
+def test_api_keys_guard_every_v1_route_but_not_health(
+    run_dir: Path, qwen_dir: Path, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("\nfrom-the-file\n\n")
+    hi = {"model": qwen_dir.name, "messages": [{"role": "user", "content": "hi"}]}
+    with frontend_with_silent_engine(run_dir, qwen_dir, "--api-key", "k1,k2", "--api-key",
+                                     "k3", "--api-key-file", str(key_file)) as (_, base_url,
+                                                                                 engine):
+        for key in ("k2", "k3", "from-the-file"):
+            with openai.OpenAI(base_url=base_url, api_key=key, max_retries=0,
+                               timeout=60) as client:
+                completion = _answered(
+                    engine, functools.partial(client.chat.completions.create, **hi), _answer)
+                assert completion.choices[0].finish_reason == "length"
+                assert [m.id for m in client.models.list()] == [qwen_dir.name]
+        with openai.OpenAI(base_url=base_url, api_key="k", max_retries=0, timeout=60) as wrong:
+            for stream in (False, True):
+                _assert_error(_status_error(wrong, None, stream=stream, **hi), 401,
+                              "invalid_api_key", "the API key is not valid")
+            with pytest.raises(openai.AuthenticationError):
+                wrong.models.list()
+        for headers in ({}, {"Authorization": "Basic k1"}, {"Authorization": "Bearer "}):
+            status, body = _get(f"{base_url}/models", headers)
+            assert status == 401
+            assert body["error"] == {
+                "message": "no API key: send it as the header `Authorization: Bearer KEY`",
+                "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+        assert _get(base_url.removesuffix("/v1") + "/health", {}) == (200, {"status": "ok"})
+
+
+def _get(url: str, headers: dict[str, str]) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def test_api_keys_from_the_environment_and_a_file(
+    run_dir: Path, qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "keys").write_text("f1\n  f2  \n")
+    monkeypatch.setenv("MMLANE_API_KEY", "e1,e2")
+    config = config_from_argv(
+        "frontend", ["--model", str(qwen_dir), "--api-key-file", str(tmp_path / "keys")],
+        run_dir)
+    assert config.api_keys() == ["e1", "e2", "f1", "f2"]
+    monkeypatch.delenv("MMLANE_API_KEY")
+    assert config_from_argv("frontend", ["--model", str(qwen_dir)], run_dir).api_keys() == []
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (" \n\n", "holds no key"),
+    (None, "cannot read"),
+])
+def test_a_key_file_without_keys_is_refused_at_startup(
+    run_dir: Path, qwen_dir: Path, tmp_path: Path, content: str | None, problem: str
+) -> None:
+    key_file = tmp_path / "keys"
+    if content is not None:
+        key_file.write_text(content)
+    with pytest.raises(FatalError, match=f"api_key_file: .*{problem}"):
+        config_from_argv("frontend", ["--model", str(qwen_dir), "--api-key-file",
+                                      str(key_file)], run_dir)
+
+
+# ---------------------------------------------------------------- mmlane top
+
+
+def test_top_once_into_a_closed_pipe_ends_quietly(run_dir: Path) -> None:
+    """`mmlane top --once | head`: the reader is gone before top writes (nobody publishes
+    on the address, so top waits out --timeout first)."""
+    top = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "top", "--once", "--timeout", "0.5",
+         "--connect", f"tcp://127.0.0.1:{free_port()}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    top.stdout.close()  # the pipe's only reader
+    stderr = top.stderr.read().decode()
+    assert top.wait(timeout=60) == 1, stderr  # 1: nothing answered on the address
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
