@@ -22,6 +22,7 @@ then its drain timeout plus `KILL_GRACE_S` to exit before SIGKILL.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -157,7 +158,7 @@ class Child:
     def _start(self, extra: list[str]) -> subprocess.Popen:
         env = {**self._env, RESTARTS_ENV: str(self.restarts)}
         if self.log_path is not None:
-            with self.log_path.open("ab" if self.restarts else "wb") as stderr:
+            with self.log_path.open("wb") as stderr:
                 return subprocess.Popen([*self._argv, *extra], stderr=stderr, env=env)
         process = subprocess.Popen([*self._argv, *extra], stderr=subprocess.PIPE, env=env)
         self._log_thread = threading.Thread(
@@ -169,14 +170,13 @@ class Child:
     def _pass_log(self, stream: IO[bytes]) -> None:
         """Copy the child's log to our stderr, keeping its last lines."""
         for line in stream:
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
             self._tail.append(line.decode(errors="replace").rstrip())
+            with contextlib.suppress(OSError):  # our stderr gone: still drain, or the child blocks
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
 
     def log_tail(self) -> list[str]:
-        """The child's last LOG_TAIL_LINES log lines."""
-        if self.log_path is not None:
-            return self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        """The child's last LOG_TAIL_LINES log lines (none with a `log_dir`: see its file)."""
         return list(self._tail)
 
     def restart(self) -> None:

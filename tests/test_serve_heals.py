@@ -25,6 +25,7 @@ from protocol.errors import RetryableError
 from protocol.messages import Stats
 from services.bench.images import jpeg_uri
 from services.client import ChatResult, Client, user_message
+from services.launcher import ServeConfig
 
 REQUEST_TIMEOUT_S = 8.0
 """The frontend's request timeout: what a dead role held is answered 'timeout' this soon."""
@@ -100,6 +101,14 @@ def _replies(client: Client, request_ids: list[str]) -> dict[str, ChatResult | R
 def _ok(client: Client, *request_ids: str) -> None:
     for rid, result in client.collect(list(request_ids)).items():
         assert result.error is None and result.finish_reason, f"{rid}: {result}"
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("crash_loop_limit", 0), ("crash_loop_window_s", 0.0), ("restart_backoff_s", -1.0),
+])
+def test_restart_settings_are_validated(setting: str, value: float) -> None:
+    with pytest.raises(ValueError, match=setting):
+        ServeConfig(**{setting: value})
 
 
 @pytest.mark.parametrize("role", ["mm-worker", "engine", "frontend"])
