@@ -336,6 +336,8 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     """Latencies by name; 'name:label' splits one histogram by a label (e.g. queue_wait:text)."""
     interval_s: float = 0.0
     """Seconds until the next snapshot is due (0: not said): past a few, the process is stale."""
+    restarts: int = 0
+    """How often `mmlane serve` has restarted this role's process."""
 
 
 StatsMessage = Stats
@@ -361,6 +363,8 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, frozen=True):
     mm_cache_bytes: int = -1
     """The engine: the capacity of each MM worker's receiver cache, in bytes (-1: not an engine).
     An MM worker checks its own capacity against it at startup."""
+    restarts: int = 0
+    """How often `mmlane serve` has restarted this role's process."""
 
 
 ControlRequest = Ping

@@ -2,8 +2,16 @@
 
 Startup waits for each child's `Ready` on a ready socket while watching for early exits: a child
 that fails makes serve stop the others and exit 1 with that child's reason. Once all are ready,
-serve prints one `ready` line with the client endpoint, then waits for SIGINT/SIGTERM (exit 0
-after stopping every child) or for a child to die (exit 1).
+serve prints one `ready` line with the client endpoint, then supervises its children until
+SIGINT/SIGTERM (exit 0 after stopping every child).
+
+Supervision: a child that exits while serve runs is restarted with the same config (so a
+frontend keeps its ports), after `restart_backoff_s`, doubled for each further exit within
+`crash_loop_window_s`, once the socket files it had bound are removed. The child learns how
+often it was restarted from $MMLANE_RESTARTS and publishes it (stats, health, top). A role that
+exits `crash_loop_limit` times within the window stops serve (exit 1) with a message naming it
+and quoting its last log lines. Its peers recover as under supervisord: a restarted MM worker
+or engine comes back with a new cache epoch, so the mirrored cache heals.
 
 Stopping is graceful, frontends first: a frontend drains while the MM worker and the engine
 still serve its requests in flight; once it has exited every request has had its reply, so the
@@ -23,8 +31,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import zmq
@@ -41,7 +50,7 @@ from services.common.config import (
     load_config,
     run_dir_defaults,
 )
-from services.common.lifecycle import setup_logging
+from services.common.lifecycle import RESTARTS_ENV, setup_logging
 from services.common.settings import Settings
 from services.common.sockets import make_socket
 from services.engine.config import EngineConfig
@@ -49,6 +58,15 @@ from services.engine.config import EngineConfig
 KILL_GRACE_S = 10.0
 """How long after its drain timeout a stopping child may take to exit (closing its sockets,
 logging its totals) before it is killed."""
+
+LOG_TAIL_LINES = 20
+"""How many of a child's last log lines serve quotes when the child's role crash-loops."""
+
+BOUND_ENDPOINTS = {
+    "engine": ("engine_endpoint",), "mm-worker": ("mm_worker_endpoint",),
+    "frontend": ("output_endpoint",),
+}
+"""The config fields of each role's sockets that it binds, besides its stats and control ones."""
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -63,11 +81,22 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     $MMLANE_RUN_DIR/serve-PORT ($MMLANE_RUN_DIR defaulting to /tmp/mmlane), removed at exit."""
     startup_timeout_s: float = 300.0
     """Seconds to wait for every role to report ready."""
+    restart_backoff_s: float = 0.5
+    """Seconds before a role that exited is restarted; doubled for each further exit within
+    `crash_loop_window_s`."""
+    crash_loop_limit: int = 5
+    """A role that exits this many times within `crash_loop_window_s` stops serve instead of
+    being restarted again (1: any exit stops serve)."""
+    crash_loop_window_s: float = 60.0
+    """The window, in seconds, over which a role's exits are counted (`crash_loop_limit`)."""
 
     def __post_init__(self) -> None:
         self.frontend.mm_worker_endpoint = [self.mm_worker.mm_worker_endpoint]
-        if self.startup_timeout_s <= 0:
-            raise ValueError(f"startup_timeout_s must be positive, got {self.startup_timeout_s}")
+        for name in ("startup_timeout_s", "crash_loop_window_s", "crash_loop_limit"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.restart_backoff_s < 0:
+            raise ValueError(f"restart_backoff_s must be 0 or more, got {self.restart_backoff_s}")
 
     def roles(self) -> dict[str, msgspec.Struct]:
         """Each child's config, by role."""
@@ -99,8 +128,8 @@ class Child:
 
     The config travels as msgspec JSON (`mmlane ROLE --config-json JSON`): the child decodes and
     validates it again, with no flag of its own. With `log_dir`, the child's stderr (its log)
-    goes to LOG_DIR/ROLE.log instead of ours. With `run_dir`, it is the child's
-    $MMLANE_RUN_DIR.
+    goes to LOG_DIR/ROLE.log instead of ours; without, it passes through us, and we keep its
+    last lines (`log_tail`). With `run_dir`, it is the child's $MMLANE_RUN_DIR.
     """
 
     def __init__(
@@ -114,13 +143,58 @@ class Child:
         self.stop_timeout_s = (ops.drain_timeout_s if ops else 0.0) + KILL_GRACE_S
         """From SIGTERM to SIGKILL."""
         self.log_path = None if log_dir is None else log_dir / f"{role}.log"
-        env = None if run_dir is None else {**os.environ, "MMLANE_RUN_DIR": str(run_dir)}
-        argv = ["--config-json", msgspec.json.encode(config).decode(),
-                "--ready-endpoint", ready_endpoint]
-        with self.log_path.open("wb") if self.log_path else contextlib.nullcontext() as stderr:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", role, *argv], stderr=stderr, env=env
-            )
+        self.restarts = 0
+        self.exits: deque[float] = deque()
+        """When it exited while serve ran, within the crash-loop window."""
+        self.restart_at: float | None = None
+        """When the exited process is due to be restarted; None while it runs."""
+        self._tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self._log_thread: threading.Thread | None = None
+        self._env = {**os.environ, **({} if run_dir is None else {"MMLANE_RUN_DIR": str(run_dir)})}
+        self._argv = [sys.executable, "-m", "services.cli", role,
+                      "--config-json", msgspec.json.encode(config).decode()]
+        self.process = self._start(["--ready-endpoint", ready_endpoint])
+
+    def _start(self, extra: list[str]) -> subprocess.Popen:
+        env = {**self._env, RESTARTS_ENV: str(self.restarts)}
+        if self.log_path is not None:
+            with self.log_path.open("wb") as stderr:
+                return subprocess.Popen([*self._argv, *extra], stderr=stderr, env=env)
+        process = subprocess.Popen([*self._argv, *extra], stderr=subprocess.PIPE, env=env)
+        self._log_thread = threading.Thread(
+            target=self._pass_log, args=(process.stderr,), name=f"{self.role}-log", daemon=True
+        )
+        self._log_thread.start()
+        return process
+
+    def _pass_log(self, stream: IO[bytes]) -> None:
+        """Copy the child's log to our stderr, keeping its last lines."""
+        for line in stream:
+            self._tail.append(line.decode(errors="replace").rstrip())
+            with contextlib.suppress(OSError):  # our stderr gone: still drain, or the child blocks
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+
+    def log_tail(self) -> list[str]:
+        """The child's last LOG_TAIL_LINES log lines (none with a `log_dir`: see its file)."""
+        return list(self._tail)
+
+    def restart(self) -> None:
+        """Start the role again with its config, once the socket files it bound are gone; it
+        reports no `Ready` (serve is past startup)."""
+        for path in self.socket_files():
+            path.unlink(missing_ok=True)
+        self.restarts += 1
+        self.restart_at = None
+        self.process = self._start([])
+
+    def socket_files(self) -> list[Path]:
+        """The ipc:// socket files this child binds (a kill -9 leaves them behind)."""
+        ops: OpsConfig = self.config.ops  # type: ignore[attr-defined]
+        fields = BOUND_ENDPOINTS.get(self.role, ())
+        endpoints = [ops.stats_endpoint, ops.control_endpoint,
+                     *(getattr(self.config, name) for name in fields)]
+        return [Path(e[len("ipc://"):]) for e in endpoints if e.startswith("ipc://")]
 
     def stop(self) -> None:
         """SIGTERM: the child drains, then exits."""
@@ -133,6 +207,8 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self._log_thread is not None:  # its last lines reach our stderr before we exit
+            self._log_thread.join(timeout=1.0)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -159,7 +235,7 @@ def serve(args: argparse.Namespace) -> int:
                 if frontend.http_port else "")
         print(f"mmlane ready: client endpoint {frontend.client_endpoint}{http} "
               f"(model {model_dir})", flush=True)
-        return _watch(children, stop, log)
+        return _supervise(children, config, stop, log)
     except FatalError as exc:
         print(f"mmlane serve: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -221,15 +297,39 @@ def _wait_ready(
             raise FatalError(f"{', '.join(sorted(waiting))} not ready after {timeout_s} s")
 
 
-def _watch(children: list[Child], stop: threading.Event, log: logging.Logger) -> int:
+def _supervise(
+    children: list[Child], config: ServeConfig, stop: threading.Event, log: logging.Logger
+) -> int:
+    """Restart each child that exits until the stop (see the module docstring); raises
+    FatalError when one crash-loops."""
     while not stop.wait(0.2):
+        now = time.monotonic()
         for child in children:
-            code = child.process.poll()
-            if code is not None:
-                log.error("%s exited with status %s; stopping the others", child.role, code)
-                return 1
+            if child.restart_at is None and child.process.poll() is not None:
+                child.restart_at = now + _backoff(child, config, now, log)
+            elif child.restart_at is not None and now >= child.restart_at:
+                log.info("restarting %s (restart %d)", child.role, child.restarts + 1)
+                child.restart()
     log.info("stopping")
     return 0
+
+
+def _backoff(child: Child, config: ServeConfig, now: float, log: logging.Logger) -> float:
+    """Count the child's exit and return how long to wait before its restart; raises
+    FatalError once its role exits `crash_loop_limit` times within the window."""
+    child.exits.append(now)
+    while child.exits[0] < now - config.crash_loop_window_s:
+        child.exits.popleft()
+    status, count = child.process.returncode, len(child.exits)
+    if count >= config.crash_loop_limit:
+        tail = "\n".join(f"  {line}" for line in child.log_tail())
+        raise FatalError(
+            f"{child.role} exited {count} times within {config.crash_loop_window_s:g} s (last "
+            f"status {status}); not restarting it. Its last log lines:\n{tail}"
+        )
+    delay = config.restart_backoff_s * 2 ** (count - 1)
+    log.error("%s exited with status %s; restarting it in %.1f s", child.role, status, delay)
+    return delay
 
 
 def stop_all(children: list[Child]) -> None:

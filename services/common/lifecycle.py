@@ -32,6 +32,10 @@ from protocol.messages import Ready, StartupFailed
 from services.common.config import OpsConfig
 from services.common.stats import Metrics, StatsServer
 
+RESTARTS_ENV = "MMLANE_RESTARTS"
+"""How often `mmlane serve` has restarted this role's process (set in the child's environment);
+the role publishes it in its stats and pings."""
+
 DRAINING_CODE = "peer_restarted"
 """The error code of work a stopping role refuses or cannot finish: to the client, the process
 that had its request is restarting."""
@@ -119,6 +123,7 @@ def run_role(
         if ops is not None:
             metrics: Metrics = service.metrics  # type: ignore[attr-defined]  # roles given `ops` have it
             stop.metrics = metrics  # from the signal on, stats and health say 'draining'
+            metrics.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
             stats = StatsServer(
                 metrics, stats_endpoint=ops.stats_endpoint,
                 control_endpoint=ops.control_endpoint, interval_s=ops.stats_interval_s,

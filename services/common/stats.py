@@ -118,6 +118,8 @@ class Metrics:
         """The id of the model this process has loaded; "" while none is."""
         self.interval_s = 0.0
         """How often the snapshots are published (set by the StatsServer that publishes them)."""
+        self.restarts = 0
+        """How often the launcher has restarted this role's process (see `run_role`)."""
 
     def observe(self, name: str, seconds: float) -> None:
         """Add one latency, in seconds, to histogram `name` ('name:label' for a labelled one)."""
@@ -145,12 +147,12 @@ class Metrics:
             queues={name: read() for name, read in dict(self._gauges).items()},
             counters=counters, errors=dict(self.errors),
             histograms={name: h.snapshot() for name, h in dict(self.histograms).items()},
-            interval_s=self.interval_s,
+            interval_s=self.interval_s, restarts=self.restarts,
         )
 
     def pong(self) -> Pong:
         return Pong(role=self.role, name=self.name, pid=os.getpid(), state=self.state,
-                    model=self.model)
+                    model=self.model, restarts=self.restarts)
 
 
 def log_totals(metrics: Metrics) -> None:

@@ -22,7 +22,7 @@ import zmq
 from protocol.messages import ControlReply, Ping, Pong
 from services.ops.discovery import connect, endpoint_label, targets
 from services.ops.feed import ROLE_ORDER, process_order
-from services.ops.text import latency_text
+from services.ops.text import latency_text, state_text
 
 
 @dataclass
@@ -121,5 +121,6 @@ def answer_line(answer: Answer) -> str:
         return (f"{'?':<10} {answer.name:<16} {'-':>8}  {'-':<9} {'-':<16} {'-':>9}  "
                 f"UNHEALTHY: {answer.problem}")
     verdict = f"UNHEALTHY: {answer.problem}" if answer.problem else "ok"
-    return (f"{pong.role:<10} {pong.name:<16} {pong.pid:>8}  {pong.state:<9} "
+    state = state_text(pong.state, pong.restarts)
+    return (f"{pong.role:<10} {pong.name:<16} {pong.pid:>8}  {state:<9} "
             f"{pong.model or '-':<16} {latency_text(answer.seconds):>9}  {verdict}")

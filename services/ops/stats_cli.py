@@ -20,7 +20,7 @@ import msgspec
 from protocol.messages import Stats
 from services.ops.discovery import targets
 from services.ops.feed import ProcessSnapshots, StatsFeed
-from services.ops.text import counts_text, latency_text, uptime_text
+from services.ops.text import counts_text, latency_text, state_text, uptime_text
 
 
 def stats_command(args: argparse.Namespace) -> int:
@@ -76,8 +76,9 @@ def _print_stream(feed: StatsFeed, as_json: bool) -> int:
 
 def snapshot_text(stats: Stats) -> str:
     """A few lines for one snapshot: who, state, queues, counters, errors, each histogram."""
+    state = state_text(stats.state, stats.restarts)
     lines = [
-        f"{stats.role} {stats.name}  pid {stats.pid}  {stats.state}  up "
+        f"{stats.role} {stats.name}  pid {stats.pid}  {state}  up "
         f"{uptime_text(stats.uptime_s)}  in flight {stats.in_flight}  epoch {stats.epoch}",
         f"  queues    {counts_text(stats.queues)}",
         f"  counters  {counts_text(stats.counters)}",
@@ -93,8 +94,9 @@ def snapshot_text(stats: Stats) -> str:
 
 def _stats_line(stats: Stats) -> str:
     clock = time.strftime("%H:%M:%S", time.localtime(stats.time))
+    state = state_text(stats.state, stats.restarts)
     return (
-        f"{clock} {stats.role} {stats.name} pid {stats.pid} {stats.state} "
+        f"{clock} {stats.role} {stats.name} pid {stats.pid} {state} "
         f"in_flight {stats.in_flight} requests {stats.counters.get('requests', 0)} "
         f"errors {sum(stats.errors.values())} queues [{counts_text(stats.queues)}]"
     )

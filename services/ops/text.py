@@ -38,3 +38,8 @@ def uptime_text(seconds: float) -> str:
 def counts_text(counts: Mapping[str, int]) -> str:
     """'arrivals 0, running 2'; '-' when empty."""
     return ", ".join(f"{name} {count}" for name, count in sorted(counts.items())) or "-"
+
+
+def state_text(state: str, restarts: int) -> str:
+    """'serving', or 'serving (restarted 2x)' for a process that `mmlane serve` restarted."""
+    return f"{state} (restarted {restarts}x)" if restarts else state

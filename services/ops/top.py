@@ -27,7 +27,7 @@ from rich.text import Text
 from services.ops.discovery import Targets, targets
 from services.ops.feed import ProcessSnapshots, StatsFeed
 from services.ops.lanes import Lane, lanes
-from services.ops.text import counts_text, ms_text, uptime_text
+from services.ops.text import counts_text, ms_text, state_text, uptime_text
 
 # Columns the plain-text view (--once, output not a terminal) is laid out for.
 PLAIN_WIDTH = 150
@@ -118,7 +118,8 @@ def _process_row(process: ProcessSnapshots, now: float) -> list[str]:
     if stats is None:
         return ["?", process.name, "-", "no data", "-", "-", process.endpoint, "-", "-"]
     fresh = process.fresh(now)
-    state = stats.state if fresh else f"stale {uptime_text(now - process.received_at)}"
+    state = (state_text(stats.state, stats.restarts) if fresh
+             else f"stale {uptime_text(now - process.received_at)}")
     return [
         stats.role, stats.name, str(stats.pid), state, uptime_text(stats.uptime_s),
         str(stats.in_flight), counts_text(stats.queues), _request_rate(process) if fresh else "-",
