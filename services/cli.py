@@ -37,7 +37,8 @@ ROLE_SETTINGS: dict[str, tuple[type[msgspec.Struct], Settings]] = {
 def _add_role_args(p: argparse.ArgumentParser, settings: Settings) -> None:
     settings.add_to(p)
     p.add_argument("--ready-endpoint", help=argparse.SUPPRESS)  # set by `mmlane serve`
-    # set by `mmlane serve`: the whole validated config, as msgspec JSON (the flags are unused)
+    # set by `mmlane serve`: the whole validated config, as msgspec JSON, or "-": read it from
+    # stdin (serve's way: a command line is visible to every user); the flags are then unused
     p.add_argument("--config-json", help=argparse.SUPPRESS)
 
 
@@ -45,7 +46,8 @@ def role_config(role: str, args: argparse.Namespace) -> msgspec.Struct:
     """ROLE's validated config: the one serve handed it, else the one its flags give."""
     config_type, settings = ROLE_SETTINGS[role]
     if args.config_json:
-        return load_config(config_type, msgspec.json.decode(args.config_json))
+        text = sys.stdin.buffer.read() if args.config_json == "-" else args.config_json
+        return load_config(config_type, msgspec.json.decode(text))
     return load_config(config_type, settings.values(args))
 
 

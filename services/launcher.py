@@ -126,7 +126,8 @@ class Child:
     """One role's process, started with its validated config, the name it is known by, and the
     endpoint its `Ready` reported.
 
-    The config travels as msgspec JSON (`mmlane ROLE --config-json JSON`): the child decodes and
+    The config travels as msgspec JSON on the child's stdin (`mmlane ROLE --config-json -`), not
+    on its command line, where `ps` would show its secrets (API keys): the child decodes and
     validates it again, with no flag of its own. With `log_dir`, the child's stderr (its log)
     goes to LOG_DIR/ROLE.log instead of ours; without, it passes through us, and we keep its
     last lines (`log_tail`). With `run_dir`, it is the child's $MMLANE_RUN_DIR.
@@ -151,20 +152,30 @@ class Child:
         self._tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
         self._env = {**os.environ, **({} if run_dir is None else {"MMLANE_RUN_DIR": str(run_dir)})}
-        self._argv = [sys.executable, "-m", "services.cli", role,
-                      "--config-json", msgspec.json.encode(config).decode()]
+        self._argv = [sys.executable, "-m", "services.cli", role, "--config-json", "-"]
+        self._config_json = msgspec.json.encode(config)
         self.process = self._start(["--ready-endpoint", ready_endpoint])
 
     def _start(self, extra: list[str]) -> subprocess.Popen:
         env = {**self._env, RESTARTS_ENV: str(self.restarts)}
         if self.log_path is not None:
             with self.log_path.open("wb") as stderr:
-                return subprocess.Popen([*self._argv, *extra], stderr=stderr, env=env)
-        process = subprocess.Popen([*self._argv, *extra], stderr=subprocess.PIPE, env=env)
+                return self._handed_config(subprocess.Popen(
+                    [*self._argv, *extra], stdin=subprocess.PIPE, stderr=stderr, env=env))
+        process = self._handed_config(subprocess.Popen(
+            [*self._argv, *extra], stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
         self._log_thread = threading.Thread(
             target=self._pass_log, args=(process.stderr,), name=f"{self.role}-log", daemon=True
         )
         self._log_thread.start()
+        return process
+
+    def _handed_config(self, process: subprocess.Popen) -> subprocess.Popen:
+        """Write the config to the new process's stdin and close it (a child that died at once
+        reports that through its exit status, not here)."""
+        assert process.stdin is not None
+        with contextlib.suppress(BrokenPipeError), process.stdin:
+            process.stdin.write(self._config_json)
         return process
 
     def _pass_log(self, stream: IO[bytes]) -> None:

@@ -175,6 +175,9 @@ def test_serves_child_runs_with_the_config_it_was_handed(qwen_dir: Path, run_dir
         assert child.stop_timeout_s == 4 + KILL_GRACE_S
         (answer,) = ping_all([worker.ops.control_endpoint], timeout_s=30)
         assert answer.name == "handed"
+        # ... through its stdin: a command line is readable by every user (API keys!)
+        command_line = Path(f"/proc/{child.process.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--config-json" in command_line and not any(b"handed" in a for a in command_line)
     finally:
         stop_all([child])
 
