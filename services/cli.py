@@ -18,6 +18,7 @@ from services.common.config import (
     FrontendConfig,
     MMWorkerConfig,
     default_run_dir,
+    handed_config,
     load_config,
     run_dir_defaults,
 )
@@ -46,8 +47,7 @@ def role_config(role: str, args: argparse.Namespace) -> msgspec.Struct:
     """ROLE's validated config: the one serve handed it, else the one its flags give."""
     config_type, settings = ROLE_SETTINGS[role]
     if args.config_json:
-        text = sys.stdin.buffer.read() if args.config_json == "-" else args.config_json
-        return load_config(config_type, msgspec.json.decode(text))
+        return handed_config(config_type, args.config_json)
     return load_config(config_type, settings.values(args))
 
 

@@ -195,3 +195,8 @@ def test_the_config_json_flag_round_trips_every_role(run_dir: Path) -> None:
         json = msgspec.json.encode(handed).decode()
         assert role_config(role, build_parser().parse_args([role, "--config-json", json])) == handed
 
+
+
+def test_malformed_config_json_is_refused_naming_the_config() -> None:
+    with pytest.raises(FatalError, match="invalid EngineConfig JSON: JSON is malformed"):
+        role_config("engine", build_parser().parse_args(["engine", "--config-json", "{bad"]))

@@ -97,8 +97,8 @@ def add_bench_server_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_bench_server(args: argparse.Namespace) -> int:
     from services.bench.inproc import InProcessConfig, InProcessServer
-    from services.common.config import load_config
+    from services.common.config import handed_config
     from services.common.lifecycle import run_role
 
-    config = load_config(InProcessConfig, msgspec.json.decode(args.config_json))
+    config = handed_config(InProcessConfig, args.config_json)
     return run_role("bench-server", lambda: InProcessServer(config), args.ready_endpoint)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -232,6 +233,17 @@ def load_config(config_type: type[C], values: dict[str, Any]) -> C:
         return msgspec.convert(values, config_type)
     except (msgspec.ValidationError, ValueError) as exc:
         raise FatalError(f"invalid {config_type.__name__}: {exc}", code="bad_config") from exc
+
+
+def handed_config(config_type: type[C], config_json: str) -> C:
+    """The config a parent handed a child process as `--config-json`: msgspec JSON, or "-" to
+    read it from stdin (the launcher's way: a command line is visible to every user)."""
+    text = sys.stdin.buffer.read() if config_json == "-" else config_json
+    try:
+        values = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise FatalError(f"invalid {config_type.__name__} JSON: {exc}", code="bad_config") from exc
+    return load_config(config_type, values)
 
 
 def _positive(config: msgspec.Struct, *names: str) -> None:
