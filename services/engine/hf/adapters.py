@@ -89,7 +89,8 @@ class Adapter:
 
     def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The image's embeddings, (num_placeholder_tokens, hidden), on the model's device."""
-        inputs = {name: self._to_device(array) for name, array in tensors.items()}
+        inputs = {name: self._to_device(array) for name, array in tensors.items()
+                  if name != "pixel_values"}
         inputs["pixel_values"] = self._pixels(tensors)
         pooled = self.model.model.get_image_features(**inputs, return_dict=True).pooler_output
         return torch.cat(list(pooled))
