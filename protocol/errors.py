@@ -57,6 +57,7 @@ CODES: dict[str, Code] = {
     "aborted": Code("retryable", 503),
     "timeout": Code("retryable", 504),
     "cache_miss": Code("retryable", 503),
+    "backend_died": Code("retryable", 503),  # the engine's backend (vLLM's core) died: restarting
     "internal": Code("internal", 500),
     "bad_config": Code("fatal", 500),
     "cannot_serve": Code("fatal", 500),

@@ -18,6 +18,7 @@ from protocol.codec import Codec
 from protocol.errors import MMLaneError, RequestError, RetryableError, from_info
 from protocol.messages import (
     CacheReset,
+    CancelChat,
     ChatError,
     ChatMessage,
     ChatRequest,
@@ -91,6 +92,10 @@ class Client:
             request_id=request_id, messages=messages, **sampling  # type: ignore[arg-type]
         )))
         return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a submitted request; no reply to it follows."""
+        self.send_raw(self._codec.encode(CancelChat(request_id=request_id)))
 
     def send_raw(self, frames: list) -> None:
         """Send frames as they are (tests use it for malformed messages)."""

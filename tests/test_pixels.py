@@ -10,7 +10,7 @@ import torch
 from conftest import as_processor_output
 from services.bench.images import make_image, noise_image
 from services.model import FAMILIES, PixelNorm, normalize
-from services.model.families import _processor_uint8
+from services.model.families import processor_uint8
 
 SIZES = [(56, 56), (333, 517), (64, 1900), (1024, 768)]
 
@@ -52,7 +52,7 @@ def test_qwen2_vl_uint8_layout_is_the_processors_own(preprocessors, size):
     preprocessor = preprocessors["qwen2_vl"]
     image = noise_image(*size, seed=3)
     fast = preprocessor.family.uint8_pixels(preprocessor.image_processor, image)
-    reference = _processor_uint8(preprocessor.image_processor, image)
+    reference = processor_uint8(preprocessor.image_processor, image)
     for field in preprocessor.family.item_fields:
         assert fast[field].dtype == reference[field].dtype
         assert np.array_equal(fast[field], reference[field]), field

@@ -95,6 +95,12 @@ class OpsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
 
 
+ImageBackend = Literal["auto", "pil", "torchvision"]
+"""Which of transformers' image-processor backends renders images. 'pil' is the reference and
+needs no torchvision; 'torchvision' is what vLLM's renderer uses, so pixels made with it equal
+vLLM's own; 'auto' is transformers' choice: torchvision when it imports, else PIL."""
+
+
 class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """Local Hugging Face model directory (its tokenizer and image processor are used)."""
@@ -133,6 +139,9 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Retries, with backoff, after a timeout or a 5xx answer (never after another error)."""
     fetch_ahead_jobs: int = 64
     """Jobs received ahead of the one being processed, so their image fetches start early."""
+    image_backend: ImageBackend = "auto"
+    """The image processor's backend: auto (torchvision when it imports, as transformers and
+    vLLM choose; else pil), pil (the reference; no torchvision needed) or torchvision."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:

@@ -12,8 +12,9 @@ import msgspec
 from services.common.config import OpsConfig, _positive, ipc, process_name
 from services.common.feature_cache import capacity_bytes
 from services.engine.hf.config import HFConfig
+from services.engine.vllm.config import VLLMConfig
 
-Backend = Literal["hf"]
+Backend = Literal["hf", "vllm"]
 """What runs the model; each name has a factory in services/engine/runner.py's BACKENDS."""
 
 
@@ -28,9 +29,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The most GiB of tensors one MM worker's receiver cache may hold; 0 caches nothing. Each
     receiver cache mirrors its MM worker's own --mm-cache-gb, which must not be larger."""
     backend: Backend = "hf"
-    """What runs the model: 'hf' (transformers and torch in this process)."""
+    """What runs the model: 'hf' (transformers and torch in this process) or 'vllm' (vLLM's
+    AsyncLLM, which runs its engine core and workers in processes of its own; needs the vllm
+    extra: see README, "Serving with vLLM")."""
     hf: HFConfig = msgspec.field(default_factory=HFConfig)
     """The 'hf' backend's settings."""
+    vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
+    """The 'vllm' backend's settings."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:

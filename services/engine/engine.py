@@ -42,7 +42,7 @@ import zmq
 from msgspec.structs import replace
 
 from protocol.codec import Codec
-from protocol.errors import CacheMissError, MMLaneError, RetryableError, translate
+from protocol.errors import CacheMissError, FatalError, MMLaneError, RetryableError, translate
 from protocol.messages import (
     AbortRequests,
     EngineCacheReset,
@@ -162,6 +162,8 @@ class Engine:
             error = translate(exc, "the engine's backend failed")
             for handle in list(self._held):
                 self._drop(handle, error)
+            if isinstance(exc, FatalError):  # the backend cannot go on: the role exits
+                raise
             return
         for output in outputs:
             self._reply(output)  # 4
@@ -179,6 +181,7 @@ class Engine:
         for thread in (self._receiver, self._sender):
             if thread is not None:
                 thread.join()
+        self.runner.close()
         self._close_sockets()
         log_totals(self.metrics)
 

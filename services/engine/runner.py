@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from services.common.stats import Metrics
     from services.engine.config import EngineConfig
 
-BACKENDS: dict[str, str] = {"hf": "services.engine.hf.runner:load"}
+BACKENDS: dict[str, str] = {
+    "hf": "services.engine.hf.runner:load",
+    "vllm": "services.engine.vllm.runner:load",
+}
 """The factory of each `backend` setting: 'module:function', called as
 `function(config, metrics) -> ModelRunner`."""
 
@@ -98,6 +101,11 @@ class ModelRunner(Protocol):
 
     def abort(self, handle: int) -> None:
         """Forget a request and free what it holds (its KV cache)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the runner holds beyond this process's memory (vLLM's processes); the
+        engine calls it last."""
         ...
 
 

@@ -103,7 +103,9 @@ class MMWorker:
     def __init__(self, config: MMWorkerConfig) -> None:
         self.config = config
         self.endpoint = config.mm_worker_endpoint
-        self.preprocessor = load_preprocessor(resolve_model_dir(config.model))
+        self.preprocessor = load_preprocessor(
+            resolve_model_dir(config.model), config.image_backend
+        )
         self.media = MediaPolicy.from_config(config)
         self.metrics = Metrics("mm-worker", config.ops.name)
         self.metrics.model = self.preprocessor.model_id

@@ -1,6 +1,12 @@
 """The model package every role uses: loading a model directory, the per-family placeholder
 description, image preprocessing, and the offline tiny-model builder."""
 
+from services.common import cpu_wheels
+
+cpu_wheels.apply()  # before transformers imports torchvision (a vLLM CPU install needs it)
+
+# ruff: noqa: E402
+
 from services.model.families import FAMILIES, Family, UnsupportedModelError, family_for
 from services.model.loading import (
     ImageError,

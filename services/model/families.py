@@ -110,7 +110,7 @@ def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
 
     return check_items
 
-def _processor_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+def processor_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
     """Any family: the processor itself with its rescale and normalise turned off. Its resize
     works in uint8, so the values it returns (float32 for some families) are whole 0-255."""
     batch = image_processor(
@@ -231,7 +231,7 @@ LLAVA = Family(
     split_items=_split_llava,
     token_counter=_llava_token_counter,
     item_checker=_llava_item_checker,
-    uint8_pixels=_processor_uint8,
+    uint8_pixels=processor_uint8,
 )
 
 FAMILIES = (QWEN2_VL, LLAVA)

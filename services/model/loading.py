@@ -29,7 +29,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from services.model.families import Family, TokenCounter, UnsupportedModelError, family_for
+from services.common.config import ImageBackend
+from services.model.families import (
+    Family,
+    TokenCounter,
+    UnsupportedModelError,
+    family_for,
+    processor_uint8,
+)
 from services.model.pixels import PixelNorm
 from services.model.tiny import ensure_default_model
 
@@ -76,6 +83,8 @@ class Preprocessor:
     # Special tokens the tokenizer adds around a text when asked (e.g. Llama's BOS).
     special_prefix: list[int]
     special_suffix: list[int]
+    image_backend: str = "pil"
+    """The image processor's backend: 'pil' or 'torchvision' (see `load_preprocessor`)."""
 
     def render_prompt(self, messages: list[dict]) -> str:
         try:
@@ -110,8 +119,11 @@ class Preprocessor:
     def process_image(self, image: Image.Image) -> ImageItem:
         """The image's tensors, pixels as uint8 (`pixel_norm` turns them into the processor's
         float output)."""
+        # The family's own uint8 path reproduces the PIL backend; any other backend is run
+        # itself, with its rescale and normalise off.
+        uint8_pixels = self.family.uint8_pixels if self.image_backend == "pil" else processor_uint8
         try:
-            batch = self.family.uint8_pixels(self.image_processor, image)
+            batch = uint8_pixels(self.image_processor, image)
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}
@@ -152,11 +164,12 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return model_dir
 
 
-def load_preprocessor(model_dir: str | Path) -> Preprocessor:
+def load_preprocessor(model_dir: str | Path, image_backend: ImageBackend = "pil") -> Preprocessor:
     model_dir = resolve_model_dir(model_dir)
     family, config = _load_config(model_dir)
     tokenizer = _load_tokenizer(model_dir)
-    image_processor = _load_image_processor(model_dir)
+    backend = _pick_image_backend(image_backend)
+    image_processor = _load_image_processor(model_dir, backend)
     special_prefix, special_suffix = _added_special_ids(tokenizer)
     return Preprocessor(
         model_id=model_dir.name,
@@ -171,6 +184,7 @@ def load_preprocessor(model_dir: str | Path) -> Preprocessor:
         pixel_norm=PixelNorm.of(image_processor),
         special_prefix=special_prefix,
         special_suffix=special_suffix,
+        image_backend=backend,
     )
 
 
@@ -210,10 +224,19 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _load_image_processor(model_dir: Path) -> Any:
-    # The PIL backend works without torchvision, and its output is the reference HF computes.
+def _pick_image_backend(setting: ImageBackend) -> str:
+    if setting != "auto":
+        return setting
     try:
-        return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError, OSError):
+        return "pil"
+    return "torchvision"
+
+
+def _load_image_processor(model_dir: Path, backend: str) -> Any:
+    try:
+        return AutoImageProcessor.from_pretrained(model_dir, backend=backend)
     except (OSError, ValueError) as exc:
         raise ModelDirError(f"cannot load the image processor in {model_dir}: {exc}") from exc
 

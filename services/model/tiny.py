@@ -88,7 +88,7 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
-BUILDER_VERSION = 2  # bump whenever the built files change
+BUILDER_VERSION = 3  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
 # serving (1280 * 28 * 28), so a 12-megapixel photo becomes 1,280 tokens instead of 15,552 —
@@ -174,7 +174,7 @@ def _build_qwen2_vl(out_dir: Path, seed: int) -> None:
     )
     _write_json(out_dir / "preprocessor_config.json", QWEN2_VL_IMAGE_PROCESSOR)
     ids = bpe.get_vocab(with_added_tokens=True)
-    head_dim = 16
+    head_dim = 64  # a head size vLLM's CPU attention takes: vLLM serves this model too
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
@@ -188,7 +188,7 @@ def _build_qwen2_vl(out_dir: Path, seed: int) -> None:
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 1000000.0,
-                "mrope_section": [2, 3, 3],
+                "mrope_section": [8, 12, 12],
             },
             "bos_token_id": ids["<|endoftext|>"],
             "eos_token_id": ids["<|im_end|>"],

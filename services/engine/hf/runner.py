@@ -168,6 +168,9 @@ class HFRunner:
     def abort(self, handle: int) -> None:
         self._sequences.pop(handle, None)
 
+    def close(self) -> None:
+        """Nothing to free: the model lives in this process's memory."""
+
     def has_work(self) -> bool:
         """Whether it holds a request: what callers that drive it themselves (tests,
         benchmarks) step until."""

@@ -1,0 +1,260 @@
+"""The "vllm" backend's runner: vLLM's AsyncLLM runs the model, fed with rendered requests.
+
+vLLM's AsyncLLM lives on this process's `vllm-loop` thread (an asyncio loop); it starts vLLM's
+engine core and workers in their own processes, so tensor, pipeline and data parallelism are
+vLLM's (engine arguments pass through unchanged, see config.py). The engine's main thread calls
+`add`, `step` and `abort`, which hand work to the loop thread and take outputs from a queue.
+
+Every request reaches vLLM already rendered: token ids with the image placeholders expanded,
+the MM worker's tensors as vLLM's per-item kwargs, mmlane's mm_hash as vLLM's hash (so a
+repeated image also hits vLLM's encoder and prefix caches) and the placeholder ranges, via
+`vllm.inputs.mm_input`; vLLM runs no HF processor, hashes nothing and expands nothing. Pixels
+stay uint8 where vLLM normalises on the device (Qwen2-VL in vLLM 0.32); for a model where it
+does not, the runner normalises them as the HF processor would (services/model/pixels.py).
+vLLM always gets full tensors: mmlane's receiver cache (in the engine) has filled them in.
+
+Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go ahead of image
+requests (priority 0 before 1).
+
+vLLM's engine core dying fails every request it held (retryable, 'backend_died'), and the next
+`step` raises FatalError: the engine role exits, and its supervisor starts it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
+from protocol.messages import EngineRequest, SamplingParams
+from services.common import cpu_wheels
+from services.common.stats import Metrics
+from services.engine.config import EngineConfig
+from services.engine.runner import ModelSpec, StepOutput
+from services.model import Preprocessor, load_preprocessor, normalize, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+class VLLMRunner:
+    """Runs requests on vLLM's AsyncLLM (see the module docstring)."""
+
+    def __init__(self, engine_args: dict[str, Any], preprocessor: Preprocessor,
+                 metrics: Metrics) -> None:
+        # vLLM starts its engine core as a new interpreter: it must apply the same fixes.
+        os.environ.update(cpu_wheels.child_env())
+        self.metrics = metrics
+        self._pre = preprocessor
+        self._outputs: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
+        self._live: set[int] = set()  # main thread: handles whose outputs still count
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # loop thread only
+        self._dead: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self.engine = self._call(self._start(engine_args))
+        except BaseException:
+            self.close()
+            raise
+        model_config = self.engine.model_config
+        self._normalize_pixels = not _normalises_on_device(model_config)
+        self._priority = self.engine.vllm_config.scheduler_config.policy == "priority"
+        text_config = model_config.hf_config.get_text_config()
+        family = preprocessor.family
+        self.spec = ModelSpec(
+            family=family.name,
+            model_id=preprocessor.model_id,
+            image_token_id=preprocessor.image_token_id,
+            eos_token_ids=frozenset(preprocessor.eos_token_ids),
+            max_context=model_config.max_model_len,
+            vocab_size=text_config.vocab_size,
+            image_fields=family.item_fields,
+            count_image_tokens=preprocessor.count_image_tokens,
+            check_items=family.item_checker(model_config.hf_config),
+        )
+        self._fields = self.engine.renderer.get_mm_processor()._get_mm_fields_config
+        metrics.gauge("vllm_unfinished", self.engine.get_num_unfinished_requests)
+        log.info("vLLM %s serves %s: max_model_len %d, scheduling %s, pixels normalised %s",
+                 _vllm_version(), preprocessor.model_id, model_config.max_model_len,
+                 self.engine.vllm_config.scheduler_config.policy,
+                 "here" if self._normalize_pixels else "by vLLM on the device")
+
+    async def _start(self, engine_args: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            args = AsyncEngineArgs(**engine_args)
+        except TypeError as exc:
+            raise FatalError(f"bad vLLM engine arguments: {exc}", code="bad_config") from exc
+        try:
+            return AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            raise FatalError(f"vLLM cannot start: {exc}", code="cannot_serve") from exc
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    # ------------------------------------------------------------ the ModelRunner interface
+
+    def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
+        prompt = self._prompt(request)
+        params = _sampling_params(request.sampling)
+        priority = 1 if self._priority and request.mm_items else 0
+        self._live.add(handle)
+        self._loop.call_soon_threadsafe(self._spawn, handle, request.request_id, prompt, params,
+                                        priority)
+
+    def step(self, timeout: float) -> list[StepOutput]:
+        if self._dead is not None and not self._live:
+            raise FatalError(f"vLLM's engine core died: {self._dead}", code="cannot_serve")
+        outputs: list[StepOutput] = []
+        try:
+            item = self._outputs.get(timeout=timeout)
+            while True:
+                if item is not None and item.handle in self._live:
+                    outputs.append(item)
+                    if item.finished:
+                        self._live.discard(item.handle)
+                item = self._outputs.get_nowait()
+        except queue.Empty:
+            pass
+        return outputs
+
+    def wake(self) -> None:
+        self._outputs.put(None)
+
+    def abort(self, handle: int) -> None:
+        self._live.discard(handle)
+        self._loop.call_soon_threadsafe(self._cancel, handle)
+
+    def close(self) -> None:
+        """Stop vLLM (its engine core and workers) and the loop thread."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            self._loop.call_soon_threadsafe(engine.shutdown)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ on the loop thread
+
+    def _spawn(self, handle: int, request_id: str, prompt: Any, params: Any,
+               priority: int) -> None:
+        self._tasks[handle] = self._loop.create_task(
+            self._run(handle, request_id, prompt, params, priority)
+        )
+
+    def _cancel(self, handle: int) -> None:
+        task = self._tasks.pop(handle, None)
+        if task is not None:
+            task.cancel()  # generate() aborts the request in vLLM as it unwinds
+
+    async def _run(self, handle: int, request_id: str, prompt: Any, params: Any,
+                   priority: int) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            kwargs = {"priority": priority} if priority else {}
+            async for output in self.engine.generate(prompt, params, request_id, **kwargs):
+                completion = output.outputs[0]
+                reason = completion.finish_reason if output.finished else None
+                if output.finished and reason not in _FINISH_REASONS:
+                    self._outputs.put(StepOutput(handle, list(completion.token_ids), error=(
+                        RetryableError(f"vLLM ended the request: {reason}", code="aborted"))))
+                    return
+                self._outputs.put(StepOutput(handle, list(completion.token_ids),
+                                             finish_reason=_FINISH_REASONS.get(reason or "")))
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as exc:
+            self._dead = exc
+            self._outputs.put(StepOutput(handle, [], error=RetryableError(
+                "vLLM's engine core died; the engine restarts", code="backend_died")))
+        except Exception as exc:
+            self._outputs.put(StepOutput(handle, [], error=_request_error(exc)))
+        finally:
+            self._tasks.pop(handle, None)
+
+    # ------------------------------------------------------------ rendering for vLLM
+
+    def _prompt(self, request: EngineRequest) -> Any:
+        if not request.mm_items:
+            return {"type": "token", "prompt_token_ids": list(request.prompt_token_ids)}
+        from transformers import BatchFeature
+        from vllm.inputs import mm_input
+        from vllm.multimodal.inputs import MultiModalKwargsItems, PlaceholderRange
+
+        family = self._pre.family
+        joined = family.join_items([item.tensors for item in request.mm_items])
+        tensors = {name: torch.from_numpy(np.ascontiguousarray(array))
+                   for name, array in joined.items()}
+        if self._normalize_pixels:
+            tensors["pixel_values"] = normalize(tensors["pixel_values"], self._pre.pixel_norm)
+        batch = BatchFeature(tensors)
+        kwargs = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))
+        hashes = [item.mm_hash or f"{request.request_id}:{index}"  # "": cache nothing
+                  for index, item in enumerate(request.mm_items)]
+        placeholders = [PlaceholderRange(offset=item.offset, length=item.length)
+                        for item in request.mm_items]
+        return mm_input(list(request.prompt_token_ids), kwargs, {"image": hashes},
+                        {"image": placeholders})
+
+
+def _sampling_params(sampling: SamplingParams) -> Any:
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VLLMSamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        ignore_eos=sampling.ignore_eos,
+        min_tokens=sampling.min_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,  # the frontend detokenizes
+    )
+
+
+def _request_error(exc: Exception) -> MMLaneError:
+    from vllm.exceptions import VLLMClientError
+
+    if isinstance(exc, VLLMClientError):
+        code = "prompt_too_long" if "maximum model length" in str(exc) else "invalid_request"
+        return RequestError(f"vLLM refused the request: {exc}", code=code)
+    return translate(exc, f"vLLM failed on this request: {type(exc).__name__}: {exc}",
+                     default="model_error")
+
+
+def _normalises_on_device(model_config: Any) -> bool:
+    multimodal = getattr(model_config, "multimodal_config", None)
+    return bool(getattr(multimodal, "mm_device_do_normalize", False))
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
+    """The "vllm" backend's factory (BACKENDS in services/engine/runner.py)."""
+    model_dir = resolve_model_dir(config.model)
+    # The tokenizer and placeholder description are mmlane's; vLLM only checks and runs.
+    preprocessor = load_preprocessor(model_dir)
+    engine_args = {"model": str(model_dir), **config.vllm.engine_args()}
+    return VLLMRunner(engine_args, preprocessor, metrics)

