@@ -25,7 +25,8 @@ from protocol.errors import ErrorInfo
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
-    """How to pick output tokens: greedy when temperature is 0, else seeded sampling."""
+    """How to pick output tokens: greedy when temperature is 0, else seeded sampling. Each
+    field is named and means as in vLLM's SamplingParams (the vllm backend passes them on)."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -323,7 +324,8 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     time: float
     """When the snapshot was taken (`time.time()`)."""
     state: str
-    """'serving' or 'draining'."""
+    """'serving', 'draining', or (an engine whose vLLM engine core died, until it exits)
+    'backend died'."""
     in_flight: int
     """Requests held and not yet answered."""
     queues: dict[str, int]

@@ -11,7 +11,9 @@ frontend keeps its ports), after `restart_backoff_s`, doubled for each further e
 often it was restarted from $MMLANE_RESTARTS and publishes it (stats, health, top). A role that
 exits `crash_loop_limit` times within the window stops serve (exit 1) with a message naming it
 and quoting its last log lines. Its peers recover as under supervisord: a restarted MM worker
-or engine comes back with a new cache epoch, so the mirrored cache heals.
+or engine comes back with a new cache epoch, so the mirrored cache heals. Each child runs in a
+process group of its own, and what is left of the group when the child exits (vLLM's engine
+core and workers under a killed engine role) is killed with it, before the restart.
 
 Stopping is graceful, frontends first: a frontend drains while the MM worker and the engine
 still serve its requests in flight; once it has exited every request has had its reply, so the
@@ -158,12 +160,11 @@ class Child:
 
     def _start(self, extra: list[str]) -> subprocess.Popen:
         env = {**self._env, RESTARTS_ENV: str(self.restarts)}
+        argv = [*self._argv, *extra]
         if self.log_path is not None:
-            with self.log_path.open("wb") as stderr:
-                return self._handed_config(subprocess.Popen(
-                    [*self._argv, *extra], stdin=subprocess.PIPE, stderr=stderr, env=env))
-        process = self._handed_config(subprocess.Popen(
-            [*self._argv, *extra], stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
+            with self.log_path.open("wb") as log_file:
+                return self._handed_config(_popen(argv, env, log_file))
+        process = self._handed_config(_popen(argv, env, subprocess.PIPE))
         self._log_thread = threading.Thread(
             target=self._pass_log, args=(process.stderr,), name=f"{self.role}-log", daemon=True
         )
@@ -207,6 +208,13 @@ class Child:
                      *(getattr(self.config, name) for name in fields)]
         return [Path(e[len("ipc://"):]) for e in endpoints if e.startswith("ipc://")]
 
+    def end_group(self) -> None:
+        """SIGKILL what is left of the exited child's process group: the processes it started
+        that would outlive it (vLLM's engine core and workers after a `kill -9` of the engine
+        role), holding memory and devices its restart needs."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     def stop(self) -> None:
         """SIGTERM: the child drains, then exits."""
         if self.process.poll() is None:
@@ -218,8 +226,16 @@ class Child:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.end_group()
         if self._log_thread is not None:  # its last lines reach our stderr before we exit
             self._log_thread.join(timeout=1.0)
+
+
+def _popen(argv: list[str], env: dict[str, str], stderr: Any) -> subprocess.Popen:
+    # Its own process group, so that what it starts (vLLM's engine core and workers) can be
+    # ended with it: see `Child.end_group`.
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=stderr, env=env,
+                            start_new_session=True)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -317,6 +333,7 @@ def _supervise(
         now = time.monotonic()
         for child in children:
             if child.restart_at is None and child.process.poll() is not None:
+                child.end_group()
                 child.restart_at = now + _backoff(child, config, now, log)
             elif child.restart_at is not None and now >= child.restart_at:
                 log.info("restarting %s (restart %d)", child.role, child.restarts + 1)

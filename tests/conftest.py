@@ -8,6 +8,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+# ruff: noqa: E402
+from services.common import cpu_wheels
+
+cpu_wheels.apply()  # before transformers loads: a vLLM CPU install needs it (cpu_wheels.py)
+
+# isort: split
 import numpy as np
 import pytest
 import torch

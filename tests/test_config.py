@@ -200,3 +200,39 @@ def test_the_config_json_flag_round_trips_every_role(run_dir: Path) -> None:
 def test_malformed_config_json_is_refused_naming_the_config() -> None:
     with pytest.raises(FatalError, match="invalid EngineConfig JSON: JSON is malformed"):
         role_config("engine", build_parser().parse_args(["engine", "--config-json", "{bad"]))
+
+
+def test_vllm_engine_arguments_pass_through_the_file_first_values_read_as_json(
+    tmp_path: Path,
+) -> None:
+    args_file = tmp_path / "vllm.yaml"
+    args_file.write_text("max-model-len: 2048\nenforce_eager: true\ndtype: bfloat16\n")
+    engine = config_from_argv("engine", [
+        "--backend", "vllm", "--vllm-args-file", str(args_file),
+        "--vllm-arg", "tensor_parallel_size=2", "--vllm-arg", "dtype=float32",
+        "--vllm-arg", 'limit_mm_per_prompt={"image": 4}', "--vllm-arg=--served-model-name=x",
+    ], tmp_path)
+    assert engine.backend == "vllm"
+    assert engine.vllm.engine_args() == {
+        "max_model_len": 2048, "enforce_eager": True, "dtype": "float32",
+        "tensor_parallel_size": 2, "limit_mm_per_prompt": {"image": 4}, "served_model_name": "x",
+    }
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--vllm-arg", "tensor_parallel_size"], "KEY=VALUE"),
+    (["--vllm-args-file", "/nonexistent/vllm.json"], "cannot read"),
+])
+def test_malformed_vllm_engine_arguments_are_refused_at_startup(
+    tmp_path: Path, argv: list[str], match: str,
+) -> None:
+    with pytest.raises((FatalError, ValueError), match=match):
+        config_from_argv("engine", ["--backend", "vllm", *argv], tmp_path)
+
+
+@pytest.mark.parametrize(("text", "match"), [("[1, 2]", "one mapping"), ("{", "malformed")])
+def test_a_vllm_args_file_must_hold_one_mapping(tmp_path: Path, text: str, match: str) -> None:
+    args_file = tmp_path / "vllm.json"
+    args_file.write_text(text)
+    with pytest.raises((FatalError, ValueError), match=match):
+        config_from_argv("engine", ["--vllm-args-file", str(args_file)], tmp_path)

@@ -287,6 +287,21 @@ def test_k8s_pod_runs_each_role_with_flags_it_has() -> None:
     assert roles["frontend"].mm_worker_endpoint == [roles["mm-worker"].mm_worker_endpoint]
 
 
+def test_k8s_vllm_patch_runs_the_engine_on_vllm_beside_the_same_roles() -> None:
+    """deploy/k8s/vllm/ patches containers the base Pod has; its engine args are an engine
+    command line the CLI accepts, on the vllm backend, at the base's endpoint."""
+    base = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())["spec"]["containers"]
+    patch = yaml.safe_load((DEPLOY / "k8s" / "vllm" / "engine.yaml").read_text())
+    patched = {container["name"]: container for container in patch["spec"]["containers"]}
+    assert set(patched) <= {container["name"] for container in base}
+    engine = build_parser().parse_args(["engine", *patched["engine"]["args"]])
+    (base_engine,) = [container for container in base if container["name"] == "engine"]
+    assert engine.backend == "vllm"
+    assert engine.engine_endpoint == build_parser().parse_args(
+        ["engine", *base_engine["args"]]).engine_endpoint
+    assert "nvidia.com/gpu" in patched["engine"]["resources"]["limits"]
+
+
 def test_mm_worker_killed_under_load(supervised: Supervised, load: Load) -> None:
     old_pid = supervised.running_pid("mm-worker")
     assert old_pid is not None

