@@ -6,7 +6,7 @@
     │            fetch_failed, too_many_images, prompt_too_long, model_error, model_not_found,
     │            image_too_large, request_too_large, invalid_api_key
     ├── RetryableError               not the request's fault; the same request may succeed later
-    │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss
+    │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss, backend_died
     │     └── CacheMissError         the engine lacks cached items a request refers to (`mm_hashes`)
     ├── InternalError                our fault, in one request: it fails, the process serves on
     │     codes: internal

@@ -51,16 +51,19 @@ def test_eos_ends_the_output_unless_ignored_and_never_before_min_tokens(
 ) -> None:
     """The tiny model never picks its real eos, so the test makes a token it does pick the eos."""
     runner = HFRunner.load(str(qwen_dir), DEVICE)
-    whole, reason = _run(runner, make_request(prep, "hi", max_tokens=12))
+    sampled = {"temperature": 1.0, "seed": 11}  # varied tokens, the same on every run
+    whole, reason = _run(runner, make_request(prep, "hi", max_tokens=12, **sampled))
     assert reason == "length"
     stop_at = first_new_token(whole)
     eos = whole[stop_at]
     monkeypatch.setattr(runner, "spec", replace(runner.spec, eos_token_ids=frozenset({eos})))
 
-    assert _run(runner, make_request(prep, "hi", max_tokens=12)) == (whole[:stop_at + 1], "stop")
-    assert _run(runner, make_request(prep, "hi", max_tokens=12, ignore_eos=True)) == (
+    assert _run(runner, make_request(prep, "hi", max_tokens=12, **sampled)) == (
+        whole[:stop_at + 1], "stop")
+    assert _run(runner, make_request(prep, "hi", max_tokens=12, ignore_eos=True, **sampled)) == (
         whole, "length")
-    later, _ = _run(runner, make_request(prep, "hi", max_tokens=12, min_tokens=stop_at + 2))
+    later, _ = _run(runner, make_request(prep, "hi", max_tokens=12, min_tokens=stop_at + 2,
+                                         **sampled))
     assert len(later) >= stop_at + 2 and eos not in later[:stop_at + 2]
 
 

@@ -189,10 +189,15 @@ class TestAnswers:
 # ---------------------------------------------------------------- vLLM's sampling fields
 
 
-def greedy_ids(server: Server, text: str, **sampling: Any) -> ChatResult:
-    """The greedy reply to `text`, by the native client (which answers with token ids)."""
+SEEDED = {"temperature": 1.0, "seed": 11}
+"""Seeded sampling: the same tokens on every run, and not one token over and over, as the tiny
+model's greedy replies can be."""
+
+
+def seeded_ids(server: Server, text: str, **sampling: Any) -> ChatResult:
+    """The seeded reply to `text`, by the native client (which answers with token ids)."""
     with Client(server.client_endpoint, timeout_s=120) as native:
-        return native.chat([user_message(text)], temperature=0, **sampling)
+        return native.chat([user_message(text)], **SEEDED, **sampling)
 
 
 def first_new_token(token_ids: list[int]) -> int:
@@ -228,23 +233,23 @@ class TestSampling:
     def test_a_stop_token_ends_the_reply_and_is_included(
         self, client: openai.OpenAI, server: Server
     ) -> None:
-        whole = greedy_ids(server, "Count the lanes.", max_tokens=12, ignore_eos=True).token_ids
+        whole = seeded_ids(server, "Count the lanes.", max_tokens=12, ignore_eos=True).token_ids
         stop_at = first_new_token(whole)
-        stopped = greedy_ids(server, "Count the lanes.", max_tokens=12,
+        stopped = seeded_ids(server, "Count the lanes.", max_tokens=12,
                              stop_token_ids=[whole[stop_at]])
         assert (stopped.token_ids, stopped.finish_reason) == (whole[:stop_at + 1], "stop")
-        before_stop = greedy_ids(server, "Count the lanes.", max_tokens=stop_at, ignore_eos=True)
+        before_stop = seeded_ids(server, "Count the lanes.", max_tokens=stop_at, ignore_eos=True)
         assert stopped.text == before_stop.text  # the stop token adds no text, as in vLLM
 
-        completion = chat(client, server, user("Count the lanes."), max_tokens=12,
+        completion = chat(client, server, user("Count the lanes."), max_tokens=12, **SEEDED,
                           extra_body={"stop_token_ids": [whole[stop_at]]})
         assert completion.usage.completion_tokens == stop_at + 1
         assert completion.choices[0].finish_reason == "stop"
         assert completion.choices[0].message.content == before_stop.text
 
     def test_no_stop_token_before_min_tokens(self, server: Server) -> None:
-        first = greedy_ids(server, "Count the lanes.", max_tokens=1).token_ids[0]
-        reply = greedy_ids(server, "Count the lanes.", max_tokens=8, min_tokens=4,
+        first = seeded_ids(server, "Count the lanes.", max_tokens=1).token_ids[0]
+        reply = seeded_ids(server, "Count the lanes.", max_tokens=8, min_tokens=4,
                            stop_token_ids=[first])
         assert len(reply.token_ids) >= 4
         assert first not in reply.token_ids[:4]

@@ -138,8 +138,8 @@ def _answer_vllm_version() -> bool:
         return False
     version = importlib.metadata.version
 
-    def version_of(name: str) -> str:
-        return cpu_version if name == "vllm" else version(name)
+    def version_of(distribution_name: str) -> str:
+        return cpu_version if distribution_name == "vllm" else version(distribution_name)
 
     importlib.metadata.version = version_of
     return True

@@ -159,10 +159,14 @@ class Engine:
             outputs = self.runner.step(self._wait_s(now))  # 3
         except Exception as exc:  # a backend's bug fails what it holds, not the engine
             log.exception("the backend's step failed; failing its %d requests", len(self._held))
-            error = translate(exc, "the engine's backend failed")
+            # A FatalError: the backend cannot go on (vLLM's engine core died); the role exits,
+            # and its supervisor starts it again.
+            fatal = isinstance(exc, FatalError)
+            error = (RetryableError(f"the engine's backend stopped: {exc}", code="backend_died")
+                     if fatal else translate(exc, "the engine's backend failed"))
             for handle in list(self._held):
                 self._drop(handle, error)
-            if isinstance(exc, FatalError):  # the backend cannot go on: the role exits
+            if fatal:
                 raise
             return
         for output in outputs:

@@ -146,8 +146,12 @@ class VLLMRunner:
                                         priority)
 
     def step(self, timeout: float) -> list[StepOutput]:
-        if self._dead is not None and not self._live:
+        outputs = self._ready(timeout)
+        if self._dead is not None and not outputs:  # the failures went out first
             raise FatalError(f"vLLM's engine core died: {self._dead}", code="cannot_serve")
+        return outputs
+
+    def _ready(self, timeout: float) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         try:
             item = self._outputs.get(timeout=timeout)
