@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import pytest
 import zmq
 
 from protocol.codec import Codec
+from protocol.errors import RetryableError
 from protocol.messages import (
     ChatError,
     ClientReply,
@@ -37,6 +39,7 @@ from protocol.messages import (
     RequestFailed,
     Stats,
 )
+from services.client import ChatResult, Client
 from services.common.sockets import ReplySockets, bound_endpoint, make_socket
 from services.launcher import Child
 from services.ops.discovery import Targets
@@ -250,3 +253,26 @@ def wait_for_stats(
                 if done(stats):
                     return stats
     raise AssertionError(f"{what}: no stats under {run_dir} said so within {timeout_s:g} s")
+
+
+def one_reply_each(
+    client: Client, request_ids: list[str], timeout_s: float, *, frontend_may_die: bool = False
+) -> dict[str, ChatResult | RetryableError]:
+    """Each request's one terminal reply, within `timeout_s`; then no further reply may come.
+    With `frontend_may_die`, the client's own timeout stands in for the replies that a killed
+    frontend took with it; else it fails the test."""
+    results: dict[str, ChatResult | RetryableError] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < len(request_ids):
+            result = client.next_finished(deadline)
+            assert result.request_id not in results, f"a second reply: {result}"
+            results[result.request_id] = result
+    except RetryableError as exc:  # only a frontend's kill leaves requests unanswered
+        if not frontend_may_die:
+            raise
+        results.update({rid: exc for rid in request_ids if rid not in results})
+    with pytest.raises(RetryableError, match="no reply"):
+        extra = client.next_finished(time.monotonic() + 0.5)
+        pytest.fail(f"a reply after every request had one: {extra}")
+    return results

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port
-from peers import wait_for_stats, wait_until
+from peers import one_reply_each, wait_for_stats, wait_until
 from protocol.errors import RetryableError
 from protocol.messages import Stats
 from services.bench.images import jpeg_uri
-from services.client import ChatResult, Client, user_message
+from services.client import Client, user_message
 from services.launcher import ServeConfig
 
 REQUEST_TIMEOUT_S = 8.0
@@ -80,24 +80,6 @@ def _mixed_load(client: Client, seed: int) -> list[str]:
     return text + [_image_request(client, seed + i) for i in range(4)]
 
 
-def _replies(client: Client, request_ids: list[str]) -> dict[str, ChatResult | RetryableError]:
-    """Each request's one terminal reply; the client's own timeout stands in for the replies
-    that a killed frontend took with it. Then no further reply may come."""
-    results: dict[str, ChatResult | RetryableError] = {}
-    deadline = time.monotonic() + REQUEST_TIMEOUT_S + 3
-    try:
-        while len(results) < len(request_ids):
-            result = client.next_finished(deadline)
-            assert result.request_id not in results, f"a second reply: {result}"
-            results[result.request_id] = result
-    except RetryableError as exc:  # only the frontend's kill leaves requests unanswered
-        results.update({rid: exc for rid in request_ids if rid not in results})
-    with pytest.raises(RetryableError, match="no reply"):
-        extra = client.next_finished(time.monotonic() + 0.5)
-        pytest.fail(f"a reply after every request had one: {extra}")
-    return results
-
-
 def _ok(client: Client, *request_ids: str) -> None:
     for rid, result in client.collect(list(request_ids)).items():
         assert result.error is None and result.finish_reason, f"{rid}: {result}"
@@ -118,7 +100,8 @@ def test_a_role_killed_under_load_is_restarted_and_serves_again(served: Served, 
         pid = served.stats(role).pid
         load = _mixed_load(client, seed=100)
         os.kill(pid, signal.SIGKILL)
-        for rid, reply in _replies(client, load).items():
+        replies = one_reply_each(client, load, REQUEST_TIMEOUT_S + 3, frontend_may_die=True)
+        for rid, reply in replies.items():
             error = reply if isinstance(reply, Exception) else reply.error
             assert error is None or isinstance(error, RetryableError), f"{rid}: {reply!r}"
             if error is not None and role != "frontend":

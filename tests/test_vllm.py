@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from conftest import REPO, free_port
-from peers import wait_for_stats, wait_until
-from protocol.errors import RequestError, RetryableError
+from peers import one_reply_each, wait_for_stats, wait_until
+from protocol.errors import RequestError
 from protocol.messages import ChatMessage, TextPart
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
@@ -201,21 +201,6 @@ def test_cancel_mid_stream_and_bad_input_each_get_one_reply(
         assert after.request_id != long_one
 
 
-def _replies(client: Client, request_ids: list[str], timeout_s: float) -> dict[str, Any]:
-    """Each request's one terminal reply (a ChatResult, with or without an error); then no
-    further reply may come."""
-    results: dict[str, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(results) < len(request_ids):
-        result = client.next_finished(deadline)
-        assert result.request_id not in results, f"a second reply: {result}"
-        results[result.request_id] = result
-    with pytest.raises(RetryableError, match="no reply"):
-        extra = client.next_finished(time.monotonic() + 0.5)
-        pytest.fail(f"a reply after every request had one: {extra}")
-    return results
-
-
 @pytest.mark.parametrize("victim", ["vLLM's engine core", "the engine role"])
 def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
     mmlane_vllm: tuple[Server, str, Path], victim: str,
@@ -237,7 +222,7 @@ def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
             assert cores, f"no EngineCore process under the engine role {engine.pid}"
             cores[0].kill()
         # Answered now (backend_died) or at the frontend's request timeout; never twice.
-        results = _replies(client, load, timeout_s=120)
+        results = one_reply_each(client, load, timeout_s=120)
         for result in results.values():
             assert result.error is None or result.error.kind == "retryable", result.error
         wait_for_stats(run_dir, lambda s: s.role == "engine" and s.restarts >= 1
@@ -261,7 +246,7 @@ def test_sigterm_drains_every_request_and_serve_exits_0(
                                   max_tokens=64, ignore_eos=True))
         time.sleep(0.5)
         server.process.send_signal(signal.SIGTERM)
-        results = _replies(client, load, timeout_s=120)
+        results = one_reply_each(client, load, timeout_s=120)
     for result in results.values():  # finished, or refused as retryable while draining
         assert result.error is None or result.error.kind == "retryable", result.error
     assert server.process.wait(timeout=120) == 0, server.log.read_text()[-3000:]

@@ -89,9 +89,8 @@ def _extension_fails(package: str, stem: str) -> bool:
     libraries = sorted(root.glob(f"{stem}*.so"))
     if not libraries:
         return False
-    import torch  # the extension links against torch's libraries: load them first
+    import torch  # noqa: F401  (the extension links against torch's libraries: load them first)
 
-    del torch
     try:
         ctypes.CDLL(str(libraries[0]))
     except OSError:

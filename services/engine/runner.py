@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -56,6 +56,25 @@ class ModelSpec:
     check_items: Callable[[list[MMItem]], None]
     """Raises RequestError when the images' tensors have shapes the model cannot take (the
     family's check, services/model/families.py)."""
+
+    @classmethod
+    def of(cls, preprocessor: Any, model_config: Any, *, vocab_size: int,
+           max_context: int) -> ModelSpec:
+        """The spec of a model directory loaded by services.model: its Preprocessor, its
+        transformers config (which the family's shape check reads), and what the backend
+        runs it with (its vocabulary and context length)."""
+        family = preprocessor.family
+        return cls(
+            family=family.name,
+            model_id=preprocessor.model_id,
+            image_token_id=preprocessor.image_token_id,
+            eos_token_ids=frozenset(preprocessor.eos_token_ids),
+            max_context=max_context,
+            vocab_size=vocab_size,
+            image_fields=family.item_fields,
+            count_image_tokens=preprocessor.count_image_tokens,
+            check_items=family.item_checker(model_config),
+        )
 
 
 @dataclass(frozen=True)

@@ -108,16 +108,9 @@ class HFRunner:
         preprocessor = load_preprocessor(model_dir)
         network: Any = load_model(model_dir, pick_device(device))
         adapter = adapter_for(preprocessor.family.name, network, preprocessor.pixel_norm)
-        spec = ModelSpec(
-            family=preprocessor.family.name,
-            model_id=preprocessor.model_id,
-            image_token_id=preprocessor.image_token_id,
-            eos_token_ids=frozenset(preprocessor.eos_token_ids),
-            max_context=preprocessor.max_context,
+        spec = ModelSpec.of(
+            preprocessor, network.config, max_context=preprocessor.max_context,
             vocab_size=network.get_input_embeddings().num_embeddings,
-            image_fields=preprocessor.family.item_fields,
-            count_image_tokens=preprocessor.count_image_tokens,
-            check_items=preprocessor.family.item_checker(network.config),
         )
         runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
                      max_batch=max_batch, metrics=metrics)

@@ -45,7 +45,7 @@ from services.model import Preprocessor, load_preprocessor, normalize, resolve_m
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_FINISH_REASONS = {"stop": "stop", "length": "length"}
+_FINISH_REASONS = frozenset({"stop", "length"})  # what StepOutput takes; vLLM also says abort
 
 
 class VLLMRunner:
@@ -74,18 +74,9 @@ class VLLMRunner:
         model_config = self.engine.model_config
         self._normalize_pixels = not _normalises_on_device(model_config)
         self._priority = self.engine.vllm_config.scheduler_config.policy == "priority"
-        text_config = model_config.hf_config.get_text_config()
-        family = preprocessor.family
-        self.spec = ModelSpec(
-            family=family.name,
-            model_id=preprocessor.model_id,
-            image_token_id=preprocessor.image_token_id,
-            eos_token_ids=frozenset(preprocessor.eos_token_ids),
-            max_context=model_config.max_model_len,
-            vocab_size=text_config.vocab_size,
-            image_fields=family.item_fields,
-            count_image_tokens=preprocessor.count_image_tokens,
-            check_items=family.item_checker(model_config.hf_config),
+        self.spec = ModelSpec.of(
+            preprocessor, model_config.hf_config, max_context=model_config.max_model_len,
+            vocab_size=model_config.hf_config.get_text_config().vocab_size,
         )
         self._fields = self.engine.renderer.get_mm_processor()._get_mm_fields_config
         metrics.gauge("vllm_running", lambda: self._scheduled("num_running_reqs"))
@@ -198,8 +189,8 @@ class VLLMRunner:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
-            kwargs = {"priority": priority} if priority else {}
-            async for output in self.engine.generate(prompt, params, request_id, **kwargs):
+            async for output in self.engine.generate(prompt, params, request_id,
+                                                     priority=priority):
                 completion = output.outputs[0]
                 reason = completion.finish_reason if output.finished else None
                 if output.finished and reason not in _FINISH_REASONS:
@@ -207,7 +198,7 @@ class VLLMRunner:
                         RetryableError(f"vLLM ended the request: {reason}", code="aborted"))))
                     return
                 self._outputs.put(StepOutput(handle, list(completion.token_ids),
-                                             finish_reason=_FINISH_REASONS.get(reason or "")))
+                                             finish_reason=reason))
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
