@@ -20,24 +20,9 @@ import msgspec
 import numpy as np
 
 from protocol.errors import ErrorInfo
+from protocol.sampling import SamplingFields, SamplingParams
 
 # ---------------------------------------------------------------- shared pieces
-
-
-class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
-    """How to pick output tokens: greedy when temperature is 0, else seeded sampling. Each
-    field is named and means as in vLLM's SamplingParams (the vllm backend passes them on)."""
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    """Go on past the model's end-of-sequence tokens (benchmarks ask for exactly max_tokens)."""
-    min_tokens: int = 0
-    """No end-of-sequence or stop token is picked before this many output tokens."""
-    stop_token_ids: list[int] = []
-    """More tokens that end the output (finish_reason "stop"), included in it as eos is."""
 
 
 class ImageUrl(msgspec.Struct, kw_only=True, frozen=True):
@@ -72,18 +57,11 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str | list[ContentPart]
 
 
-class ChatRequest(msgspec.Struct, tag="chat", kw_only=True, frozen=True):
-    """A chat completion request on the native API."""
+class ChatRequest(SamplingFields, tag="chat", kw_only=True, frozen=True):
+    """A chat completion request on the native API, with the sampling fields."""
 
     request_id: str
     messages: list[ChatMessage]
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] = []
 
 
 class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):

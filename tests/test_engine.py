@@ -231,7 +231,7 @@ def _set(name: str, value: Callable[[dict[str, np.ndarray]], object]) -> Callabl
 
 
 BAD_REQUESTS = {
-    "max_tokens_zero": (sampling_with(max_tokens=0), "max_tokens must be >= 1"),
+    "max_tokens_zero": (sampling_with(max_tokens=0), "max_tokens must be at least 1"),
     "negative_temperature": (sampling_with(temperature=-0.5), "temperature must be >= 0"),
     "top_p_zero": (sampling_with(top_p=0.0), r"top_p must be in \(0, 1\]"),
     "top_p_above_one": (sampling_with(top_p=1.5), r"top_p must be in \(0, 1\]"),

@@ -283,7 +283,7 @@ ERROR_CASES = [
     ("min-tokens-above-max", {"max_tokens": 2, "extra_body": {"min_tokens": 3}}, 400,
      "invalid_request", r"min_tokens must be in 0\.\.max_tokens \(2\), got 3"),
     ("stop-token-negative", {"extra_body": {"stop_token_ids": [5, -1]}}, 400,
-     "invalid_request", r"stop_token_ids must be token ids \(>= 0\), got -1"),
+     "invalid_request", r"stop_token_ids: -1 is not a token id"),
     ("stop-token-outside-vocab", {"extra_body": {"stop_token_ids": [10**9]}}, 400,
      "invalid_request", "stop_token_ids: 1000000000 is outside the vocabulary"),
     ("ignore-eos-not-bool", {"extra_body": {"ignore_eos": "yes"}}, 400, "invalid_request",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.errors import RequestError
-from protocol.messages import EngineRequest, MMItem, SamplingParams
+from protocol.messages import EngineRequest, MMItem
+from protocol.sampling import check_sampling
 from services.engine.runner import ModelSpec
 
 MAX_MM_HASH_CHARS = 128
@@ -13,29 +14,13 @@ MAX_MM_HASH_CHARS = 128
 
 def validate_request(request: EngineRequest, spec: ModelSpec) -> None:
     """Raise RequestError unless `request` can run on the model `spec` describes."""
-    check_sampling(request.sampling, spec.vocab_size)
+    check_sampling(request.sampling, vocab_size=spec.vocab_size, prefix="sampling.")
     prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
     check_prompt(prompt, request.sampling.max_tokens, spec)
     check_item_spans(request.mm_items, len(prompt))
     check_image_tokens(prompt, request.mm_items, spec.image_token_id)
     check_item_tensors(request.mm_items, spec)
     check_item_cache_fields(request.mm_items)
-
-
-def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
-    if sampling.max_tokens < 1:
-        raise RequestError(f"sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
-    if not sampling.temperature >= 0:  # also refuses NaN
-        raise RequestError(f"sampling.temperature must be >= 0, got {sampling.temperature}")
-    if not 0 < sampling.top_p <= 1:
-        raise RequestError(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
-    if not 0 <= sampling.min_tokens <= sampling.max_tokens:
-        raise RequestError(f"sampling.min_tokens must be in 0..sampling.max_tokens "
-                           f"({sampling.max_tokens}), got {sampling.min_tokens}")
-    outside = [token for token in sampling.stop_token_ids if not 0 <= token < vocab_size]
-    if outside:
-        raise RequestError(f"sampling.stop_token_ids: {outside[0]} is outside the vocabulary "
-                           f"(0..{vocab_size - 1})")
 
 
 def check_prompt(prompt: np.ndarray, max_tokens: int, spec: ModelSpec) -> None:

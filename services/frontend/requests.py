@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.errors import RequestError
-from protocol.messages import ChatRequest, ImagePart, ImageUrl, SamplingParams, TextPart
+from protocol.messages import ChatRequest, ImagePart, ImageUrl, TextPart
+from protocol.sampling import SamplingParams, check_sampling, sampling_of
 from services.model import Preprocessor
 
 
@@ -36,7 +37,7 @@ def check_request(request: ChatRequest, *, max_images: int) -> CheckedRequest:
     """Validate a chat request; raise RequestError naming the offending field."""
     if not request.messages:
         raise RequestError("messages: at least one message is required")
-    sampling = _check_sampling(request)
+    check_sampling(request)
     images: list[ImageUrl] = []
     template_messages = []
     for index, message in enumerate(request.messages):
@@ -48,7 +49,7 @@ def check_request(request: ChatRequest, *, max_images: int) -> CheckedRequest:
             f"too many images: {len(images)} in the request, at most {max_images} allowed",
             code="too_many_images",
         )
-    return CheckedRequest(template_messages, images, sampling)
+    return CheckedRequest(template_messages, images, sampling_of(request))
 
 
 def _content(content: str | list, images: list[ImageUrl], index: int) -> str | list[dict]:
@@ -64,30 +65,6 @@ def _content(content: str | list, images: list[ImageUrl], index: int) -> str | l
             images.append(part.image_url)
             parts.append({"type": "image"})
     return parts
-
-
-def _check_sampling(request: ChatRequest) -> SamplingParams:
-    if request.max_tokens < 1:
-        raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}")
-    if request.temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {request.temperature}")
-    if not 0 < request.top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1], got {request.top_p}")
-    if not 0 <= request.min_tokens <= request.max_tokens:
-        raise RequestError(f"min_tokens must be in 0..max_tokens ({request.max_tokens}), "
-                           f"got {request.min_tokens}")
-    negative = [token for token in request.stop_token_ids if token < 0]
-    if negative:
-        raise RequestError(f"stop_token_ids must be token ids (>= 0), got {negative[0]}")
-    return SamplingParams(
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        seed=request.seed,
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
-        stop_token_ids=request.stop_token_ids,
-    )
 
 
 def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
