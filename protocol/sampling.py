@@ -8,6 +8,8 @@ carries them on, and one function checks them wherever they arrive.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from protocol.errors import RequestError
@@ -27,6 +29,15 @@ class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
     """No end-of-sequence or stop token is picked before this many output tokens."""
     stop_token_ids: list[int] = []
     """More tokens that end the output (finish_reason "stop"), included in it as eos is."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]: subtracted from the logit of every token already in the output, once."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]: subtracted from a token's logit once for each time it is in the output."""
+    repetition_penalty: float = 1.0
+    """Above 0: the logits of tokens in the prompt or the output are divided by it where
+    positive and multiplied by it where negative (1: no penalty)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a bias in [-100, 100] added to its logit (before the penalties)."""
 
 
 class SamplingParams(SamplingFields, array_like=True):
@@ -52,9 +63,24 @@ def check_sampling(fields: SamplingFields, *, vocab_size: int | None = None,
     if not 0 <= fields.min_tokens <= fields.max_tokens:
         raise RequestError(f"{prefix}min_tokens must be in 0..{prefix}max_tokens "
                            f"({fields.max_tokens}), got {fields.min_tokens}")
+    _check_token_ids(f"{prefix}stop_token_ids", fields.stop_token_ids, vocab_size)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(fields, name) <= 2:
+            raise RequestError(f"{prefix}{name} must be in [-2, 2], got {getattr(fields, name)}")
+    if not 0 < fields.repetition_penalty < math.inf:
+        raise RequestError(f"{prefix}repetition_penalty must be above 0 and finite, "
+                           f"got {fields.repetition_penalty}")
+    logit_bias = fields.logit_bias or {}
+    _check_token_ids(f"{prefix}logit_bias", list(logit_bias), vocab_size)
+    for token, bias in logit_bias.items():
+        if not -100 <= bias <= 100:
+            raise RequestError(f"{prefix}logit_bias: the bias of {token} must be in "
+                               f"[-100, 100], got {bias}")
+
+
+def _check_token_ids(name: str, tokens: list[int], vocab_size: int | None) -> None:
     top = vocab_size - 1 if vocab_size is not None else None
-    outside = [token for token in fields.stop_token_ids
-               if token < 0 or (top is not None and token > top)]
+    outside = [token for token in tokens if token < 0 or (top is not None and token > top)]
     if outside:
         where = f"outside the vocabulary (0..{top})" if top is not None else "not a token id"
-        raise RequestError(f"{prefix}stop_token_ids: {outside[0]} is {where}")
+        raise RequestError(f"{name}: {outside[0]} is {where}")

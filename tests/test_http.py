@@ -200,6 +200,12 @@ def seeded_ids(server: Server, text: str, **sampling: Any) -> ChatResult:
         return native.chat([user_message(text)], **SEEDED, **sampling)
 
 
+def greedy_ids(server: Server, text: str, **sampling: Any) -> ChatResult:
+    """The greedy reply to `text`, by the native client."""
+    with Client(server.client_endpoint, timeout_s=120) as native:
+        return native.chat([user_message(text)], temperature=0.0, **sampling)
+
+
 def first_new_token(token_ids: list[int]) -> int:
     """The index of the first token (after the first) not seen before it in `token_ids`."""
     return next(i for i in range(1, len(token_ids)) if token_ids[i] not in token_ids[:i])
@@ -255,6 +261,39 @@ class TestSampling:
         assert first not in reply.token_ids[:4]
         assert reply.token_ids[-1] == first or len(reply.token_ids) == 8
 
+    def test_a_logit_bias_forces_its_token(self, client: openai.OpenAI, server: Server) -> None:
+        seeded = seeded_ids(server, "Count the lanes.", max_tokens=12, ignore_eos=True).token_ids
+        token = seeded[first_new_token(seeded)]  # a token greedy would not pick
+        forced = greedy_ids(server, "Count the lanes.", max_tokens=4, ignore_eos=True,
+                            logit_bias={token: 100.0})
+        assert forced.token_ids == [token] * 4
+        completion = chat(client, server, user("Count the lanes."), max_tokens=4,
+                          logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+        assert completion.choices[0].message.content == forced.text
+
+    def test_a_repetition_penalty_breaks_greedy_repeats(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        plain = greedy_ids(server, "Count the lanes.", max_tokens=8, ignore_eos=True)
+        assert len(set(plain.token_ids)) == 1  # the tiny model repeats its greedy token
+        penalised = greedy_ids(server, "Count the lanes.", max_tokens=8, ignore_eos=True,
+                               repetition_penalty=2.0)
+        assert len(set(penalised.token_ids)) > 1
+        completion = chat(client, server, user("Count the lanes."), max_tokens=8,
+                          extra_body={"ignore_eos": True, "repetition_penalty": 2.0})
+        assert completion.choices[0].message.content == penalised.text
+
+    def test_presence_and_frequency_penalties_pass_through(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        penalised = greedy_ids(server, "Count the lanes.", max_tokens=8, ignore_eos=True,
+                               frequency_penalty=2.0, presence_penalty=1.0)
+        assert len(set(penalised.token_ids)) > 1
+        completion = chat(client, server, user("Count the lanes."), max_tokens=8,
+                          frequency_penalty=2.0, presence_penalty=1.0,
+                          extra_body={"ignore_eos": True})
+        assert completion.choices[0].message.content == penalised.text
+
 
 # ---------------------------------------------------------------- errors
 
@@ -288,6 +327,18 @@ ERROR_CASES = [
      "invalid_request", "stop_token_ids: 1000000000 is outside the vocabulary"),
     ("ignore-eos-not-bool", {"extra_body": {"ignore_eos": "yes"}}, 400, "invalid_request",
      "Expected `bool`, got `str` - at `ignore_eos`"),
+    ("presence-penalty-high", {"presence_penalty": 3}, 400, "invalid_request",
+     r"presence_penalty must be in \[-2, 2\], got 3"),
+    ("frequency-penalty-low", {"frequency_penalty": -2.5}, 400, "invalid_request",
+     r"frequency_penalty must be in \[-2, 2\], got -2.5"),
+    ("repetition-penalty-0", {"extra_body": {"repetition_penalty": 0}}, 400, "invalid_request",
+     "repetition_penalty must be above 0 and finite, got 0"),
+    ("logit-bias-key", {"logit_bias": {"a": 1}}, 400, "invalid_request",
+     "logit_bias: its keys must be token ids"),
+    ("logit-bias-value", {"logit_bias": {"5": 200}}, 400, "invalid_request",
+     r"logit_bias: the bias of 5 must be in \[-100, 100\], got 200"),
+    ("logit-bias-outside-vocab", {"logit_bias": {str(10**9): 1}}, 400, "invalid_request",
+     "logit_bias: 1000000000 is outside the vocabulary"),
     ("bad-base64", {"messages": user("x", "data:image/png;base64,@@@")}, 400, "invalid_image",
      "image 0: data URI is not valid base64"),
     ("too-many-images", {"messages": user("x", *[png_uri(make_image(8, 8))] * 3)}, 400,
@@ -339,7 +390,11 @@ class TestErrors:
     @pytest.mark.parametrize(("fields", "param"), [
         ({"max_tokens": 2, "extra_body": {"min_tokens": 3}}, "min_tokens"),  # the frontend's
         ({"extra_body": {"stop_token_ids": [10**9]}}, "stop_token_ids"),  # the engine's check
-    ], ids=["min_tokens", "stop_token_ids"])
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {str(10**9): 1}}, "logit_bias"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ], ids=["min_tokens", "stop_token_ids", "presence_penalty", "logit_bias-vocab",
+            "logit_bias-key"])
     def test_a_bad_sampling_field_is_the_errors_param(
         self, client: openai.OpenAI, server: Server, fields: dict[str, Any], param: str
     ) -> None:

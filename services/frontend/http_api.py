@@ -64,13 +64,12 @@ REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "top_logprobs": lambda v: not v,
     "stop": lambda v: not v,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "presence_penalty": lambda v: not v,
-    "frequency_penalty": lambda v: not v,
-    "logit_bias": lambda v: not v,
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids")
+_OPENAI_SAMPLING = ("presence_penalty", "frequency_penalty")
+"""OpenAI's sampling fields passed on as they are (null: the default)."""
+_VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids", "repetition_penalty")
 """vLLM's extra sampling fields (`extra_body` in the openai client), passed on as they are."""
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -310,7 +309,9 @@ class HttpApi:
             "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
             "seed": body.get("seed"),
-            **{name: body[name] for name in _VLLM_SAMPLING if body.get(name) is not None},
+            "logit_bias": _logit_bias(body.get("logit_bias")),
+            **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
+               if body.get(name) is not None},
         }
         try:
             request = msgspec.convert(fields, ChatRequest)
@@ -341,6 +342,17 @@ def _messages(raw: Any) -> list[ChatMessage]:
             raise ApiError(f"messages[{index}]: {problem}", "invalid_request",
                            f"messages[{index}]") from exc
     return messages
+
+
+def _logit_bias(raw: Any) -> Any:
+    """OpenAI's logit_bias, whose keys are token ids as JSON strings, with int keys."""
+    if not isinstance(raw, dict):
+        return raw  # None, or the wrong type for msgspec to name
+    try:
+        return {int(token): bias for token, bias in raw.items()}
+    except ValueError as exc:
+        raise ApiError(f"logit_bias: its keys must be token ids, got {list(raw)}",
+                       "invalid_request", "logit_bias") from exc
 
 
 def _known_key(key: bytes, keys: list[bytes]) -> bool:
@@ -403,7 +415,9 @@ def _param_of(error: ErrorInfo) -> str | None:
     head = error.message.replace(":", " ").split(" ", 1)[0].removeprefix("sampling.")
     if head in ("image", "messages", "too"):  # image N: ..., too many images: ...
         return "messages"
-    return head if head in ("max_tokens", "temperature", "top_p", *_VLLM_SAMPLING) else None
+    named = ("max_tokens", "temperature", "top_p", "logit_bias", *_OPENAI_SAMPLING,
+             *_VLLM_SAMPLING)
+    return head if head in named else None
 
 
 def _error_body(error: ApiError) -> dict[str, Any]:

@@ -200,7 +200,7 @@ class HFRunner:
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample `seq`'s next token from its logits (vocab,); its output."""
         try:
-            token = seq.sampler(seq.allowed(logits))
+            token = seq.sampler(seq.allowed(logits), seq.output_ids)
         except Exception as exc:  # e.g. NaN logits: this request alone fails
             log.exception("request %s failed in sampling", seq.request.request_id)
             return self._fail(seq, exc)

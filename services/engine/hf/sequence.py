@@ -64,7 +64,7 @@ class Sequence:
         self.vision: VisionPass | None = None  # the image being encoded, between its slices
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
         self.output_ids: list[int] = []
-        self.sampler = Sampler(request.sampling)
+        self.sampler = Sampler(request.sampling, request.prompt_token_ids)
         self.last_run = -1
         """The runner's unit number when this request last advanced (-1: never)."""
         sampling = request.sampling

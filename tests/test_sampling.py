@@ -1,0 +1,109 @@
+"""The HF backend's sampler on the tiny model's real logits: the logit bias and the penalties
+as vLLM defines them, for greedy and sampled requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocol.errors import RequestError
+from protocol.sampling import SamplingParams, check_sampling
+from services.engine.hf.sampling import Sampler
+from services.model import Preprocessor, load_model
+
+PROMPT = "Count the lanes."
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(prep: Preprocessor) -> list[int]:
+    return prep.tokenize_batch([prep.render_prompt([{"role": "user", "content": PROMPT}])])[0]
+
+
+@pytest.fixture(scope="module")
+def logits(qwen_dir: Path, prompt_ids: list[int]) -> torch.Tensor:
+    """The tiny model's next-token logits after the prompt, (vocab,) float32."""
+    model = load_model(qwen_dir, "cpu")
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
+
+
+def sampler(prompt_ids: list[int], **fields: object) -> Sampler:
+    return Sampler(SamplingParams(**fields), prompt_ids)  # type: ignore[arg-type]
+
+
+def penalised(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], *,
+              repetition: float = 1.0, frequency: float = 0.0,
+              presence: float = 0.0) -> list[float]:
+    """vLLM's penalties, token by token, as its docs define them."""
+    out = []
+    for token, value in enumerate(logits.tolist()):
+        if token in prompt_ids or token in output_ids:
+            value = value / repetition if value > 0 else value * repetition
+        count = output_ids.count(token)
+        out.append(value - frequency * count - presence * (count > 0))
+    return out
+
+
+def test_no_bias_or_penalty_leaves_the_logits_alone(logits, prompt_ids) -> None:
+    greedy = sampler(prompt_ids)
+    assert greedy.adjusted(logits, [1, 2]) is logits
+    assert greedy(logits, [1, 2]) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition": 1.3}, {"repetition": 0.7}, {"frequency": 0.5}, {"presence": -0.8},
+    {"repetition": 1.5, "frequency": 1.0, "presence": 2.0},
+], ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_penalties_change_the_logits_as_defined(logits, prompt_ids, penalties) -> None:
+    top = logits.topk(3).indices.tolist()
+    output_ids = [top[0], top[0], top[1], 7]  # repeats, and a token of neither top nor prompt
+    fields = {"repetition_penalty": penalties.get("repetition", 1.0),
+              "frequency_penalty": penalties.get("frequency", 0.0),
+              "presence_penalty": penalties.get("presence", 0.0)}
+    adjusted = sampler(prompt_ids, **fields).adjusted(logits, output_ids)
+    expected = penalised(logits, prompt_ids, output_ids, **penalties)
+    assert adjusted.dtype == torch.float32
+    assert torch.allclose(adjusted, torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(adjusted, logits)
+
+
+def test_the_bias_comes_before_the_repetition_penalty(logits, prompt_ids) -> None:
+    token = int(logits.argmin())  # negative: the bias makes it positive, then it is divided
+    bias = 50.0 - float(logits[token])
+    adjusted = sampler(prompt_ids, logit_bias={token: bias}, repetition_penalty=2.0)
+    assert float(adjusted.adjusted(logits, [token])[token]) == pytest.approx(25.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_large_negative_bias_bans_a_token(logits, prompt_ids, temperature) -> None:
+    favourite = int(logits.argmax())
+    picks = sampler(prompt_ids, temperature=temperature, seed=3, logit_bias={favourite: -100})
+    tokens = {picks(logits, []) for _ in range(200)}
+    assert favourite not in tokens
+    if temperature == 0:
+        assert tokens == {int(logits.topk(2).indices[1])}
+
+
+def test_a_large_positive_bias_forces_a_token_in_greedy(logits, prompt_ids) -> None:
+    unlikely = int(logits.argmin())
+    assert sampler(prompt_ids, logit_bias={unlikely: 100})(logits, []) == unlikely
+
+
+def test_a_frequency_penalty_moves_greedy_off_a_repeated_token(logits, prompt_ids) -> None:
+    favourite = int(logits.argmax())
+    assert sampler(prompt_ids, frequency_penalty=2.0)(logits, [favourite] * 50) != favourite
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
+    ({"frequency_penalty": float("nan")}, r"frequency_penalty must be in \[-2, 2\]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be above 0 and finite, got 0.0"),
+    ({"logit_bias": {5: 101.0}}, r"logit_bias: the bias of 5 must be in \[-100, 100\]"),
+    ({"logit_bias": {-1: 1.0}}, r"logit_bias: -1 is outside the vocabulary \(0..999\)"),
+    ({"logit_bias": {10**9: 1.0}}, r"logit_bias: 1000000000 is outside the vocabulary"),
+])
+def test_check_sampling_names_a_bad_bias_or_penalty(fields, message) -> None:
+    with pytest.raises(RequestError, match=message):
+        check_sampling(SamplingParams(**fields), vocab_size=1000)  # type: ignore[arg-type]
