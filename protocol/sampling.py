@@ -2,6 +2,7 @@
 carries them on, and one function checks them wherever they arrive.
 
     SamplingFields       the fields, their defaults and meanings (as in vLLM's SamplingParams)
+    StructuredOutputs    a constraint on the output's form (vLLM's StructuredOutputsParams)
     SamplingParams       those fields as the engine request's compact part
     check_sampling(...)  raise RequestError naming the first field out of range
 """
@@ -13,6 +14,15 @@ import math
 import msgspec
 
 from protocol.errors import RequestError
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
+    """What the output must be, as in vLLM's StructuredOutputsParams: exactly one field set."""
+
+    json: str | None = None
+    """A JSON schema, as JSON text: the output is a JSON value that matches it."""
+    json_object: bool | None = None
+    """True: the output is a JSON object, any object."""
 
 
 class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
@@ -38,6 +48,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
     positive and multiplied by it where negative (1: no penalty)."""
     logit_bias: dict[int, float] | None = None
     """Token id -> a bias in [-100, 100] added to its logit (before the penalties)."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the output to a JSON schema or to JSON objects; it ends where that form does."""
 
 
 class SamplingParams(SamplingFields, array_like=True):
@@ -76,6 +88,10 @@ def check_sampling(fields: SamplingFields, *, vocab_size: int | None = None,
         if not -100 <= bias <= 100:
             raise RequestError(f"{prefix}logit_bias: the bias of {token} must be in "
                                f"[-100, 100], got {bias}")
+    structured = fields.structured_outputs
+    if structured is not None and (structured.json is None) == (not structured.json_object):
+        raise RequestError(f"{prefix}structured_outputs: set exactly one of json (a schema) "
+                           "and json_object (true)")
 
 
 def _check_token_ids(name: str, tokens: list[int], vocab_size: int | None) -> None:

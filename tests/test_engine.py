@@ -31,6 +31,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
+from protocol.sampling import StructuredOutputs
 from services.bench.images import make_image
 from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
@@ -235,6 +236,13 @@ BAD_REQUESTS = {
     "negative_temperature": (sampling_with(temperature=-0.5), "temperature must be >= 0"),
     "top_p_zero": (sampling_with(top_p=0.0), r"top_p must be in \(0, 1\]"),
     "top_p_above_one": (sampling_with(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    "logit_bias_outside_vocab": (
+        sampling_with(logit_bias={10**6: 1.0}), "sampling.logit_bias: 1000000 is outside"
+    ),
+    "schema_that_cannot_compile": (
+        sampling_with(structured_outputs=StructuredOutputs(json='{"type": "strin"}')),
+        "structured_outputs: the JSON schema cannot be used: Invalid type: strin",
+    ),
     "empty_prompt": (
         lambda r: replace(r, prompt_token_ids=[], mm_items=[]), "prompt_token_ids is empty"
     ),

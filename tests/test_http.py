@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import zmq
@@ -41,6 +42,7 @@ from protocol.messages import (
 from services.bench.images import make_image, png_uri
 from services.client import ChatResult, Client, user_message
 from services.launcher import Child
+from services.model import Preprocessor
 
 FETCH_TIMEOUT_S = 3.0
 MAX_BODY_BYTES = 4_000_000
@@ -293,6 +295,74 @@ class TestSampling:
                           frequency_penalty=2.0, presence_penalty=1.0,
                           extra_body={"ignore_eos": True})
         assert completion.choices[0].message.content == penalised.text
+
+
+SCHEMAS = {
+    "object": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+               "properties": {"name": {"type": "string", "maxLength": 10},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    "enum": {"enum": ["red", "green", "blue"]},
+    "array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+              "minItems": 1, "maxItems": 4},
+}
+"""Schemas whose every value is bounded: the tiny model's random text fills what a grammar
+leaves open (an unbounded string) until max_tokens."""
+
+
+def json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema,
+                                                   "strict": True}}
+
+
+class TestStructuredOutput:
+    @pytest.mark.parametrize("name", list(SCHEMAS))
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    def test_the_reply_parses_and_matches_the_schema(
+        self, client: openai.OpenAI, server: Server, name: str, stream: bool
+    ) -> None:
+        fields = {"max_tokens": 60, "response_format": json_schema(SCHEMAS[name])}
+        if stream:
+            text, chunks = streamed(client, server, user("Describe a lane."), **fields)
+            reason = next(c.choices[0].finish_reason for c in chunks
+                          if c.choices and c.choices[0].finish_reason)
+        else:
+            choice = chat(client, server, user("Describe a lane."), **fields).choices[0]
+            text, reason = choice.message.content, choice.finish_reason
+        assert reason == "stop"  # the grammar ended the reply, not max_tokens
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+    def test_json_object_gives_a_json_object(self, client: openai.OpenAI, server: Server,
+                                             prep: Preprocessor) -> None:
+        # Within a string the tiny model's random text goes on to max_tokens: a bias on the
+        # quote and the closing brace lets its objects end (the grammar still decides).
+        ends = {str(prep.tokenizer.convert_tokens_to_ids(t)): 10 for t in ('"', "}")}
+        completion = chat(client, server, user("Describe a lane."), max_tokens=60,
+                          response_format={"type": "json_object"}, logit_bias=ends)
+        assert isinstance(json.loads(completion.choices[0].message.content), dict)
+
+    @pytest.mark.parametrize(("response_format", "pattern"), [
+        (json_schema({"type": "strin"}), "response_format: the JSON schema cannot be used: "
+                                         "Invalid type: strin"),
+        (json_schema({"properties": {"a": {"minimum": "x"}}}), "response_format: the JSON "
+                                                               "schema cannot be used"),
+        ({"type": "json_schema", "json_schema": {"name": "reply"}},
+         "response_format: json_schema.schema must be a JSON schema object"),
+        ({"type": "yaml"}, "response_format: type must be 'text', 'json_object' or "
+                           "'json_schema', got 'yaml'"),
+    ], ids=["bad-type", "bad-minimum", "no-schema", "unknown-type"])
+    def test_a_bad_response_format_is_a_400_naming_it(
+        self, client: openai.OpenAI, server: Server, response_format: dict[str, Any],
+        pattern: str,
+    ) -> None:
+        error = _status_error(client, server, response_format=response_format)
+        _assert_error(error, 400, "invalid_request", pattern)
+        assert error.response.json()["error"]["param"] == "response_format"
+        assert chat(client, server, user("hi")).choices[0].finish_reason  # it serves on
+
+    def test_text_is_the_default(self, client: openai.OpenAI, server: Server) -> None:
+        plain = chat(client, server, user("hi"))
+        as_text = chat(client, server, user("hi"), response_format={"type": "text"})
+        assert as_text.choices[0].message.content == plain.choices[0].message.content
 
 
 # ---------------------------------------------------------------- errors

@@ -25,7 +25,8 @@ import pytest
 from conftest import REPO, free_port
 from peers import one_reply_each, wait_for_stats, wait_until
 from protocol.errors import RequestError
-from protocol.messages import ChatMessage, TextPart
+from protocol.messages import ChatMessage, SamplingParams, TextPart
+from protocol.sampling import StructuredOutputs
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.common import cpu_wheels
@@ -250,3 +251,29 @@ def test_sigterm_drains_every_request_and_serve_exits_0(
     for result in results.values():  # finished, or refused as retryable while draining
         assert result.error is None or result.error.kind == "retryable", result.error
     assert server.process.wait(timeout=120) == 0, server.log.read_text()[-3000:]
+
+
+def test_the_sampling_fields_build_vllms_sampling_params() -> None:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from services.engine.vllm.runner import _sampling_params
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    params = _sampling_params(SamplingParams(
+        max_tokens=5, temperature=0.5, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.2, logit_bias={3: -100.0, 7: 2.5},
+        structured_outputs=StructuredOutputs(json=schema),
+    ))
+    assert (params.max_tokens, params.temperature, params.presence_penalty,
+            params.frequency_penalty, params.repetition_penalty) == (5, 0.5, 0.5, -0.5, 1.2)
+    assert params.logit_bias == {3: -100.0, 7: 2.5}
+    # Compact JSON, as the hf backend makes it.
+    assert params.structured_outputs == StructuredOutputsParams(json=schema,
+                                                                disable_any_whitespace=True)
+    any_object = _sampling_params(SamplingParams(
+        structured_outputs=StructuredOutputs(json_object=True)))
+    assert any_object.structured_outputs == StructuredOutputsParams(json_object=True,
+                                                                    disable_any_whitespace=True)
+    plain = _sampling_params(SamplingParams())
+    assert (plain.structured_outputs, plain.logit_bias, plain.repetition_penalty) == (None, None,
+                                                                                      1.0)

@@ -63,7 +63,6 @@ REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "logprobs": lambda v: not v,
     "top_logprobs": lambda v: not v,
     "stop": lambda v: not v,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,6 +70,8 @@ _OPENAI_SAMPLING = ("presence_penalty", "frequency_penalty")
 """OpenAI's sampling fields passed on as they are (null: the default)."""
 _VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids", "repetition_penalty")
 """vLLM's extra sampling fields (`extra_body` in the openai client), passed on as they are."""
+_OPENAI_NAMES = {"structured_outputs": "response_format"}
+"""Native fields that OpenAI's API names otherwise, as errors name them to its clients."""
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -310,6 +311,7 @@ class HttpApi:
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
             "seed": body.get("seed"),
             "logit_bias": _logit_bias(body.get("logit_bias")),
+            "structured_outputs": _structured_outputs(body.get("response_format")),
             **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
                if body.get(name) is not None},
         }
@@ -353,6 +355,23 @@ def _logit_bias(raw: Any) -> Any:
     except ValueError as exc:
         raise ApiError(f"logit_bias: its keys must be token ids, got {list(raw)}",
                        "invalid_request", "logit_bias") from exc
+
+
+def _structured_outputs(response_format: Any) -> dict[str, Any] | None:
+    """The native structured_outputs for OpenAI's response_format (None: plain text)."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError("response_format: json_schema.schema must be a JSON schema object",
+                           "invalid_request", "response_format")
+        return {"json": json.dumps(schema)}
+    raise ApiError("response_format: type must be 'text', 'json_object' or 'json_schema', "
+                   f"got {kind!r}", "invalid_request", "response_format")
 
 
 def _known_key(key: bytes, keys: list[bytes]) -> bool:
@@ -407,7 +426,11 @@ def _completion_id() -> str:
 
 
 def _from_info(error: ErrorInfo) -> ApiError:
-    return ApiError(error.message, error.code, _param_of(error), status=http_status(error))
+    message = error.message
+    head, colon, rest = message.removeprefix("sampling.").partition(":")
+    if head in _OPENAI_NAMES:  # name the field as the client sent it
+        message = _OPENAI_NAMES[head] + colon + rest
+    return ApiError(message, error.code, _param_of(error), status=http_status(error))
 
 
 def _param_of(error: ErrorInfo) -> str | None:
@@ -417,7 +440,7 @@ def _param_of(error: ErrorInfo) -> str | None:
         return "messages"
     named = ("max_tokens", "temperature", "top_p", "logit_bias", *_OPENAI_SAMPLING,
              *_VLLM_SAMPLING)
-    return head if head in named else None
+    return _OPENAI_NAMES.get(head) or (head if head in named else None)
 
 
 def _error_body(error: ApiError) -> dict[str, Any]:

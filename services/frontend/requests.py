@@ -15,6 +15,7 @@ from protocol.errors import RequestError
 from protocol.messages import ChatRequest, ImagePart, ImageUrl, TextPart
 from protocol.sampling import SamplingParams, check_sampling, sampling_of
 from services.model import Preprocessor
+from services.model.grammar import check_grammar
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,11 @@ def _content(content: str | list, images: list[ImageUrl], index: int) -> str | l
 
 
 def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
-    """The prompt's token ids; raise RequestError for forged placeholders or a text prompt
-    too long for the model (an image prompt is checked once its images are expanded)."""
+    """The prompt's token ids; raise RequestError for forged placeholders, a text prompt
+    too long for the model (an image prompt is checked once its images are expanded) or a
+    structured-output constraint that cannot compile (before the engine spends work on it)."""
+    if checked.sampling.structured_outputs is not None:
+        check_grammar(checked.sampling.structured_outputs)
     token_ids = pre.tokenize_batch([pre.render_prompt(checked.template_messages)])[0]
     placeholders = token_ids.count(pre.image_token_id)
     if placeholders != len(checked.images):

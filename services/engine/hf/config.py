@@ -8,6 +8,8 @@ from services.common.config import _positive
 
 MAX_BATCH = 16
 """The most requests one decode step runs by default."""
+GRAMMAR_CACHE_SIZE = 64
+"""Structured-output grammars kept compiled by default."""
 
 
 class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -25,9 +27,12 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Threads torch may use for one CPU operation. 0: every core this process may run on but
     two, and at least one, since an MM worker and a frontend on the same machine need theirs:
     torch threads that wait for a busy core make each unit many times slower."""
+    grammar_cache_size: int = GRAMMAR_CACHE_SIZE
+    """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
+    a request whose schema is among them starts without compiling it."""
 
     def __post_init__(self) -> None:
-        _positive(self, "prefill_chunk_tokens", "max_batch")
+        _positive(self, "prefill_chunk_tokens", "max_batch", "grammar_cache_size")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be 0 (automatic) or more, "
                              f"got {self.torch_threads}")

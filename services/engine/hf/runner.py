@@ -35,15 +35,17 @@ from transformers import DynamicCache
 
 from protocol.errors import FatalError, MMLaneError, RequestError, translate
 from protocol.messages import EngineRequest
+from protocol.sampling import StructuredOutputs
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE
-from services.engine.hf.config import MAX_BATCH
+from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
 from services.engine.hf.scheduler import Lane, Scheduler
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.runner import ModelSpec, StepOutput
 from services.model import load_model, load_preprocessor, resolve_model_dir
+from services.model.grammar import Grammar, Grammars, hf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class HFRunner:
     def __init__(
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,
         prefill_chunk_tokens: int | None = None, max_batch: int = MAX_BATCH,
-        metrics: Metrics | None = None,
+        metrics: Metrics | None = None, grammars: Grammars | None = None,
     ) -> None:
         if max_batch < 1:
             raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
@@ -90,6 +92,9 @@ class HFRunner:
         """The most requests a decode step runs, and the rows it always has when above one."""
         if max_batch > 1 and not self._can_batch():
             self.max_batch = 1
+        self._grammars = grammars
+        """Compiled structured-output grammars (None: requests with structured_outputs are
+        refused)."""
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._units = 0  # units run so far: the scheduler's round-robin clock
@@ -99,10 +104,12 @@ class HFRunner:
     def load(
         cls, model: str | None, device: str, *, prefill_chunk_tokens: int | None = None,
         max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
+        grammar_cache_size: int = GRAMMAR_CACHE_SIZE,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`); a decode step runs up to
-        `max_batch` requests (1: one at a time)."""
+        `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
+        grammars stay compiled."""
         torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
@@ -112,8 +119,11 @@ class HFRunner:
             preprocessor, network.config, max_context=preprocessor.max_context,
             vocab_size=network.get_input_embeddings().num_embeddings,
         )
+        tokenizer = hf_tokenizer(preprocessor.tokenizer, vocab_size=spec.vocab_size,
+                                 eos_token_ids=sorted(spec.eos_token_ids))
         runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
-                     max_batch=max_batch, metrics=metrics)
+                     max_batch=max_batch, metrics=metrics,
+                     grammars=Grammars(tokenizer, grammar_cache_size))
         log.info("loaded %s (%s) on %s, %d torch threads, decode steps of up to %d requests",
                  model_dir, spec.family, network.device, torch.get_num_threads(), runner.max_batch)
         return runner
@@ -121,12 +131,20 @@ class HFRunner:
     # ------------------------------------------------------------ the ModelRunner interface
 
     def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
+        grammar = self._grammar(request.sampling.structured_outputs)
         prompt = torch.tensor([request.prompt_token_ids], device=self.model.device)
         cache = DynamicCache(config=self._text_config)
         self._sequences[handle] = Sequence(
             handle, request, prompt, cache, self.spec.eos_token_ids,
-            arrived=time.monotonic() if arrived is None else arrived,
+            arrived=time.monotonic() if arrived is None else arrived, grammar=grammar,
         )
+
+    def _grammar(self, structured: StructuredOutputs | None) -> Grammar | None:
+        if structured is None:
+            return None
+        if self._grammars is None:
+            raise RequestError("structured_outputs: this runner was built without grammars")
+        return self._grammars.matcher(structured)
 
     def step(self, timeout: float = 0.0) -> list[StepOutput]:
         """Run the unit the scheduler picks; with no request held, wait up to `timeout`
@@ -200,11 +218,10 @@ class HFRunner:
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample `seq`'s next token from its logits (vocab,); its output."""
         try:
-            token = seq.sampler(seq.allowed(logits), seq.output_ids)
+            token = seq.next_token(logits)
         except Exception as exc:  # e.g. NaN logits: this request alone fails
             log.exception("request %s failed in sampling", seq.request.request_id)
             return self._fail(seq, exc)
-        seq.output_ids.append(token)
         reason = seq.finish_reason()
         if reason is not None:
             self.abort(seq.handle)
@@ -358,6 +375,7 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
     return HFRunner.load(
         config.model, hf.device, prefill_chunk_tokens=hf.prefill_chunk_tokens,
         max_batch=hf.max_batch, threads=hf.torch_threads, metrics=metrics,
+        grammar_cache_size=hf.grammar_cache_size,
     )
 
 

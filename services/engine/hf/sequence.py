@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from protocol.messages import EngineRequest
 from services.engine.hf.adapters import Positions, VisionPass
 from services.engine.hf.sampling import Sampler
+from services.model.grammar import Grammar
 
 
 class UnitKind(enum.IntEnum):
@@ -53,6 +54,7 @@ class Sequence:
         cache: DynamicCache,
         eos_token_ids: frozenset[int],
         arrived: float,
+        grammar: Grammar | None = None,
     ) -> None:
         self.handle = handle
         self.request = request
@@ -65,6 +67,8 @@ class Sequence:
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
         self.output_ids: list[int] = []
         self.sampler = Sampler(request.sampling, request.prompt_token_ids)
+        self.grammar = grammar
+        """Where the output is in its structured-output grammar (None: unconstrained)."""
         self.last_run = -1
         """The runner's unit number when this request last advanced (-1: never)."""
         sampling = request.sampling
@@ -95,18 +99,34 @@ class Sequence:
             return Unit(UnitKind.PREFILL, min(remaining, prefill_chunk_tokens or remaining))
         return Unit(UnitKind.DECODE, 1)
 
-    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` (vocab,), the stop tokens masked out while the output is shorter than
-        min_tokens (as vLLM does), so that sampling cannot pick them."""
+    def next_token(self, logits: torch.Tensor) -> int:
+        """Pick the next token from `logits` (vocab,) and add it to the output: in vLLM's
+        order, the grammar's mask (structured output), then the stop tokens masked while the
+        output is shorter than min_tokens, then the sampler (bias, penalties, pick)."""
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
+        token = self.sampler(self._allowed(logits), self.output_ids)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        self.output_ids.append(token)
+        return token
+
+    def _allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the stop tokens masked out while the output is shorter than
+        min_tokens, as vLLM does; but where the grammar allows nothing else, they stay."""
         if len(self.output_ids) >= self.request.sampling.min_tokens or not self._stop_token_ids:
             return logits
         masked = logits.clone()
         masked[list(self._stop_token_ids)] = float("-inf")
+        if self.grammar is not None and bool(torch.isneginf(masked).all()):
+            return logits
         return masked
 
     def finish_reason(self) -> str | None:
         """Why the request is over after its latest token, or None while it goes on."""
         if self.output_ids[-1] in self._stop_token_ids:
+            return "stop"
+        if self.grammar is not None and self.grammar.done:
             return "stop"
         if len(self.output_ids) >= self.request.sampling.max_tokens:
             return "length"

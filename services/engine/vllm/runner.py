@@ -238,11 +238,15 @@ class VLLMRunner:
 
 def _sampling_params(sampling: SamplingParams) -> Any:
     from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     # One to one: mmlane's sampling fields are named and mean as vLLM's.
+    fields = msgspec.structs.asdict(sampling)
+    if sampling.structured_outputs is not None:  # compact JSON, as the hf backend makes it
+        fields["structured_outputs"] = StructuredOutputsParams(
+            **msgspec.structs.asdict(sampling.structured_outputs), disable_any_whitespace=True)
     return VLLMSamplingParams(
-        **msgspec.structs.asdict(sampling),
+        **fields,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,  # the frontend detokenizes
     )

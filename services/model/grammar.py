@@ -1,0 +1,103 @@
+"""Structured output with llguidance: the grammar of a request's `structured_outputs`, checked
+by the frontend before it admits the request, compiled once per constraint by the HF engine,
+which masks each step's logits to the tokens the grammar allows.
+
+    check_grammar(structured)        raise RequestError naming the field if it cannot compile
+    Grammars(tokenizer, ...)         compiled grammars, an LRU bounded by count (the engine's)
+    Grammar                          one request's matcher: mask the logits, accept a token
+
+llguidance, not xgrammar: it is one 3 MB wheel with no dependencies (xgrammar brings triton and
+a TVM runtime into a CPU install), it computes each mask lazily in Rust with no ahead-of-time
+pass over the vocabulary, and vLLM uses it too (its "guidance" backend, and the fallback of
+"auto" for schemas xgrammar cannot take; vLLM 0.32 pins llguidance 1.7, as pyproject.toml does,
+so one environment serves both backends). JSON is compact (no whitespace between tokens), and
+the vllm backend asks vLLM for the same.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+from protocol.errors import RequestError
+from protocol.sampling import StructuredOutputs
+
+FIELD = "structured_outputs"
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def check_grammar(structured: StructuredOutputs) -> None:
+    """Raise RequestError naming the field when the constraint does not make a valid grammar."""
+    problem = llguidance.LLMatcher.validate_grammar(_grammar_text(structured))
+    if problem:
+        raise RequestError(f"{FIELD}: the JSON schema cannot be used: {problem}")
+
+
+def hf_tokenizer(tokenizer: Any, *, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """llguidance's view of a Hugging Face fast tokenizer, for `vocab_size` logits (the model's
+    embedding rows, which may be more than the tokenizer's tokens)."""
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                        eos_token=eos_token_ids)
+
+
+class Grammars:
+    """The compiled grammar of each recent constraint, at most `capacity` of them: a repeated
+    schema is compiled once, and each request gets its own copy of the compiled matcher."""
+
+    def __init__(self, tokenizer: Any, capacity: int) -> None:
+        self._tokenizer = tokenizer
+        self._capacity = capacity
+        self._compiled: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
+
+    def matcher(self, structured: StructuredOutputs) -> Grammar:
+        """A new request's matcher for `structured`; RequestError if it does not compile."""
+        compiled = self._compiled.get(structured)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self._tokenizer, _grammar_text(structured),
+                                            log_level=0)
+            if compiled.is_error():
+                raise RequestError(f"{FIELD}: the JSON schema cannot be used: "
+                                   f"{compiled.get_error()}")
+            self._compiled[structured] = compiled
+            if len(self._compiled) > self._capacity:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(structured)
+        return Grammar(compiled.deep_copy())
+
+
+class Grammar:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (vocab,) with every token the grammar forbids next set to -inf."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[0]].astype(bool)
+        forbidden = torch.from_numpy(~allowed).to(logits.device)
+        return logits.masked_fill(forbidden, float("-inf"))
+
+    def accept(self, token: int) -> None:
+        """Move past `token`, which `mask` allowed."""
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """Whether the output is complete: the grammar takes nothing more (but end of text)."""
+        return self._matcher.is_stopped()
+
+
+def _grammar_text(structured: StructuredOutputs) -> str:
+    schema = _ANY_OBJECT if structured.json_object else structured.json
+    try:  # compact JSON: a small model may otherwise emit whitespace until max_tokens
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False})
+    except ValueError as exc:
+        raise RequestError(f"{FIELD}: the JSON schema is not a JSON object: {exc}") from exc
