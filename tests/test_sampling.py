@@ -1,5 +1,6 @@
 """The HF backend's sampler on the tiny model's real logits: the logit bias and the penalties
-as vLLM defines them, for greedy and sampled requests."""
+as vLLM defines them, for greedy and sampled requests; structured output's grammars on the tiny
+model's tokenizer."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from protocol.errors import RequestError
-from protocol.sampling import SamplingParams, check_sampling
+from protocol.sampling import SamplingParams, StructuredOutputs, check_sampling
 from services.engine.hf.sampling import Sampler
 from services.model import Preprocessor, load_model
+from services.model.grammar import Grammars, check_grammar, hf_tokenizer
 
 PROMPT = "Count the lanes."
 
@@ -107,3 +109,40 @@ def test_a_frequency_penalty_moves_greedy_off_a_repeated_token(logits, prompt_id
 def test_check_sampling_names_a_bad_bias_or_penalty(fields, message) -> None:
     with pytest.raises(RequestError, match=message):
         check_sampling(SamplingParams(**fields), vocab_size=1000)  # type: ignore[arg-type]
+
+
+ENUM = StructuredOutputs(json='{"enum": ["red", "blue"]}')
+
+
+@pytest.fixture(scope="module")
+def grammars(prep: Preprocessor, logits: torch.Tensor) -> Grammars:
+    tokenizer = hf_tokenizer(prep.tokenizer, vocab_size=logits.shape[0],
+                             eos_token_ids=prep.eos_token_ids)
+    return Grammars(tokenizer, capacity=2)
+
+
+def test_each_request_gets_its_own_place_in_a_shared_grammar(grammars, prep, logits) -> None:
+    first, second = grammars.matcher(ENUM), grammars.matcher(ENUM)
+    quote = prep.tokenizer.convert_tokens_to_ids('"')
+    for token in prep.tokenizer.encode('"red"', add_special_tokens=False):
+        assert first.mask(logits)[token] > float("-inf")
+        first.accept(token)
+    assert first.done and not second.done
+    allowed = torch.isfinite(second.mask(logits)).nonzero().flatten().tolist()
+    assert quote in allowed and len(allowed) < logits.shape[0] // 10
+
+
+def test_a_forbidden_token_fails_the_request(grammars, prep) -> None:
+    matcher = grammars.matcher(ENUM)
+    with pytest.raises(RuntimeError, match="the grammar refused token"):
+        matcher.accept(prep.tokenizer.convert_tokens_to_ids("}"))
+
+
+@pytest.mark.parametrize(("structured", "message"), [
+    (StructuredOutputs(json='{"type": "strin"}'), "Invalid type: strin"),
+    (StructuredOutputs(json="{not json"), "the JSON schema is not a JSON object"),
+], ids=["bad-type", "not-json"])
+def test_a_schema_that_cannot_compile_names_the_field(grammars, structured, message) -> None:
+    for check in (check_grammar, grammars.matcher):  # the frontend's check, the engine's compile
+        with pytest.raises(RequestError, match=f"structured_outputs: .*{message}"):
+            check(structured)

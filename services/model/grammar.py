@@ -95,7 +95,7 @@ class Grammar:
 
 
 def _grammar_text(structured: StructuredOutputs) -> str:
-    schema = _ANY_OBJECT if structured.json_object else structured.json
+    schema = structured.json if structured.json is not None else _ANY_OBJECT
     try:  # compact JSON: a small model may otherwise emit whitespace until max_tokens
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_flexible": False})
