@@ -12,6 +12,10 @@ import msgspec
 
 from protocol.errors import RequestError
 
+MAX_LOGPROBS = 20
+"""The most `logprobs` a request may ask for (OpenAI's bound on top_logprobs, vLLM's default
+max_logprobs)."""
+
 
 class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
     """How to pick output tokens: greedy when temperature is 0, else seeded sampling. Each
@@ -27,6 +31,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
     """No end-of-sequence or stop token is picked before this many output tokens."""
     stop_token_ids: list[int] = []
     """More tokens that end the output (finish_reason "stop"), included in it as eos is."""
+    logprobs: int | None = None
+    """Return each output token's log probability and those of this many most likely tokens at
+    its position (0: the output token's alone); None: none."""
 
 
 class SamplingParams(SamplingFields, array_like=True):
@@ -52,6 +59,9 @@ def check_sampling(fields: SamplingFields, *, vocab_size: int | None = None,
     if not 0 <= fields.min_tokens <= fields.max_tokens:
         raise RequestError(f"{prefix}min_tokens must be in 0..{prefix}max_tokens "
                            f"({fields.max_tokens}), got {fields.min_tokens}")
+    if fields.logprobs is not None and not 0 <= fields.logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"{prefix}logprobs must be in 0..{MAX_LOGPROBS}, "
+                           f"got {fields.logprobs}")
     top = vocab_size - 1 if vocab_size is not None else None
     outside = [token for token in fields.stop_token_ids
                if token < 0 or (top is not None and token > top)]
