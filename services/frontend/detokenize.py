@@ -15,6 +15,9 @@ text beyond the context's own decoding is the new chunk. A chunk that ends in U+
 empty one; the final chunk is emitted whatever it ends with. For a byte-level BPE tokenizer the
 chunks then concatenate exactly to decoding the whole output at once: the window only moves past
 ids whose bytes end on a complete character, where UTF-8 decoding restarts cleanly.
+
+`TokenTexts` gives the texts of the tokens in an output's logprobs, one token at a time, as
+vLLM's logprobs show them.
 """
 
 from __future__ import annotations

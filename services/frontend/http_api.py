@@ -284,8 +284,9 @@ class HttpApi:
                 break
             count += len(output.token_ids)
             if output.text or output.logprobs:  # each token's logprobs, text or not (as vLLM)
+                delta = {"content": output.text} if output.text else {}
                 await _send_event(response, chunk.delta(
-                    {"content": output.text}, logprobs=_chat_logprobs(request, output.logprobs)))
+                    delta, logprobs=_chat_logprobs(request, output.logprobs)))
             if output.finished:
                 await _send_event(response, chunk.delta({}, _finish_reason(output.finish_reason)))
                 if include_usage:
