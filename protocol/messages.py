@@ -79,6 +79,23 @@ class CancelChat(msgspec.Struct, tag="cancel", kw_only=True, frozen=True):
 ClientRequest = ChatRequest | ResetCache | CancelChat
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A token, its text as logprobs show it (each token decoded alone, as vLLM shows it) and
+    its log probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True, frozen=True):
+    """An output token's log probability, and the `logprobs` most likely tokens at its position,
+    most likely first (whether or not the output token is among them)."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob]
+
+
 class ChatOutput(msgspec.Struct, tag="out", kw_only=True, frozen=True):
     """New output for a request: token ids and their text; the last one has `finished` set."""
 
@@ -88,6 +105,8 @@ class ChatOutput(msgspec.Struct, tag="out", kw_only=True, frozen=True):
     finished: bool = False
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
+    logprobs: list[ChatLogprobs] | None = None
+    """One per token of `token_ids` when the request asked for `logprobs`; else None."""
 
 
 class ChatError(msgspec.Struct, tag="err", kw_only=True, frozen=True):
@@ -213,6 +232,15 @@ EngineInput = EngineRequest | AbortRequests | ResetEngineCache
 # ---------------------------------------------------------------- engine, mm worker -> frontend
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """An output token's log probability and the `sampling.logprobs` most likely tokens at its
+    position, most likely first, from the logits the token was sampled from."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 class EngineOutput(
     msgspec.Struct, tag="out", kw_only=True, frozen=True, array_like=True, gc=False
 ):
@@ -225,6 +253,8 @@ class EngineOutput(
     prompt_token_ids: list[int] | None = None
     engine_epoch: int = 0
     """The engine's cache epoch when it sent this (0 from senders that are no engine)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One per token of `token_ids` when the request asked for `sampling.logprobs`; else None."""
 
 
 class RequestFailed(msgspec.Struct, tag="err", kw_only=True, frozen=True, array_like=True):

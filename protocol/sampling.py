@@ -15,6 +15,10 @@ import msgspec
 
 from protocol.errors import RequestError
 
+MAX_LOGPROBS = 20
+"""The most `logprobs` a request may ask for (OpenAI's bound on top_logprobs, vLLM's default
+max_logprobs)."""
+
 
 class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
     """What the output must be, as in vLLM's StructuredOutputsParams: exactly one field set."""
@@ -50,9 +54,12 @@ class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
     """Token id -> a bias in [-100, 100] added to its logit (before the penalties)."""
     structured_outputs: StructuredOutputs | None = None
     """Constrain the output to a JSON schema or to JSON objects; it ends where that form does."""
+    logprobs: int | None = None
+    """Return each output token's log probability and those of this many most likely tokens at
+    its position (0: the output token's alone); None: none."""
 
 
-class SamplingParams(SamplingFields, array_like=True):
+class SamplingParams(SamplingFields, array_like=True, frozen=True):
     """The sampling fields of a request on its way to the engine."""
 
 
@@ -92,6 +99,9 @@ def check_sampling(fields: SamplingFields, *, vocab_size: int | None = None,
     if structured is not None and (structured.json is None) == (not structured.json_object):
         raise RequestError(f"{prefix}structured_outputs: set exactly one of json (a schema) "
                            "and json_object (true)")
+    if fields.logprobs is not None and not 0 <= fields.logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"{prefix}logprobs must be in 0..{MAX_LOGPROBS}, "
+                           f"got {fields.logprobs}")
 
 
 def _check_token_ids(name: str, tokens: list[int], vocab_size: int | None) -> None:

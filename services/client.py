@@ -20,6 +20,7 @@ from protocol.messages import (
     CacheReset,
     CancelChat,
     ChatError,
+    ChatLogprobs,
     ChatMessage,
     ChatRequest,
     ClientReply,
@@ -41,6 +42,8 @@ class ChatResult:
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
     error: MMLaneError | None = None
+    logprobs: list[ChatLogprobs] | None = None
+    """One per output token when the request asked for `logprobs`."""
 
     def to_json(self) -> dict:
         if self.error is not None:
@@ -160,6 +163,8 @@ def _apply(result: ChatResult, reply: ClientReply) -> bool:
     result.token_ids.extend(reply.token_ids)
     if reply.prompt_token_ids is not None:
         result.prompt_token_ids = reply.prompt_token_ids
+    if reply.logprobs is not None:
+        result.logprobs = [*(result.logprobs or []), *reply.logprobs]
     if reply.finished:
         result.finish_reason = reply.finish_reason
     return reply.finished

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from test_engine import DEVICE, make_request
 from test_http import (
     _answered,
@@ -65,6 +66,28 @@ def test_eos_ends_the_output_unless_ignored_and_never_before_min_tokens(
     later, _ = _run(runner, make_request(prep, "hi", max_tokens=12, min_tokens=stop_at + 2,
                                          **sampled))
     assert len(later) >= stop_at + 2 and eos not in later[:stop_at + 2]
+
+
+def test_logprobs_are_raw_not_tempered_nor_masked(qwen_dir: Path, prep: Preprocessor) -> None:
+    """vLLM's default logprobs come from the model's logits before temperature, top_p and the
+    min_tokens mask: so do the HF runner's, for the tokens it sampled."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    request = make_request(prep, "hi", max_tokens=6, temperature=1.7, top_p=0.9, seed=5,
+                           min_tokens=6, logprobs=2)
+    runner.add(0, request)
+    tokens, positions = [], []
+    while runner.has_work():
+        for output in runner.step():
+            tokens += output.token_ids
+            positions += output.logprobs or []
+    ids = torch.tensor([request.prompt_token_ids + tokens[:-1]], device=runner.model.device)
+    with torch.inference_mode():  # the same tokens fed at once: each position's logits
+        logits = runner.model(input_ids=ids).logits[0, len(request.prompt_token_ids) - 1:]
+    expected = logits.float().log_softmax(-1).cpu()
+    assert len(positions) == len(tokens) == 6
+    for token, position, row in zip(tokens, positions, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(position.logprob), row[token])
+        torch.testing.assert_close(torch.tensor(position.top_logprobs), row.topk(2).values)
 
 
 # ---------------------------------------------------------------- API keys

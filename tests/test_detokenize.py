@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from conftest import free_port, role_log, start_role, stop_role
 from protocol.codec import Codec
 from protocol.messages import ChatOutput, ChatRequest, ClientReply, EngineOutput, EngineRequest
 from services.client import user_message
-from services.frontend.detokenize import IncrementalDetokenizer
+from services.frontend.detokenize import IncrementalDetokenizer, TokenTexts, space_marker
 from services.model import Preprocessor
 
 TRICKY_TEXT = "naïve 😀 中文 👩‍👩‍👧 ok"
@@ -99,6 +102,53 @@ def test_the_window_stays_short(prep: Preprocessor) -> None:
 
 
 # ---------------------------------------------------------------- through a real frontend
+
+
+# ---------------------------------------------------------------- the texts in logprobs
+
+
+def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The logprobs texts of `ids` as an output's tokens, one position each."""
+    texts = TokenTexts(tokenizer, space_marker(tokenizer))
+    out = []
+    for token_id in ids:
+        out += texts.position([token_id])
+        texts.advance(token_id)
+    return out
+
+
+def test_logprobs_texts_complete_a_character_at_its_last_id(prep: Preprocessor,
+                                                             tricky_ids: list[int]) -> None:
+    texts = token_texts(prep.tokenizer, tricky_ids)
+    assert "".join(texts) == TRICKY_TEXT  # a character spanning ids: "" until it is complete
+    assert "😀" in texts and "\ufffd" not in "".join(texts)
+
+
+def test_logprobs_texts_keep_special_tokens_and_candidates_share_the_context(
+    prep: Preprocessor, tricky_ids: list[int]
+) -> None:
+    eos = prep.eos_token_ids[0]
+    assert token_texts(prep.tokenizer, [eos]) == [prep.tokenizer.decode([eos])]
+    emoji = prep.tokenizer.encode("😀", add_special_tokens=False)
+    texts = TokenTexts(prep.tokenizer, space_marker(prep.tokenizer))
+    for token_id in emoji[:-1]:
+        texts.advance(token_id)
+    # The output's own last id completes the emoji; another candidate there does not.
+    assert texts.position([emoji[-1], tricky_ids[0]]) == ["😀", "n"]
+
+
+def test_logprobs_texts_of_sentencepiece_pieces_keep_their_leading_space() -> None:
+    """A Metaspace tokenizer (Llama-style) decodes a lone word-start piece without its space;
+    vLLM's logprobs put it back."""
+    model = models.WordLevel({"[UNK]": 0, "\u2581hello": 1, "\u2581world": 2, "world": 3},
+                             unk_token="[UNK]")
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert space_marker(tokenizer) == "\u2581"
+    assert tokenizer.decode([2]) == "world"
+    assert token_texts(tokenizer, [1, 2, 3]) == [" hello", " world", "world"]
 
 
 @pytest.fixture

@@ -106,6 +106,12 @@ def to(frontend: Frontend, request: EngineRequest) -> EngineRequest:
 
 def generate_greedy(model: Any, prep: Preprocessor, request: EngineRequest) -> list[int]:
     """What HF `generate` makes of the same request: the correctness anchor."""
+    out = generate(model, prep, request)
+    return out.sequences[0, len(request.prompt_token_ids):].tolist()
+
+
+def generate(model: Any, prep: Preprocessor, request: EngineRequest, **options: Any) -> Any:
+    """HF `generate`'s greedy output for the request (return_dict_in_generate), with `options`."""
     ids = torch.tensor([request.prompt_token_ids], device=model.device)
     inputs: dict[str, torch.Tensor] = {}
     if request.mm_items:
@@ -117,11 +123,11 @@ def generate_greedy(model: Any, prep: Preprocessor, request: EngineRequest) -> l
         if prep.family.name == "qwen2_vl":
             inputs["mm_token_type_ids"] = (ids == prep.image_token_id).int()
     with torch.inference_mode():
-        out = model.generate(
+        return model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=request.sampling.max_tokens, **inputs,
+            max_new_tokens=request.sampling.max_tokens, return_dict_in_generate=True,
+            **inputs, **options,
         )
-    return out[0, ids.shape[1]:].tolist()
 
 
 def tokens_of(replies: list[Reply]) -> list[int]:
@@ -158,6 +164,30 @@ def test_greedy_output_equals_hf_generate(frontend, prep, reference, case) -> No
     replies = frontend.run(request)[request.request_id]
     assert_streamed(replies, request)
     assert tokens_of(replies) == generate_greedy(reference, prep, request)
+    assert all(reply.logprobs is None for reply in replies)  # none asked for
+
+
+@pytest.mark.parametrize("case", [TEXT, ONE_IMAGE], ids=["text", "image"])
+def test_logprobs_are_the_log_softmax_of_the_model_logits(frontend, prep, reference,
+                                                          case) -> None:
+    top = 5
+    request = to(frontend, make_request(prep, *case, max_tokens=8, logprobs=top))
+    replies = frontend.run(request)[request.request_id]
+    out = generate(reference, prep, request, output_logits=True)
+    expected = torch.cat(out.logits).float().log_softmax(-1)  # (tokens, vocab): vLLM's raw ones
+    tokens = tokens_of(replies)
+    assert tokens == out.sequences[0, len(request.prompt_token_ids):].tolist()
+    positions = [position for reply in replies for position in reply.logprobs]
+    assert len(positions) == len(tokens) == len(expected)
+    for token, position, row in zip(tokens, positions, expected, strict=True):
+        assert len(position.top_token_ids) == len(position.top_logprobs) == top
+        assert position.top_token_ids[0] == token  # greedy picks the most likely
+        assert position.top_logprobs == sorted(position.top_logprobs, reverse=True)
+        best = row.topk(top)
+        torch.testing.assert_close(torch.tensor(position.top_logprobs), best.values)
+        torch.testing.assert_close(torch.tensor(position.top_logprobs),
+                                   row[position.top_token_ids])
+        torch.testing.assert_close(torch.tensor(position.logprob), row[token])
 
 
 def test_concurrent_requests_each_get_one_terminal_reply(frontend, prep, reference) -> None:

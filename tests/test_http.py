@@ -365,6 +365,83 @@ class TestStructuredOutput:
         assert as_text.choices[0].message.content == plain.choices[0].message.content
 
 
+# ---------------------------------------------------------------- logprobs
+
+
+def logprobs_content(choice: Any) -> list[dict[str, Any]]:
+    """A choice's (or a chunk's choice's) logprobs content as plain dicts."""
+    return [entry.model_dump() for entry in choice.logprobs.content]
+
+
+class TestLogprobs:
+    @pytest.mark.parametrize("images", [0, 1], ids=["text", "image"])
+    def test_logprobs_in_openai_shape(self, client: openai.OpenAI, server: Server,
+                                      images: int) -> None:
+        messages = user("Hello there", *[png_uri(make_image(40, 30, seed=5))] * images)
+        completion = chat(client, server, messages, max_tokens=8, logprobs=True, top_logprobs=3)
+        [choice] = completion.choices
+        content = logprobs_content(choice)
+        assert len(content) == completion.usage.completion_tokens
+        for entry in content:
+            assert entry["bytes"] == list(entry["token"].encode())
+            assert entry["logprob"] <= 0
+            top = entry["top_logprobs"]
+            assert len(top) == 3
+            assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top),
+                                                         reverse=True)
+            assert top[0] == {k: entry[k] for k in ("token", "logprob", "bytes")}  # greedy
+
+    def test_no_logprobs_unless_asked_and_none_on_top_without_top_logprobs(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        assert chat(client, server, user("Hello there")).choices[0].logprobs is None
+        content = logprobs_content(chat(client, server, user("Hello there"),
+                                        logprobs=True).choices[0])
+        assert content and all(entry["top_logprobs"] == [] for entry in content)
+
+    def test_streamed_logprobs_are_the_complete_ones(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        kw = {"max_tokens": 8, "logprobs": True, "top_logprobs": 2}
+        whole = logprobs_content(chat(client, server, user("Tell me about lanes."),
+                                      **kw).choices[0])
+        _, chunks = streamed(client, server, user("Tell me about lanes."), **kw)
+        pieces = [logprobs_content(c.choices[0]) for c in chunks
+                  if c.choices and c.choices[0].logprobs is not None]
+        assert [entry for piece in pieces for entry in piece] == whole
+        assert all(len(piece) == 1 for piece in pieces)  # one token per chunk, text or not
+
+    def test_raw_http_shape(self, server: Server) -> None:
+        body = {"model": server.model, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                "messages": [{"role": "user", "content": "hi"}]}
+        status, raw = _post(server, body)
+        assert status == 200, raw
+        logprobs = json.loads(raw)["choices"][0]["logprobs"]
+        assert set(logprobs) == {"content"} and len(logprobs["content"]) == 3
+        for entry in logprobs["content"]:
+            assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+            assert all(set(top) == {"token", "logprob", "bytes"} for top in entry["top_logprobs"])
+
+    def test_sampled_tokens_come_first_as_in_vllm_and_texts_are_decoded_alone(
+        self, client: openai.OpenAI, server: Server, prep: Preprocessor
+    ) -> None:
+        native = seeded_ids(server, "Count the lanes.", max_tokens=10, logprobs=3)
+        assert native.logprobs is not None and len(native.logprobs) == len(native.token_ids)
+        completion = chat(client, server, user("Count the lanes."), max_tokens=10, **SEEDED,
+                          logprobs=True, top_logprobs=3)
+        content = logprobs_content(completion.choices[0])
+        for token_id, position, entry in zip(native.token_ids, native.logprobs, content,
+                                             strict=True):
+            assert position.sampled.token_id == token_id
+            alone = prep.tokenizer.decode([token_id])
+            if not alone.endswith("\ufffd"):
+                assert position.sampled.token == entry["token"] == alone
+            assert position.top == sorted(position.top, key=lambda t: -t.logprob)
+            others = [t for t in position.top if t.token_id != token_id]
+            assert [t["token"] for t in entry["top_logprobs"]] == [
+                t.token for t in [position.sampled, *others][:3]]
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -409,6 +486,14 @@ ERROR_CASES = [
      r"logit_bias: the bias of 5 must be in \[-100, 100\], got 200"),
     ("logit-bias-outside-vocab", {"logit_bias": {str(10**9): 1}}, 400, "invalid_request",
      "logit_bias: 1000000000 is outside the vocabulary"),
+    ("top-logprobs-without-logprobs", {"top_logprobs": 2}, 400, "invalid_request",
+     "top_logprobs needs logprobs set to true"),
+    ("top-logprobs-above-20", {"logprobs": True, "top_logprobs": 21}, 400, "invalid_request",
+     r"top_logprobs must be an integer in 0\.\.20, got 21"),
+    ("top-logprobs-negative", {"logprobs": True, "top_logprobs": -1}, 400, "invalid_request",
+     r"top_logprobs must be an integer in 0\.\.20, got -1"),
+    ("logprobs-not-bool", {"logprobs": "yes"}, 400, "invalid_request",
+     "logprobs must be a boolean, got 'yes'"),
     ("bad-base64", {"messages": user("x", "data:image/png;base64,@@@")}, 400, "invalid_image",
      "image 0: data URI is not valid base64"),
     ("too-many-images", {"messages": user("x", *[png_uri(make_image(8, 8))] * 3)}, 400,
@@ -463,8 +548,10 @@ class TestErrors:
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"logit_bias": {str(10**9): 1}}, "logit_bias"),
         ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ], ids=["min_tokens", "stop_token_ids", "presence_penalty", "logit_bias-vocab",
-            "logit_bias-key"])
+            "logit_bias-key", "top_logprobs-alone", "top_logprobs-range"])
     def test_a_bad_sampling_field_is_the_errors_param(
         self, client: openai.OpenAI, server: Server, fields: dict[str, Any], param: str
     ) -> None:

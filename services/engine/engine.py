@@ -279,6 +279,7 @@ class Engine:
                 finished=output.finished,
                 finish_reason=output.finish_reason,
                 prompt_token_ids=None if held.replied else request.prompt_token_ids,
+                logprobs=output.logprobs,
             )
         held.replied = True
         self._replies.put((request.reply_to, message))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from protocol.errors import MMLaneError
-from protocol.messages import EngineRequest, MMItem
+from protocol.messages import EngineRequest, MMItem, TokenLogprobs
 
 if TYPE_CHECKING:
     from services.common.stats import Metrics
@@ -87,6 +87,8 @@ class StepOutput:
     """'stop' (an eos token, included in token_ids) or 'length' (max_tokens reached)."""
     error: MMLaneError | None = None
     """Set when running the request failed; the request is over."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One per token of `token_ids` when the request asked for `sampling.logprobs`."""
 
     @property
     def finished(self) -> bool:

@@ -15,11 +15,16 @@ text beyond the context's own decoding is the new chunk. A chunk that ends in U+
 empty one; the final chunk is emitted whatever it ends with. For a byte-level BPE tokenizer the
 chunks then concatenate exactly to decoding the whole output at once: the window only moves past
 ids whose bytes end on a complete character, where UTF-8 decoding restarts cleanly.
+
+`TokenTexts` gives the texts of the tokens in an output's logprobs, one token at a time, as
+vLLM's logprobs show them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
+from typing import Any
 
 _REPLACEMENT = "\ufffd"
 
@@ -46,3 +51,83 @@ class IncrementalDetokenizer:
         self._ids = self._ids[self._read_offset :]
         self._read_offset = len(self._ids)
         return text[len(context) :]
+
+
+
+class TokenTexts:
+    """The text of each token in one output's logprobs, as vLLM's logprobs show it
+    (vllm/v1/engine/logprobs.py, `convert_ids_list_to_tokens`): a token decoded alone, special
+    tokens included, with the leading spaces of a SentencePiece piece kept; one that ends inside
+    a multi-byte character (its text ends in U+FFFD) is what it completes after up to `CONTEXT`
+    preceding output tokens, or "" while still incomplete."""
+
+    CONTEXT = 4
+    """Preceding output tokens looked at: enough for any UTF-8 character (vLLM's bound)."""
+
+    def __init__(self, tokenizer: Any, space_marker: str | None) -> None:
+        self._tokenizer = tokenizer  # a transformers tokenizer
+        self._space_marker = space_marker
+        """The tokenizer's `space_marker`, computed once per tokenizer."""
+        self._context: list[int] = []
+        """The latest output tokens, oldest first."""
+
+    def position(self, token_ids: list[int]) -> list[str]:
+        """The texts of `token_ids`, candidates at the output's next position."""
+        texts = [self._alone(token_id) for token_id in token_ids]
+        return [self._completed(token_id) if text.endswith(_REPLACEMENT) else text
+                for token_id, text in zip(token_ids, texts, strict=True)]
+
+    def advance(self, token_id: int) -> None:
+        """The output's next token is `token_id`: context for the positions after it."""
+        self._context = [*self._context, token_id][-self.CONTEXT :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids) or "")
+
+    def _alone(self, token_id: int) -> str:
+        text = self._decode([token_id])
+        if self._space_marker is None:
+            return text
+        # decode() drops the markers a piece starts with: give their spaces back.
+        piece = str(self._tokenizer.convert_ids_to_tokens(token_id))
+        missing = (len(piece) - len(piece.lstrip(self._space_marker))
+                   - (len(text) - len(text.lstrip(" "))))
+        return " " * missing + text if missing > 0 else text
+
+    def _completed(self, token_id: int) -> str:
+        for count in range(1, len(self._context) + 1):
+            context = self._context[-count:]
+            text = self._decode([*context, token_id])
+            if text.endswith(_REPLACEMENT):
+                continue
+            # Context tokens that were incomplete themselves give their bytes to this token.
+            clean = count
+            while clean and self._decode([context[clean - 1]]).endswith(_REPLACEMENT):
+                clean -= 1
+            prefix = self._decode(context[:clean]) if clean else ""
+            if not text.startswith(prefix):  # normalisation changed it: keep what differs
+                prefix = prefix[: _common_prefix(prefix, text)]
+            return text[len(prefix) :]
+        return ""
+
+
+def space_marker(tokenizer: Any) -> str | None:
+    """The word-start marker of a SentencePiece-style tokenizer (its pre-tokenizer is Metaspace,
+    e.g. Llama's "\u2581"), whose leading instances decode() drops; None for others (byte-level
+    BPE such as Qwen's decodes a token alone faithfully)."""
+    try:
+        pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    except (AttributeError, ValueError):
+        return None
+    for part in [pre, *pre.get("pretokenizers", [])]:
+        if part.get("type") == "Metaspace":
+            return str(part.get("replacement", "\u2581"))
+    return None
+
+
+def _common_prefix(first: str, second: str) -> int:
+    """How many characters two strings share at their start."""
+    count = 0
+    while count < min(len(first), len(second)) and first[count] == second[count]:
+        count += 1
+    return count

@@ -45,12 +45,15 @@ from protocol.errors import CODES, ErrorInfo, FatalError, RequestError, http_sta
 from protocol.messages import (
     CancelChat,
     ChatError,
+    ChatLogprobs,
     ChatMessage,
     ChatOutput,
     ChatRequest,
     ClientReply,
     ClientRequest,
+    TokenLogprob,
 )
+from protocol.sampling import MAX_LOGPROBS
 from services.common.lifecycle import DRAINING_CODE
 
 log = logging.getLogger(__name__)
@@ -60,8 +63,6 @@ REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: not v,
     "stop": lambda v: not v,
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
@@ -231,7 +232,7 @@ class HttpApi:
             if stream:
                 response = await self._stream(http, request, first, replies, include_usage)
             else:
-                response = await self._complete(first, replies)
+                response = await self._complete(request, first, replies)
             finished = True
             return response
         finally:
@@ -240,10 +241,12 @@ class HttpApi:
                 await asyncio.shield(self._cancel(request.request_id))
 
     async def _complete(
-        self, first: ChatOutput, replies: asyncio.Queue[ChatOutput | ChatError]
+        self, request: ChatRequest, first: ChatOutput,
+        replies: asyncio.Queue[ChatOutput | ChatError],
     ) -> web.Response:
         text, count, output = first.text, len(first.token_ids), first
         prompt_tokens = len(first.prompt_token_ids or [])
+        logprobs = list(first.logprobs or [])
         while not output.finished:
             reply = await replies.get()
             if isinstance(reply, ChatError):
@@ -251,12 +254,14 @@ class HttpApi:
             output = reply
             text += output.text
             count += len(output.token_ids)
+            logprobs += output.logprobs or []
         return web.json_response({
             "id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
             "model": self.model_id,
             "choices": [{
                 "index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": _finish_reason(output.finish_reason), "logprobs": None,
+                "finish_reason": _finish_reason(output.finish_reason),
+                "logprobs": _chat_logprobs(request, logprobs),
             }],
             "usage": _usage(prompt_tokens, count),
         })
@@ -278,8 +283,10 @@ class HttpApi:
                 await _send_event(response, _error_body(_from_info(output.error)))
                 break
             count += len(output.token_ids)
-            if output.text:
-                await _send_event(response, chunk.delta({"content": output.text}))
+            if output.text or output.logprobs:  # each token's logprobs, text or not (as vLLM)
+                delta = {"content": output.text} if output.text else {}
+                await _send_event(response, chunk.delta(
+                    delta, logprobs=_chat_logprobs(request, output.logprobs)))
             if output.finished:
                 await _send_event(response, chunk.delta({}, _finish_reason(output.finish_reason)))
                 if include_usage:
@@ -312,6 +319,7 @@ class HttpApi:
             "seed": body.get("seed"),
             "logit_bias": _logit_bias(body.get("logit_bias")),
             "structured_outputs": _structured_outputs(body.get("response_format")),
+            "logprobs": _logprobs_asked(body),
             **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
                if body.get(name) is not None},
         }
@@ -374,6 +382,23 @@ def _structured_outputs(response_format: Any) -> dict[str, Any] | None:
                    f"got {kind!r}", "invalid_request", "response_format")
 
 
+def _logprobs_asked(body: dict[str, Any]) -> int | None:
+    """The native `logprobs` of OpenAI's `logprobs` (a boolean) and `top_logprobs` (how many
+    most likely tokens, 0..MAX_LOGPROBS, only with logprobs true: as vLLM and OpenAI refuse)."""
+    logprobs, top = body.get("logprobs") or False, body.get("top_logprobs")
+    if not isinstance(logprobs, bool):
+        raise ApiError(f"logprobs must be a boolean, got {logprobs!r}", "invalid_request",
+                       "logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                            or not 0 <= top <= MAX_LOGPROBS):
+        raise ApiError(f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {top!r}",
+                       "invalid_request", "top_logprobs")
+    if top and not logprobs:
+        raise ApiError("top_logprobs needs logprobs set to true", "invalid_request",
+                       "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
 def _known_key(key: bytes, keys: list[bytes]) -> bool:
     """Whether `key` is one of `keys`, compared in constant time with every one of them, so that
     the answer's timing tells nothing about which key, or how much of one, matched."""
@@ -400,12 +425,44 @@ class _Chunks:
         self.base = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": int(time.time()), "model": model}
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def delta(self, delta: dict[str, Any], finish_reason: str | None = None, *,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": logprobs}
         return {**self.base, "choices": [choice]}
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage}
+
+
+def openai_logprobs(positions: list[ChatLogprobs], top_logprobs: int) -> list[dict[str, Any]]:
+    """OpenAI's logprobs of output tokens, an entry per token, as vLLM's OpenAI server writes
+    them (`_create_chat_logprobs` in its serving_chat): the token's text, its logprob (at least
+    -9999) and the text's UTF-8 bytes, and `top_logprobs` entries of that shape. Those are vLLM's:
+    the output token first, then the most likely others, `top_logprobs` entries in all; so only
+    a sampled token outside the most likely ones is out of order (and pushes the last out)."""
+    return [{**_logprob_entry(position.sampled),
+             "top_logprobs": [_logprob_entry(entry)
+                              for entry in _vllm_top(position)[:top_logprobs]]}
+            for position in positions]
+
+
+def _vllm_top(position: ChatLogprobs) -> list[TokenLogprob]:
+    sampled = position.sampled
+    return [sampled, *[entry for entry in position.top if entry.token_id != sampled.token_id]]
+
+
+def _logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": max(entry.logprob, -9999.0),
+            "bytes": list(entry.token.encode("utf-8", errors="replace"))}
+
+
+def _chat_logprobs(request: ChatRequest,
+                   positions: list[ChatLogprobs] | None) -> dict[str, Any] | None:
+    """A chat choice's `logprobs`: None unless the request asked for them."""
+    if request.logprobs is None:
+        return None
+    return {"content": openai_logprobs(positions or [], request.logprobs)}
 
 
 async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:

@@ -54,6 +54,7 @@ from protocol.messages import (
     CancelChat,
     CancelJobs,
     ChatError,
+    ChatLogprobs,
     ChatOutput,
     ChatRequest,
     ClientRequest,
@@ -66,6 +67,7 @@ from protocol.messages import (
     RequestFailed,
     ResetCache,
     ResetEngineCache,
+    TokenLogprob,
 )
 from services.common.config import FrontendConfig
 from services.common.lifecycle import (
@@ -76,7 +78,7 @@ from services.common.lifecycle import (
 )
 from services.common.sockets import bound_endpoint, make_socket
 from services.common.stats import Metrics, log_totals
-from services.frontend.detokenize import IncrementalDetokenizer
+from services.frontend.detokenize import IncrementalDetokenizer, TokenTexts, space_marker
 from services.frontend.http_api import HttpApi
 from services.frontend.requests import CheckedRequest, check_request, prompt_token_ids
 from services.model import load_preprocessor, resolve_model_dir
@@ -103,6 +105,8 @@ class InFlight:
     worker: int = 0
     resent: bool = False
     accepted_at: float = field(default_factory=time.monotonic)
+    token_texts: TokenTexts | None = None
+    """The texts of its logprobs' tokens, made with its first output that has logprobs."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class Frontend:
         self.config = config
         self.endpoint = config.client_endpoint
         self._pre = load_preprocessor(resolve_model_dir(config.model))
+        self._space_marker = space_marker(self._pre.tokenizer)  # for TokenTexts
         self._ctx = zmq.Context()
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{id(self):x}"
@@ -423,11 +428,28 @@ class Frontend:
             request_id=pending.client_request_id, token_ids=list(output.token_ids), text=text,
             finished=output.finished, finish_reason=output.finish_reason,
             prompt_token_ids=output.prompt_token_ids,
+            logprobs=None if output.logprobs is None else self._chat_logprobs(pending, output),
         )
         if output.finished:
             del self._inflight[output.request_id]
             self._observe_end(pending)
         self._reply(pending.client, reply)
+
+    def _chat_logprobs(self, pending: InFlight, output: EngineOutput) -> list[ChatLogprobs]:
+        """The logprobs of the output's new tokens, with the tokens' texts (see TokenTexts)."""
+        if pending.token_texts is None:
+            pending.token_texts = TokenTexts(self._pre.tokenizer, self._space_marker)
+        texts, chat = pending.token_texts, []
+        # Not strict: lists of unequal length from a faulty peer give fewer entries, no crash.
+        for token_id, position in zip(output.token_ids, output.logprobs or [], strict=False):
+            sampled, *top = texts.position([token_id, *position.top_token_ids])
+            chat.append(ChatLogprobs(
+                sampled=TokenLogprob(token_id, sampled, position.logprob),
+                top=[TokenLogprob(*entry) for entry in zip(
+                    position.top_token_ids, top, position.top_logprobs, strict=False)],
+            ))
+            texts.advance(token_id)
+        return chat
 
     def _observe_end(self, pending: InFlight) -> None:
         lane = "image" if pending.checked and pending.checked.images else "text"

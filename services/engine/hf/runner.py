@@ -41,6 +41,7 @@ from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
+from services.engine.hf.sampling import token_logprobs
 from services.engine.hf.scheduler import Lane, Scheduler
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.runner import ModelSpec, StepOutput
@@ -216,16 +217,19 @@ class HFRunner:
         return logits if seq.decoding else None
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        """Sample `seq`'s next token from its logits (vocab,); its output."""
+        """Sample `seq`'s next token from its logits (vocab,); its output, with the token's
+        logprobs (from these logits, unmasked) when the request asks for them."""
+        count = seq.request.sampling.logprobs
         try:
             token = seq.next_token(logits)
+            logprobs = None if count is None else [token_logprobs(logits, token, count)]
         except Exception as exc:  # e.g. NaN logits: this request alone fails
             log.exception("request %s failed in sampling", seq.request.request_id)
             return self._fail(seq, exc)
         reason = seq.finish_reason()
         if reason is not None:
             self.abort(seq.handle)
-        return StepOutput(seq.handle, [token], finish_reason=reason)
+        return StepOutput(seq.handle, [token], finish_reason=reason, logprobs=logprobs)
 
     def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
         self.abort(seq.handle)

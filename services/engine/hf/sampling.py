@@ -1,5 +1,5 @@
 """Picking the next token from logits: greedy at temperature 0, else seeded top-p sampling,
-after the request's logit bias and penalties."""
+after the request's logit bias and penalties; and the logprobs a request asks for."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import secrets
 
 import torch
 
-from protocol.messages import SamplingParams
+from protocol.messages import SamplingParams, TokenLogprobs
 
 
 class Sampler:
@@ -97,3 +97,13 @@ def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     sorted_probs[mass_before >= top_p] = 0.0  # the top token always stays (its mass_before is 0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, count: int) -> TokenLogprobs:
+    """`token`'s log probability under `logits` (vocab,) and the `count` most likely tokens',
+    as vLLM v1 computes them by default (logprobs_mode "raw_logprobs", vllm/v1/sample/sampler.py):
+    log_softmax in float32 of the model's raw logits, before temperature, top_p and the
+    min_tokens mask; the most likely by torch.topk, so ties come in vLLM's order."""
+    logprobs = logits.log_softmax(-1, dtype=torch.float32)
+    top = torch.topk(logprobs, count)
+    return TokenLogprobs(float(logprobs[token]), top.indices.tolist(), top.values.tolist())

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
-from protocol.messages import EngineRequest, SamplingParams
+from protocol.messages import EngineRequest, SamplingParams, TokenLogprobs
 from services.common import cpu_wheels
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
@@ -197,8 +197,9 @@ class VLLMRunner:
                     self._outputs.put(StepOutput(handle, list(completion.token_ids), error=(
                         RetryableError(f"vLLM ended the request: {reason}", code="aborted"))))
                     return
-                self._outputs.put(StepOutput(handle, list(completion.token_ids),
-                                             finish_reason=reason))
+                self._outputs.put(StepOutput(
+                    handle, list(completion.token_ids), finish_reason=reason,
+                    logprobs=_logprobs(completion, params.logprobs)))
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -250,6 +251,26 @@ def _sampling_params(sampling: SamplingParams) -> Any:
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,  # the frontend detokenizes
     )
+
+
+def _logprobs(completion: Any, count: int | None) -> list[TokenLogprobs] | None:
+    """The wire's logprobs of a vLLM CompletionOutput's new tokens (None unless asked for).
+
+    vLLM gives, per token, a dict token id -> Logprob holding the sampled token first, then the
+    `count` most likely in order, the sampled one not repeated: when it is among them (the dict
+    has `count` entries), its rank (1-based) says where it goes back in."""
+    if count is None:
+        return None
+    logprobs = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        entries = list(position.items())  # (token id, Logprob), the sampled token first
+        sampled = entries[0][1]
+        top = [(other_id, other.logprob) for other_id, other in entries[1:]]
+        if len(entries) == count:
+            top.insert(sampled.rank - 1, (token_id, sampled.logprob))
+        logprobs.append(TokenLogprobs(sampled.logprob, [other_id for other_id, _ in top],
+                                      [logprob for _, logprob in top]))
+    return logprobs
 
 
 def _request_error(exc: Exception) -> MMLaneError:
