@@ -259,8 +259,8 @@ def split_stop(prep: Preprocessor, token_ids: list[int]) -> tuple[str, int]:
         before, after = texts[second - 1], texts[second]
         if not before.strip() or not after.strip() or "\ufffd" in before + after:
             continue
-        stop = before[-1] + after[0]
-        if stop not in "".join(texts[:second - 1]) + before:
+        stop, earlier = before[-1] + after[0], "".join(texts[:second])
+        if (earlier + after).find(stop) == len(earlier) - 1:
             return stop, second + 1
     raise AssertionError(f"no two tokens with text in {texts}")
 
