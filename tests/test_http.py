@@ -6,6 +6,7 @@ Images by URL come from a loopback server, allowed here by --allow-http-media an
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import itertools
@@ -35,12 +36,16 @@ from peers import StandInEngine, wait_for_stats, wait_until
 from protocol.errors import ErrorInfo
 from protocol.messages import (
     AbortRequests,
+    ChatError,
+    ChatOutput,
+    ChatRequest,
     EngineOutput,
     EngineRequest,
     RequestFailed,
 )
 from services.bench.images import make_image, png_uri
 from services.client import ChatResult, Client, user_message
+from services.frontend.http_api import Choice, Choices, parallel_requests
 from services.launcher import Child
 from services.model import Preprocessor
 
@@ -384,6 +389,28 @@ class TestChoices:
         wait_for_stats(server.run_dir, lambda s: s.role == "mm-worker"
                        and s.counters.get("cache_hits", 0) >= hits + 2, "two cache hits")
         assert mm_counts() == (hits + 2, misses + 1)
+
+
+def test_choices_keep_what_came_while_waiting_for_every_first_reply() -> None:
+    """Choice 0 has ended before choice 1's first reply comes: nothing of choice 0 is lost."""
+    requests = parallel_requests(
+        ChatRequest(request_id="r", messages=[user_message("hi")], seed=5), 2)
+    assert [(r.request_id, r.seed) for r in requests] == [("r-0", 5), ("r-1", 6)]
+
+    def output(request_id: str, text: str, finished: bool) -> ChatOutput:
+        return ChatOutput(request_id=request_id, token_ids=[1], text=text, finished=finished,
+                          finish_reason="length" if finished else None)
+
+    async def gather() -> list[Choice] | ChatError:
+        choices = Choices(requests)
+        for reply in (output("r-0", "a", False), output("r-0", "b", True),
+                      output("r-1", "c", True)):
+            choices.queue.put_nowait(reply)
+        firsts = await choices.firsts()
+        assert not isinstance(firsts, ChatError)
+        return await choices.gathered(firsts)
+
+    assert asyncio.run(gather()) == [Choice("ab", 2, "length"), Choice("c", 1, "length")]
 
 
 # ---------------------------------------------------------------- errors

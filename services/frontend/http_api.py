@@ -13,16 +13,18 @@ With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
 
 Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events ending with
-`data: [DONE]`), GET /v1/models, GET /health.
+`data: [DONE]`), GET /v1/models, GET /health. Errors are OpenAI-style bodies,
+`{"error": {"message", "type", "param", "code"}}`, with the status of the code
+(`protocol.errors.CODES`).
 
 `n` > 1 asks for n independent choices: the API sends n native requests (`parallel_requests`,
 seeded as vLLM seeds its parallel samples) and merges their replies (`Choices`), each with its
-choice's `index`; the usage sums the completion tokens of all and counts the prompt once. An
-image request's images are then processed once: the MM worker's feature cache answers the other
-n - 1 (without the cache, each is processed again). `stop` strings are the frontend's (see
-`ChatRequest.stop`), so they work with every engine backend. Errors are OpenAI-style bodies,
-`{"error": {"message", "type", "param", "code"}}`, with the status of the code
-(`protocol.errors.CODES`).
+choice's `index`; the usage sums the completion tokens of all and counts the prompt once. A
+route serves them through `_choices`, which also cancels every unanswered choice when its
+client goes away. An image request's images are processed once per MM worker the jobs go to:
+the MM worker's feature cache answers its later copies (with the cache off, each copy is
+fetched and processed again). `stop` strings are the frontend's (see `ChatRequest.stop`), so
+they work with every engine backend.
 
 While the frontend drains (after SIGTERM), /health answers 503 so that load balancers send no
 more, and new chat requests get the I/O thread's refusal (503, code `peer_restarted`); the
@@ -406,7 +408,7 @@ class Choices:
         has its terminal reply; an error ends them all (it comes last)."""
         for index, first in enumerate(firsts):
             yield index, first
-        while self.open:
+        while self._early or self.open:
             index, reply = self._early.popleft() if self._early else await self._take()
             yield index, reply
             if isinstance(reply, ChatError):
