@@ -62,6 +62,12 @@ class ChatRequest(SamplingFields, tag="chat", kw_only=True, frozen=True):
 
     request_id: str
     messages: list[ChatMessage]
+    stop: list[str] = []
+    """Strings that end the output's text just before the first of them to appear, with
+    finish_reason "stop" (vLLM's `stop`, not included in the output). Not a sampling field:
+    the frontend applies them where it turns tokens into text, because the engine sees token
+    ids only (the vllm backend runs vLLM with detokenize=False, so vLLM could not apply them);
+    on a match the frontend stops the request in the engine."""
 
 
 class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):

@@ -22,7 +22,13 @@ from conftest import free_port, role_log, start_role, stop_role
 from protocol.codec import Codec
 from protocol.messages import ChatOutput, ChatRequest, ClientReply, EngineOutput, EngineRequest
 from services.client import user_message
-from services.frontend.detokenize import IncrementalDetokenizer, TokenTexts, space_marker
+from services.frontend.detokenize import (
+    IncrementalDetokenizer,
+    OutputText,
+    StopStrings,
+    TokenTexts,
+    space_marker,
+)
 from services.model import Preprocessor
 
 TRICKY_TEXT = "naïve 😀 中文 👩‍👩‍👧 ok"
@@ -206,3 +212,120 @@ def _reply(client: zmq.Socket) -> ChatOutput:
     reply: ClientReply = Codec(ClientReply).decode(client.recv_multipart())
     assert isinstance(reply, ChatOutput), reply
     return reply
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """`text` cut before the stop string that completes first in it (the longest of those that
+    complete together): what a reply with these stop strings says."""
+    ends = [(text.find(stop) + len(stop), text.find(stop)) for stop in stops if stop in text]
+    return text[:min(ends)[1]] if ends else text
+
+
+def could_start(text: str, stops: list[str]) -> int:
+    """The longest tail of `text` that is the start of a stop string (and not a whole one)."""
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])),
+               default=0)
+
+
+def stream_with_stops(prep: Preprocessor, chunks: list[list[int]],
+                      stops: list[str]) -> tuple[list[str], int | None]:
+    """The text each chunk adds with these stop strings, and how many ids the stop took (None:
+    no stop string came). Checks on the way that only the tail that may still become a stop
+    string is held back."""
+    output = OutputText(prep.decode, stop=stops)
+    plain = IncrementalDetokenizer(prep.decode)  # the text so far, one id at a time
+    texts: list[str] = []
+    seen, used = "", 0
+    for number, chunk in enumerate(chunks, 1):
+        final = number == len(chunks)
+        text, stopped_after = output.step(chunk, final=final)
+        texts.append(text)
+        if stopped_after is not None:
+            return texts, used + stopped_after
+        used += len(chunk)
+        seen += "".join(plain.step([token], final=final and index == len(chunk) - 1)
+                        for index, token in enumerate(chunk))
+        if not final:
+            assert "".join(texts) == seen[:len(seen) - could_start(seen, stops)]
+    return texts, None
+
+
+def test_random_outputs_stream_their_text_cut_at_the_stop_string(
+    prep: Preprocessor, tricky_ids: list[int]
+) -> None:
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(outputs(len(prep.tokenizer), tricky_ids), st.data())
+    def check(chunks: list[list[int]], data: st.DataObject) -> None:
+        whole = prep.decode([token for chunk in chunks for token in chunk])
+        inside = st.integers(0, max(len(whole) - 1, 0)).flatmap(
+            lambda start: st.integers(1, 6).map(lambda size: whole[start:start + size]))
+        stops = data.draw(st.lists(
+            st.one_of(inside, st.text("ab😀 中", min_size=1, max_size=4)).filter(bool),
+            min_size=1, max_size=3))
+        texts, _ = stream_with_stops(prep, chunks, stops)
+        assert "".join(texts) == cut_at_stop(whole, stops)
+
+    check()
+
+
+@pytest.mark.parametrize(("pieces", "stops", "sent", "stopped"), [
+    (["hello", " wor", "ld!"], ["world"], ["hello", " ", ""], True),  # across pieces
+    (["ab", "c"], ["bc", "abcd"], ["", "a"], True),  # held "ab" for both; "bc" completes
+    (["abcd"], ["cd", "abcd"], [""], True),  # both complete at "d": the longer one counts
+    (["xx", "a", "b"], ["abc", "bx"], ["xx", "", "ab"], False),  # held "ab", flushed at the end
+    (["a\ufffd", "b"], ["\ufffdb"], ["a", ""], True),
+], ids=["across", "first-to-complete", "longest", "flushed", "replacement-char"])
+def test_the_stop_scanner_holds_back_only_a_possible_start(
+    pieces: list[str], stops: list[str], sent: list[str], stopped: bool
+) -> None:
+    scanner = StopStrings(stops)
+    results = [scanner.step(piece, final=number == len(pieces))
+               for number, piece in enumerate(pieces, 1)]
+    assert [text for text, _ in results] == sent
+    assert [stop for _, stop in results] == [False] * (len(pieces) - 1) + [stopped]
+
+
+def test_a_stop_string_must_complete_after_min_tokens(prep: Preprocessor) -> None:
+    """As vLLM: a stop string that completes within the first min_tokens tokens does not count,
+    even when it is the tail of a longer one; one that starts there and completes after does."""
+    scanner = StopStrings(["abc", "b"])
+    assert scanner.step("ab", search=False) == ("", False)  # "ab" may start "abc"
+    assert scanner.step("x", final=True) == ("abx", False)
+
+    ids = prep.tokenize_batch(["one two three"])[0]
+    texts = [prep.decode([token]) for token in ids]
+    first_char_of_second = texts[1][0]
+    stop = texts[0] + first_char_of_second
+    for min_tokens, stopped_after in ((0, 2), (1, 2), (2, None)):
+        output = OutputText(prep.decode, stop=[stop], min_tokens=min_tokens)
+        text, used = output.step(ids, final=True)
+        assert used == stopped_after, min_tokens
+        assert text == ("" if used else "one two three")
+
+
+def split_stop(prep: Preprocessor, token_ids: list[int]) -> tuple[str, int]:
+    """A stop string that spans two tokens of this output (the end of one and the start of the
+    next), and the number of tokens through the second: the first such pair whose string does
+    not occur earlier in the output's text."""
+    texts = [prep.decode([token]) for token in token_ids]
+    for second in range(1, len(token_ids)):
+        before, after = texts[second - 1], texts[second]
+        if not before.strip() or not after.strip() or "\ufffd" in before + after:
+            continue
+        stop, earlier = before[-1] + after[0], "".join(texts[:second])
+        if (earlier + after).find(stop) == len(earlier) - 1:
+            return stop, second + 1
+    raise AssertionError(f"no two tokens with text in {texts}")
+
+
+def test_a_stop_string_split_across_two_tokens(prep: Preprocessor) -> None:
+    ids = prep.tokenize_batch(["Lanes keep text requests moving, whatever the images do."])[0]
+    stop, through = split_stop(prep, ids)
+    whole = prep.decode(ids)
+    for chunks in ([[token] for token in ids], [ids]):  # streamed one by one, or all at once
+        texts, used = stream_with_stops(prep, chunks, [stop])
+        assert "".join(texts) == whole[:whole.index(stop)]
+        assert used == through

@@ -6,6 +6,7 @@ Images by URL come from a loopback server, allowed here by --allow-http-media an
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import itertools
@@ -28,19 +29,24 @@ import jsonschema
 import openai
 import pytest
 import zmq
+from test_detokenize import split_stop
 
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
-from peers import StandInEngine, wait_until
+from peers import StandInEngine, wait_for_stats, wait_until
 from protocol.errors import ErrorInfo
 from protocol.messages import (
     AbortRequests,
+    ChatError,
+    ChatOutput,
+    ChatRequest,
     EngineOutput,
     EngineRequest,
     RequestFailed,
 )
 from services.bench.images import make_image, png_uri
 from services.client import ChatResult, Client, user_message
+from services.frontend.http_api import Choice, Choices, parallel_requests
 from services.launcher import Child
 from services.model import Preprocessor
 
@@ -56,6 +62,7 @@ class Server:
     process: subprocess.Popen
     client_endpoint: str
     """The native client API, which answers with token ids."""
+    run_dir: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -76,7 +83,7 @@ def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         )
     served = Server(f"http://127.0.0.1:{http_port}/v1", qwen_dir.name, log_path, process,
-                    f"tcp://127.0.0.1:{port}")
+                    f"tcp://127.0.0.1:{port}", module_run_dir / "run")
 
     def healthy() -> bool:
         assert process.poll() is None, f"serve exited: {served.log()}"
@@ -442,6 +449,155 @@ class TestLogprobs:
                 t.token for t in [position.sampled, *others][:3]]
 
 
+# ---------------------------------------------------------------- stop strings
+
+
+STOP_PROMPT = "Count the lanes."
+
+
+def inner_stop(prep: Preprocessor, token_ids: list[int]) -> tuple[str, int]:
+    """A stop string inside one token of this output (its text without the first and last
+    character), and the number of tokens through that one: the first such token whose string
+    does not occur earlier in the output's text."""
+    texts = [prep.decode([token]) for token in token_ids]
+    for index, text in enumerate(texts):
+        inner, before = text[1:-1], "".join(texts[:index]) + text[0]
+        if inner.strip() and "\ufffd" not in text and (before + inner).find(inner) == len(before):
+            return inner, index + 1
+    raise AssertionError(f"no token of three characters or more in {texts}")
+
+
+@pytest.fixture(scope="module")
+def stops(server: Server, prep: Preprocessor) -> dict[str, tuple[str, int, str]]:
+    """For a seeded reply: a stop string inside one token and one split across two, each with
+    the number of tokens through the one that completes it and the text before it."""
+    whole = seeded_ids(server, STOP_PROMPT, max_tokens=16, ignore_eos=True)
+    found = {"inside": inner_stop(prep, whole.token_ids),
+             "split": split_stop(prep, whole.token_ids)}
+    return {kind: (stop, through, whole.text[:whole.text.index(stop)])
+            for kind, (stop, through) in found.items()}
+
+
+class TestStop:
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    @pytest.mark.parametrize("kind", ["inside", "split"])
+    def test_the_text_ends_before_the_stop_string(
+        self, client: openai.OpenAI, server: Server, stops: dict, kind: str, stream: bool
+    ) -> None:
+        stop, through, before = stops[kind]
+        kw = {"max_tokens": 16, "stop": [stop, "never said"], "extra_body": {"ignore_eos": True},
+              **SEEDED}
+        if stream:
+            text, chunks = streamed(client, server, user(STOP_PROMPT),
+                                    stream_options={"include_usage": True}, **kw)
+            usage = chunks[-1].usage
+            [reason] = [c.choices[0].finish_reason for c in chunks
+                        if c.choices and c.choices[0].finish_reason]
+        else:
+            completion = chat(client, server, user(STOP_PROMPT), **kw)
+            text, usage = completion.choices[0].message.content, completion.usage
+            reason = completion.choices[0].finish_reason
+        assert (text, reason, usage.completion_tokens) == (before, "stop", through)
+
+    def test_over_raw_http_and_the_native_api(
+        self, server: Server, stops: dict
+    ) -> None:
+        stop, through, before = stops["split"]
+        body = {"model": server.model, "stream": True, "max_tokens": 16, "ignore_eos": True,
+                "stop": stop, "messages": user(STOP_PROMPT), **SEEDED}
+        status, raw = _post(server, body)
+        assert status == 200, raw
+        events = [json.loads(e.removeprefix("data: "))
+                  for e in raw.decode().strip().split("\n\n")[:-1]]
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == before
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+        native = seeded_ids(server, STOP_PROMPT, max_tokens=16, ignore_eos=True, stop=[stop])
+        whole = seeded_ids(server, STOP_PROMPT, max_tokens=16, ignore_eos=True)
+        assert (native.text, native.finish_reason) == (before, "stop")
+        assert native.token_ids == whole.token_ids[:through]
+
+
+# ---------------------------------------------------------------- n choices
+
+
+class TestChoices:
+    def test_n_seeded_choices_are_the_replies_to_seed_plus_index(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        """As vLLM's parallel sampling: choice i samples with seed + i."""
+        singles = [chat(client, server, user(STOP_PROMPT), max_tokens=8, temperature=1.0,
+                        seed=11 + index) for index in range(3)]
+        completion = chat(client, server, user(STOP_PROMPT), max_tokens=8, n=3, **SEEDED)
+        assert [c.index for c in completion.choices] == [0, 1, 2]
+        assert [c.message.content for c in completion.choices] == [
+            single.choices[0].message.content for single in singles]
+        assert len({c.message.content for c in completion.choices}) > 1
+        assert completion.usage.prompt_tokens == singles[0].usage.prompt_tokens
+        assert completion.usage.completion_tokens == sum(
+            single.usage.completion_tokens for single in singles)
+
+    def test_n_streamed_choices_carry_their_index(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        whole = chat(client, server, user(STOP_PROMPT), max_tokens=8, n=3, **SEEDED)
+        chunks = list(chat(client, server, user(STOP_PROMPT), max_tokens=8, n=3, stream=True,
+                           stream_options={"include_usage": True}, **SEEDED))
+        texts, reasons = ["", "", ""], [[], [], []]
+        for chunk in chunks[:-1]:
+            [choice] = chunk.choices
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index].append(choice.finish_reason)
+        assert texts == [c.message.content for c in whole.choices]
+        assert reasons == [[c.finish_reason] for c in whole.choices]
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    def test_n_greedy_choices_are_the_same(self, client: openai.OpenAI, server: Server) -> None:
+        completion = chat(client, server, user(STOP_PROMPT), max_tokens=4, n=2)
+        first, second = completion.choices
+        assert first.message.content == second.message.content
+
+    def test_n_choices_of_an_image_process_it_once(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        """The MM worker's feature cache answers the other choices' image (it is on here)."""
+        def mm_counts() -> tuple[int, int]:
+            stats = wait_for_stats(server.run_dir, lambda s: s.role == "mm-worker",
+                                   "the MM worker's stats")
+            return stats.counters.get("cache_hits", 0), stats.counters.get("cache_misses", 0)
+
+        hits, misses = mm_counts()
+        image = png_uri(make_image(40, 40, seed=1234))  # seen by no other test
+        completion = chat(client, server, user("What is in it?", image), n=3)
+        assert [c.index for c in completion.choices] == [0, 1, 2]
+        wait_for_stats(server.run_dir, lambda s: s.role == "mm-worker"
+                       and s.counters.get("cache_hits", 0) >= hits + 2, "two cache hits")
+        assert mm_counts() == (hits + 2, misses + 1)
+
+
+def test_choices_keep_what_came_while_waiting_for_every_first_reply() -> None:
+    """Choice 0 has ended before choice 1's first reply comes: nothing of choice 0 is lost."""
+    requests = parallel_requests(
+        ChatRequest(request_id="r", messages=[user_message("hi")], seed=5), 2)
+    assert [(r.request_id, r.seed) for r in requests] == [("r-0", 5), ("r-1", 6)]
+
+    def output(request_id: str, text: str, finished: bool) -> ChatOutput:
+        return ChatOutput(request_id=request_id, token_ids=[1], text=text, finished=finished,
+                          finish_reason="length" if finished else None)
+
+    async def gather() -> list[Choice] | ChatError:
+        choices = Choices(requests)
+        for reply in (output("r-0", "a", False), output("r-0", "b", True),
+                      output("r-1", "c", True)):
+            choices.queue.put_nowait(reply)
+        firsts = await choices.firsts()
+        assert not isinstance(firsts, ChatError)
+        return await choices.gathered(firsts)
+
+    assert asyncio.run(gather()) == [Choice("ab", 2, "length"), Choice("c", 1, "length")]
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -462,7 +618,21 @@ ERROR_CASES = [
     ("no-messages", {"messages": []}, 400, "invalid_request", "messages: a non-empty list"),
     ("bad-role", {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request",
      r"messages\[0\]"),
-    ("n-above-1", {"n": 2}, 400, "invalid_request", "n: not supported"),
+    ("n-too-large", {"n": 17}, 400, "invalid_request",
+     r"n: must be an integer in 1\.\.16, got 17"),
+    ("n-0", {"n": 0}, 400, "invalid_request", r"n: must be an integer in 1\.\.16, got 0"),
+    ("n-not-int", {"n": "2"}, 400, "invalid_request", "n: must be an integer .* got '2'"),
+    ("stop-too-many", {"stop": ["x"] * 17}, 400, "invalid_request",
+     "stop: at most 16 stop strings, got 17"),
+    ("stop-empty", {"stop": ""}, 400, "invalid_request", r"stop: stop\[0\] is empty"),
+    ("stop-empty-in-list", {"stop": ["a", ""]}, 400, "invalid_request",
+     r"stop: stop\[1\] is empty"),
+    ("stop-too-long", {"stop": "x" * 257}, 400, "invalid_request",
+     r"stop: stop\[0\] has 257 characters, at most 256"),
+    ("stop-not-text", {"stop": 5}, 400, "invalid_request",
+     "Expected `array`, got `int` - at `stop`"),
+    ("stop-not-texts", {"stop": ["a", 5]}, 400, "invalid_request",
+     r"Expected `str`, got `int` - at `stop\[1\]`"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "invalid_request", "tools: not supported"),
     ("max-tokens-0", {"max_tokens": 0}, 400, "invalid_request", "max_tokens must be at least 1"),
@@ -550,8 +720,12 @@ class TestErrors:
         ({"logit_bias": {"a": 1}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+        ({"stop": [""]}, "stop"),  # the frontend's
+        ({"stop": 5}, "stop"),  # the HTTP API's: the wrong type
+        ({"n": 17}, "n"),
     ], ids=["min_tokens", "stop_token_ids", "presence_penalty", "logit_bias-vocab",
-            "logit_bias-key", "top_logprobs-alone", "top_logprobs-range"])
+            "logit_bias-key", "top_logprobs-alone", "top_logprobs-range", "stop", "stop-type",
+            "n"])
     def test_a_bad_sampling_field_is_the_errors_param(
         self, client: openai.OpenAI, server: Server, fields: dict[str, Any], param: str
     ) -> None:
@@ -611,7 +785,7 @@ def test_a_client_disconnect_cancels_the_request(
                                      headers={"Content-Type": "application/json"})
     with pytest.raises(OSError):  # TimeoutError, or URLError wrapping it
         urllib.request.urlopen(request, timeout=0.3)
-    wait_until(lambda: "went away: cancelling" in server.log(),
+    wait_until(lambda: "went away, or another choice failed): cancelling" in server.log(),
                f"the frontend logging the cancel: {server.log()[-3000:]}", timeout_s=10)
 
 
@@ -776,3 +950,53 @@ def test_a_draining_frontend_refuses_new_requests_and_answers_held_ones(
         thread.join(60)
         assert held[0].choices[0].finish_reason == "length"
         assert frontend.process.wait(timeout=60) == 0, role_log(frontend)
+
+
+# ---------------------------------------------------------------- stop strings and n, downstream
+
+
+def test_a_stop_string_stops_the_engine_and_the_reply_ends_once(
+    run_dir: Path, qwen_dir: Path, prep: Preprocessor
+) -> None:
+    """The engine streams a whole output, one token at a time: the reply ends before the stop
+    string (it spans two tokens), the engine is told to stop, and what it sends after the stop
+    string (its own end among it) reaches nobody."""
+    ids = prep.tokenize_batch(["Lanes keep text requests moving, whatever the images do."])[0]
+    stop, through = split_stop(prep, ids)
+    whole = prep.decode(ids)
+    with frontend_with_silent_engine(run_dir, qwen_dir) as (_, base_url, engine), (
+        openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    ) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        chunks = pool.submit(lambda: list(client.chat.completions.create(
+            model=qwen_dir.name, messages=user("hi"), stream=True, stop=stop,
+            stream_options={"include_usage": True})))
+        request = _engine_message(engine)
+        for number, token in enumerate(ids, 1):
+            engine.reply(request.reply_to, EngineOutput(
+                request_id=request.request_id, token_ids=[token], finished=number == len(ids),
+                finish_reason="length" if number == len(ids) else None,
+                prompt_token_ids=request.prompt_token_ids if number == 1 else None))
+        abort = _engine_message(engine)
+        assert isinstance(abort, AbortRequests) and abort.request_ids == [request.request_id]
+        received = chunks.result(timeout=60)
+    text = "".join(c.choices[0].delta.content or "" for c in received if c.choices)
+    assert text == whole[:whole.index(stop)]
+    assert [c.choices[0].finish_reason for c in received
+            if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert received[-1].usage.completion_tokens == through
+
+
+def test_a_client_disconnect_cancels_every_choice(run_dir: Path, qwen_dir: Path) -> None:
+    with frontend_with_silent_engine(run_dir, qwen_dir) as (_, base_url, engine):
+        body = {"model": qwen_dir.name, "messages": user("hi"), "n": 3}
+        post = urllib.request.Request(f"{base_url}/chat/completions",
+                                      data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+        with pytest.raises(OSError):  # the client gives up before the (silent) engine answers
+            urllib.request.urlopen(post, timeout=0.5)
+        requested = {_engine_message(engine).request_id for _ in range(3)}
+        aborted: set[str] = set()
+        while aborted != requested:
+            abort = _engine_message(engine)
+            assert isinstance(abort, AbortRequests), abort
+            aborted.update(abort.request_ids)

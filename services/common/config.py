@@ -188,6 +188,12 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A request without its terminal reply after this long gets a 'timeout' error."""
     max_inflight_requests: int = 1024
     """Requests held at once; above it new ones get an 'overloaded' error."""
+    max_stop_strings: int = 16
+    """Stop strings a request may carry (OpenAI allows 4); each is scanned for on every token."""
+    max_stop_string_chars: int = 256
+    """Longest stop string accepted, in characters."""
+    max_n: int = 16
+    """Most choices (`n`) one HTTP request may ask for; each runs as its own request."""
     http_host: str = DEFAULT_HOST
     """Where the OpenAI-compatible HTTP API listens."""
     http_port: int = 8000
@@ -211,7 +217,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.mm_worker_endpoint = self.mm_worker_endpoint or [ipc("mm-worker")]
         _positive(
             self, "tokenizer_workers", "max_images_per_request", "request_timeout_s",
-            "max_inflight_requests",
+            "max_inflight_requests", "max_stop_strings", "max_stop_string_chars", "max_n",
         )
         self.api_keys()  # refuses an unreadable or empty key file now, by name
 

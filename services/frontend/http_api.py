@@ -17,6 +17,15 @@ Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events
 `{"error": {"message", "type", "param", "code"}}`, with the status of the code
 (`protocol.errors.CODES`).
 
+`n` > 1 asks for n independent choices: the API sends n native requests (`parallel_requests`,
+seeded as vLLM seeds its parallel samples) and merges their replies (`Choices`), each with its
+choice's `index`; the usage sums the completion tokens of all and counts the prompt once. A
+route serves them through `_choices`, which also cancels every unanswered choice when its
+client goes away. An image request's images are processed once per MM worker the jobs go to:
+the MM worker's feature cache answers its later copies (with the cache off, each copy is
+fetched and processed again). `stop` strings are the frontend's (see `ChatRequest.stop`), so
+they work with every engine backend.
+
 While the frontend drains (after SIGTERM), /health answers 503 so that load balancers send no
 more, and new chat requests get the I/O thread's refusal (503, code `peer_restarted`); the
 requests in flight are answered as usual.
@@ -25,14 +34,18 @@ requests in flight are answered as usual.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import hmac
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -59,11 +72,9 @@ from services.common.lifecycle import DRAINING_CODE
 log = logging.getLogger(__name__)
 
 REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1),
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
-    "stop": lambda v: not v,
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -92,9 +103,10 @@ class HttpApi:
     def __init__(
         self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
         max_body_bytes: int, alive: Callable[[], bool], draining: Callable[[], bool],
-        api_keys: list[str],
+        api_keys: list[str], max_n: int,
     ) -> None:
         self.model_id = model_id
+        self._max_n = max_n
         self._api_keys = [key.encode() for key in api_keys]
         self._client_endpoint = client_endpoint
         self._host, self._port = host, port
@@ -179,15 +191,30 @@ class HttpApi:
             if waiting is not None and isinstance(reply, ChatOutput | ChatError):
                 waiting.put_nowait(reply)
 
-    async def _submit(self, request: ChatRequest) -> asyncio.Queue[ChatOutput | ChatError]:
-        replies: asyncio.Queue[ChatOutput | ChatError] = asyncio.Queue()
-        self._waiting[request.request_id] = replies
-        await self._dealer.send_multipart(self._codec.encode(request))
-        return replies
+    @contextlib.asynccontextmanager
+    async def _choices(self, requests: list[ChatRequest]) -> AsyncIterator[Choices]:
+        """Send the requests (one per choice) and yield their replies; on the way out, cancel
+        the ones without their terminal reply: the HTTP client went away, or one choice's error
+        ended the others."""
+        choices = Choices(requests)
+        for request in requests:
+            self._waiting[request.request_id] = choices.queue
+        try:
+            for request in requests:
+                await self._dealer.send_multipart(self._codec.encode(request))
+            yield choices
+        finally:
+            for request in requests:
+                del self._waiting[request.request_id]
+            if choices.open:  # stop the work downstream
+                await asyncio.shield(self._cancel(sorted(choices.open)))
 
-    async def _cancel(self, request_id: str) -> None:
-        log.info("HTTP client of %s went away: cancelling it", request_id)
-        await self._dealer.send_multipart(self._codec.encode(CancelChat(request_id=request_id)))
+    async def _cancel(self, request_ids: list[str]) -> None:
+        log.info("HTTP request ended before the replies of %s (its client went away, or "
+                 "another choice failed): cancelling", ", ".join(request_ids))
+        for request_id in request_ids:
+            await self._dealer.send_multipart(
+                self._codec.encode(CancelChat(request_id=request_id)))
 
     # ------------------------------------------------------------ routes
 
@@ -220,79 +247,61 @@ class HttpApi:
         try:
             body = await _read_json(http)
             request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}")
+            n = n_of(body, self._max_n)
         except ApiError as exc:
             return _error_response(exc)
-        finished = False
-        replies = await self._submit(request)
-        try:
-            first = await replies.get()
-            if isinstance(first, ChatError):
-                finished = True
-                return _error_response(_from_info(first.error))
+        async with self._choices(parallel_requests(request, n)) as choices:
+            firsts = await choices.firsts()
+            if isinstance(firsts, ChatError):
+                return _error_response(_from_info(firsts.error))
             if stream:
-                response = await self._stream(http, request, first, replies, include_usage)
-            else:
-                response = await self._complete(request, first, replies)
-            finished = True
-            return response
-        finally:
-            del self._waiting[request.request_id]
-            if not finished:  # the client went away (or we failed): stop the work downstream
-                await asyncio.shield(self._cancel(request.request_id))
+                return await self._stream(http, request, choices, firsts, include_usage)
+            return await self._complete(request, choices, firsts)
 
-    async def _complete(
-        self, request: ChatRequest, first: ChatOutput,
-        replies: asyncio.Queue[ChatOutput | ChatError],
-    ) -> web.Response:
-        text, count, output = first.text, len(first.token_ids), first
-        prompt_tokens = len(first.prompt_token_ids or [])
-        logprobs = list(first.logprobs or [])
-        while not output.finished:
-            reply = await replies.get()
-            if isinstance(reply, ChatError):
-                return _error_response(_from_info(reply.error))
-            output = reply
-            text += output.text
-            count += len(output.token_ids)
-            logprobs += output.logprobs or []
+    async def _complete(self, request: ChatRequest, choices: Choices,
+                        firsts: list[ChatOutput]) -> web.Response:
+        gathered = await choices.gathered(firsts)
+        if isinstance(gathered, ChatError):
+            return _error_response(_from_info(gathered.error))
         return web.json_response({
             "id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
             "model": self.model_id,
             "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": _finish_reason(output.finish_reason),
-                "logprobs": _chat_logprobs(request, logprobs),
-            }],
-            "usage": _usage(prompt_tokens, count),
+                "index": index, "message": {"role": "assistant", "content": choice.text},
+                "finish_reason": _finish_reason(choice.finish_reason),
+                "logprobs": _chat_logprobs(request, choice.logprobs),
+            } for index, choice in enumerate(gathered)],
+            "usage": _usage(prompt_tokens(firsts), sum(choice.tokens for choice in gathered)),
         })
 
     async def _stream(
-        self, http: web.Request, request: ChatRequest, first: ChatOutput,
-        replies: asyncio.Queue[ChatOutput | ChatError], include_usage: bool,
+        self, http: web.Request, request: ChatRequest, choices: Choices,
+        firsts: list[ChatOutput], include_usage: bool,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         })
         await response.prepare(http)
         chunk = _Chunks(_completion_id(), self.model_id)
-        await _send_event(response, chunk.delta({"role": "assistant", "content": ""}))
-        prompt_tokens, count = len(first.prompt_token_ids or []), 0
-        output: ChatOutput | ChatError = first
-        while True:
+        for index in range(len(firsts)):
+            await _send_event(response, chunk.delta(index, {"role": "assistant", "content": ""}))
+        completion_tokens = 0
+        async for index, output in choices.replies(firsts):
             if isinstance(output, ChatError):  # the status is sent already: an error event
                 await _send_event(response, _error_body(_from_info(output.error)))
                 break
-            count += len(output.token_ids)
+            completion_tokens += len(output.token_ids)
             if output.text or output.logprobs:  # each token's logprobs, text or not (as vLLM)
                 delta = {"content": output.text} if output.text else {}
                 await _send_event(response, chunk.delta(
-                    delta, logprobs=_chat_logprobs(request, output.logprobs)))
+                    index, delta, logprobs=_chat_logprobs(request, output.logprobs)))
             if output.finished:
-                await _send_event(response, chunk.delta({}, _finish_reason(output.finish_reason)))
-                if include_usage:
-                    await _send_event(response, chunk.usage(_usage(prompt_tokens, count)))
-                break
-            output = await replies.get()
+                await _send_event(response, chunk.delta(
+                    index, {}, _finish_reason(output.finish_reason)))
+        else:
+            if include_usage:
+                usage = _usage(prompt_tokens(firsts), completion_tokens)
+                await _send_event(response, chunk.usage(usage))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -320,19 +329,126 @@ class HttpApi:
             "logit_bias": _logit_bias(body.get("logit_bias")),
             "structured_outputs": _structured_outputs(body.get("response_format")),
             "logprobs": _logprobs_asked(body),
+            "stop": _stop_list(body.get("stop")),
             **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
                if body.get(name) is not None},
         }
         try:
             request = msgspec.convert(fields, ChatRequest)
         except msgspec.ValidationError as exc:
-            raise ApiError(str(exc).replace("$.", ""), "invalid_request") from exc
+            field = re.search(r"at `\$\.(\w+)", str(exc))
+            raise ApiError(str(exc).replace("$.", ""), "invalid_request",
+                           field.group(1) if field else None) from exc
         stream = body.get("stream") or False
         options = body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(options, dict):
             raise ApiError("stream must be a boolean and stream_options an object",
                            "invalid_request", "stream")
         return request, stream, bool(options.get("include_usage"))
+
+
+def _stop_list(stop: Any) -> Any:
+    """OpenAI's `stop`, a string or a list of them, as the native list (checked there)."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
+
+
+def n_of(body: dict[str, Any], max_n: int) -> int:
+    """The number of choices an OpenAI body asks for (`n`, 1 when absent), at most `max_n`."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+        raise ApiError(f"n: must be an integer in 1..{max_n}, got {n!r}", "invalid_request", "n")
+    return n
+
+
+def parallel_requests(request: ChatRequest, n: int) -> list[ChatRequest]:
+    """The native requests of one request for `n` choices, as vLLM's parallel sampling makes
+    them: choice i's request id ends in `-i`, and with a seed it samples with seed + i (so
+    choice 0 is the n=1 reply); without one, each choice draws its own."""
+    if n == 1:
+        return [request]
+    return [msgspec.structs.replace(
+        request, request_id=f"{request.request_id}-{index}",
+        seed=None if request.seed is None else request.seed + index,
+    ) for index in range(n)]
+
+
+@dataclass
+class Choice:
+    """One choice's reply, gathered: its text, its number of tokens, why it ended, the logprobs
+    of its tokens (when asked)."""
+
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[ChatLogprobs] = field(default_factory=list)
+
+
+class Choices:
+    """The replies to the requests of one API request's choices, each with its choice's index,
+    in the order they come (`HttpApi._choices` sends the requests and fills `queue`)."""
+
+    def __init__(self, requests: list[ChatRequest]) -> None:
+        self._index = {request.request_id: index for index, request in enumerate(requests)}
+        self.open = set(self._index)
+        """The request ids whose terminal reply has not come yet."""
+        self.queue: asyncio.Queue[ChatOutput | ChatError] = asyncio.Queue()
+        self._early: collections.deque[tuple[int, ChatOutput]] = collections.deque()
+        """Replies that came while `firsts` waited for another choice's first reply."""
+
+    async def firsts(self) -> list[ChatOutput] | ChatError:
+        """Each choice's first reply, in index order; or the first error, if one comes first
+        (then the API answers with its status)."""
+        firsts: dict[int, ChatOutput] = {}
+        while len(firsts) < len(self._index):
+            index, reply = await self._take()
+            if isinstance(reply, ChatError):
+                return reply
+            if index in firsts:
+                self._early.append((index, reply))
+            else:
+                firsts[index] = reply
+        return [firsts[index] for index in range(len(firsts))]
+
+    async def replies(
+        self, firsts: list[ChatOutput]
+    ) -> AsyncIterator[tuple[int, ChatOutput | ChatError]]:
+        """The choices' replies from their first ones on, each with its index, until each choice
+        has its terminal reply; an error ends them all (it comes last)."""
+        for index, first in enumerate(firsts):
+            yield index, first
+        while self._early or self.open:
+            index, reply = self._early.popleft() if self._early else await self._take()
+            yield index, reply
+            if isinstance(reply, ChatError):
+                return
+
+    async def gathered(self, firsts: list[ChatOutput]) -> list[Choice] | ChatError:
+        """Every choice's whole reply, or the error that ended them."""
+        choices = [Choice() for _ in firsts]
+        async for index, reply in self.replies(firsts):
+            if isinstance(reply, ChatError):
+                return reply
+            choice = choices[index]
+            choice.text += reply.text
+            choice.tokens += len(reply.token_ids)
+            choice.finish_reason = reply.finish_reason
+            choice.logprobs += reply.logprobs or []
+        return choices
+
+    async def _take(self) -> tuple[int, ChatOutput | ChatError]:
+        reply = await self.queue.get()
+        if isinstance(reply, ChatError) or reply.finished:
+            self.open.discard(reply.request_id)
+        return self._index[reply.request_id], reply
+
+
+def prompt_tokens(firsts: list[ChatOutput]) -> int:
+    """The prompt's length, counted once for all choices (their prompts are the same)."""
+    return len(firsts[0].prompt_token_ids or [])
 
 
 def _messages(raw: Any) -> list[ChatMessage]:
@@ -425,9 +541,9 @@ class _Chunks:
         self.base = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": int(time.time()), "model": model}
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None = None, *,
+    def delta(self, index: int, delta: dict[str, Any], finish_reason: str | None = None, *,
               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason,
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": logprobs}
         return {**self.base, "choices": [choice]}
 
@@ -495,7 +611,7 @@ def _param_of(error: ErrorInfo) -> str | None:
     head = error.message.replace(":", " ").split(" ", 1)[0].removeprefix("sampling.")
     if head in ("image", "messages", "too"):  # image N: ..., too many images: ...
         return "messages"
-    named = ("max_tokens", "temperature", "top_p", "logit_bias", *_OPENAI_SAMPLING,
+    named = ("max_tokens", "temperature", "top_p", "logit_bias", "stop", *_OPENAI_SAMPLING,
              *_VLLM_SAMPLING)
     return _OPENAI_NAMES.get(head) or (head if head in named else None)
 

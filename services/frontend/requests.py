@@ -1,6 +1,7 @@
 """Check a client's chat request and turn it into what the chat template and the MM worker need.
 
     check_request(request, ...)     validate; the template messages, the images, the sampling
+    check_stop(stop, ...)           validate the stop strings (the frontend applies them)
     prompt_token_ids(pre, checked)  render the chat template and tokenize (a pool thread's work)
 
 Pure functions: the frontend runs them, and so do the in-process designs `mmlane bench`
@@ -51,6 +52,19 @@ def check_request(request: ChatRequest, *, max_images: int) -> CheckedRequest:
             code="too_many_images",
         )
     return CheckedRequest(template_messages, images, sampling_of(request))
+
+
+def check_stop(stop: list[str], *, max_strings: int, max_chars: int) -> None:
+    """Refuse stop strings that are too many, too long or empty, naming `stop`: each one costs
+    work on every output token, and an empty one would end every output at once."""
+    if len(stop) > max_strings:
+        raise RequestError(f"stop: at most {max_strings} stop strings, got {len(stop)}")
+    for index, text in enumerate(stop):
+        if not text:
+            raise RequestError(f"stop: stop[{index}] is empty")
+        if len(text) > max_chars:
+            raise RequestError(f"stop: stop[{index}] has {len(text)} characters, at most "
+                               f"{max_chars} allowed")
 
 
 def _content(content: str | list, images: list[ImageUrl], index: int) -> str | list[dict]:

@@ -10,9 +10,10 @@ Every accepted request is held in `_inflight` until exactly one terminal reply h
 The OpenAI-compatible HTTP API (`http_api.HttpApi`, its own thread and event loop) is one more
 client of this loop: it connects to the client ROUTER over inproc and sends native requests, so
 every request, whichever API it came by, goes through the same checks, deadlines and replies.
-A request the frontend drops before its reply (a `CancelChat`, e.g. from an HTTP client that
-went away, or a passed deadline) is stopped downstream: `AbortRequests` to the engine, and for an
-image request `CancelJobs` to its MM worker, which skips the job if it has not processed it yet.
+A request the frontend ends before the engine does (a `CancelChat`, e.g. from an HTTP client
+that went away, a passed deadline, or a stop string in its text) is stopped downstream:
+`AbortRequests` to the engine, and for an image request `CancelJobs` to its MM worker, which
+skips the job if it has not processed it yet.
 
 At SIGTERM the frontend drains: new requests (native and HTTP) are refused at once with a
 retryable error and /health answers 503, while the requests in flight are served until they
@@ -78,9 +79,14 @@ from services.common.lifecycle import (
 )
 from services.common.sockets import bound_endpoint, make_socket
 from services.common.stats import Metrics, log_totals
-from services.frontend.detokenize import IncrementalDetokenizer, TokenTexts, space_marker
+from services.frontend.detokenize import OutputText, TokenTexts, space_marker
 from services.frontend.http_api import HttpApi
-from services.frontend.requests import CheckedRequest, check_request, prompt_token_ids
+from services.frontend.requests import (
+    CheckedRequest,
+    check_request,
+    check_stop,
+    prompt_token_ids,
+)
 from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -99,7 +105,8 @@ class InFlight:
     deadline: float
     checked: CheckedRequest | None
     """None for a ResetCache request."""
-    detokenizer: IncrementalDetokenizer
+    text: OutputText
+    """Its output's text so far, cut at its stop strings."""
     job: MMJob | None = None
     """The job as sent to MM worker number `worker`, kept to resend it after a cache miss."""
     worker: int = 0
@@ -156,6 +163,7 @@ class Frontend:
                 max_body_bytes=config.http_max_body_bytes,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
                 draining=lambda: self._stop.is_set(), api_keys=config.api_keys(),
+                max_n=config.max_n,
             )
             try:
                 self.http.start()
@@ -252,8 +260,9 @@ class Frontend:
         self._tokenizing += 1
         request_id = f"{self._prefix}-{next(self._ids)}"
         deadline = time.monotonic() + self.config.request_timeout_s
+        text = OutputText(self._pre.decode, stop=request.stop, min_tokens=request.min_tokens)
         self._inflight[request_id] = InFlight(client, request.request_id, deadline, checked,
-                                              IncrementalDetokenizer(self._pre.decode))
+                                              text)
         self._pool.submit(self._tokenize, request_id, checked)
 
     def _admit(self, request: ChatRequest) -> CheckedRequest:
@@ -263,6 +272,8 @@ class Frontend:
                 f"(max_inflight_requests={self.config.max_inflight_requests})",
                 code="overloaded",
             )
+        check_stop(request.stop, max_strings=self.config.max_stop_strings,
+                   max_chars=self.config.max_stop_string_chars)
         return check_request(request, max_images=self.config.max_images_per_request)
 
     # ------------------------------------------------------------------ tokenizer pool
@@ -401,7 +412,7 @@ class Frontend:
         request_id = f"{self._prefix}-{next(self._ids)}"
         deadline = time.monotonic() + self.config.request_timeout_s
         self._inflight[request_id] = InFlight(client, request.request_id, deadline, None,
-                                              IncrementalDetokenizer(self._pre.decode))
+                                              OutputText(self._pre.decode))
         reset = ResetEngineCache(request_id=request_id, reply_to=self.config.output_endpoint)
         try:
             self._engine.send_multipart(self._client_codec.encode(reset), zmq.NOBLOCK, copy=False)
@@ -423,16 +434,22 @@ class Frontend:
         shown = output.token_ids
         if pending.checked is not None:  # a stop token adds no text (see `shown_ids`)
             shown = pending.checked.shown_ids(shown, output.finish_reason)
-        text = pending.detokenizer.step(shown, final=output.finished)
+        text, stopped_after = pending.text.step(shown, final=output.finished)
+        token_ids, finished, reason = list(output.token_ids), output.finished, output.finish_reason
+        if stopped_after is not None:  # a stop string ended the text: usage counts to its token
+            token_ids, finished, reason = token_ids[:stopped_after], True, "stop"
         reply = ChatOutput(
-            request_id=pending.client_request_id, token_ids=list(output.token_ids), text=text,
-            finished=output.finished, finish_reason=output.finish_reason,
-            prompt_token_ids=output.prompt_token_ids,
-            logprobs=None if output.logprobs is None else self._chat_logprobs(pending, output),
+            request_id=pending.client_request_id, token_ids=token_ids, text=text,
+            finished=finished, finish_reason=reason, prompt_token_ids=output.prompt_token_ids,
+            logprobs=None if output.logprobs is None
+            else self._chat_logprobs(pending, output)[: len(token_ids)],
         )
-        if output.finished:
+        if finished:
             del self._inflight[output.request_id]
             self._observe_end(pending)
+        if finished and not output.finished:  # the engine would go on: stop it there
+            self.metrics.counters["stop_strings"] += 1
+            self._stop_downstream({output.request_id: pending})
         self._reply(pending.client, reply)
 
     def _chat_logprobs(self, pending: InFlight, output: EngineOutput) -> list[ChatLogprobs]:
