@@ -64,6 +64,14 @@ class ChatRequest(SamplingFields, tag="chat", kw_only=True, frozen=True):
     messages: list[ChatMessage]
 
 
+class CompletionRequest(SamplingFields, tag="completion", kw_only=True, frozen=True):
+    """A plain completion on the native API: a text tokenized as it is (no chat template; the
+    tokenizer's special tokens added, as vLLM's /v1/completions does) or prompt token ids."""
+
+    request_id: str
+    prompt: str | list[int]
+
+
 class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):
     """Empty the mirrored feature caches of the engine and of every MM worker (a new epoch)."""
 
@@ -71,12 +79,12 @@ class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):
 
 
 class CancelChat(msgspec.Struct, tag="cancel", kw_only=True, frozen=True):
-    """The client no longer waits for this chat request: stop it downstream; no reply follows."""
+    """The client no longer waits for this request: stop it downstream; no reply follows."""
 
     request_id: str
 
 
-ClientRequest = ChatRequest | ResetCache | CancelChat
+ClientRequest = ChatRequest | CompletionRequest | ResetCache | CancelChat
 
 
 class ChatOutput(msgspec.Struct, tag="out", kw_only=True, frozen=True):

@@ -1,19 +1,24 @@
 """The OpenAI-compatible HTTP API: aiohttp on its own thread and event loop, in the frontend.
 
-    HTTP client ──POST /v1/chat/completions──▶ HttpApi ──ChatRequest──▶ client ROUTER (inproc)
+    HTTP client ──POST /v1/chat/completions──▶ HttpApi ──ChatRequest──────▶ client ROUTER
+                ──POST /v1/completions───────▶         ──CompletionRequest─▶ (inproc)
                 ◀── JSON, or SSE chunks ──────         ◀──ChatOutput / ChatError──
 
-The API is a native client of the frontend's I/O thread: it sends `ChatRequest`s over one
+The API is a native client of the frontend's I/O thread: it sends native requests over one
 inproc DEALER socket and reads the replies, so validation, admission, deadlines and the one
 terminal reply per request are the I/O thread's, not repeated here. This module only maps
-fields and errors between the OpenAI shape and the native one. A client that disconnects
-before its reply cancels the request (`CancelChat`), which the frontend turns into an abort.
+fields and errors between the OpenAI shape and the native one; both routes share that mapping
+and differ only where a `_Route` says (the prompt field, the object names, the choice shape).
+A client that disconnects before its reply cancels the request (`CancelChat`), which the
+frontend turns into an abort.
 
 With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
 
-Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events ending with
-`data: [DONE]`), GET /v1/models, GET /health. Errors are OpenAI-style bodies,
+Routes: POST /v1/chat/completions and POST /v1/completions (JSON, or `stream: true` as
+server-sent events ending with `data: [DONE]`), GET /v1/models, GET /health. A completion's
+prompt is one text or one list of token ids (alone or as a list's only element); a batch of
+several prompts is refused. Errors are OpenAI-style bodies,
 `{"error": {"message", "type", "param", "code"}}`, with the status of the code
 (`protocol.errors.CODES`).
 
@@ -33,6 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -50,6 +56,7 @@ from protocol.messages import (
     ChatRequest,
     ClientReply,
     ClientRequest,
+    CompletionRequest,
 )
 from services.common.lifecycle import DRAINING_CODE
 
@@ -150,6 +157,7 @@ class HttpApi:
         app = web.Application(client_max_size=self._max_body_bytes,
                               middlewares=[self._check_api_key])
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -178,7 +186,9 @@ class HttpApi:
             if waiting is not None and isinstance(reply, ChatOutput | ChatError):
                 waiting.put_nowait(reply)
 
-    async def _submit(self, request: ChatRequest) -> asyncio.Queue[ChatOutput | ChatError]:
+    async def _submit(
+        self, request: ChatRequest | CompletionRequest
+    ) -> asyncio.Queue[ChatOutput | ChatError]:
         replies: asyncio.Queue[ChatOutput | ChatError] = asyncio.Queue()
         self._waiting[request.request_id] = replies
         await self._dealer.send_multipart(self._codec.encode(request))
@@ -216,9 +226,16 @@ class HttpApi:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _chat(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, _CHAT)
+
+    async def _completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, _COMPLETION)
+
+    async def _answer(self, http: web.Request, route: _Route) -> web.StreamResponse:
         try:
             body = await _read_json(http)
-            request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}")
+            request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}",
+                                                             route)
         except ApiError as exc:
             return _error_response(exc)
         finished = False
@@ -229,9 +246,10 @@ class HttpApi:
                 finished = True
                 return _error_response(_from_info(first.error))
             if stream:
-                response = await self._stream(http, request, first, replies, include_usage)
+                response = await self._stream(http, request, first, replies, include_usage,
+                                              route)
             else:
-                response = await self._complete(first, replies)
+                response = await self._complete(first, replies, route)
             finished = True
             return response
         finally:
@@ -240,7 +258,7 @@ class HttpApi:
                 await asyncio.shield(self._cancel(request.request_id))
 
     async def _complete(
-        self, first: ChatOutput, replies: asyncio.Queue[ChatOutput | ChatError]
+        self, first: ChatOutput, replies: asyncio.Queue[ChatOutput | ChatError], route: _Route
     ) -> web.Response:
         text, count, output = first.text, len(first.token_ids), first
         prompt_tokens = len(first.prompt_token_ids or [])
@@ -252,25 +270,26 @@ class HttpApi:
             text += output.text
             count += len(output.token_ids)
         return web.json_response({
-            "id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
+            "id": _completion_id(route), "object": route.object, "created": int(time.time()),
             "model": self.model_id,
             "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": text},
+                "index": 0, **route.choice(text),
                 "finish_reason": _finish_reason(output.finish_reason), "logprobs": None,
             }],
             "usage": _usage(prompt_tokens, count),
         })
 
     async def _stream(
-        self, http: web.Request, request: ChatRequest, first: ChatOutput,
-        replies: asyncio.Queue[ChatOutput | ChatError], include_usage: bool,
+        self, http: web.Request, request: ChatRequest | CompletionRequest, first: ChatOutput,
+        replies: asyncio.Queue[ChatOutput | ChatError], include_usage: bool, route: _Route,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         })
         await response.prepare(http)
-        chunk = _Chunks(_completion_id(), self.model_id)
-        await _send_event(response, chunk.delta({"role": "assistant", "content": ""}))
+        chunk = _Chunks(route, self.model_id)
+        if route.opening is not None:
+            await _send_event(response, chunk.choice(route.opening))
         prompt_tokens, count = len(first.prompt_token_ids or []), 0
         output: ChatOutput | ChatError = first
         while True:
@@ -279,9 +298,10 @@ class HttpApi:
                 break
             count += len(output.token_ids)
             if output.text:
-                await _send_event(response, chunk.delta({"content": output.text}))
+                await _send_event(response, chunk.choice(route.delta(output.text)))
             if output.finished:
-                await _send_event(response, chunk.delta({}, _finish_reason(output.finish_reason)))
+                await _send_event(response, chunk.choice(route.closing,
+                                                         _finish_reason(output.finish_reason)))
                 if include_usage:
                     await _send_event(response, chunk.usage(_usage(prompt_tokens, count)))
                 break
@@ -292,7 +312,8 @@ class HttpApi:
 
     # ------------------------------------------------------------ the OpenAI request
 
-    def _to_native(self, body: Any, request_id: str) -> tuple[ChatRequest, bool, bool]:
+    def _to_native(self, body: Any, request_id: str,
+                   route: _Route) -> tuple[ChatRequest | CompletionRequest, bool, bool]:
         """The native request for an OpenAI body, whether to stream, whether to send usage."""
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object", "invalid_request")
@@ -300,20 +321,20 @@ class HttpApi:
         if model is not None and model != self.model_id:
             raise ApiError(f"the model {model!r} does not exist; this server serves "
                            f"{self.model_id!r}", "model_not_found", "model")
-        for name, is_default in REJECTED_UNLESS_DEFAULT.items():
+        for name, is_default in {**REJECTED_UNLESS_DEFAULT, **route.refused}.items():
             if name in body and not is_default(body[name]):
                 raise ApiError(f"{name}: not supported by this server", "invalid_request", name)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         fields: dict[str, Any] = {
-            "request_id": request_id, "messages": _messages(body.get("messages")),
-            "max_tokens": 64 if max_tokens is None else max_tokens,
+            "request_id": request_id, **route.prompt(body),
+            "max_tokens": route.max_tokens if max_tokens is None else max_tokens,
             "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
             "seed": body.get("seed"),
             **{name: body[name] for name in _VLLM_SAMPLING if body.get(name) is not None},
         }
         try:
-            request = msgspec.convert(fields, ChatRequest)
+            request = msgspec.convert(fields, route.native)
         except msgspec.ValidationError as exc:
             raise ApiError(str(exc).replace("$.", ""), "invalid_request") from exc
         stream = body.get("stream") or False
@@ -343,6 +364,20 @@ def _messages(raw: Any) -> list[ChatMessage]:
     return messages
 
 
+def _prompt(raw: Any) -> Any:
+    """A completion's one prompt, a text or token ids, alone or as a list's only element (the
+    native request checks its type)."""
+    if raw is None:
+        raise ApiError("prompt: a text or a list of token ids is required", "invalid_request",
+                       "prompt")
+    if isinstance(raw, list) and raw and all(isinstance(one, str | list) for one in raw):
+        if len(raw) > 1:
+            raise ApiError(f"prompt: a batch of {len(raw)} prompts is not supported; send one "
+                           "prompt per request", "invalid_request", "prompt")
+        [raw] = raw
+    return raw
+
+
 def _known_key(key: bytes, keys: list[bytes]) -> bool:
     """Whether `key` is one of `keys`, compared in constant time with every one of them, so that
     the answer's timing tells nothing about which key, or how much of one, matched."""
@@ -359,18 +394,64 @@ async def _read_json(http: web.Request) -> Any:
         raise ApiError(f"the request body is not valid JSON: {exc}", "invalid_request") from exc
 
 
+# ---------------------------------------------------------------- the two routes
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What differs between /v1/chat/completions and /v1/completions; the rest is shared."""
+
+    native: type[ChatRequest] | type[CompletionRequest]
+    prompt: Callable[[dict[str, Any]], dict[str, Any]]
+    """The native request's prompt field, from the OpenAI body."""
+    refused: dict[str, Callable[[Any], bool]]
+    """The route's own fields refused unless default, beside REJECTED_UNLESS_DEFAULT."""
+    max_tokens: int
+    """max_tokens when the body sets none (OpenAI's default for the route)."""
+    object: str
+    chunk_object: str
+    id_prefix: str
+    choice: Callable[[str], dict[str, Any]]
+    """A complete answer's choice content, for its text."""
+    delta: Callable[[str], dict[str, Any]]
+    """A stream chunk's choice content, for new text."""
+    opening: dict[str, Any] | None
+    """The first chunk's choice content, sent before any text (chat: the role); None: none."""
+    closing: dict[str, Any]
+    """The choice content of the chunk that carries the finish reason."""
+
+
+_CHAT = _Route(
+    native=ChatRequest, prompt=lambda body: {"messages": _messages(body.get("messages"))},
+    refused={}, max_tokens=64, object="chat.completion", chunk_object="chat.completion.chunk",
+    id_prefix="chatcmpl",
+    choice=lambda text: {"message": {"role": "assistant", "content": text}},
+    delta=lambda text: {"delta": {"content": text}},
+    opening={"delta": {"role": "assistant", "content": ""}}, closing={"delta": {}},
+)
+_COMPLETION = _Route(
+    native=CompletionRequest, prompt=lambda body: {"prompt": _prompt(body.get("prompt"))},
+    refused={"echo": lambda v: not v, "suffix": lambda v: not v,
+             "best_of": lambda v: v in (None, 1)},
+    max_tokens=16, object="text_completion", chunk_object="text_completion", id_prefix="cmpl",
+    choice=lambda text: {"text": text}, delta=lambda text: {"text": text},
+    opening=None, closing={"text": ""},
+)
+
+
 # ---------------------------------------------------------------- the OpenAI response
 
 
 class _Chunks:
-    """Builds the `chat.completion.chunk` events of one streamed completion."""
+    """Builds the chunk events of one streamed answer."""
 
-    def __init__(self, completion_id: str, model: str) -> None:
-        self.base = {"id": completion_id, "object": "chat.completion.chunk",
+    def __init__(self, route: _Route, model: str) -> None:
+        self.base = {"id": _completion_id(route), "object": route.chunk_object,
                      "created": int(time.time()), "model": model}
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def choice(self, content: dict[str, Any],
+               finish_reason: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, **content, "finish_reason": finish_reason, "logprobs": None}
         return {**self.base, "choices": [choice]}
 
     def usage(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -390,8 +471,8 @@ def _finish_reason(reason: str | None) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-def _completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+def _completion_id(route: _Route) -> str:
+    return f"{route.id_prefix}-{uuid.uuid4().hex}"
 
 
 def _from_info(error: ErrorInfo) -> ApiError:
@@ -400,6 +481,8 @@ def _from_info(error: ErrorInfo) -> ApiError:
 
 def _param_of(error: ErrorInfo) -> str | None:
     """The request field an error names (its message starts with it), for `error.param`."""
+    if error.message.startswith("prompt: "):  # a completion's prompt ("prompt too long" is not)
+        return "prompt"
     head = error.message.replace(":", " ").split(" ", 1)[0].removeprefix("sampling.")
     if head in ("image", "messages", "too"):  # image N: ..., too many images: ...
         return "messages"
