@@ -57,17 +57,31 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str | list[ContentPart]
 
 
-class ChatRequest(SamplingFields, tag="chat", kw_only=True, frozen=True):
-    """A chat completion request on the native API, with the sampling fields."""
+class RequestFields(SamplingFields, kw_only=True, frozen=True):
+    """What chat and completion requests carry besides their prompt: the sampling fields, and
+    the stop strings."""
 
-    request_id: str
-    messages: list[ChatMessage]
     stop: list[str] = []
     """Strings that end the output's text just before the first of them to appear, with
     finish_reason "stop" (vLLM's `stop`, not included in the output). Not a sampling field:
     the frontend applies them where it turns tokens into text, because the engine sees token
     ids only (the vllm backend runs vLLM with detokenize=False, so vLLM could not apply them);
     on a match the frontend stops the request in the engine."""
+
+
+class ChatRequest(RequestFields, tag="chat", kw_only=True, frozen=True):
+    """A chat completion request on the native API."""
+
+    request_id: str
+    messages: list[ChatMessage]
+
+
+class CompletionRequest(RequestFields, tag="completion", kw_only=True, frozen=True):
+    """A plain completion on the native API: a text tokenized as it is (no chat template; the
+    tokenizer's special tokens added, as vLLM's /v1/completions does) or prompt token ids."""
+
+    request_id: str
+    prompt: str | list[int]
 
 
 class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):
@@ -77,12 +91,12 @@ class ResetCache(msgspec.Struct, tag="reset_cache", kw_only=True, frozen=True):
 
 
 class CancelChat(msgspec.Struct, tag="cancel", kw_only=True, frozen=True):
-    """The client no longer waits for this chat request: stop it downstream; no reply follows."""
+    """The client no longer waits for this request: stop it downstream; no reply follows."""
 
     request_id: str
 
 
-ClientRequest = ChatRequest | ResetCache | CancelChat
+ClientRequest = ChatRequest | CompletionRequest | ResetCache | CancelChat
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

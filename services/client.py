@@ -24,6 +24,7 @@ from protocol.messages import (
     ChatMessage,
     ChatRequest,
     ClientReply,
+    CompletionRequest,
     ImagePart,
     ImageUrl,
     ResetCache,
@@ -70,7 +71,8 @@ def user_message(prompt: str, images: list[str] = ()) -> ChatMessage:  # type: i
 
 
 class Client:
-    """Sends chat requests and gathers their streamed replies. One socket; not thread-safe."""
+    """Sends chat and completion requests and gathers their streamed replies. One socket; not
+    thread-safe."""
 
     def __init__(self, endpoint: str, *, timeout_s: float = 600.0) -> None:
         self._ctx = zmq.Context()
@@ -89,10 +91,19 @@ class Client:
         self._ctx.destroy(linger=0)
 
     def submit(self, messages: list[ChatMessage], **sampling: object) -> str:
-        """Send one request without waiting; returns its request id."""
+        """Send one chat request without waiting; returns its request id."""
         request_id = uuid.uuid4().hex
         self.send_raw(self._codec.encode(ChatRequest(
             request_id=request_id, messages=messages, **sampling  # type: ignore[arg-type]
+        )))
+        return request_id
+
+    def submit_completion(self, prompt: str | list[int], **sampling: object) -> str:
+        """Send one completion request (a text, or token ids) without waiting; returns its
+        request id."""
+        request_id = uuid.uuid4().hex
+        self.send_raw(self._codec.encode(CompletionRequest(
+            request_id=request_id, prompt=prompt, **sampling  # type: ignore[arg-type]
         )))
         return request_id
 
@@ -132,13 +143,17 @@ class Client:
         """
         request_id = uuid.uuid4().hex
         self.send_raw(self._codec.encode(ResetCache(request_id=request_id)))
-        result = self.collect([request_id])[request_id]
-        if result.error is not None:
-            raise result.error
+        self._result(request_id)
 
     def chat(self, messages: list[ChatMessage], **sampling: object) -> ChatResult:
-        """Send one request and wait for its reply; raises the reply's error as an exception."""
-        request_id = self.submit(messages, **sampling)
+        """Send one chat request and wait for its reply; raises the reply's error."""
+        return self._result(self.submit(messages, **sampling))
+
+    def complete(self, prompt: str | list[int], **sampling: object) -> ChatResult:
+        """Send one completion request and wait for its reply; raises the reply's error."""
+        return self._result(self.submit_completion(prompt, **sampling))
+
+    def _result(self, request_id: str) -> ChatResult:
         result = self.collect([request_id])[request_id]
         if result.error is not None:
             raise result.error

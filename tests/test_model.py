@@ -163,6 +163,13 @@ class TestPreprocessor:
         assert preprocessor.tokenize_batch(["USER: hi"])[0][:2] != [bos, bos]
         assert preprocessor.tokenize_batch(["<s>USER: hi"])[0][:2] != [bos, bos]
 
+    @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+    def test_a_completion_text_is_tokenized_as_the_tokenizer_call(self, preprocessors, family):
+        """vLLM's /v1/completions default: the tokenizer's special tokens (llava: its BOS)."""
+        preprocessor = preprocessors[family]
+        for text in ("USER: hi", "<s>USER: hi"):
+            assert preprocessor.tokenize_text(text) == preprocessor.tokenizer(text)["input_ids"]
+
     def test_bad_aspect_ratio_is_an_image_error(self, preprocessors):
         with pytest.raises(ImageError, match="1x300"):
             preprocessors["qwen2_vl"].process_image(noise_image(1, 300, seed=0))

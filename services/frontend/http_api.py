@@ -1,19 +1,24 @@
 """The OpenAI-compatible HTTP API: aiohttp on its own thread and event loop, in the frontend.
 
-    HTTP client ──POST /v1/chat/completions──▶ HttpApi ──ChatRequest──▶ client ROUTER (inproc)
+    HTTP client ──POST /v1/chat/completions──▶ HttpApi ──ChatRequest──────▶ client ROUTER
+                ──POST /v1/completions───────▶         ──CompletionRequest─▶ (inproc)
                 ◀── JSON, or SSE chunks ──────         ◀──ChatOutput / ChatError──
 
-The API is a native client of the frontend's I/O thread: it sends `ChatRequest`s over one
+The API is a native client of the frontend's I/O thread: it sends native requests over one
 inproc DEALER socket and reads the replies, so validation, admission, deadlines and the one
 terminal reply per request are the I/O thread's, not repeated here. This module only maps
-fields and errors between the OpenAI shape and the native one. A client that disconnects
-before its reply cancels the request (`CancelChat`), which the frontend turns into an abort.
+fields and errors between the OpenAI shape and the native one; both routes share that mapping
+and differ only where a `_Route` says (the prompt field, the object names, the choice shape).
+A client that disconnects before its reply cancels the request (`CancelChat`), which the
+frontend turns into an abort.
 
 With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
 
-Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events ending with
-`data: [DONE]`), GET /v1/models, GET /health. Errors are OpenAI-style bodies,
+Routes: POST /v1/chat/completions and POST /v1/completions (JSON, or `stream: true` as
+server-sent events ending with `data: [DONE]`), GET /v1/models, GET /health. A completion's
+prompt is one text or one list of token ids (alone or as a list's only element); a batch of
+several prompts is refused. Errors are OpenAI-style bodies,
 `{"error": {"message", "type", "param", "code"}}`, with the status of the code
 (`protocol.errors.CODES`).
 
@@ -64,6 +69,7 @@ from protocol.messages import (
     ChatRequest,
     ClientReply,
     ClientRequest,
+    CompletionRequest,
     TokenLogprob,
 )
 from protocol.sampling import MAX_LOGPROBS
@@ -163,6 +169,7 @@ class HttpApi:
         app = web.Application(client_max_size=self._max_body_bytes,
                               middlewares=[self._check_api_key])
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -192,7 +199,7 @@ class HttpApi:
                 waiting.put_nowait(reply)
 
     @contextlib.asynccontextmanager
-    async def _choices(self, requests: list[ChatRequest]) -> AsyncIterator[Choices]:
+    async def _choices(self, requests: list[NativeRequest]) -> AsyncIterator[Choices]:
         """Send the requests (one per choice) and yield their replies; on the way out, cancel
         the ones without their terminal reply: the HTTP client went away, or one choice's error
         ended the others."""
@@ -244,9 +251,16 @@ class HttpApi:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _chat(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, _CHAT)
+
+    async def _completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, _COMPLETION)
+
+    async def _answer(self, http: web.Request, route: _Route) -> web.StreamResponse:
         try:
             body = await _read_json(http)
-            request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}")
+            request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}",
+                                                             route)
             n = n_of(body, self._max_n)
         except ApiError as exc:
             return _error_response(exc)
@@ -255,19 +269,19 @@ class HttpApi:
             if isinstance(firsts, ChatError):
                 return _error_response(_from_info(firsts.error))
             if stream:
-                return await self._stream(http, request, choices, firsts, include_usage)
-            return await self._complete(request, choices, firsts)
+                return await self._stream(http, request, choices, firsts, include_usage, route)
+            return await self._complete(request, choices, firsts, route)
 
-    async def _complete(self, request: ChatRequest, choices: Choices,
-                        firsts: list[ChatOutput]) -> web.Response:
+    async def _complete(self, request: NativeRequest, choices: Choices,
+                        firsts: list[ChatOutput], route: _Route) -> web.Response:
         gathered = await choices.gathered(firsts)
         if isinstance(gathered, ChatError):
             return _error_response(_from_info(gathered.error))
         return web.json_response({
-            "id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
+            "id": _completion_id(route), "object": route.object, "created": int(time.time()),
             "model": self.model_id,
             "choices": [{
-                "index": index, "message": {"role": "assistant", "content": choice.text},
+                "index": index, **route.choice(choice.text),
                 "finish_reason": _finish_reason(choice.finish_reason),
                 "logprobs": _chat_logprobs(request, choice.logprobs),
             } for index, choice in enumerate(gathered)],
@@ -275,16 +289,17 @@ class HttpApi:
         })
 
     async def _stream(
-        self, http: web.Request, request: ChatRequest, choices: Choices,
-        firsts: list[ChatOutput], include_usage: bool,
+        self, http: web.Request, request: NativeRequest, choices: Choices,
+        firsts: list[ChatOutput], include_usage: bool, route: _Route,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         })
         await response.prepare(http)
-        chunk = _Chunks(_completion_id(), self.model_id)
-        for index in range(len(firsts)):
-            await _send_event(response, chunk.delta(index, {"role": "assistant", "content": ""}))
+        chunk = _Chunks(route, self.model_id)
+        if route.opening is not None:
+            for index in range(len(firsts)):
+                await _send_event(response, chunk.choice(index, route.opening))
         completion_tokens = 0
         async for index, output in choices.replies(firsts):
             if isinstance(output, ChatError):  # the status is sent already: an error event
@@ -292,12 +307,12 @@ class HttpApi:
                 break
             completion_tokens += len(output.token_ids)
             if output.text or output.logprobs:  # each token's logprobs, text or not (as vLLM)
-                delta = {"content": output.text} if output.text else {}
-                await _send_event(response, chunk.delta(
-                    index, delta, logprobs=_chat_logprobs(request, output.logprobs)))
+                content = route.delta(output.text) if output.text else route.closing
+                await _send_event(response, chunk.choice(
+                    index, content, logprobs=_chat_logprobs(request, output.logprobs)))
             if output.finished:
-                await _send_event(response, chunk.delta(
-                    index, {}, _finish_reason(output.finish_reason)))
+                await _send_event(response, chunk.choice(
+                    index, route.closing, _finish_reason(output.finish_reason)))
         else:
             if include_usage:
                 usage = _usage(prompt_tokens(firsts), completion_tokens)
@@ -308,7 +323,8 @@ class HttpApi:
 
     # ------------------------------------------------------------ the OpenAI request
 
-    def _to_native(self, body: Any, request_id: str) -> tuple[ChatRequest, bool, bool]:
+    def _to_native(self, body: Any, request_id: str,
+                   route: _Route) -> tuple[NativeRequest, bool, bool]:
         """The native request for an OpenAI body, whether to stream, whether to send usage."""
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object", "invalid_request")
@@ -316,13 +332,13 @@ class HttpApi:
         if model is not None and model != self.model_id:
             raise ApiError(f"the model {model!r} does not exist; this server serves "
                            f"{self.model_id!r}", "model_not_found", "model")
-        for name, is_default in REJECTED_UNLESS_DEFAULT.items():
+        for name, is_default in {**REJECTED_UNLESS_DEFAULT, **route.refused}.items():
             if name in body and not is_default(body[name]):
                 raise ApiError(f"{name}: not supported by this server", "invalid_request", name)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         fields: dict[str, Any] = {
-            "request_id": request_id, "messages": _messages(body.get("messages")),
-            "max_tokens": 64 if max_tokens is None else max_tokens,
+            "request_id": request_id, **route.prompt(body),
+            "max_tokens": route.max_tokens if max_tokens is None else max_tokens,
             "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
             "seed": body.get("seed"),
@@ -334,7 +350,7 @@ class HttpApi:
                if body.get(name) is not None},
         }
         try:
-            request = msgspec.convert(fields, ChatRequest)
+            request = msgspec.convert(fields, route.native)
         except msgspec.ValidationError as exc:
             field = re.search(r"at `\$\.(\w+)", str(exc))
             raise ApiError(str(exc).replace("$.", ""), "invalid_request",
@@ -364,7 +380,10 @@ def n_of(body: dict[str, Any], max_n: int) -> int:
     return n
 
 
-def parallel_requests(request: ChatRequest, n: int) -> list[ChatRequest]:
+NativeRequest = ChatRequest | CompletionRequest
+
+
+def parallel_requests(request: NativeRequest, n: int) -> list[NativeRequest]:
     """The native requests of one request for `n` choices, as vLLM's parallel sampling makes
     them: choice i's request id ends in `-i`, and with a seed it samples with seed + i (so
     choice 0 is the n=1 reply); without one, each choice draws its own."""
@@ -391,7 +410,7 @@ class Choices:
     """The replies to the requests of one API request's choices, each with its choice's index,
     in the order they come (`HttpApi._choices` sends the requests and fills `queue`)."""
 
-    def __init__(self, requests: list[ChatRequest]) -> None:
+    def __init__(self, requests: list[NativeRequest]) -> None:
         self._index = {request.request_id: index for index, request in enumerate(requests)}
         self.open = set(self._index)
         """The request ids whose terminal reply has not come yet."""
@@ -513,6 +532,18 @@ def _logprobs_asked(body: dict[str, Any]) -> int | None:
         raise ApiError("top_logprobs needs logprobs set to true", "invalid_request",
                        "top_logprobs")
     return (top or 0) if logprobs else None
+def _prompt(raw: Any) -> Any:
+    """A completion's one prompt, a text or token ids, alone or as a list's only element (the
+    native request checks its type)."""
+    if raw is None:
+        raise ApiError("prompt: a text or a list of token ids is required", "invalid_request",
+                       "prompt")
+    if isinstance(raw, list) and raw and all(isinstance(one, str | list) for one in raw):
+        if len(raw) > 1:
+            raise ApiError(f"prompt: a batch of {len(raw)} prompts is not supported; send one "
+                           "prompt per request", "invalid_request", "prompt")
+        [raw] = raw
+    return raw
 
 
 def _known_key(key: bytes, keys: list[bytes]) -> bool:
@@ -531,19 +562,64 @@ async def _read_json(http: web.Request) -> Any:
         raise ApiError(f"the request body is not valid JSON: {exc}", "invalid_request") from exc
 
 
+# ---------------------------------------------------------------- the two routes
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What differs between /v1/chat/completions and /v1/completions; the rest is shared."""
+
+    native: type[ChatRequest] | type[CompletionRequest]
+    prompt: Callable[[dict[str, Any]], dict[str, Any]]
+    """The native request's prompt field, from the OpenAI body."""
+    refused: dict[str, Callable[[Any], bool]]
+    """The route's own fields refused unless default, beside REJECTED_UNLESS_DEFAULT."""
+    max_tokens: int
+    """max_tokens when the body sets none (OpenAI's default for the route)."""
+    object: str
+    chunk_object: str
+    id_prefix: str
+    choice: Callable[[str], dict[str, Any]]
+    """A complete answer's choice content, for its text."""
+    delta: Callable[[str], dict[str, Any]]
+    """A stream chunk's choice content, for new text."""
+    opening: dict[str, Any] | None
+    """The first chunk's choice content, sent before any text (chat: the role); None: none."""
+    closing: dict[str, Any]
+    """The choice content of the chunk that carries the finish reason."""
+
+
+_CHAT = _Route(
+    native=ChatRequest, prompt=lambda body: {"messages": _messages(body.get("messages"))},
+    refused={}, max_tokens=64, object="chat.completion", chunk_object="chat.completion.chunk",
+    id_prefix="chatcmpl",
+    choice=lambda text: {"message": {"role": "assistant", "content": text}},
+    delta=lambda text: {"delta": {"content": text}},
+    opening={"delta": {"role": "assistant", "content": ""}}, closing={"delta": {}},
+)
+_COMPLETION = _Route(
+    native=CompletionRequest, prompt=lambda body: {"prompt": _prompt(body.get("prompt"))},
+    refused={"echo": lambda v: not v, "suffix": lambda v: not v,
+             "best_of": lambda v: v in (None, 1), "logprobs": lambda v: v is None},
+    max_tokens=16, object="text_completion", chunk_object="text_completion", id_prefix="cmpl",
+    choice=lambda text: {"text": text}, delta=lambda text: {"text": text},
+    opening=None, closing={"text": ""},
+)
+
+
 # ---------------------------------------------------------------- the OpenAI response
 
 
 class _Chunks:
-    """Builds the `chat.completion.chunk` events of one streamed completion."""
+    """Builds the chunk events of one streamed answer."""
 
-    def __init__(self, completion_id: str, model: str) -> None:
-        self.base = {"id": completion_id, "object": "chat.completion.chunk",
+    def __init__(self, route: _Route, model: str) -> None:
+        self.base = {"id": _completion_id(route), "object": route.chunk_object,
                      "created": int(time.time()), "model": model}
 
-    def delta(self, index: int, delta: dict[str, Any], finish_reason: str | None = None, *,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
+    def choice(self, index: int, content: dict[str, Any], finish_reason: str | None = None, *,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = {"index": index, **content, "finish_reason": finish_reason,
                   "logprobs": logprobs}
         return {**self.base, "choices": [choice]}
 
@@ -573,7 +649,7 @@ def _logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
             "bytes": list(entry.token.encode("utf-8", errors="replace"))}
 
 
-def _chat_logprobs(request: ChatRequest,
+def _chat_logprobs(request: NativeRequest,
                    positions: list[ChatLogprobs] | None) -> dict[str, Any] | None:
     """A chat choice's `logprobs`: None unless the request asked for them."""
     if request.logprobs is None:
@@ -594,8 +670,8 @@ def _finish_reason(reason: str | None) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-def _completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+def _completion_id(route: _Route) -> str:
+    return f"{route.id_prefix}-{uuid.uuid4().hex}"
 
 
 def _from_info(error: ErrorInfo) -> ApiError:
@@ -608,6 +684,8 @@ def _from_info(error: ErrorInfo) -> ApiError:
 
 def _param_of(error: ErrorInfo) -> str | None:
     """The request field an error names (its message starts with it), for `error.param`."""
+    if error.message.startswith("prompt: "):  # a completion's prompt ("prompt too long" is not)
+        return "prompt"
     head = error.message.replace(":", " ").split(" ", 1)[0].removeprefix("sampling.")
     if head in ("image", "messages", "too"):  # image N: ..., too many images: ...
         return "messages"

@@ -1,8 +1,11 @@
-"""Check a client's chat request and turn it into what the chat template and the MM worker need.
+"""Check a client's chat or completion request and turn it into what the MM worker and the
+engine need. The two differ only in how their prompt token ids are made.
 
-    check_request(request, ...)     validate; the template messages, the images, the sampling
+    check_request(request, ...)     validate; the prompt (template messages, or a completion's
+                                    text or token ids), the images, the sampling
     check_stop(stop, ...)           validate the stop strings (the frontend applies them)
-    prompt_token_ids(pre, checked)  render the chat template and tokenize (a pool thread's work)
+    prompt_token_ids(pre, checked)  render the chat template and tokenize, or tokenize the text,
+                                    or check the token ids (a pool thread's work)
 
 Pure functions: the frontend runs them, and so do the in-process designs `mmlane bench`
 measures mmlane against, so every design tokenizes exactly as the frontend does.
@@ -13,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.errors import RequestError
-from protocol.messages import ChatRequest, ImagePart, ImageUrl, TextPart
+from protocol.messages import ChatRequest, CompletionRequest, ImagePart, ImageUrl, TextPart
 from protocol.sampling import SamplingParams, check_sampling, sampling_of
 from services.model import Preprocessor
 from services.model.grammar import check_grammar
@@ -21,11 +24,14 @@ from services.model.grammar import check_grammar
 
 @dataclass(frozen=True)
 class CheckedRequest:
-    """A request that passed validation: template messages, its images in order, sampling."""
+    """A request that passed validation: its prompt, its images in order, sampling."""
 
-    template_messages: list[dict]
+    template_messages: list[dict] | None
+    """A chat's messages for the template; None for a completion, whose prompt is `prompt`."""
     images: list[ImageUrl]
     sampling: SamplingParams
+    prompt: str | list[int] = ""
+    """A completion's text (tokenized as it is) or token ids (taken as they are)."""
 
     def shown_ids(self, token_ids: list[int], finish_reason: str | None) -> list[int]:
         """The output tokens whose text the client sees: a token of `stop_token_ids` that ends
@@ -35,8 +41,11 @@ class CheckedRequest:
         return token_ids
 
 
-def check_request(request: ChatRequest, *, max_images: int) -> CheckedRequest:
-    """Validate a chat request; raise RequestError naming the offending field."""
+def check_request(request: ChatRequest | CompletionRequest, *,
+                  max_images: int) -> CheckedRequest:
+    """Validate a chat or completion request; raise RequestError naming the offending field."""
+    if isinstance(request, CompletionRequest):
+        return _check_completion(request)
     if not request.messages:
         raise RequestError("messages: at least one message is required")
     check_sampling(request)
@@ -67,6 +76,13 @@ def check_stop(stop: list[str], *, max_strings: int, max_chars: int) -> None:
                                f"{max_chars} allowed")
 
 
+def _check_completion(request: CompletionRequest) -> CheckedRequest:
+    if not request.prompt:
+        raise RequestError("prompt: must not be empty")
+    check_sampling(request)
+    return CheckedRequest(None, [], sampling_of(request), request.prompt)
+
+
 def _content(content: str | list, images: list[ImageUrl], index: int) -> str | list[dict]:
     if isinstance(content, str):
         return content
@@ -83,17 +99,19 @@ def _content(content: str | list, images: list[ImageUrl], index: int) -> str | l
 
 
 def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
-    """The prompt's token ids; raise RequestError for forged placeholders, a text prompt
-    too long for the model (an image prompt is checked once its images are expanded) or a
-    structured-output constraint that cannot compile (before the engine spends work on it)."""
+    """The prompt's token ids; raise RequestError for forged placeholders, ids outside the
+    vocabulary, a text prompt too long for the model (an image prompt is checked once its
+    images are expanded) or a structured-output constraint that cannot compile (before the
+    engine spends work on it)."""
     if checked.sampling.structured_outputs is not None:
         check_grammar(checked.sampling.structured_outputs)
-    token_ids = pre.tokenize_batch([pre.render_prompt(checked.template_messages)])[0]
+    token_ids = _token_ids(pre, checked)
     placeholders = token_ids.count(pre.image_token_id)
     if placeholders != len(checked.images):
-        # Only the chat template may place image placeholders; text must not forge them.
+        # Only the chat template may place image placeholders; text and ids must not forge them.
+        source = "messages: text" if checked.template_messages is not None else "prompt:"
         raise RequestError(
-            f"messages: text contains the reserved image token {pre.family.image_token!r}",
+            f"{source} contains the reserved image token {pre.family.image_token!r}",
         )
     prompt_tokens = len(token_ids)
     needed = prompt_tokens + checked.sampling.max_tokens
@@ -105,3 +123,15 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
             code="prompt_too_long",
         )
     return token_ids
+
+
+def _token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
+    if checked.template_messages is not None:
+        return pre.tokenize_batch([pre.render_prompt(checked.template_messages)])[0]
+    if isinstance(checked.prompt, str):
+        return pre.tokenize_text(checked.prompt)
+    top = len(pre.tokenizer) - 1  # as vLLM: ids the tokenizer cannot decode are refused
+    outside = [token for token in checked.prompt if not 0 <= token <= top]
+    if outside:
+        raise RequestError(f"prompt: token id {outside[0]} is outside the vocabulary (0..{top})")
+    return checked.prompt

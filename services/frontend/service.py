@@ -59,6 +59,7 @@ from protocol.messages import (
     ChatOutput,
     ChatRequest,
     ClientRequest,
+    CompletionRequest,
     EngineCacheReset,
     EngineEpoch,
     EngineOutput,
@@ -265,7 +266,7 @@ class Frontend:
                                               text)
         self._pool.submit(self._tokenize, request_id, checked)
 
-    def _admit(self, request: ChatRequest) -> CheckedRequest:
+    def _admit(self, request: ChatRequest | CompletionRequest) -> CheckedRequest:
         if len(self._inflight) >= self.config.max_inflight_requests:
             raise RetryableError(
                 f"frontend overloaded: {len(self._inflight)} requests in flight "
@@ -279,7 +280,8 @@ class Frontend:
     # ------------------------------------------------------------------ tokenizer pool
 
     def _tokenize(self, request_id: str, checked: CheckedRequest) -> None:
-        """Runs on a pool thread: render the chat template, tokenize, hand the result back."""
+        """Runs on a pool thread: make the prompt's token ids (a chat: render the template and
+        tokenize; a completion: tokenize its text or check its ids), hand the result back."""
         started = time.monotonic()
         token_ids: list[int] | None = None
         error: MMLaneError | None = None
@@ -318,7 +320,7 @@ class Frontend:
 
     def _dispatch(self, request_id: str, pending: InFlight, token_ids: list[int]) -> None:
         checked = pending.checked
-        assert checked is not None  # only chat requests are tokenized
+        assert checked is not None  # only chat and completion requests are tokenized
         reply_to = self.config.output_endpoint
         # Our deadline, as wall-clock time for the other processes: past it they drop the work.
         deadline = time.time() + (pending.deadline - time.monotonic())

@@ -108,6 +108,14 @@ class Preprocessor:
             for prompt, encoding in zip(prompts, encodings, strict=True)
         ]
 
+    def tokenize_text(self, text: str) -> list[int]:
+        """A plain text's token ids with the tokenizer's special tokens, as `tokenizer(text)`
+        gives them (vLLM's /v1/completions default); no chat template is involved."""
+        [encoding] = self.tokenizer.backend_tokenizer.encode_batch_fast(
+            [text], add_special_tokens=True
+        )
+        return encoding.ids
+
     def _add_special_tokens(self, prompt: str, ids: list[int]) -> list[int]:
         # Same rule as the HF processor: add the tokenizer's special tokens unless the chat
         # template already wrote the BOS token itself.
