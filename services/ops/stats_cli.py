@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -68,9 +67,6 @@ def _print_stream(feed: StatsFeed, as_json: bool) -> int:
                 print(json.dumps(stats_json(stats)) if as_json else _stats_line(stats),
                       flush=True)
     except KeyboardInterrupt:
-        return 0
-    except BrokenPipeError:  # the reader is gone (`| head`): stop quietly, as cat would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

@@ -14,7 +14,6 @@ text and exits: 1 if a process sent nothing, else 0.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -48,11 +47,7 @@ def top_command(args: argparse.Namespace) -> int:
 
 def _print_once(feed: StatsFeed, timeout_s: float) -> int:
     feed.wait_for(2, timeout_s)
-    try:
-        print(plain_text(render(feed, time.monotonic())), flush=True)
-    except BrokenPipeError:  # the reader stopped early (`| head`): nothing left to say
-        # Python flushes stdout again at exit, which would fail again, loudly: point it nowhere.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(plain_text(render(feed, time.monotonic())), flush=True)
     return 1 if feed.silent() else 0
 
 
