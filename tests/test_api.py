@@ -22,7 +22,9 @@ from test_http import (
     _assert_error,
     _status_error,
     first_new_token,
+    frontend_count,
     frontend_with_silent_engine,
+    own_metrics,
 )
 
 from conftest import REPO, free_port
@@ -77,7 +79,7 @@ def _answer(request: EngineRequest) -> EngineOutput:  # the stand-in engine's: o
                         finish_reason="length", prompt_token_ids=request.prompt_token_ids)
 
 
-def test_api_keys_guard_every_v1_route_but_not_health(
+def test_api_keys_guard_every_v1_route_but_not_health_or_metrics(
     run_dir: Path, qwen_dir: Path, tmp_path: Path
 ) -> None:
     key_file = tmp_path / "keys"
@@ -106,6 +108,8 @@ def test_api_keys_guard_every_v1_route_but_not_health(
                 "message": "no API key: send it as the header `Authorization: Bearer KEY`",
                 "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
         assert _get(base_url.removesuffix("/v1") + "/health", {}) == (200, {"status": "ok"})
+        # /metrics needs no key, as vLLM's: a scraper has none. It counts the 6 refusals above.
+        assert frontend_count(own_metrics(base_url), "mmlane_http_refused", "invalid_api_key") == 6
 
 
 def _get(url: str, headers: dict[str, str]) -> tuple[int, dict]:

@@ -30,9 +30,9 @@ from services.bench.images import ImageSource, jpeg_uri
 from services.cli import main
 from services.client import Client, user_message
 from services.common.config import ipc
+from services.common.prometheus import metric_name
 from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.ops.discovery import Targets, endpoint_label
-from services.ops.exporter import metric_name
 from services.ops.feed import ProcessSnapshots, StatsFeed
 from services.ops.lanes import lanes
 

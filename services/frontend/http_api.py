@@ -13,9 +13,13 @@ With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
 
 Routes: POST /v1/chat/completions (JSON, or `stream: true` as server-sent events ending with
-`data: [DONE]`), GET /v1/models, GET /health. Errors are OpenAI-style bodies,
+`data: [DONE]`), GET /v1/models, GET /health, GET /metrics (this frontend's stats in Prometheus'
+text format, the families `mmlane exporter` gives it; like /health, and like vLLM's /metrics,
+outside the API keys: a scraper has none). Errors are OpenAI-style bodies,
 `{"error": {"message", "type", "param", "code"}}`, with the status of the code
-(`protocol.errors.CODES`).
+(`protocol.errors.CODES`). A request this module refuses itself, before it submits anything (bad
+JSON, an unsupported field, an unknown model, an API key, a body too large), is counted by code
+in `Metrics.http_refused`, written by this thread alone.
 
 While the frontend drains (after SIGTERM), /health answers 503 so that load balancers send no
 more, and new chat requests get the I/O thread's refusal (503, code `peer_restarted`); the
@@ -39,6 +43,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from protocol.codec import Codec
 from protocol.errors import CODES, ErrorInfo, FatalError, RequestError, http_status
@@ -52,6 +57,8 @@ from protocol.messages import (
     ClientRequest,
 )
 from services.common.lifecycle import DRAINING_CODE
+from services.common.prometheus import OwnStatsCollector, registry_of
+from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +98,11 @@ class HttpApi:
     def __init__(
         self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
         max_body_bytes: int, alive: Callable[[], bool], draining: Callable[[], bool],
-        api_keys: list[str],
+        api_keys: list[str], metrics: Metrics,
     ) -> None:
         self.model_id = model_id
+        self._metrics = metrics
+        self._prometheus = registry_of(OwnStatsCollector(metrics.snapshot))
         self._api_keys = [key.encode() for key in api_keys]
         self._client_endpoint = client_endpoint
         self._host, self._port = host, port
@@ -152,6 +161,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._prometheus_metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=1.0)
         await self._runner.setup()
@@ -197,12 +207,17 @@ class HttpApi:
             return await handler(request)
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            return _error_response(ApiError(
+            return self._refuse(ApiError(
                 "no API key: send it as the header `Authorization: Bearer KEY`",
                 "invalid_api_key"))
         if not _known_key(key.strip().encode(), self._api_keys):
-            return _error_response(ApiError("the API key is not valid", "invalid_api_key"))
+            return self._refuse(ApiError("the API key is not valid", "invalid_api_key"))
         return await handler(request)
+
+    def _refuse(self, error: ApiError) -> web.Response:
+        """The answer to a request refused here, before it reached the I/O thread: counted."""
+        self._metrics.http_refused[error.code] += 1
+        return _error_response(error)
 
     async def _health(self, _: web.Request) -> web.Response:
         if self._draining():
@@ -210,6 +225,10 @@ class HttpApi:
         if self._alive():
             return web.json_response({"status": "ok"})
         return _error_response(ApiError("the frontend's I/O loop is not turning", "overloaded"))
+
+    async def _prometheus_metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._prometheus),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, _: web.Request) -> web.Response:
         model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mmlane"}
@@ -220,7 +239,7 @@ class HttpApi:
             body = await _read_json(http)
             request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}")
         except ApiError as exc:
-            return _error_response(exc)
+            return self._refuse(exc)
         finished = False
         replies = await self._submit(request)
         try:

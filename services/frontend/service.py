@@ -151,6 +151,7 @@ class Frontend:
                 max_body_bytes=config.http_max_body_bytes,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
                 draining=lambda: self._stop.is_set(), api_keys=config.api_keys(),
+                metrics=self.metrics,
             )
             try:
                 self.http.start()

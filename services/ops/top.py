@@ -26,7 +26,7 @@ from rich.text import Text
 from services.ops.discovery import Targets, targets
 from services.ops.feed import ProcessSnapshots, StatsFeed
 from services.ops.lanes import Lane, lanes
-from services.ops.text import counts_text, ms_text, state_text, uptime_text
+from services.ops.text import counts_text, errors_text, ms_text, state_text, uptime_text
 
 # Columns the plain-text view (--once, output not a terminal) is laid out for.
 PLAIN_WIDTH = 150
@@ -118,7 +118,7 @@ def _process_row(process: ProcessSnapshots, now: float) -> list[str]:
     return [
         stats.role, stats.name, str(stats.pid), state, uptime_text(stats.uptime_s),
         str(stats.in_flight), counts_text(stats.queues), _request_rate(process) if fresh else "-",
-        counts_text(stats.errors),
+        errors_text(stats),
     ]
 
 
