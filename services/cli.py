@@ -220,9 +220,10 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             "serve the processes' stats to Prometheus")
     p.description = (
         "Serve the latest stats of every process to Prometheus at http://HOST:PORT/metrics: "
-        "mmlane_<lane>_seconds histograms, mmlane_<counter>_total and mmlane_errors_total "
-        "counters, mmlane_queue_depth, mmlane_in_flight, mmlane_uptime_seconds and mmlane_up "
-        "gauges, labelled by role and name. Runs until SIGINT or SIGTERM."
+        "mmlane_<lane>_seconds histograms, mmlane_<counter>_total, mmlane_errors_total and "
+        "mmlane_http_refused_total counters, mmlane_queue_depth, mmlane_in_flight, "
+        "mmlane_uptime_seconds and mmlane_up gauges, labelled by role and name. Runs until "
+        "SIGINT or SIGTERM."
     )
     p.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400)")
     p.add_argument("--host", default=DEFAULT_HOST,
