@@ -368,6 +368,9 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     """Seconds until the next snapshot is due (0: not said): past a few, the process is stale."""
     restarts: int = 0
     """How often `mmlane serve` has restarted this role's process."""
+    http_refused: dict[str, int] = {}
+    """Requests the frontend's HTTP API refused before it submitted them (bad JSON, an
+    unsupported field, an unknown model, an API key, a body too large), by error code."""
 
 
 StatsMessage = Stats

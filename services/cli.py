@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -150,12 +151,15 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument(
         "--image", action="append", default=[], metavar="PATH_OR_URL",
         help="an image: a local path (read here and sent inline) or a data:/file:// URL; "
-        "repeatable",
+        "repeatable (default: none)",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reply")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="most tokens to generate (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default %(default)s: greedy)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: none)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for the reply (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
     p = add("reset-cache", "services.client:reset_cache_command",
@@ -164,7 +168,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--endpoint", default=f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}",
         help="native API address (default: serve's default)",
     )
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the reply (default %(default)s)")
 
     p = add("stats", "services.ops.stats_cli:stats_command",
             "print the stats the running processes publish")
@@ -215,9 +220,10 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             "serve the processes' stats to Prometheus")
     p.description = (
         "Serve the latest stats of every process to Prometheus at http://HOST:PORT/metrics: "
-        "mmlane_<lane>_seconds histograms, mmlane_<counter>_total and mmlane_errors_total "
-        "counters, mmlane_queue_depth, mmlane_in_flight, mmlane_uptime_seconds and mmlane_up "
-        "gauges, labelled by role and name. Runs until SIGINT or SIGTERM."
+        "mmlane_<lane>_seconds histograms, mmlane_<counter>_total, mmlane_errors_total and "
+        "mmlane_http_refused_total counters, mmlane_queue_depth, mmlane_in_flight, "
+        "mmlane_uptime_seconds and mmlane_up gauges, labelled by role and name. Runs until "
+        "SIGINT or SIGTERM."
     )
     p.add_argument("--port", type=int, default=9400, help="HTTP port (default 9400)")
     p.add_argument("--host", default=DEFAULT_HOST,
@@ -228,8 +234,10 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "tiny-model", _cmd_tiny_model, "write the embedded tiny model (built offline) to a folder"
     )
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "llava"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "llava"],
+                   help="model architecture (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights (default %(default)s)")
 
     p = add("bench", "services.bench.cli:run_bench",
             "measure mmlane against in-process preprocessing designs "
@@ -245,9 +253,24 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 128 + 13
+"""The status of a command whose reader closed its output (`mmlane top --once | head -1`): what
+a shell reports for `cat` or `git log`, killed there by SIGPIPE (13). Not 0: what the command
+would have said, and its status, is lost, and `set -o pipefail` sees that as it does for them."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, which would fail again, loudly: point it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: list[str]) -> int:
+    args = build_parser(argv).parse_args(argv)  # --help prints here
     try:
         return args.func(args)
     except MMLaneError as exc:

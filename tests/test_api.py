@@ -1,11 +1,12 @@
 """What vLLM-class clients expect beyond plain chat: the end-of-sequence options in the HF
 runner (in process, the real tiny model), API keys on the HTTP API (a frontend with a stand-in
-engine), and `mmlane top` in a pipe."""
+engine), and `mmlane top` and `stats` in a pipe."""
 
 from __future__ import annotations
 
 import functools
 import json
+import shlex
 import subprocess
 import sys
 import urllib.error
@@ -22,13 +23,16 @@ from test_http import (
     _assert_error,
     _status_error,
     first_new_token,
+    frontend_count,
     frontend_with_silent_engine,
+    own_metrics,
 )
 
 from conftest import REPO, free_port
 from protocol.errors import FatalError
 from protocol.messages import EngineOutput, EngineRequest
-from services.cli import config_from_argv
+from services.cli import EXIT_BROKEN_PIPE, config_from_argv
+from services.common.stats import Metrics, StatsServer
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor
 
@@ -98,7 +102,7 @@ def _answer(request: EngineRequest) -> EngineOutput:  # the stand-in engine's: o
                         finish_reason="length", prompt_token_ids=request.prompt_token_ids)
 
 
-def test_api_keys_guard_every_v1_route_but_not_health(
+def test_api_keys_guard_every_v1_route_but_not_health_or_metrics(
     run_dir: Path, qwen_dir: Path, tmp_path: Path
 ) -> None:
     key_file = tmp_path / "keys"
@@ -127,6 +131,8 @@ def test_api_keys_guard_every_v1_route_but_not_health(
                 "message": "no API key: send it as the header `Authorization: Bearer KEY`",
                 "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
         assert _get(base_url.removesuffix("/v1") + "/health", {}) == (200, {"status": "ok"})
+        # /metrics needs no key, as vLLM's: a scraper has none. It counts the 6 refusals above.
+        assert frontend_count(own_metrics(base_url), "mmlane_http_refused", "invalid_api_key") == 6
 
 
 def _get(url: str, headers: dict[str, str]) -> tuple[int, dict]:
@@ -179,5 +185,22 @@ def test_top_once_into_a_closed_pipe_ends_quietly(run_dir: Path) -> None:
     )
     top.stdout.close()  # the pipe's only reader
     stderr = top.stderr.read().decode()
-    assert top.wait(timeout=60) == 1, stderr  # 1: nothing answered on the address
+    assert top.wait(timeout=60) == EXIT_BROKEN_PIPE, stderr
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+def test_stats_into_head_ends_quietly_with_the_status_of_a_broken_pipe(run_dir: Path) -> None:
+    """`mmlane stats | head -1`, in a real shell pipe: stats prints a line per snapshot until
+    its next line finds the pipe closed (head is gone after the first)."""
+    server = StatsServer(Metrics("engine", "piped"), interval_s=0.05,
+                         stats_endpoint=f"ipc://{run_dir}/stats-piped.sock",
+                         control_endpoint=f"ipc://{run_dir}/control-piped.sock").start()
+    stats = [sys.executable, "-m", "services.cli", "stats", "--connect", server.stats_endpoint]
+    try:
+        piped = subprocess.run(["bash", "-o", "pipefail", "-c", f"{shlex.join(stats)} | head -1"],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        server.close()
+    assert piped.returncode == EXIT_BROKEN_PIPE, piped.stderr  # head's 0 would be the last
+    assert " engine piped pid " in piped.stdout and piped.stdout.count("\n") == 1, piped.stdout
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr

@@ -3,6 +3,7 @@ serve handing each child its validated config."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Literal
 
@@ -158,6 +159,23 @@ def test_help_shows_every_setting_with_its_default(
     assert text.count("(default: ") >= len(settings)
     assert "(default: 30.0; $MMLANE_DRAIN_TIMEOUT)" in text or command == "bench"
     assert ("else from its MMLANE_* environment variable" in text) == (command != "bench")
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands `mmlane --help` lists (bench-server, internal, is not)."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {action.dest: sub.choices[action.dest] for action in sub._choices_actions}
+
+
+@pytest.mark.parametrize("command", sorted(_commands(build_parser(["bench"]))))
+def test_help_shows_the_default_of_every_option_that_takes_a_value(command: str) -> None:
+    """Through the parsers, not `--help`'s text: each option's own help must say its default
+    (or that there is none); a switch's is off, a required option has none."""
+    parser = _commands(build_parser([command]))[command]
+    silent = [action.option_strings[0] for action in parser._actions
+              if action.option_strings and action.nargs != 0 and not action.required
+              and action.help is not argparse.SUPPRESS and "default" not in (action.help or "")]
+    assert not silent, f"mmlane {command} --help shows no default for {silent}"
 
 
 # ---------------------------------------------------------------- serve's children

@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,8 @@ import jsonschema
 import openai
 import pytest
 import zmq
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from test_detokenize import split_stop
 
 from conftest import REPO, free_port, role_log, start_role, stop_role
@@ -63,6 +65,7 @@ class Server:
     client_endpoint: str
     """The native client API, which answers with token ids."""
     run_dir: Path
+    """Where its processes' stats and control sockets are."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -750,6 +753,86 @@ class TestErrors:
         status, body = _post(server, None, raw=b" " * (MAX_BODY_BYTES + 1))
         assert status == 413
         assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+def own_metrics(base_url: str) -> dict[str, Metric]:
+    """The frontend's GET /metrics, parsed as Prometheus text, by family name (no API key)."""
+    with urllib.request.urlopen(f"{base_url.removesuffix('/v1')}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version="), r.headers
+        return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+
+def frontend_count(families: dict[str, Metric], family: str, code: str) -> float:
+    """The frontend's sample of `family` (mmlane_errors, mmlane_http_refused) for `code`."""
+    return sum(sample.value for sample in families[family].samples
+               if sample.labels["role"] == "frontend" and sample.labels["code"] == code)
+
+
+def _frontend_families(families: Iterable[Metric]) -> frozenset[str]:
+    return frozenset(family.name for family in families
+                     if any(sample.labels.get("role") == "frontend" for sample in family.samples))
+
+
+def test_metrics_has_the_families_the_exporter_gives_this_frontend(server: Server) -> None:
+    assert _post(server, {"model": server.model, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "hi"}]})[0] == 200
+    assert _post(server, {"model": "gpt-9"})[0] == 404  # a refusal: mmlane_http_refused
+    port = free_port()
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "exporter", "--port", str(port),
+         "--run-dir", str(server.run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert f":{port}/metrics" in exporter.stdout.readline()  # type: ignore[union-attr]
+
+        def the_same() -> frozenset[str] | None:  # the exporter's lag: one stats interval
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                exported = _frontend_families(text_string_to_metric_families(r.read().decode()))
+            own = _frontend_families(own_metrics(server.base_url).values())
+            return own if own == exported else None
+
+        names = wait_until(the_same, "/metrics and the exporter giving the same families",
+                           timeout_s=60, every_s=0.2)
+    finally:
+        exporter.send_signal(signal.SIGTERM)
+        assert exporter.wait(timeout=30) == 0
+    assert {"mmlane_up", "mmlane_in_flight", "mmlane_uptime_seconds", "mmlane_queue_depth",
+            "mmlane_requests", "mmlane_tokenize_seconds", "mmlane_end_to_end_seconds",
+            "mmlane_http_refused"} <= names
+
+
+REFUSED_OVER_HTTP = [
+    # what is sent, the code it is refused with
+    ({"raw": b"{not json"}, "invalid_request"),
+    ({"body": {"model": "gpt-9"}}, "model_not_found"),
+    ({"body": {"n": 2}}, "invalid_request"),
+    ({"raw": b" " * (MAX_BODY_BYTES + 1)}, "request_too_large"),
+]
+
+
+def test_a_request_refused_over_http_is_counted_by_its_code(server: Server) -> None:
+    before = own_metrics(server.base_url)
+    for sent, _ in REFUSED_OVER_HTTP:
+        body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}],
+                **sent.get("body", {})}
+        assert _post(server, body, raw=sent.get("raw"))[0] >= 400
+    # min_tokens > max_tokens is the I/O thread's refusal: an error, not an HTTP refusal
+    assert _post(server, {"model": server.model, "max_tokens": 2, "min_tokens": 3,
+                          "messages": [{"role": "user", "content": "hi"}]})[0] == 400
+    after = own_metrics(server.base_url)  # the live snapshot: no wait
+    codes = [code for _, code in REFUSED_OVER_HTTP]
+    for code in set(codes):
+        assert (frontend_count(after, "mmlane_http_refused", code)
+                - frontend_count(before, "mmlane_http_refused", code)) == codes.count(code), code
+        assert frontend_count(after, "mmlane_errors", code) == frontend_count(
+            before, "mmlane_errors", code) + (code == "invalid_request"), code
+    expected = {code: int(frontend_count(after, "mmlane_http_refused", code)) for code in codes}
+    stats = wait_for_stats(server.run_dir, lambda s: s.role == "frontend" and all(
+        s.http_refused.get(code, 0) >= count for code, count in expected.items()),
+        "the frontend's stats counting the refusals")
+    assert {code: stats.http_refused[code] for code in expected} == expected
 
 
 # ---------------------------------------------------------------- lanes and disconnects

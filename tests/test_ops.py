@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, free_port, role_log, start_role
@@ -30,11 +31,13 @@ from services.bench.images import ImageSource, jpeg_uri
 from services.cli import main
 from services.client import Client, user_message
 from services.common.config import ipc
+from services.common.prometheus import metric_name
 from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.ops.discovery import Targets, endpoint_label
-from services.ops.exporter import metric_name
 from services.ops.feed import ProcessSnapshots, StatsFeed
 from services.ops.lanes import lanes
+from services.ops.stats_cli import snapshot_text
+from services.ops.text import errors_text
 
 ROLES = ["frontend", "mm-worker", "engine"]
 STATS_INTERVAL = "0.2"
@@ -375,3 +378,19 @@ def test_a_process_that_stops_publishing_goes_stale() -> None:
     process.add(_stats(7, 20.0, [1, 0, 0]), now=110.0)  # publishes every 10 s
     assert process.fresh(now=130.0)
     assert not process.fresh(now=150.0)
+
+
+@pytest.mark.parametrize(("errors", "refused", "text"), [
+    ({}, {}, "-"),
+    ({"timeout": 1}, {}, "timeout 1"),
+    ({}, {"model_not_found": 2}, "http refused model_not_found 2"),
+    ({"timeout": 1}, {"invalid_request": 3, "invalid_api_key": 1},
+     "timeout 1; http refused invalid_api_key 1, invalid_request 3"),
+])
+def test_top_and_stats_show_the_http_refusals_after_the_errors(
+    errors: dict[str, int], refused: dict[str, int], text: str
+) -> None:
+    stats = replace(_stats(7, 10.0, [1, 0, 0]), role="frontend", errors=errors,
+                    http_refused=refused)
+    assert errors_text(stats) == text
+    assert f"  errors    {text}" in snapshot_text(stats).splitlines()

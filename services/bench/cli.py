@@ -33,7 +33,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     BENCH_SETTINGS.add_to(p)
     p.add_argument("--serve-args", type=shlex.split, metavar="'ARGS'",
                    help="extra `mmlane serve` arguments for mmlane's roles; every mode's engine "
-                   "gets serve's engine arguments (e.g. '--torch-threads 1')")
+                   "gets serve's engine arguments (e.g. '--torch-threads 1'; default: none)")
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=Path("mmlane-bench.json"), metavar="PATH",
                    help="results file (default mmlane-bench.json); schema: --schema")

@@ -11,8 +11,9 @@ A histogram takes a short lock per observation (uncontended: well under a micros
 latencies of a millisecond and more), so its snapshot is consistent and no observation is lost.
 Counters do not lock: the snapshot copies each dict in one C-level call (atomic under the GIL);
 a counter that two threads bump at once (an error code counted by the engine's input and main
-threads) could in a rare race lose an increment. These numbers are for watching and alerting,
-not for accounting.
+threads) could in a rare race lose an increment, so the frontend's HTTP thread counts its
+refusals in a Counter that only it writes (`http_refused`). These numbers are for watching and
+alerting, not for accounting.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class Metrics:
         self.started = time.monotonic()
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.http_refused: Counter[str] = Counter()
+        """Requests the HTTP API refused before it submitted them, by code (its thread only)."""
         self.histograms: dict[str, Histogram] = {}
         self.state = "serving"
         self._gauges: dict[str, Callable[[], int]] = {}
@@ -148,6 +151,7 @@ class Metrics:
             counters=counters, errors=dict(self.errors),
             histograms={name: h.snapshot() for name, h in dict(self.histograms).items()},
             interval_s=self.interval_s, restarts=self.restarts,
+            http_refused=dict(self.http_refused),
         )
 
     def pong(self) -> Pong:

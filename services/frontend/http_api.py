@@ -16,11 +16,15 @@ With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
 
 Routes: POST /v1/chat/completions and POST /v1/completions (JSON, or `stream: true` as
-server-sent events ending with `data: [DONE]`), GET /v1/models, GET /health. A completion's
+server-sent events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (this
+frontend's stats in Prometheus' text format, the families `mmlane exporter` gives it; like
+/health, and like vLLM's /metrics, outside the API keys: a scraper has none). A completion's
 prompt is one text or one list of token ids (alone or as a list's only element); a batch of
 several prompts is refused. Errors are OpenAI-style bodies,
 `{"error": {"message", "type", "param", "code"}}`, with the status of the code
-(`protocol.errors.CODES`).
+(`protocol.errors.CODES`). A request this module refuses itself, before it submits anything (bad
+JSON, an unsupported field, an unknown model, an API key, a body too large), is counted by code
+in `Metrics.http_refused`, written by this thread alone.
 
 `n` > 1 asks for n independent choices: the API sends n native requests (`parallel_requests`,
 seeded as vLLM seeds its parallel samples) and merges their replies (`Choices`), each with its
@@ -57,6 +61,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from protocol.codec import Codec
 from protocol.errors import CODES, ErrorInfo, FatalError, RequestError, http_status
@@ -74,6 +79,8 @@ from protocol.messages import (
 )
 from protocol.sampling import MAX_LOGPROBS
 from services.common.lifecycle import DRAINING_CODE
+from services.common.prometheus import OwnStatsCollector, registry_of
+from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +116,12 @@ class HttpApi:
     def __init__(
         self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
         max_body_bytes: int, alive: Callable[[], bool], draining: Callable[[], bool],
-        api_keys: list[str], max_n: int,
+        api_keys: list[str], max_n: int, metrics: Metrics,
     ) -> None:
         self.model_id = model_id
         self._max_n = max_n
+        self._metrics = metrics
+        self._prometheus = registry_of(OwnStatsCollector(metrics.snapshot))
         self._api_keys = [key.encode() for key in api_keys]
         self._client_endpoint = client_endpoint
         self._host, self._port = host, port
@@ -172,6 +181,7 @@ class HttpApi:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._prometheus_metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=1.0)
         await self._runner.setup()
@@ -232,12 +242,17 @@ class HttpApi:
             return await handler(request)
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            return _error_response(ApiError(
+            return self._refuse(ApiError(
                 "no API key: send it as the header `Authorization: Bearer KEY`",
                 "invalid_api_key"))
         if not _known_key(key.strip().encode(), self._api_keys):
-            return _error_response(ApiError("the API key is not valid", "invalid_api_key"))
+            return self._refuse(ApiError("the API key is not valid", "invalid_api_key"))
         return await handler(request)
+
+    def _refuse(self, error: ApiError) -> web.Response:
+        """The answer to a request refused here, before it reached the I/O thread: counted."""
+        self._metrics.http_refused[error.code] += 1
+        return _error_response(error)
 
     async def _health(self, _: web.Request) -> web.Response:
         if self._draining():
@@ -245,6 +260,10 @@ class HttpApi:
         if self._alive():
             return web.json_response({"status": "ok"})
         return _error_response(ApiError("the frontend's I/O loop is not turning", "overloaded"))
+
+    async def _prometheus_metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._prometheus),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, _: web.Request) -> web.Response:
         model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mmlane"}
@@ -263,7 +282,7 @@ class HttpApi:
                                                              route)
             n = n_of(body, self._max_n)
         except ApiError as exc:
-            return _error_response(exc)
+            return self._refuse(exc)
         async with self._choices(parallel_requests(request, n)) as choices:
             firsts = await choices.firsts()
             if isinstance(firsts, ChatError):

@@ -165,6 +165,7 @@ class Frontend:
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
                 draining=lambda: self._stop.is_set(), api_keys=config.api_keys(),
                 max_n=config.max_n,
+                metrics=self.metrics,
             )
             try:
                 self.http.start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -20,7 +19,7 @@ import msgspec
 from protocol.messages import Stats
 from services.ops.discovery import targets
 from services.ops.feed import ProcessSnapshots, StatsFeed
-from services.ops.text import counts_text, latency_text, state_text, uptime_text
+from services.ops.text import counts_text, errors_text, latency_text, state_text, uptime_text
 
 
 def stats_command(args: argparse.Namespace) -> int:
@@ -69,9 +68,6 @@ def _print_stream(feed: StatsFeed, as_json: bool) -> int:
                       flush=True)
     except KeyboardInterrupt:
         return 0
-    except BrokenPipeError:  # the reader is gone (`| head`): stop quietly, as cat would
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 def snapshot_text(stats: Stats) -> str:
@@ -82,7 +78,7 @@ def snapshot_text(stats: Stats) -> str:
         f"{uptime_text(stats.uptime_s)}  in flight {stats.in_flight}  epoch {stats.epoch}",
         f"  queues    {counts_text(stats.queues)}",
         f"  counters  {counts_text(stats.counters)}",
-        f"  errors    {counts_text(stats.errors)}",
+        f"  errors    {errors_text(stats)}",
     ]
     for name, histogram in sorted(stats.histograms.items()):
         lines.append(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from protocol.messages import Stats
+
 
 def latency_text(seconds: float) -> str:
     """A latency at a useful precision: '0.42 ms', '12.3 ms', '1.25 s'."""
@@ -38,6 +40,15 @@ def uptime_text(seconds: float) -> str:
 def counts_text(counts: Mapping[str, int]) -> str:
     """'arrivals 0, running 2'; '-' when empty."""
     return ", ".join(f"{name} {count}" for name, count in sorted(counts.items())) or "-"
+
+
+def errors_text(stats: Stats) -> str:
+    """The errors by code, then the HTTP API's refusals: 'timeout 1; http refused
+    model_not_found 2'; '-' when there are none."""
+    parts = [counts_text(stats.errors)] if stats.errors else []
+    if stats.http_refused:
+        parts.append(f"http refused {counts_text(stats.http_refused)}")
+    return "; ".join(parts) or "-"
 
 
 def state_text(state: str, restarts: int) -> str:

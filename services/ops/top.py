@@ -14,7 +14,6 @@ text and exits: 1 if a process sent nothing, else 0.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -27,7 +26,7 @@ from rich.text import Text
 from services.ops.discovery import Targets, targets
 from services.ops.feed import ProcessSnapshots, StatsFeed
 from services.ops.lanes import Lane, lanes
-from services.ops.text import counts_text, ms_text, state_text, uptime_text
+from services.ops.text import counts_text, errors_text, ms_text, state_text, uptime_text
 
 # Columns the plain-text view (--once, output not a terminal) is laid out for.
 PLAIN_WIDTH = 150
@@ -48,11 +47,7 @@ def top_command(args: argparse.Namespace) -> int:
 
 def _print_once(feed: StatsFeed, timeout_s: float) -> int:
     feed.wait_for(2, timeout_s)
-    try:
-        print(plain_text(render(feed, time.monotonic())), flush=True)
-    except BrokenPipeError:  # the reader stopped early (`| head`): nothing left to say
-        # Python flushes stdout again at exit, which would fail again, loudly: point it nowhere.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(plain_text(render(feed, time.monotonic())), flush=True)
     return 1 if feed.silent() else 0
 
 
@@ -123,7 +118,7 @@ def _process_row(process: ProcessSnapshots, now: float) -> list[str]:
     return [
         stats.role, stats.name, str(stats.pid), state, uptime_text(stats.uptime_s),
         str(stats.in_flight), counts_text(stats.queues), _request_rate(process) if fresh else "-",
-        counts_text(stats.errors),
+        errors_text(stats),
     ]
 
 
