@@ -142,6 +142,9 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     image_backend: ImageBackend = "auto"
     """The image processor's backend: auto (torchvision when it imports, as transformers and
     vLLM choose; else pil), pil (the reference; no torchvision needed) or torchvision."""
+    mm_processes: int = 0
+    """Processes that decode and process images for this worker, in order all the same (1: the
+    worker's own thread does it); 0: one per 4 cores this process may use, at least 1."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:
@@ -155,6 +158,10 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"allowed_media_schemes: unknown scheme(s) {sorted(unknown)} "
                              "(choose from data, https, http)")
         _positive(self, "media_connect_timeout_s", "media_fetch_timeout_s", "fetch_ahead_jobs")
+        if self.mm_processes < 0:
+            raise ValueError(f"mm_processes must be 0 (by the cores) or more, got "
+                             f"{self.mm_processes}")
+        self.mm_processes = self.mm_processes or max(1, len(os.sched_getaffinity(0)) // 4)
         if self.media_max_redirects < 0 or self.media_fetch_retries < 0:
             raise ValueError("media_max_redirects and media_fetch_retries must be 0 or more")
         self.mm_worker_endpoint = self.mm_worker_endpoint or ipc("mm-worker")

@@ -117,6 +117,14 @@ class SenderCache:
         self.counters["cache_misses"] += len(hashes) - hits
         return found
 
+    def guess(self, hashes: list[str], invalidate: list[str], engine_epoch: int) -> list[bool]:
+        """For each hash, whether `lookup` would find it if nothing were committed before: a
+        guess for a job started ahead of others (counts nothing, changes nothing)."""
+        if engine_epoch > self.engine_epoch:  # P0 will start over before this job's lookup
+            return [False] * len(hashes)
+        dropped = set(invalidate)
+        return [self.in_use and h not in dropped and h in self.cache for h in hashes]
+
     def header(self, invalidate: list[str]) -> MMCacheHeader | None:
         """What the engine needs to mirror the commit of the next request (None: not in use)."""
         if not self.in_use:

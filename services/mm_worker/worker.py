@@ -4,14 +4,20 @@ Socket reading stays at the edge, on a thread that owns the job socket:
 
     mm-worker-input   job socket (PULL, bound) → decode → cancels applied to the queue at once;
                       jobs (their http(s) fetches started) and engine-epoch notices → the queue
-    mm-worker-fifo    1. take the head of the queue once its own fetches are done
-    (serve)           2. load, hash, look up the sender cache, decode and process the misses
-                      3. send one EngineRequest to the engine (PUSH)
-                      4. commit it to the sender cache; a failed job's RequestFailed goes to its
+    mm-worker-fifo    1. take the head of the queue once its own fetches are done; load, hash,
+    (serve)              start decoding and processing the images the engine lacks (inline, or
+                         in the pool of `mm_processes` processes: services/mm_worker/pool.py)
+                      2. the oldest started job, once its images are done: look up the sender
+                         cache, send one EngineRequest to the engine (PUSH)
+                      3. commit it to the sender cache; a failed job's RequestFailed goes to its
                          `reply_to` instead
 
-One thread processes one job at a time, so jobs leave in the order they arrived: the order the
-sender cache relies on, since each request is committed to it right after its send. So that
+One thread starts and finishes every job, finishing them in the order it started them, so jobs
+leave in the order they arrived: the order the sender cache relies on, since each request is
+committed to it right after its send, and looked up (step 2) only after every request before
+it was committed. With a pool, up to two jobs per process are started ahead, so that the
+processes stay busy while the oldest job is finished; without one, a job is started only when
+the one before it has left, as a plain loop would. So that
 neither a slow image server nor a big image holds up what comes behind it, jobs are received
 into a bounded queue (`fetch_ahead_jobs`) while the loop works, and the fetches of their http(s)
 images start on arrival (`MediaFetcher`, its own thread); the loop takes the head, waiting only
@@ -70,8 +76,9 @@ from services.common.sockets import ReplySockets, make_socket
 from services.common.stats import Metrics, log_totals
 from services.mm_worker.cache import ImageHasher, SenderCache
 from services.mm_worker.fetch import FetchPolicy, MediaFetcher
-from services.mm_worker.jobs import JobRenderer
+from services.mm_worker.jobs import JobRenderer, StartedJob
 from services.mm_worker.media import MediaPolicy, configure_pillow, is_fetched
+from services.mm_worker.pool import ProcessPool
 from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -103,9 +110,8 @@ class MMWorker:
     def __init__(self, config: MMWorkerConfig) -> None:
         self.config = config
         self.endpoint = config.mm_worker_endpoint
-        self.preprocessor = load_preprocessor(
-            resolve_model_dir(config.model), config.image_backend
-        )
+        model_dir = resolve_model_dir(config.model)
+        self.preprocessor = load_preprocessor(model_dir, config.image_backend)
         self.media = MediaPolicy.from_config(config)
         self.metrics = Metrics("mm-worker", config.ops.name)
         self.metrics.model = self.preprocessor.model_id
@@ -129,7 +135,11 @@ class MMWorker:
                                  capacity_bytes(config.mm_cache_gb))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              self.preprocessor.image_processor.to_dict())
-        self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher, self.metrics)
+        self.pool = (ProcessPool(model_dir, self.preprocessor.image_backend,
+                                 config.max_image_pixels, config.mm_processes)
+                     if config.mm_processes > 1 else None)
+        self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher,
+                                    self.metrics, self.pool)
         self.fetcher = MediaFetcher(fetch_policy(config))
         policy = self.fetcher.policy
         log.info(
@@ -143,14 +153,17 @@ class MMWorker:
         self._queue: collections.deque[PendingJob | EngineEpoch] = collections.deque()
         self._queue_changed = threading.Condition()
         """Guards `_queue`; notified when an item comes or goes and when a fetch finishes."""
-        self._processing = 0  # 1 while the loop works on a job taken off the queue
+        self._started: collections.deque[StartedJob | EngineEpoch] = collections.deque()
+        """Jobs started and not yet finished, and the notices between them, in arrival order
+        (the loop's alone; guarded by `_queue_changed` for the counts other threads read)."""
+        self._ahead = 2 * config.mm_processes if self.pool else 1
         self._stop = Stop()  # serve's: from its signal on, new jobs are refused
         self._input_done = threading.Event()
         self._input: threading.Thread | None = None
         self.metrics.add_counters(self.cache.counters)
         self.metrics.epoch = lambda: self.cache.epoch
         self.metrics.gauge("jobs_queued", lambda: len(self._queue))
-        self.metrics.in_flight = lambda: len(self._queue) + self._processing
+        self.metrics.in_flight = lambda: len(self._queue) + len(self._started)
         log.info(
             "model %s (%s), engine at %s, file:// %s, feature cache %s",
             self.preprocessor.model_id, self.preprocessor.family.name, config.engine_endpoint,
@@ -174,19 +187,26 @@ class MMWorker:
         self._fail_queued(unfinished_at_drain_timeout("MM worker", stop))
 
     def _turn(self) -> None:
-        head = self._next_head()  # 1. the oldest job, once its own fetches are done
-        if head is None:
-            return
-        self._processing = 1
-        self.metrics.observe("queue_wait", time.monotonic() - head.received_at)
-        try:
-            self._process(head)
-        finally:
-            self._processing = 0
+        """Finish the oldest started job if it is ready, start the next one if there is room;
+        wait up to POLL_MS when neither can be done."""
+        with self._queue_changed:
+            if not self._queue_changed.wait_for(self._can_turn, POLL_MS / 1e3):
+                return
+            oldest = self._started.popleft() if self._oldest_ready() else None
+            head = self._pop_head() if oldest is None and self._room() else None
+            self._queue_changed.notify_all()  # room for the input thread
+        if oldest is not None:
+            self._finish(oldest)
+        elif head is not None:
+            self._start(head)
 
-    def _process(self, head: PendingJob) -> None:
-        """Steps 2-4 for one job, or its terminal error: it fails alone."""
-        job = head.job
+    def _start(self, item: PendingJob | EngineEpoch) -> None:
+        """Step 1 for one job: its failure is its alone."""
+        if isinstance(item, EngineEpoch):
+            self._add_started(item)
+            return
+        job = item.job
+        self.metrics.observe("queue_wait", time.monotonic() - item.received_at)
         if job.deadline and job.deadline <= time.time():  # nobody waits for it any more
             self.metrics.counters["expired"] += 1
             self._fail(job, RetryableError(
@@ -195,19 +215,38 @@ class MMWorker:
             ))
             return
         try:
-            # 2. load, hash, look up the sender cache, decode and process the misses
-            request = self.renderer.render(job, head.fetches)
+            started = self.renderer.start(job, item.fetches)
         except Exception as exc:
             self._fail(job, exc)
             return
-        if self._send(job, request):  # 3. send one EngineRequest to the engine
-            self.cache.commit(request)  # 4. commit it to the sender cache, in send order
-            self.metrics.observe("mm_job", time.monotonic() - head.received_at)
+        started.received_at = item.received_at
+        for work in started.work.values():
+            work.add_done_callback(self._wake)
+        self._add_started(started)
+
+    def _finish(self, item: StartedJob | EngineEpoch) -> None:
+        """Steps 2-3 for the oldest started job (or a notice, applied in its turn)."""
+        if isinstance(item, EngineEpoch):
+            if self.cache.see_engine_epoch(item.engine_epoch):
+                log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
+                         item.engine_epoch, self.cache.epoch)
+            return
+        job = item.job
+        try:
+            request = self.renderer.finish(item)
+        except Exception as exc:
+            self._fail(job, exc)
+            return
+        if self._send(job, request):  # 2. send one EngineRequest to the engine
+            self.cache.commit(request)  # 3. commit it to the sender cache, in send order
+            self.metrics.observe("mm_job", time.monotonic() - item.received_at)
 
     def close(self) -> None:
         """Close every socket (flushing within their linger) and the context."""
         self._stop_input()
         log_totals(self.metrics)
+        if self.pool is not None:
+            self.pool.close()
         self.fetcher.close()
         self._failures.close()
         self._engine.close()
@@ -216,42 +255,47 @@ class MMWorker:
 
     # ------------------------------------------------------------ the FIFO loop's side
 
-    def _next_head(self) -> PendingJob | None:
-        """Pop the head once it can be processed, waiting up to POLL_MS for one; engine-epoch
-        notices before it are applied here, in their turn."""
-        with self._queue_changed:
-            head = self._ready_head()
-            if head is None:
-                self._queue_changed.wait(POLL_MS / 1e3)
-                head = self._ready_head()
-            if head is not None:
-                self._queue_changed.notify_all()  # room for the input thread
-            return head
+    def _can_turn(self) -> bool:
+        return self._oldest_ready() or (self._room() and self._head_ready())
 
-    def _ready_head(self) -> PendingJob | None:
-        while self._queue:
-            head = self._queue[0]
-            if isinstance(head, PendingJob):
-                if not head.ready():
-                    return None
-                self._queue.popleft()
-                return head
-            self._queue.popleft()
-            if self.cache.see_engine_epoch(head.engine_epoch):
-                log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
-                         head.engine_epoch, self.cache.epoch)
-        return None
+    def _oldest_ready(self) -> bool:
+        oldest = self._started[0] if self._started else None
+        return oldest is not None and (isinstance(oldest, EngineEpoch) or oldest.ready())
+
+    def _room(self) -> bool:
+        return len(self._started) < self._ahead
+
+    def _head_ready(self) -> bool:
+        head = self._queue[0] if self._queue else None
+        return head is not None and (isinstance(head, EngineEpoch) or head.ready())
+
+    def _pop_head(self) -> PendingJob | EngineEpoch | None:
+        return self._queue.popleft() if self._head_ready() else None
+
+    def _add_started(self, item: StartedJob | EngineEpoch) -> None:
+        with self._queue_changed:
+            self._started.append(item)
+
+    def _wake(self, _: object) -> None:
+        """A done-callback: an image finished, so the oldest job may be ready."""
+        with self._queue_changed:
+            self._queue_changed.notify_all()
 
     def _jobs_queued(self) -> int:
         with self._queue_changed:
-            return sum(isinstance(item, PendingJob) for item in self._queue)
+            return sum(isinstance(item, PendingJob | StartedJob)
+                       for item in (*self._queue, *self._started))
 
     def _fail_queued(self, error: MMLaneError) -> None:
-        """At the end: every job still queued gets `error`."""
+        """At the end: every job still started or queued gets `error`."""
         with self._queue_changed:
-            left, self._queue = self._queue, collections.deque()
+            left = [*self._started, *self._queue]
+            self._started, self._queue = collections.deque(), collections.deque()
         for item in left:
-            if isinstance(item, PendingJob):
+            if isinstance(item, StartedJob):
+                item.cancel()
+                self._fail(item.job, error)
+            elif isinstance(item, PendingJob):
                 for fetch in item.fetches.values():
                     fetch.cancel()
                 self._fail(item.job, error)

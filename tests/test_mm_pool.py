@@ -1,0 +1,408 @@
+"""The MM worker with a pool of image processes: order and the mirrored cache kept exactly.
+
+    PipelineHistories  hypothesis drives the real worker's start/finish pipeline (`MMWorker`
+                       with real sockets, its pool's processes played by the test: each image's
+                       work completes, fails or dies when and in what order the test says),
+                       with cancels, bad images, engine-epoch notices and evictions. After every
+                       step: the requests reached the engine in arrival order, each hash-only
+                       item is held by the engine's mirror (P1), and P0 equals P1
+    TestRealPool       `mmlane mm-worker --mm-processes 2`: requests equal the in-process
+                       processor's and leave in arrival order; a pool process killed while it
+                       holds an image fails that job alone (retryable) and is replaced
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from conftest import start_role, stop_role
+from peers import Inbox, StandInEngine, push, send, wait_until
+from protocol.errors import RequestError, RetryableError
+from protocol.messages import (
+    EngineEpoch,
+    EngineRequest,
+    FrontendInput,
+    ImageUrl,
+    MMJob,
+    RequestFailed,
+    SamplingParams,
+)
+from services.bench.images import data_uri, encode, noise_image
+from services.common.config import MMWorkerConfig
+from services.common.feature_cache import FeatureCache, commit
+from services.mm_worker import worker as worker_module
+from services.mm_worker.media import decode_image
+from services.mm_worker.pool import Processed
+from services.mm_worker.worker import MMWorker
+from services.model import ImageItem, Preprocessor, load_preprocessor
+
+IMAGES = 3
+ACTIONS = ["arrive"] * 4 + ["turn"] * 6 + ["work_ends"] * 5 + ["cancel", "engine_restarts"]
+
+
+@cache
+def preprocessor(model_dir: str) -> Preprocessor:
+    return load_preprocessor(model_dir)
+
+
+def image_url(number: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(f"image-{number}".encode()).decode()
+
+
+def image_number(data: bytes) -> int:
+    return int(data.decode().removeprefix("image-"))
+
+
+class HeldPool:
+    """The pool's side of the contract (`submit` -> a future), its work done when the test
+    says: each task waits in `tasks` until completed, failed or 'killed'."""
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[int, bytes, concurrent.futures.Future[Processed]]] = []
+
+    def submit(self, index: int, data: bytes) -> concurrent.futures.Future[Processed]:
+        future: concurrent.futures.Future[Processed] = concurrent.futures.Future()
+        self.tasks.append((index, data, future))
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+class PipelineHistories(RuleBasedStateMachine):
+    """See the module docstring. `sizes[n]` bytes of value n stand for image n's tensors."""
+
+    model_dir = ""
+    run_dir = Path()
+
+    @initialize(capacity=st.integers(100, 500), sizes=st.lists(st.integers(60, 250),
+                min_size=IMAGES, max_size=IMAGES), bad=st.sets(st.integers(0, IMAGES - 1),
+                max_size=1), ahead=st.integers(1, 4))
+    def setup(self, capacity: int, sizes: list[int], bad: set[int], ahead: int) -> None:
+        self.sizes, self.bad = sizes, bad
+        self.ctx = zmq.Context.instance()
+        tag = next(_examples)
+        self.engine = Inbox.bound(self.ctx, f"ipc://{self.run_dir}/e{tag}.sock",
+                                  worker_module.EngineInput)
+        self.replies = Inbox.bound(self.ctx, f"ipc://{self.run_dir}/f{tag}.sock", FrontendInput)
+        config = MMWorkerConfig(
+            model=self.model_dir, mm_worker_endpoint=f"ipc://{self.run_dir}/w{tag}.sock",
+            engine_endpoint=self.engine.endpoint, mm_cache_gb=capacity / (1 << 30),
+            mm_processes=1,
+        )
+        self.worker = MMWorker(config)
+        self.pool = HeldPool()
+        self.worker.renderer.pool = self.pool  # type: ignore[assignment]
+        self.worker._ahead = ahead
+        self.p1: FeatureCache[int] = FeatureCache(self.worker.cache.cache.capacity)
+        self.p1_epoch = 0
+        self.ids = itertools.count()
+        self.engine_epoch = time.time_ns()  # known: the worker's cache is in use from the start
+        self.arrived: list[str] = []
+        self.cancelled: set[str] = set()
+        self.sent: list[str] = []
+        self.failed: dict[str, str] = {}
+
+    # ------------------------------------------------------------ events
+
+    @rule(action=st.sampled_from(ACTIONS), data=st.data())
+    def step(self, action: str, data: st.DataObject) -> None:
+        """One event, drawn with the weights of ACTIONS (restarts are the rare ones)."""
+        open_tasks = [task for task in self.pool.tasks if not task[2].done()]
+        if action == "arrive":
+            self.arrive(data.draw(st.lists(st.integers(0, IMAGES - 1), max_size=3)),
+                        data.draw(st.integers(1, 3)))
+        elif action == "turn" and self.worker._can_turn():
+            self.worker._turn()
+            self._take()
+        elif action == "work_ends" and open_tasks:
+            self.work_ends(data.draw(st.sampled_from(open_tasks)),
+                           data.draw(st.sampled_from(["done"] * 5 + ["died"])))
+        elif action == "cancel" and self.arrived:
+            self.cancel(data.draw(st.sampled_from(self.arrived)))
+        elif action == "engine_restarts":
+            self.engine_epoch = time.time_ns()
+            self.worker._enqueue(EngineEpoch(engine_epoch=self.engine_epoch))
+
+    def arrive(self, images: list[int], prompt: int) -> None:
+        pre = self.worker.preprocessor
+        request_id = f"r{next(self.ids)}"
+        job = MMJob(
+            request_id=request_id, reply_to=self.replies.endpoint,
+            prompt_token_ids=[5] * prompt + [pre.image_token_id] * len(images),
+            images=[ImageUrl(url=image_url(n)) for n in images],
+            sampling=SamplingParams(max_tokens=1), engine_epoch=self.engine_epoch,
+        )
+        self.arrived.append(request_id)
+        self.worker._enqueue(self.worker._start_fetches(job, time.monotonic()))
+
+    def work_ends(self, task: tuple[int, bytes, Any], outcome: str) -> None:
+        """One image's work ends, in any order: done (or the image's own error), or its
+        process died."""
+        index, payload, future = task
+        number = image_number(payload)
+        if outcome == "died":
+            future.set_exception(RetryableError("its process died", code="peer_restarted"))
+        elif number in self.bad:
+            future.set_exception(RequestError(f"image {index}: cannot decode",
+                                              code="invalid_image"))
+        else:
+            future.set_result(self.processed(number))
+
+    def processed(self, number: int) -> Processed:
+        pixels = np.full(self.sizes[number], number, dtype=np.uint8)
+        item = ImageItem(tensors={"pixel_values": pixels}, num_tokens=1 + number % 3)
+        return Processed(item, 0.0, 0.0)
+
+    def cancel(self, request_id: str) -> None:
+        queued = {item.job.request_id for item in self.worker._queue
+                  if isinstance(item, worker_module.PendingJob)}
+        if request_id in queued:
+            self.cancelled.add(request_id)
+        self.worker._cancel([request_id])
+
+    # ------------------------------------------------------------ what the engine sees
+
+    def _take(self) -> None:
+        """Read what the worker sent so far (its counts say how much is on its way)."""
+        metrics = self.worker.metrics
+        deadline = time.monotonic() + 10
+        while (len(self.sent) < metrics.counters["sent"]
+               or len(self.failed) < sum(metrics.errors.values())):
+            assert time.monotonic() < deadline, "sent messages never arrived"
+            self._read(timeout_ms=10)
+
+    def _read(self, timeout_ms: int) -> None:
+        while self.engine.sock.poll(timeout_ms):
+            request, _ = self.engine.take_frames(1)
+            assert isinstance(request, EngineRequest)
+            self.sent.append(request.request_id)
+            header = request.mm_cache
+            held: dict[str, int] = {}
+            if header is not None:
+                if header.sender_epoch != self.p1_epoch:
+                    self.p1.clear()
+                    self.p1_epoch = header.sender_epoch
+                held = commit(self.p1, request, lambda item: item.nbytes)
+            with_tensors = set()
+            for item in request.mm_items:
+                if item.tensors:
+                    number = int(item.tensors["pixel_values"][0])
+                    assert item.nbytes == self.sizes[number]
+                    with_tensors.add(item.mm_hash)
+                else:  # the engine has it: in its cache, or earlier in this request
+                    assert item.mm_hash in held or item.mm_hash in with_tensors, (
+                        f"{request.request_id}: {item.mm_hash[:8]} sent by hash, not held")
+        while self.replies.sock.poll(timeout_ms):
+            reply = self.replies.take(1)
+            assert isinstance(reply, RequestFailed)
+            self.failed[reply.request_id] = reply.error.code
+
+    @invariant()
+    def in_arrival_order_and_mirrored(self) -> None:
+        if not hasattr(self, "worker"):
+            return
+        self._take()
+        order = [self.arrived.index(request_id) for request_id in self.sent]
+        assert order == sorted(order), f"left out of order: {self.sent}"
+        cache = self.worker.cache
+        if cache.in_use and cache.epoch == self.p1_epoch:
+            assert cache.cache.entries() == self.p1.entries()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "worker"):
+            return
+        try:
+            for _ in range(200):
+                for task in self.pool.tasks:
+                    if not task[2].done():
+                        self.work_ends(task, "done")
+                if not (self.worker._queue or self.worker._started):
+                    break
+                if self.worker._can_turn():
+                    self.worker._turn()
+            self._take()
+            answered = self.sent + list(self.failed)
+            assert len(answered) == len(set(answered)), "a job answered twice"
+            assert set(answered) | self.cancelled == set(self.arrived), "a job never answered"
+            assert not set(answered) & self.cancelled, "a cancelled job was answered"
+        finally:
+            self.worker.close()
+            self.engine.close()
+            self.replies.close()
+
+
+_examples = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def patched_loading(qwen_dir: Path) -> Iterator[None]:
+    """Every MMWorker of the histories shares one loaded preprocessor (loading is slow)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker_module, "load_preprocessor",
+                      lambda model_dir, backend: preprocessor(str(model_dir)))
+        yield
+
+
+def test_pipeline_histories(patched_loading: None, qwen_dir: Path, tmp_path: Path) -> None:
+    PipelineHistories.model_dir = str(qwen_dir)
+    PipelineHistories.run_dir = tmp_path
+    machine = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                       suppress_health_check=list(HealthCheck))(PipelineHistories)
+    machine.TestCase().runTest()
+
+
+def test_an_image_guessed_held_but_evicted_since_is_sent_with_its_tensors(
+    patched_loading: None, qwen_dir: Path, tmp_path: Path
+) -> None:
+    """Job B starts while A still works and guesses that the engine holds its image; A's
+    commit evicts it: B must send the image's tensors, not its hash (the one case where the
+    guess is wrong in the harmful direction)."""
+    PipelineHistories.model_dir = str(qwen_dir)
+    PipelineHistories.run_dir = tmp_path
+    history = PipelineHistories()
+    history.setup(capacity=300, sizes=[200, 150, 50], bad=set(), ahead=2)
+
+    def turn() -> None:
+        assert history.worker._can_turn()
+        history.worker._turn()
+        history._take()
+
+    def work_ends() -> None:
+        for task in history.pool.tasks:
+            if not task[2].done():
+                history.work_ends(task, "done")
+
+    try:
+        history.arrive([1], 1)  # image 1 (150 bytes) reaches both caches
+        turn(), work_ends(), turn()
+        history.arrive([0], 1)  # A: image 0 (200 bytes) will evict image 1
+        history.arrive([1], 1)  # B: image 1, held for now
+        turn(), turn()
+        assert [len(job.work) for job in history.worker._started] == [1, 0]
+        work_ends(), turn()  # A leaves: image 1 evicted
+        tasks = len(history.pool.tasks)
+        pool_process = threading.Thread(target=lambda: (
+            wait_until(lambda: len(history.pool.tasks) > tasks, "B's image submitted"),
+            work_ends()))
+        pool_process.start()
+        turn()  # B: its image processed after all (the FIFO waits for it), then sent
+        pool_process.join()
+        history.in_arrival_order_and_mirrored()
+        assert history.sent == ["r0", "r1", "r2"]
+    finally:
+        history.teardown()
+
+
+# ---------------------------------------------------------------- the real pool
+
+
+def pool_pids(worker_pid: int) -> list[int]:
+    """The worker's pool processes: its children that run multiprocessing's spawn_main."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == worker_pid and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+class TestRealPool:
+    @pytest.fixture(scope="class")
+    def setup(self, qwen_dir: Path, module_run_dir: Path) -> Iterator[Any]:
+        ctx = zmq.Context.instance()
+        engine = StandInEngine.at(ctx, f"ipc://{module_run_dir}/pool-engine.sock")
+        replies = Inbox.bound(ctx, f"ipc://{module_run_dir}/pool-frontend.sock", FrontendInput)
+        worker = start_role("mm-worker", [
+            "--mm-worker-endpoint", f"ipc://{module_run_dir}/pool-worker.sock",
+            "--engine-endpoint", engine.endpoint, "--model", str(qwen_dir),
+            "--mm-processes", "2",
+        ], module_run_dir, log_dir=module_run_dir / "pool-worker")
+        assert worker.endpoint is not None
+        jobs = push(ctx, worker.endpoint)
+        try:
+            yield worker, engine, replies, jobs
+        finally:
+            jobs.close()
+            stop_role(worker)
+            engine.close()
+            replies.close()
+
+    def job(self, request_id: str, reply_to: str, *urls: str) -> MMJob:
+        pre = preprocessor_of_default()
+        prompt = pre.tokenize_batch([pre.render_prompt([{"role": "user", "content": [
+            *({"type": "image"} for _ in urls), {"type": "text", "text": "what is it?"}]}])])[0]
+        return MMJob(request_id=request_id, reply_to=reply_to, prompt_token_ids=prompt,
+                     images=[ImageUrl(url=url) for url in urls],
+                     sampling=SamplingParams(max_tokens=1))
+
+    def test_requests_equal_the_processors_in_arrival_order(self, setup: Any) -> None:
+        worker, engine, replies, jobs = setup
+        pre = preprocessor_of_default()
+        sizes = [(1600, 1200), (40, 30), (333, 517), (56, 56), (1024, 768), (64, 64)]
+        images = [noise_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
+        ids = [f"order-{i}" for i in range(len(images))]
+        for request_id, image in zip(ids, images, strict=True):  # big first, small behind it
+            send(jobs, self.job(request_id, replies.endpoint, data_uri(encode(image, "JPEG"))))
+        got = [engine.take() for _ in ids]
+        assert [request.request_id for request in got] == ids
+        for request, image in zip(got, images, strict=True):
+            expected = pre.process_image(decode_image(encode(image, "JPEG"), 0, 10**9))
+            (item,) = request.mm_items
+            for name, tensor in expected.tensors.items():
+                assert np.array_equal(item.tensors[name], tensor), name
+            assert item.length == expected.num_tokens
+
+    def test_a_dead_process_fails_its_job_alone_and_is_replaced(self, setup: Any) -> None:
+        worker, engine, replies, jobs = setup
+        before = pool_pids(worker.process.pid)
+        assert len(before) == 2
+        for pid in before:  # frozen, so the job's image waits inside one of them
+            os.kill(pid, signal.SIGSTOP)
+        image = data_uri(encode(noise_image(48, 32, seed=7), "PNG"))  # fits in a pipe
+        send(jobs, self.job("held", replies.endpoint, image))
+        time.sleep(0.5)  # the one sleep: nothing tells when the image is in a frozen process
+        for pid in before:
+            os.kill(pid, signal.SIGKILL)
+        failure = replies.take()
+        assert isinstance(failure, RequestFailed) and failure.request_id == "held"
+        assert failure.error.kind == "retryable" and failure.error.code == "peer_restarted"
+        assert "died" in failure.error.message
+        wait_until(lambda: len(pool_pids(worker.process.pid)) == 2,
+                   "the pool processes were replaced")
+        assert not set(pool_pids(worker.process.pid)) & set(before)
+        send(jobs, self.job("after", replies.endpoint, image))
+        request = engine.take()
+        assert request.request_id == "after" and request.mm_items[0].tensors
+        engine.assert_quiet()
+
+
+@cache
+def preprocessor_of_default() -> Preprocessor:
+    from services.model import resolve_model_dir
+
+    return load_preprocessor(resolve_model_dir(None))
