@@ -156,7 +156,7 @@ ERROR_CASES = [
     ("no-prompt", {"prompt": None}, "invalid_request",
      "prompt: a text or a list of token ids is required", "prompt"),
     ("not-a-prompt", {"prompt": 7}, "invalid_request", "Expected `str | array`.* at `prompt`",
-     None),
+     "prompt"),
     ("id-outside-vocab", {"prompt": [5, 10**6]}, "invalid_request",
      r"prompt: token id 1000000 is outside the vocabulary \(0\.\.\d+\)", "prompt"),
     ("negative-id", {"prompt": [-1]}, "invalid_request",

@@ -807,7 +807,7 @@ REFUSED_OVER_HTTP = [
     # what is sent, the code it is refused with
     ({"raw": b"{not json"}, "invalid_request"),
     ({"body": {"model": "gpt-9"}}, "model_not_found"),
-    ({"body": {"n": 2}}, "invalid_request"),
+    ({"body": {"n": 10**6}}, "invalid_request"),
     ({"raw": b" " * (MAX_BODY_BYTES + 1)}, "request_too_large"),
 ]
 

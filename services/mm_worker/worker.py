@@ -157,13 +157,14 @@ class MMWorker:
         """Jobs started and not yet finished, and the notices between them, in arrival order
         (the loop's alone; guarded by `_queue_changed` for the counts other threads read)."""
         self._ahead = 2 * config.mm_processes if self.pool else 1
+        self._turning = 0  # 1 while the loop starts or finishes a job off both queues
         self._stop = Stop()  # serve's: from its signal on, new jobs are refused
         self._input_done = threading.Event()
         self._input: threading.Thread | None = None
         self.metrics.add_counters(self.cache.counters)
         self.metrics.epoch = lambda: self.cache.epoch
         self.metrics.gauge("jobs_queued", lambda: len(self._queue))
-        self.metrics.in_flight = lambda: len(self._queue) + len(self._started)
+        self.metrics.in_flight = lambda: len(self._queue) + len(self._started) + self._turning
         log.info(
             "model %s (%s), engine at %s, file:// %s, feature cache %s",
             self.preprocessor.model_id, self.preprocessor.family.name, config.engine_endpoint,
@@ -195,10 +196,14 @@ class MMWorker:
             oldest = self._started.popleft() if self._oldest_ready() else None
             head = self._pop_head() if oldest is None and self._room() else None
             self._queue_changed.notify_all()  # room for the input thread
-        if oldest is not None:
-            self._finish(oldest)
-        elif head is not None:
-            self._start(head)
+        self._turning = 1
+        try:
+            if oldest is not None:
+                self._finish(oldest)
+            elif head is not None:
+                self._start(head)
+        finally:
+            self._turning = 0
 
     def _start(self, item: PendingJob | EngineEpoch) -> None:
         """Step 1 for one job: its failure is its alone."""
@@ -275,6 +280,7 @@ class MMWorker:
     def _add_started(self, item: StartedJob | EngineEpoch) -> None:
         with self._queue_changed:
             self._started.append(item)
+            self._turning = 0  # counted in `_started` from now on
 
     def _wake(self, _: object) -> None:
         """A done-callback: an image finished, so the oldest job may be ready."""
