@@ -110,13 +110,17 @@ class JobRenderer:
         """Steps 4-5, once the jobs started before this one were committed; raises the error
         of an image that failed (or any error) for this job alone."""
         job = started.job
-        if self.cache.see_engine_epoch(job.engine_epoch):
-            log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
-                     job.engine_epoch, self.cache.epoch)
+        self.follow_engine_epoch(job.engine_epoch)
         found = self.cache.lookup(started.hashes, job.mm_cache_invalidate)
         images = self._prepare(started, found)
         request = render_request(job, images, self.preprocessor)
         return replace(request, mm_cache=self.cache.header(job.mm_cache_invalidate))
+
+    def follow_engine_epoch(self, engine_epoch: int) -> None:
+        """Start the sender cache over when `engine_epoch` is newer than the one it mirrors."""
+        if self.cache.see_engine_epoch(engine_epoch):
+            log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
+                     engine_epoch, self.cache.epoch)
 
     def process_image(self, index: int, data: bytes) -> ImageItem:
         """Decode an image's bytes and run the model's image processor on it, here."""

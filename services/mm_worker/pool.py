@@ -20,6 +20,7 @@ retryable error and is replaced; the other tasks are not touched.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -119,9 +120,8 @@ class ProcessPool:
         self._lock = threading.Lock()
         self._wake_reader, self._wake_writer = self._ctx.Pipe(duplex=False)
         self._closing = False
-        self._numbers = iter(range(1 << 62))
+        self._numbers = itertools.count()
         self._restart_at: list[float] = []
-        self.deaths = 0
         self._members = [self._start() for _ in range(processes)]
         self._wait_ready()
         self._thread = threading.Thread(target=self._run, name="mm-worker-pool", daemon=True)
@@ -137,10 +137,6 @@ class ProcessPool:
             self._waiting.append(task)
         self._wake_writer.send_bytes(b"")
         return task.future
-
-    @property
-    def pids(self) -> list[int]:
-        return [m.process.pid for m in self._members if m.process.pid is not None]
 
     def close(self) -> None:
         """Stop every process; tasks not done fail as retryable."""
@@ -202,7 +198,6 @@ class ProcessPool:
         if member.process.is_alive():
             return
         member.process.join()
-        self.deaths += 1
         self._members.remove(member)
         member.close()
         log.error("image process %s (pid %s) died with status %s%s; replacing it",

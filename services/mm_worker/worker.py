@@ -232,9 +232,7 @@ class MMWorker:
     def _finish(self, item: StartedJob | EngineEpoch) -> None:
         """Steps 2-3 for the oldest started job (or a notice, applied in its turn)."""
         if isinstance(item, EngineEpoch):
-            if self.cache.see_engine_epoch(item.engine_epoch):
-                log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
-                         item.engine_epoch, self.cache.epoch)
+            self.renderer.follow_engine_epoch(item.engine_epoch)
             return
         job = item.job
         try:
