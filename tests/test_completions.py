@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_http import SEEDED, Server, client, server
+from test_http import SEEDED, Server, client, server, usage_and_reason
 
 from protocol.errors import RequestError
 from services.client import Client, user_message
@@ -102,9 +102,7 @@ class TestAnswers:
         if stream:
             _, chunks = streamed(client, server, PROMPT, stream_options={"include_usage": True},
                                  **kw)
-            usage = chunks[-1].usage
-            reason = next(c.choices[0].finish_reason for c in chunks
-                          if c.choices and c.choices[0].finish_reason)
+            usage, reason = usage_and_reason(chunks)
         else:
             completion = complete(client, server, PROMPT, **kw)
             usage, reason = completion.usage, completion.choices[0].finish_reason

@@ -133,6 +133,14 @@ def streamed(client: openai.OpenAI, server: Server, messages: list[dict[str, Any
     return text, chunks
 
 
+def usage_and_reason(chunks: list[Any]) -> tuple[Any, str]:
+    """A streamed answer's usage (its last chunk, with stream_options.include_usage) and the
+    finish reason of its one choice."""
+    reason = next(c.choices[0].finish_reason for c in chunks
+                  if c.choices and c.choices[0].finish_reason)
+    return chunks[-1].usage, reason
+
+
 # ---------------------------------------------------------------- answers
 
 
@@ -233,9 +241,7 @@ class TestSampling:
         if stream:
             _, chunks = streamed(client, server, messages, stream_options={"include_usage": True},
                                  **kw)
-            usage = chunks[-1].usage
-            reason = next(c.choices[0].finish_reason for c in chunks
-                          if c.choices and c.choices[0].finish_reason)
+            usage, reason = usage_and_reason(chunks)
         else:
             completion = chat(client, server, messages, **kw)
             usage, reason = completion.usage, completion.choices[0].finish_reason
@@ -333,8 +339,7 @@ class TestStructuredOutput:
         fields = {"max_tokens": 60, "response_format": json_schema(SCHEMAS[name])}
         if stream:
             text, chunks = streamed(client, server, user("Describe a lane."), **fields)
-            reason = next(c.choices[0].finish_reason for c in chunks
-                          if c.choices and c.choices[0].finish_reason)
+            _, reason = usage_and_reason(chunks)
         else:
             choice = chat(client, server, user("Describe a lane."), **fields).choices[0]
             text, reason = choice.message.content, choice.finish_reason
