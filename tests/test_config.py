@@ -228,13 +228,25 @@ def test_vllm_engine_arguments_pass_through_the_file_first_values_read_as_json(
     engine = config_from_argv("engine", [
         "--backend", "vllm", "--vllm-args-file", str(args_file),
         "--vllm-arg", "tensor_parallel_size=2", "--vllm-arg", "dtype=float32",
-        "--vllm-arg", 'limit_mm_per_prompt={"image": 4}', "--vllm-arg=--served-model-name=x",
+        "--vllm-arg", 'limit_mm_per_prompt={"image": 4, "video": 0}',
+        "--vllm-arg=--served-model-name=x",
     ], tmp_path)
     assert engine.backend == "vllm"
     assert engine.vllm.engine_args() == {
         "max_model_len": 2048, "enforce_eager": True, "dtype": "float32",
-        "tensor_parallel_size": 2, "limit_mm_per_prompt": {"image": 4}, "served_model_name": "x",
+        "tensor_parallel_size": 2, "limit_mm_per_prompt": {"image": 4, "video": 0},
+        "served_model_name": "x",
     }
+
+
+def test_vllm_engine_arguments_in_the_environment_are_one_per_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MMLANE_VLLM_ARG",
+                       'dtype=float32\nlimit_mm_per_prompt={"image": 4, "video": 0}')
+    engine = config_from_argv("engine", ["--backend", "vllm"], tmp_path)
+    assert engine.vllm.engine_args() == {"dtype": "float32",
+                                         "limit_mm_per_prompt": {"image": 4, "video": 0}}
 
 
 @pytest.mark.parametrize(("argv", "match"), [

@@ -20,12 +20,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
+import zmq
+from test_http import SCHEMAS, json_schema
 
 from conftest import REPO, free_port
-from peers import one_reply_each, wait_for_stats, wait_until
+from peers import StandInFrontend, one_reply_each, wait_for_stats, wait_until
 from protocol.errors import RequestError, RetryableError
-from protocol.messages import ChatMessage, SamplingParams, TextPart, TokenLogprobs
+from protocol.messages import (
+    ChatMessage,
+    EngineCacheReset,
+    EngineOutput,
+    EngineRequest,
+    RequestFailed,
+    ResetEngineCache,
+    SamplingParams,
+    TextPart,
+    TokenLogprobs,
+)
 from protocol.sampling import StructuredOutputs
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
@@ -37,10 +50,13 @@ psutil = pytest.importorskip("psutil")  # a dependency of vLLM's
 pytestmark = pytest.mark.timeout(1200)  # the first test waits for both servers to start
 
 STARTUP_S = 600.0  # vLLM's engine core starts in about a minute alone on two cores
-VLLM_ARGS = {
+VLLM_ARGS: dict[str, Any] = {
     # On the CPU, the share of memory vLLM reserves for its KV cache (not of a GPU's).
     "gpu_memory_utilization": 0.1,
     "dtype": "float32",
+    # Compact JSON, as the hf backend makes it: vLLM's default whitespace lets the tiny model
+    # write whitespace until max_tokens.
+    "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True},
 }
 MAX_TOKENS = 10
 TOP_LOGPROBS = 5
@@ -63,6 +79,11 @@ class Server:
                 self.process.wait()
 
 
+def _arg(value: Any) -> str:
+    """An engine argument's value on a command line: JSON, but a string as it is."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _start(command: list[str], log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -72,7 +93,7 @@ def _start(command: list[str], log: Path) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def vllm_alone(module_run_dir: Path, qwen_dir: Path) -> Iterator[tuple[Server, int]]:
     port = free_port()
-    args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
+    args = [f"--{key.replace('_', '-')}={_arg(value)}" for key, value in VLLM_ARGS.items()]
     log = module_run_dir / "vllm.log"
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(qwen_dir),
                             "--port", str(port), *args], log), log)
@@ -92,7 +113,7 @@ def mmlane_vllm(module_run_dir: Path, qwen_dir: Path,
     run_dir, log = module_run_dir / "run", module_run_dir / "serve.log"
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
     engine_args = {**VLLM_ARGS, "scheduling_policy": "priority"}
-    args = [f"--vllm-arg={key}={value}" for key, value in engine_args.items()]
+    args = [f"--vllm-arg={key}={_arg(value)}" for key, value in engine_args.items()]
     server = Server(_start(
         [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
          "--model", str(qwen_dir), "--port", str(port), "--http-port", str(http_port),
@@ -138,9 +159,17 @@ def _vllm_chat(port: int, model: str, messages: list[dict[str, Any]],
         f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=300) as reply:
-        result: dict[str, Any] = json.load(reply)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            result: dict[str, Any] = json.load(reply)
+    except urllib.error.HTTPError as error:  # the server's own words
+        raise AssertionError(f"{error}: {error.read().decode()}") from None
     return result
+
+
+def _stats(run_dir: Path, role: str) -> dict[str, int]:
+    """A role's counters as its stats show them now."""
+    return dict(wait_for_stats(run_dir, lambda s: s.role == role, f"the {role}'s stats").counters)
 
 
 def _openai_messages(system: str | None, prompt: str, images: list[str]) -> list[dict[str, Any]]:
@@ -256,6 +285,95 @@ def test_cancel_mid_stream_and_bad_input_each_get_one_reply(
         assert after.request_id != long_one
 
 
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_structured_output_matches_the_schema_and_vllm_alone(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+    name: str,
+) -> None:
+    """`response_format` through mmlane becomes vLLM's own structured output: the reply parses
+    and matches the schema, and its text is vLLM alone's for the same request."""
+    messages = _openai_messages(None, "Describe a lane.", [])
+    fields = {"max_tokens": 60, "response_format": json_schema(SCHEMAS[name])}
+    alone = _vllm_chat(vllm_alone[1], str(qwen_dir), messages, **fields)["choices"][0]
+    ours = _vllm_chat(mmlane_vllm[0].http_port, qwen_dir.name, messages, **fields)["choices"][0]
+    assert ours["finish_reason"] == "stop"  # the grammar ended the reply, not max_tokens
+    jsonschema.validate(json.loads(ours["message"]["content"]), SCHEMAS[name])
+    assert ours["message"]["content"] == alone["message"]["content"]
+
+
+def test_vllm_bench_serve_gets_exactly_the_tokens_it_asks_for(
+    mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path, tmp_path: Path,
+) -> None:
+    """vLLM's own benchmark client sends `ignore_eos`: every request gets its output length."""
+    prompts, output_len = 12, 24
+    command = [
+        str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--backend", "openai-chat",
+        "--endpoint", "/v1/chat/completions", "--dataset-name", "random-mm",
+        "--base-url", f"http://127.0.0.1:{mmlane_vllm[0].http_port}", "--model", qwen_dir.name,
+        "--tokenizer", str(qwen_dir), "--random-mm-base-items-per-request", "1",
+        "--random-mm-num-mm-items-range-ratio", "0",
+        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+        "--random-mm-bucket-config", "{(256, 256, 1): 1.0}", "--random-input-len", "16",
+        "--random-output-len", str(output_len), "--num-prompts", str(prompts), "--ignore-eos",
+        "--seed", "0", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "r.json",
+    ]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=cpu_wheels.child_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["completed"], result["total_output_tokens"]) == (prompts, prompts * output_len)
+
+
+@pytest.fixture
+def at_the_engine(mmlane_vllm: tuple[Server, str, Path]) -> Iterator[StandInFrontend]:
+    """A stand-in frontend talking to the serve's engine directly."""
+    run_dir = mmlane_vllm[2]
+    with zmq.Context() as ctx, StandInFrontend(ctx, f"ipc://{run_dir}/engine.sock",
+                                               f"ipc://{run_dir}/test-reply.sock") as frontend:
+        yield frontend
+
+
+def test_a_deadline_passing_mid_stream_stops_the_request_in_vllm(
+    mmlane_vllm: tuple[Server, str, Path], at_the_engine: StandInFrontend,
+) -> None:
+    long_one = EngineRequest(
+        request_id="deadline", reply_to=at_the_engine.reply_to, prompt_token_ids=[9, 10, 11],
+        sampling=SamplingParams(max_tokens=4000, ignore_eos=True), deadline=time.time() + 2.0)
+    replies = at_the_engine.run(long_one)["deadline"]
+    *outputs, last = replies
+    assert outputs and all(isinstance(m, EngineOutput) and not m.finished for m in outputs)
+    assert isinstance(last, RequestFailed) and last.error.code == "timeout", last
+    assert sum(len(m.token_ids) for m in outputs) < 4000
+    # vLLM dropped it (nothing runs), and serves on.
+    wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine" and s.queues.get("vllm_running")
+                   == 0, "vLLM running nothing")
+    with Client(mmlane_vllm[1], timeout_s=300) as client:
+        after = client.chat([user_message("hello")], max_tokens=4, ignore_eos=True)
+    assert after.error is None and len(after.token_ids) == 4
+
+
+def test_an_engine_cache_the_mm_worker_did_not_see_reset_costs_one_resend(
+    mmlane_vllm: tuple[Server, str, Path], at_the_engine: StandInFrontend,
+) -> None:
+    """The engine forgets what the MM worker believes it holds: the hash-only request is a cache
+    miss, the frontend resends the image once with its tensors, and the tokens are the same."""
+    _, endpoint, run_dir = mmlane_vllm
+    image = jpeg_uri(480, 360, 30)
+    with Client(endpoint, timeout_s=300) as client:
+        first = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
+        before = _stats(run_dir, "frontend")
+        # Behind the frontend's back: the engine's new epoch reaches no MM worker.
+        at_the_engine.send(ResetEngineCache(request_id="reset", reply_to=at_the_engine.reply_to))
+        assert isinstance(at_the_engine.take(), EngineCacheReset)
+        again = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
+    assert first.error is None and again.error is None
+    assert again.token_ids == first.token_ids
+    after = _stats(run_dir, "frontend")
+    assert after["cache_miss_resends"] == before.get("cache_miss_resends", 0) + 1
+    assert after.get("cache_miss_errors", 0) == before.get("cache_miss_errors", 0)
+
+
 @pytest.mark.parametrize("victim", ["vLLM's engine core", "the engine role"])
 def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
     mmlane_vllm: tuple[Server, str, Path], victim: str,
@@ -321,13 +439,10 @@ def test_the_sampling_fields_build_vllms_sampling_params() -> None:
     assert (params.max_tokens, params.temperature, params.presence_penalty,
             params.frequency_penalty, params.repetition_penalty) == (5, 0.5, 0.5, -0.5, 1.2)
     assert params.logit_bias == {3: -100.0, 7: 2.5}
-    # Compact JSON, as the hf backend makes it.
-    assert params.structured_outputs == StructuredOutputsParams(json=schema,
-                                                                disable_any_whitespace=True)
+    assert params.structured_outputs == StructuredOutputsParams(json=schema)
     any_object = _sampling_params(SamplingParams(
         structured_outputs=StructuredOutputs(json_object=True)))
-    assert any_object.structured_outputs == StructuredOutputsParams(json_object=True,
-                                                                    disable_any_whitespace=True)
+    assert any_object.structured_outputs == StructuredOutputsParams(json_object=True)
     plain = _sampling_params(SamplingParams())
     assert (plain.structured_outputs, plain.logit_bias, plain.repetition_penalty) == (None, None,
                                                                                       1.0)

@@ -7,7 +7,8 @@ type, default, docstring and validation. `Settings(Config)` turns every field in
   `drain_timeout_s` is `--drain-timeout`, its environment variable `MMLANE_DRAIN_TIMEOUT`;
 - the type is the annotation's: int, float and str take a value, a bool is a switch
   (`--x`, or `--x/--no-x` when it defaults to true), a Literal gives the choices, a list takes
-  comma-separated values and may be repeated;
+  comma-separated values and may be repeated (`Annotated[list[str], WHOLE]`: each value is one
+  item, commas and all, and its environment variable holds one item per line);
 - the help is the field's docstring, with the default and the environment variable;
 - a nested Struct's fields are flattened, named after the leaf field (`ops.drain_timeout_s` is
   `--drain-timeout`); where several leaves share a name, one flag sets them all.
@@ -39,6 +40,10 @@ PRECEDENCE = ("Each setting is taken from its flag, else from its MMLANE_* envir
               "(shown with the setting; empty counts as unset), else from its default.")
 
 
+WHOLE = "whole values"
+"""Marks a list setting whose items may hold commas (JSON, say): `Annotated[list[str], WHOLE]`."""
+
+
 @dataclass
 class Setting:
     """One flag, and the config fields (dotted paths) it sets."""
@@ -63,7 +68,7 @@ class Setting:
             return text.strip().lower() in ("1", "true", "yes", "on")
         try:
             if kind is list:
-                return _split(text, _item_type(self.annotation))
+                return _split(text, _item_type(self.annotation), _separator(self.annotation))
             return _scalar_type(self.annotation)(text)
         except ValueError as exc:
             raise FatalError(f"${self.env}: {exc}", code="bad_config") from None
@@ -202,9 +207,9 @@ def _argparse_kind(setting: Setting) -> dict[str, Any]:
     if kind is bool:
         return {"action": argparse.BooleanOptionalAction if setting.default else "store_true"}
     if kind is list:
-        item = _item_type(setting.annotation)
-        return {"action": _ListAction, "type": lambda text: _split(text, item),
-                "metavar": "LIST"}
+        item, whole = _item_type(setting.annotation), _whole(setting.annotation)
+        return {"action": _ListAction, "metavar": "VALUE" if whole else "LIST",
+                "type": lambda text: _split(text, item, None if whole else ",")}
     literal = _literal(setting.annotation)
     if literal:
         return {"choices": literal}
@@ -219,20 +224,39 @@ class _ListAction(argparse.Action):
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values])
 
 
-def _split(text: str, item: Callable[[str], Any]) -> list[Any]:
-    return [item(part.strip()) for part in text.split(",") if part.strip()]
+def _split(text: str, item: Callable[[str], Any], separator: str | None) -> list[Any]:
+    """The items of one value; `separator` None: the value is one item."""
+    parts = text.split(separator) if separator else [text]
+    return [item(part.strip()) for part in parts if part.strip()]
+
+
+def _separator(annotation: Any) -> str:
+    """What separates a list setting's items in its environment variable: a comma, or for a
+    WHOLE list a line break."""
+    return "\n" if _whole(annotation) else ","
+
+
+def _whole(annotation: Any) -> bool:
+    return WHOLE in getattr(_non_none(annotation), "__metadata__", ())
 
 
 def _non_none(annotation: Any) -> Any:
-    """`T` of `T | None`."""
+    """`T` of `T | None` (an Annotated `T` stays Annotated)."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
     return annotation
 
 
 def _kind(annotation: Any) -> Any:
-    annotation = _non_none(annotation)
+    annotation = _bare(annotation)
     return typing.get_origin(annotation) or annotation
+
+
+def _bare(annotation: Any) -> Any:
+    """`T` of `T | None` and of `Annotated[T, ...]`."""
+    annotation = _non_none(annotation)
+    return getattr(annotation, "__origin__", annotation) if hasattr(
+        annotation, "__metadata__") else annotation
 
 
 def _literal(annotation: Any) -> list[Any]:
@@ -241,7 +265,7 @@ def _literal(annotation: Any) -> list[Any]:
 
 
 def _item_type(annotation: Any) -> Callable[[str], Any]:
-    (item,) = typing.get_args(_non_none(annotation))
+    (item,) = typing.get_args(_bare(annotation))
     return _scalar_type(item)
 
 

@@ -264,10 +264,11 @@ def _copy_out(name: str, layout: list[tuple[str, str, tuple[int, ...], int]]) ->
     unlinked."""
     block = SharedMemory(name)
     try:
-        tensors = {}
+        tensors, buf = {}, block.buf
+        assert buf is not None  # None only once closed
         for key, dtype, shape, offset in layout:
             count = int(np.prod(shape))
-            view = np.frombuffer(block.buf, dtype=dtype, count=count, offset=offset)
+            view = np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
             tensors[key] = view.reshape(shape).copy()
             del view
         return tensors

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from protocol.errors import FatalError
+from services.common.settings import WHOLE
 
 
 class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    vllm_arg: list[str] = []
+    vllm_arg: Annotated[list[str], WHOLE] = []
     """A vLLM engine argument as KEY=VALUE, named as in vLLM's EngineArgs (vllm serve's options
     with underscores, no dashes): tensor_parallel_size=2, gpu_memory_utilization=0.9,
     max_model_len=8192, enable_prefix_caching=true. VALUE is read as JSON when it parses as JSON
-    (numbers, true/false, null, lists, objects), else as a string. Repeatable; passed to vLLM
-    unchanged and after --vllm-args-file's."""
+    (numbers, true/false, null, lists, objects: commas and all), else as a string. Repeatable
+    (one per line in the environment variable); passed to vLLM unchanged and after
+    --vllm-args-file's."""
     vllm_args_file: str | None = None
     """A JSON or YAML file (by its suffix: .yaml/.yml is YAML) holding one mapping of vLLM engine
     arguments, as --vllm-arg takes them."""

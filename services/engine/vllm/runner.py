@@ -243,9 +243,11 @@ def _sampling_params(sampling: SamplingParams) -> Any:
 
     # One to one: mmlane's sampling fields are named and mean as vLLM's.
     fields = msgspec.structs.asdict(sampling)
-    if sampling.structured_outputs is not None:  # compact JSON, as the hf backend makes it
+    if sampling.structured_outputs is not None:
+        # Whitespace is the engine's setting in vLLM 0.32 (its backends ignore the request's
+        # disable_any_whitespace): structured_outputs_config, see README "Serving with vLLM".
         fields["structured_outputs"] = StructuredOutputsParams(
-            **msgspec.structs.asdict(sampling.structured_outputs), disable_any_whitespace=True)
+            **msgspec.structs.asdict(sampling.structured_outputs))
     return VLLMSamplingParams(
         **fields,
         output_kind=RequestOutputKind.DELTA,
