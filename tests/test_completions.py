@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+from test_detokenize import split_stop
 from test_http import SEEDED, Server, client, server, usage_and_reason
 
 from protocol.errors import RequestError
@@ -144,6 +145,139 @@ class TestAnswers:
                 native.complete([])
 
 
+# ---------------------------------------------------------------- logprobs
+
+
+LEGACY_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+"""The lists of a completion choice's logprobs, one entry per output token each."""
+EIGHT_SEEDED = {"max_tokens": 8, "extra_body": {"ignore_eos": True}, **SEEDED}
+
+
+def choice_logprobs(client: openai.OpenAI, server: Server, *, stream: bool, prompt: Any = PROMPT,
+                    **kw: Any) -> list[tuple[str, dict[str, list[Any]]]]:
+    """Each choice's text and logprobs, in index order; a stream's chunks joined."""
+    if not stream:
+        completion = complete(client, server, prompt, **kw)
+        return [(c.text, c.logprobs.model_dump()) for c in completion.choices]
+    joined: dict[int, tuple[list[str], dict[str, list[Any]]]] = {}
+    for chunk in complete(client, server, prompt, stream=True, **kw):
+        for choice in chunk.choices:
+            texts, logprobs = joined.setdefault(
+                choice.index, ([], {key: [] for key in LEGACY_LOGPROBS}))
+            texts.append(choice.text)
+            if choice.logprobs is not None:  # the chunk with the finish reason has none
+                for key, values in choice.logprobs.model_dump().items():
+                    logprobs[key] += values
+    return [("".join(texts), logprobs) for _, (texts, logprobs) in sorted(joined.items())]
+
+
+class TestLogprobs:
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    @pytest.mark.parametrize("logprobs", [0, 3])
+    def test_each_choice_has_the_legacy_lists_with_the_sampled_token_first(
+        self, client: openai.OpenAI, server: Server, logprobs: int, stream: bool
+    ) -> None:
+        choices = choice_logprobs(client, server, stream=stream, n=2, logprobs=logprobs,
+                                  **EIGHT_SEEDED)
+        assert len(choices) == 2
+        for _, lists in choices:
+            assert [len(lists[key]) for key in LEGACY_LOGPROBS] == [8] * 4
+            for token, logprob, top in zip(lists["tokens"], lists["token_logprobs"],
+                                           lists["top_logprobs"], strict=True):
+                assert logprob <= 0
+                assert next(iter(top)) == token  # the sampled token first, as vLLM's
+                assert 1 <= len(top) <= logprobs + 1
+                others = list(top.values())[1:]
+                assert others == sorted(others, reverse=True)
+                if logprobs == 0:  # the sampled token alone
+                    assert top == {token: logprob}
+
+    def test_raw_http_shape_and_none_unless_asked(self, server: Server) -> None:
+        body = {"model": server.model, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
+        status, raw = _post(server, {**body, "logprobs": 2})
+        assert status == 200, raw
+        [choice] = json.loads(raw)["choices"]
+        assert set(choice["logprobs"]) == set(LEGACY_LOGPROBS)
+        assert [len(choice["logprobs"][key]) for key in LEGACY_LOGPROBS] == [3] * 4
+        for asked in ({}, {"logprobs": None}):
+            status, raw = _post(server, {**body, **asked})
+            assert status == 200, raw
+            assert json.loads(raw)["choices"][0]["logprobs"] is None
+
+    def test_streamed_logprobs_are_the_complete_ones(self, client: openai.OpenAI,
+                                                     server: Server) -> None:
+        """Also their text offsets: a chunk's go on from the previous chunk's tokens."""
+        kw = {"n": 2, "logprobs": 2, **EIGHT_SEEDED}
+        assert (choice_logprobs(client, server, stream=True, **kw)
+                == choice_logprobs(client, server, stream=False, **kw))
+
+    def test_they_are_the_engines_with_the_sampled_token_first_as_in_vllm(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        """As vLLM's: the sampled token, then the 3 most likely others."""
+        with Client(server.client_endpoint, timeout_s=120) as native:
+            result = native.complete(PROMPT, max_tokens=8, ignore_eos=True, logprobs=3,
+                                     **SEEDED)
+        [(text, lists)] = choice_logprobs(client, server, stream=False, logprobs=3,
+                                          **EIGHT_SEEDED)
+        positions = result.logprobs or []
+        assert text == result.text and len(positions) == 8
+        assert lists["tokens"] == [position.sampled.token for position in positions]
+        assert lists["token_logprobs"] == [position.sampled.logprob for position in positions]
+        assert [list(top.items()) for top in lists["top_logprobs"]] == [
+            [(entry.token, entry.logprob) for entry in [position.sampled, *[
+                other for other in position.top if other.token_id != position.sampled.token_id]]]
+            for position in positions]
+
+    def test_greedy_token_logprobs_are_the_chat_routes_for_its_prompt_ids(
+        self, client: openai.OpenAI, server: Server
+    ) -> None:
+        with Client(server.client_endpoint, timeout_s=120) as native:
+            prompt_ids = native.chat([user_message(PROMPT)], max_tokens=1).prompt_token_ids
+        greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        chat = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": PROMPT}], logprobs=True,
+            top_logprobs=3, **greedy)
+        [(text, lists)] = choice_logprobs(client, server, stream=False, prompt=prompt_ids,
+                                          logprobs=3, **greedy)
+        content = chat.choices[0].logprobs.content
+        assert text == chat.choices[0].message.content
+        assert lists["tokens"] == [entry.token for entry in content]
+        assert lists["token_logprobs"] == [entry.logprob for entry in content]
+        # greedy: the sampled token is the most likely, so both list the 3 most likely
+        assert lists["top_logprobs"] == [{top.token: top.logprob for top in entry.top_logprobs}
+                                         for entry in content]
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    def test_text_offsets_point_at_each_tokens_text(
+        self, client: openai.OpenAI, server: Server, stream: bool
+    ) -> None:
+        """The prompt is not echoed: the first token is at 0."""
+        [(text, lists)] = choice_logprobs(client, server, stream=stream, logprobs=0,
+                                          **{**EIGHT_SEEDED, "max_tokens": 16})
+        offsets, tokens = lists["text_offset"], lists["tokens"]
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+        for offset, token in zip(offsets, tokens, strict=True):
+            assert text[offset:].startswith(token), (offset, token, text)
+        # the texts cover the text, but for a last character its tokens leave incomplete
+        # (the text decodes it as U+FFFD; its token's text is "" as vLLM's)
+        assert text[offsets[-1] + len(tokens[-1]):].strip("\ufffd") == ""
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    def test_a_stop_string_ends_the_text_not_the_tokens_through_it(
+        self, client: openai.OpenAI, server: Server, prep: Preprocessor, stream: bool
+    ) -> None:
+        """As vLLM's: the tokens go on through the one that completed the stop string."""
+        with Client(server.client_endpoint, timeout_s=120) as native:
+            whole = native.complete(PROMPT, max_tokens=16, ignore_eos=True, **SEEDED)
+        stop, through = split_stop(prep, whole.token_ids)
+        [(text, lists)] = choice_logprobs(client, server, stream=stream, logprobs=1,
+                                          stop=[stop], **{**EIGHT_SEEDED, "max_tokens": 16})
+        assert text == whole.text[:whole.text.index(stop)]
+        assert len(lists["tokens"]) == through
+        assert "".join(lists["tokens"]).startswith(text + stop)
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -170,6 +304,14 @@ ERROR_CASES = [
     ("echo", {"echo": True}, "invalid_request", "echo: not supported", "echo"),
     ("suffix", {"suffix": "end"}, "invalid_request", "suffix: not supported", "suffix"),
     ("best-of-2", {"best_of": 2}, "invalid_request", "best_of: not supported", "best_of"),
+    ("logprobs-negative", {"logprobs": -1}, "invalid_request",
+     r"logprobs must be an integer in 0\.\.20, got -1", "logprobs"),
+    ("logprobs-above-20", {"logprobs": 21}, "invalid_request",
+     r"logprobs must be an integer in 0\.\.20, got 21", "logprobs"),
+    ("logprobs-not-integer", {"logprobs": 1.5}, "invalid_request",
+     r"logprobs must be an integer in 0\.\.20, got 1\.5", "logprobs"),
+    ("logprobs-boolean", {"logprobs": True}, "invalid_request",
+     r"logprobs must be an integer in 0\.\.20, got True", "logprobs"),
     ("max-tokens-0", {"max_tokens": 0}, "invalid_request", "max_tokens must be at least 1",
      "max_tokens"),
     ("too-long", {"prompt": [1] * 4096}, "prompt_too_long",

@@ -8,7 +8,9 @@ The API is a native client of the frontend's I/O thread: it sends native request
 inproc DEALER socket and reads the replies, so validation, admission, deadlines and the one
 terminal reply per request are the I/O thread's, not repeated here. This module only maps
 fields and errors between the OpenAI shape and the native one; both routes share that mapping
-and differ only where a `_Route` says (the prompt field, the object names, the choice shape).
+and differ only where a `_Route` says (the prompt field, the object names, the choice shape,
+the shape of logprobs: chat's `content` entries, or a completion's legacy `tokens`,
+`token_logprobs`, `top_logprobs` and `text_offset` lists).
 A client that disconnects before its reply cancels the request (`CancelChat`), which the
 frontend turns into an abort.
 
@@ -302,7 +304,7 @@ class HttpApi:
             "choices": [{
                 "index": index, **route.choice(choice.text),
                 "finish_reason": _finish_reason(choice.finish_reason),
-                "logprobs": _chat_logprobs(request, choice.logprobs),
+                "logprobs": route.logprobs_of(request, choice.logprobs),
             } for index, choice in enumerate(gathered)],
             "usage": _usage(prompt_tokens(firsts), sum(choice.tokens for choice in gathered)),
         })
@@ -320,6 +322,7 @@ class HttpApi:
             for index in range(len(firsts)):
                 await _send_event(response, chunk.choice(index, route.opening))
         completion_tokens = 0
+        text_offsets = [0] * len(firsts)  # each choice's, where its next chunk's tokens start
         async for index, output in choices.replies(firsts):
             if isinstance(output, ChatError):  # the status is sent already: an error event
                 await _send_event(response, _error_body(_from_info(output.error)))
@@ -327,8 +330,9 @@ class HttpApi:
             completion_tokens += len(output.token_ids)
             if output.text or output.logprobs:  # each token's logprobs, text or not (as vLLM)
                 content = route.delta(output.text) if output.text else route.closing
-                await _send_event(response, chunk.choice(
-                    index, content, logprobs=_chat_logprobs(request, output.logprobs)))
+                logprobs = route.logprobs_of(request, output.logprobs, text_offsets[index])
+                await _send_event(response, chunk.choice(index, content, logprobs=logprobs))
+                text_offsets[index] += _texts_length(output.logprobs or [])
             if output.finished:
                 await _send_event(response, chunk.choice(
                     index, route.closing, _finish_reason(output.finish_reason)))
@@ -363,7 +367,7 @@ class HttpApi:
             "seed": body.get("seed"),
             "logit_bias": _logit_bias(body.get("logit_bias")),
             "structured_outputs": _structured_outputs(body.get("response_format")),
-            "logprobs": _logprobs_asked(body),
+            "logprobs": route.logprobs_asked(body),
             "stop": _stop_list(body.get("stop")),
             **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
                if body.get(name) is not None},
@@ -536,21 +540,38 @@ def _structured_outputs(response_format: Any) -> dict[str, Any] | None:
                    f"got {kind!r}", "invalid_request", "response_format")
 
 
-def _logprobs_asked(body: dict[str, Any]) -> int | None:
-    """The native `logprobs` of OpenAI's `logprobs` (a boolean) and `top_logprobs` (how many
-    most likely tokens, 0..MAX_LOGPROBS, only with logprobs true: as vLLM and OpenAI refuse)."""
-    logprobs, top = body.get("logprobs") or False, body.get("top_logprobs")
+def _chat_logprobs_asked(body: dict[str, Any]) -> int | None:
+    """The native `logprobs` of chat's `logprobs` (a boolean) and `top_logprobs` (how many most
+    likely tokens, 0..MAX_LOGPROBS, only with logprobs true: as vLLM and OpenAI refuse)."""
+    logprobs, top = body.get("logprobs") or False, _logprobs_count(body, "top_logprobs")
     if not isinstance(logprobs, bool):
         raise ApiError(f"logprobs must be a boolean, got {logprobs!r}", "invalid_request",
                        "logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
-                            or not 0 <= top <= MAX_LOGPROBS):
-        raise ApiError(f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {top!r}",
-                       "invalid_request", "top_logprobs")
     if top and not logprobs:
         raise ApiError("top_logprobs needs logprobs set to true", "invalid_request",
                        "top_logprobs")
     return (top or 0) if logprobs else None
+
+
+def _completion_logprobs_asked(body: dict[str, Any]) -> int | None:
+    """The native `logprobs` of a completion's `logprobs`: how many most likely tokens to show
+    beside each output token, 0..MAX_LOGPROBS, as OpenAI's legacy API and vLLM take it; null or
+    absent: no logprobs. Where this differs from vLLM: it also takes -1 (the whole vocabulary,
+    then refused unless its --max-logprobs allows that many), `true` (as 1) and an integral
+    float such as 2.0; here they are 400s, as other values outside 0..MAX_LOGPROBS."""
+    return _logprobs_count(body, "logprobs")
+
+
+def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
+    """The body's field `name`, a number of most likely tokens (0..MAX_LOGPROBS), or None."""
+    count = body.get(name)
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int)
+                              or not 0 <= count <= MAX_LOGPROBS):
+        raise ApiError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {count!r}",
+                       "invalid_request", name)
+    return count
+
+
 def _prompt(raw: Any) -> Any:
     """A completion's one prompt, a text or token ids, alone or as a list's only element (the
     native request checks its type)."""
@@ -606,6 +627,18 @@ class _Route:
     """The first chunk's choice content, sent before any text (chat: the role); None: none."""
     closing: dict[str, Any]
     """The choice content of the chunk that carries the finish reason."""
+    logprobs_asked: Callable[[dict[str, Any]], int | None]
+    """The native `logprobs` (how many most likely tokens, None: no logprobs), from the body."""
+    logprobs: Callable[[list[ChatLogprobs], int, int], dict[str, Any]]
+    """A choice's (or a chunk's) `logprobs`, for the logprobs of its tokens, the native
+    `logprobs` asked for and the offset in the choice's text where its first token starts."""
+
+    def logprobs_of(self, request: NativeRequest, positions: list[ChatLogprobs] | None,
+                    text_offset: int = 0) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) `logprobs`: None unless the request asked for them."""
+        if request.logprobs is None:
+            return None
+        return self.logprobs(positions or [], request.logprobs, text_offset)
 
 
 _CHAT = _Route(
@@ -615,14 +648,18 @@ _CHAT = _Route(
     choice=lambda text: {"message": {"role": "assistant", "content": text}},
     delta=lambda text: {"delta": {"content": text}},
     opening={"delta": {"role": "assistant", "content": ""}}, closing={"delta": {}},
+    logprobs_asked=_chat_logprobs_asked,
+    logprobs=lambda positions, top, _: {"content": openai_logprobs(positions, top)},
 )
 _COMPLETION = _Route(
     native=CompletionRequest, prompt=lambda body: {"prompt": _prompt(body.get("prompt"))},
     refused={"echo": lambda v: not v, "suffix": lambda v: not v,
-             "best_of": lambda v: v in (None, 1), "logprobs": lambda v: v is None},
+             "best_of": lambda v: v in (None, 1)},
     max_tokens=16, object="text_completion", chunk_object="text_completion", id_prefix="cmpl",
     choice=lambda text: {"text": text}, delta=lambda text: {"text": text},
     opening=None, closing={"text": ""},
+    logprobs_asked=_completion_logprobs_asked,
+    logprobs=lambda positions, top, text_offset: completion_logprobs(positions, top, text_offset),
 )
 
 
@@ -658,22 +695,48 @@ def openai_logprobs(positions: list[ChatLogprobs], top_logprobs: int) -> list[di
             for position in positions]
 
 
+def completion_logprobs(positions: list[ChatLogprobs], logprobs: int,
+                        text_offset: int) -> dict[str, Any]:
+    """A completion's logprobs in OpenAI's legacy shape, as vLLM's OpenAI server writes them
+    (`_create_completion_logprobs` in its completion serving): per output token its text, its
+    logprob (at least -9999), a dict of text to logprob of the output token first, then the
+    `logprobs` most likely others (so `logprobs` + 1 entries when the output token is not among
+    those; two tokens of the same text share one entry, the later one's), and its `text_offset`,
+    from `text_offset` on by the lengths of the texts before it (the prompt is not echoed, so
+    the first token of a choice is at 0, and a streamed chunk's first token goes on from the
+    previous chunk's last). A stop string ends the text but not the tokens, which go on through
+    the one that completed it (as vLLM's): their offsets may lie past the text's end. Where
+    this differs from vLLM: a stream's chunk that carries a choice's finish reason comes after
+    its last token's, with `logprobs` null, as chat's (vLLM's rides on the last token's)."""
+    tokens = [position.sampled.token for position in positions]
+    return {
+        "text_offset": list(itertools.accumulate(map(len, tokens), initial=text_offset))[:-1],
+        "token_logprobs": [_shown_logprob(position.sampled) for position in positions],
+        "tokens": tokens,
+        "top_logprobs": [{entry.token: _shown_logprob(entry)
+                          for entry in _vllm_top(position)[: logprobs + 1]}
+                         for position in positions],
+    }
+
+
 def _vllm_top(position: ChatLogprobs) -> list[TokenLogprob]:
     sampled = position.sampled
     return [sampled, *[entry for entry in position.top if entry.token_id != sampled.token_id]]
 
 
 def _logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
-    return {"token": entry.token, "logprob": max(entry.logprob, -9999.0),
+    return {"token": entry.token, "logprob": _shown_logprob(entry),
             "bytes": list(entry.token.encode("utf-8", errors="replace"))}
 
 
-def _chat_logprobs(request: NativeRequest,
-                   positions: list[ChatLogprobs] | None) -> dict[str, Any] | None:
-    """A chat choice's `logprobs`: None unless the request asked for them."""
-    if request.logprobs is None:
-        return None
-    return {"content": openai_logprobs(positions or [], request.logprobs)}
+def _shown_logprob(entry: TokenLogprob) -> float:
+    """A logprob as JSON can carry it: -inf (a masked token) as OpenAI's -9999, as vLLM."""
+    return max(entry.logprob, -9999.0)
+
+
+def _texts_length(positions: list[ChatLogprobs]) -> int:
+    """The length of the texts of the tokens whose logprobs these are (see text_offset)."""
+    return sum(len(position.sampled.token) for position in positions)
 
 
 async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
