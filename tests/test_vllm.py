@@ -153,10 +153,14 @@ def _healthy(port: int) -> bool:
 def _vllm_chat(port: int, model: str, messages: list[dict[str, Any]],
                **fields: Any) -> dict[str, Any]:
     """An OpenAI chat completion from vLLM alone (or mmlane's HTTP API, given its port)."""
-    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True, **fields}
+    return _post(port, "chat/completions", {"model": model, "messages": messages, **fields})
+
+
+def _post(port: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/ROUTE, greedy and with the output's token ids unless `body` says otherwise."""
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, **body}
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+        f"http://127.0.0.1:{port}/v1/{route}", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -244,6 +248,20 @@ def test_the_same_tokens_as_vllm_alone(vllm_alone: tuple[Server, int],
     assert openai_logprobs(ours.logprobs, TOP_LOGPROBS) == first["logprobs"]["content"]
     over_http = _vllm_chat(mmlane_vllm[0].http_port, qwen_dir.name, messages, **logprobs)
     assert over_http["choices"][0]["logprobs"] == again["logprobs"]
+
+
+def test_completion_logprobs_are_vllm_alone_s(vllm_alone: tuple[Server, int],
+                                              mmlane_vllm: tuple[Server, str, Path],
+                                              qwen_dir: Path) -> None:
+    """/v1/completions in its legacy logprobs shape (tokens, token_logprobs, top_logprobs,
+    text_offset): the same as vLLM alone's, for a prompt neither server has seen."""
+    body = {"prompt": "A completion, not a chat: the lanes", "logprobs": 3}
+    alone = _post(vllm_alone[1], "completions", {"model": str(qwen_dir), **body})["choices"][0]
+    ours = _post(mmlane_vllm[0].http_port, "completions",
+                 {"model": qwen_dir.name, **body})["choices"][0]
+    assert (ours["text"], ours["finish_reason"]) == (alone["text"], alone["finish_reason"])
+    assert ours["logprobs"] == alone["logprobs"]
+    assert len(ours["logprobs"]["tokens"]) == MAX_TOKENS or ours["finish_reason"] == "stop"
 
 
 def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
