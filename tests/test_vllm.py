@@ -464,3 +464,38 @@ def test_the_sampling_fields_build_vllms_sampling_params() -> None:
     plain = _sampling_params(SamplingParams())
     assert (plain.structured_outputs, plain.logit_bias, plain.repetition_penalty) == (None, None,
                                                                                       1.0)
+
+
+def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
+    tmp_path: Path,
+) -> None:
+    """As under supervisord, which restarts only the role it ran: vLLM's engine core outlives a
+    killed engine role, and the role's next start ends it before starting vLLM again."""
+    args = [f"--vllm-arg={key}={_arg(value)}" for key, value in VLLM_ARGS.items()]
+    command = [sys.executable, "-m", "services.cli", "engine", "--backend", "vllm", *args]
+    env = {**cpu_wheels.child_env(), "MMLANE_RUN_DIR": str(tmp_path)}
+
+    def start(log: Path) -> subprocess.Popen:
+        with log.open("w") as out:  # a session of its own: nothing kills its group
+            role = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        wait_until(lambda: "ready on" in log.read_text() or role.poll() is not None,
+                   "the engine ready", timeout_s=STARTUP_S)
+        assert role.poll() is None, log.read_text()[-3000:]
+        return role
+
+    first = start(tmp_path / "first.log")
+    cores = psutil.Process(first.pid).children(recursive=True)
+    assert cores and (tmp_path / "vllm-engine.pids").exists()
+    first.kill()
+    first.wait()
+    assert all(core.is_running() for core in cores)  # orphaned, not gone
+    second = start(tmp_path / "second.log")
+    try:
+        assert not any(core.is_running() and core.status() != psutil.STATUS_ZOMBIE
+                       for core in cores)
+        assert "a killed engine left running" in (tmp_path / "second.log").read_text()
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=120) == 0
+    assert not (tmp_path / "vllm-engine.pids").exists()  # a clean stop leaves nothing behind

@@ -17,7 +17,8 @@ Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go a
 requests (priority 0 before 1).
 
 vLLM's engine core dying fails every request it held (retryable, 'backend_died'), and the next
-`step` raises FatalError: the engine role exits, and its supervisor starts it again.
+`step` raises FatalError: the engine role exits, and its supervisor starts it again. vLLM's
+processes left running by a killed role are ended when the role starts again (leftovers.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import queue
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -37,9 +39,11 @@ import torch
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
 from protocol.messages import EngineRequest, SamplingParams, TokenLogprobs
 from services.common import cpu_wheels
+from services.common.config import default_run_dir
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.runner import ModelSpec, StepOutput
+from services.engine.vllm import leftovers
 from services.model import Preprocessor, load_preprocessor, normalize, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -52,9 +56,12 @@ class VLLMRunner:
     """Runs requests on vLLM's AsyncLLM (see the module docstring)."""
 
     def __init__(self, engine_args: dict[str, Any], preprocessor: Preprocessor,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, pids_file: Path) -> None:
         # vLLM starts its engine core as a new interpreter: it must apply the same fixes.
         os.environ.update(cpu_wheels.child_env())
+        self._pids_file = pids_file
+        """Where vLLM's processes are written down (leftovers.py)."""
+        leftovers.end_leftovers(pids_file)
         self.metrics = metrics
         self._pre = preprocessor
         self._outputs: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
@@ -71,6 +78,7 @@ class VLLMRunner:
         except BaseException:
             self.close()
             raise
+        leftovers.write_down(pids_file)
         model_config = self.engine.model_config
         self._normalize_pixels = not _normalises_on_device(model_config)
         self._priority = self.engine.vllm_config.scheduler_config.policy == "priority"
@@ -170,6 +178,7 @@ class VLLMRunner:
             self._loop.call_soon_threadsafe(engine.shutdown)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+        self._pids_file.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ on the loop thread
 
@@ -302,4 +311,5 @@ def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
     # The tokenizer and placeholder description are mmlane's; vLLM only checks and runs.
     preprocessor = load_preprocessor(model_dir)
     engine_args = {"model": str(model_dir), **config.vllm.engine_args()}
-    return VLLMRunner(engine_args, preprocessor, metrics)
+    pids = leftovers.pids_file(default_run_dir(), config.ops.name)
+    return VLLMRunner(engine_args, preprocessor, metrics, pids)
