@@ -417,3 +417,44 @@ def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
     assert error is not None and error.code == "model_error"
     assert "model failed on this request" in error.message
     assert [o.finish_reason for o in outputs if o.handle == 1][-1] == "length"
+
+
+def _tokens_alone(runner: HFRunner, request: EngineRequest) -> list[int]:
+    runner.add(0, request)
+    tokens = []
+    while runner.has_work():
+        for output in runner.step():
+            assert output.error is None, output.error
+            tokens += output.token_ids
+    return tokens
+
+
+def test_a_repeated_image_takes_its_features_from_the_encoder_cache(qwen_dir, prep,
+                                                                      reference) -> None:
+    """Same tokens as HF `generate` each time; the second request runs no vision pass."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE, prefill_chunk_tokens=16,
+                           encoder_cache_bytes=1 << 30)
+    request = make_request(prep, *BIG_IMAGE, max_tokens=8)
+    hashed = replace(request, mm_items=[replace(item, mm_hash="big")
+                                        for item in request.mm_items])
+    expected = generate_greedy(reference, prep, request)
+    assert _tokens_alone(runner, hashed) == expected
+    counters = runner.metrics.counters
+    assert (counters["encoder_cache_misses"], counters["encoder_cache_hits"]) == (1, 0)
+    vision_units = runner.metrics.histograms["engine_step:vision"].count
+    assert _tokens_alone(runner, hashed) == expected
+    assert (counters["encoder_cache_misses"], counters["encoder_cache_hits"]) == (1, 1)
+    assert runner.metrics.histograms["engine_step:vision"].count == vision_units
+    # An image without a hash (its MM worker's cache off) is never kept.
+    assert _tokens_alone(runner, request) == expected
+    assert (counters["encoder_cache_misses"], counters["encoder_cache_hits"]) == (1, 1)
+
+
+def test_an_encoder_cache_too_small_for_an_image_keeps_nothing(qwen_dir, prep) -> None:
+    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1024)
+    request = make_request(prep, *BIG_IMAGE, max_tokens=2)
+    hashed = replace(request, mm_items=[replace(item, mm_hash="big")
+                                        for item in request.mm_items])
+    assert _tokens_alone(runner, hashed) == _tokens_alone(runner, hashed)
+    assert runner.metrics.counters["encoder_cache_misses"] == 2
+    assert runner.metrics.counters.get("encoder_cache_hits", 0) == 0

@@ -32,10 +32,11 @@ V = TypeVar("V")
 GIB = 1 << 30
 
 
-def capacity_bytes(cache_gb: float) -> int:
-    """`--mm-cache-gb` (GiB, 0 disables) as a capacity in bytes; refuses negative or NaN."""
+def capacity_bytes(cache_gb: float, name: str = "mm_cache_gb") -> int:
+    """A cache size setting `name` (GiB, 0 disables) as a capacity in bytes; refuses negative
+    or NaN."""
     if not (math.isfinite(cache_gb) and cache_gb >= 0):
-        raise ValueError(f"mm_cache_gb must be a number >= 0, got {cache_gb}")
+        raise ValueError(f"{name} must be a number >= 0, got {cache_gb}")
     return int(cache_gb * GIB)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from services.common.config import _positive
+from services.common.feature_cache import capacity_bytes
 
 MAX_BATCH = 16
 """The most requests one decode step runs by default."""
@@ -30,9 +31,14 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar_cache_size: int = GRAMMAR_CACHE_SIZE
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""
+    encoder_cache_gb: float = 1.0
+    """GiB of vision-encoder outputs kept by image hash, the most recently used, on the model's
+    device: a repeated image (one the MM worker hashed: its cache on, or a client uuid) skips
+    its vision pass, with the same bits as running it again. 0: off."""
 
     def __post_init__(self) -> None:
         _positive(self, "prefill_chunk_tokens", "max_batch", "grammar_cache_size")
+        capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be 0 (automatic) or more, "
                              f"got {self.torch_threads}")

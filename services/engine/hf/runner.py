@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from protocol.errors import FatalError, MMLaneError, RequestError, translate
 from protocol.messages import EngineRequest
 from protocol.sampling import StructuredOutputs
+from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
@@ -76,6 +77,7 @@ class HFRunner:
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,
         prefill_chunk_tokens: int | None = None, max_batch: int = MAX_BATCH,
         metrics: Metrics | None = None, grammars: Grammars | None = None,
+        encoder_cache_bytes: int = 0,
     ) -> None:
         if max_batch < 1:
             raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
@@ -96,6 +98,9 @@ class HFRunner:
         self._grammars = grammars
         """Compiled structured-output grammars (None: requests with structured_outputs are
         refused)."""
+        self._encoded: FeatureCache[torch.Tensor] = FeatureCache(encoder_cache_bytes)
+        """Vision-encoder outputs by mm_hash (encoder_cache_gb): the same image's features are
+        the same bits whoever runs its pass, so a request takes them instead."""
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._units = 0  # units run so far: the scheduler's round-robin clock
@@ -105,12 +110,12 @@ class HFRunner:
     def load(
         cls, model: str | None, device: str, *, prefill_chunk_tokens: int | None = None,
         max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
-        grammar_cache_size: int = GRAMMAR_CACHE_SIZE,
+        grammar_cache_size: int = GRAMMAR_CACHE_SIZE, encoder_cache_bytes: int = 0,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`); a decode step runs up to
         `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
-        grammars stay compiled."""
+        grammars stay compiled, and up to `encoder_cache_bytes` of vision-encoder outputs."""
         torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
@@ -124,7 +129,8 @@ class HFRunner:
                                  eos_token_ids=sorted(spec.eos_token_ids))
         runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
                      max_batch=max_batch, metrics=metrics,
-                     grammars=Grammars(tokenizer, grammar_cache_size))
+                     grammars=Grammars(tokenizer, grammar_cache_size),
+                     encoder_cache_bytes=encoder_cache_bytes)
         log.info("loaded %s (%s) on %s, %d torch threads, decode steps of up to %d requests",
                  model_dir, spec.family, network.device, torch.get_num_threads(), runner.max_batch)
         return runner
@@ -135,10 +141,13 @@ class HFRunner:
         grammar = self._grammar(request.sampling.structured_outputs)
         prompt = torch.tensor([request.prompt_token_ids], device=self.model.device)
         cache = DynamicCache(config=self._text_config)
-        self._sequences[handle] = Sequence(
+        seq = Sequence(
             handle, request, prompt, cache, self.spec.eos_token_ids,
             arrived=time.monotonic() if arrived is None else arrived, grammar=grammar,
         )
+        for index in range(len(request.mm_items)):  # an image seen before needs no vision unit
+            seq.image_features[index] = self._encoded_before(seq, index)
+        self._sequences[handle] = seq
 
     def _grammar(self, structured: StructuredOutputs | None) -> Grammar | None:
         if structured is None:
@@ -236,9 +245,15 @@ class HFRunner:
         return StepOutput(seq.handle, [], error=_model_error(exc))
 
     def _encode_image(self, seq: Sequence, index: int) -> None:
-        """Run the next slice of image `index`'s vision pass (starting it if need be)."""
+        """Run the next slice of image `index`'s vision pass (starting it if need be, unless
+        the encoder cache has come to hold its features since the request arrived)."""
         item = seq.request.mm_items[index]
         if seq.vision is None:
+            seq.image_features[index] = self._encoded_before(seq, index)
+            if seq.image_features[index] is not None:
+                return
+            if item.mm_hash:
+                self.metrics.counters["encoder_cache_misses"] += 1
             seq.vision = self.adapter.vision_pass(item.tensors, self.prefill_chunk_tokens)
         features = seq.vision.step()
         if features is None:
@@ -250,6 +265,21 @@ class HFRunner:
                 f"for its {item.length} tokens"
             )
         seq.image_features[index] = features
+        if item.mm_hash:
+            self._encoded.put(item.mm_hash, features.numel() * features.element_size(),
+                              features)
+            self.metrics.counters["encoder_cache_evictions"] = self._encoded.evictions
+
+    def _encoded_before(self, seq: Sequence, index: int) -> torch.Tensor | None:
+        """Image `index`'s features from the encoder cache (None: not held, or no hash)."""
+        item = seq.request.mm_items[index]
+        features = self._encoded.touch(item.mm_hash) if item.mm_hash else None
+        if features is not None:
+            if features.shape[0] != item.length:  # the same hash, other tokens: refuse it
+                raise RequestError(f"mm_items[{index}] has {item.length} tokens, but its "
+                                   f"image made {features.shape[0]} image embeddings before")
+            self.metrics.counters["encoder_cache_hits"] += 1
+        return features
 
     def _prefill(self, seq: Sequence, count: int) -> torch.Tensor:
         """Put prompt tokens [num_cached, num_cached + count) into the cache; the last logits,
@@ -380,6 +410,7 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
         config.model, hf.device, prefill_chunk_tokens=hf.prefill_chunk_tokens,
         max_batch=hf.max_batch, threads=hf.torch_threads, metrics=metrics,
         grammar_cache_size=hf.grammar_cache_size,
+        encoder_cache_bytes=capacity_bytes(hf.encoder_cache_gb, "encoder_cache_gb"),
     )
 
 
