@@ -4,7 +4,8 @@ The I/O loop, in order, each turn:
   1. read client requests (ROUTER), validate them and hand them to the tokenizer pool;
   2. take finished tokenizations and route them: text-only to the engine, images to an MM worker;
   3. read replies from the engine and MM workers, detokenize and forward them to the client;
-  4. fail requests whose deadline passed.
+  4. read the monitors of its sockets to them (a disconnection, a connection: say hello);
+  5. fail requests whose deadline passed.
 Every accepted request is held in `_inflight` until exactly one terminal reply has gone out.
 
 The OpenAI-compatible HTTP API (`http_api.HttpApi`, its own thread and event loop) is one more
