@@ -178,7 +178,16 @@ class CancelJobs(msgspec.Struct, tag="cancel", kw_only=True, frozen=True, array_
     request_ids: list[str]
 
 
-MMWorkerInput = MMJob | EngineEpoch | CancelJobs
+class Hello(msgspec.Struct, tag="hello", kw_only=True, frozen=True, array_like=True):
+    """Which process are you? A frontend sends it each time its socket to an MM worker or to the
+    engine connects (again); the role answers at once with a `HelloReply` to `reply_to`."""
+
+    reply_to: str
+    peer: str
+    """The frontend's name for the role it asks ('engine', 'mm-worker-0'), said back."""
+
+
+MMWorkerInput = MMJob | EngineEpoch | CancelJobs | Hello
 
 
 # ---------------------------------------------------------------- frontend, mm worker -> engine
@@ -246,7 +255,7 @@ class ResetEngineCache(
     reply_to: str
 
 
-EngineInput = EngineRequest | AbortRequests | ResetEngineCache
+EngineInput = EngineRequest | AbortRequests | ResetEngineCache | Hello
 
 
 # ---------------------------------------------------------------- engine, mm worker -> frontend
@@ -295,7 +304,20 @@ class EngineCacheReset(
     engine_epoch: int
 
 
-FrontendInput = EngineOutput | RequestFailed | EngineCacheReset
+class HelloReply(msgspec.Struct, tag="hello", kw_only=True, frozen=True, array_like=True):
+    """The answer to a `Hello`: which start of the role's process answers. Another `started`
+    than before tells the frontend that the process it sent to before is gone, and with it
+    every request that process held."""
+
+    peer: str
+    """The `Hello`'s `peer`."""
+    started: int
+    """When the process started (`time.time_ns()`): new at every start."""
+    engine_epoch: int = 0
+    """The engine's cache epoch when it sent this (0 from senders that are no engine)."""
+
+
+FrontendInput = EngineOutput | RequestFailed | EngineCacheReset | HelloReply
 
 
 # ---------------------------------------------------------------- role -> launcher
@@ -352,8 +374,9 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     time: float
     """When the snapshot was taken (`time.time()`)."""
     state: str
-    """'serving', 'draining', or (an engine whose vLLM engine core died, until it exits)
-    'backend died'."""
+    """'serving', 'draining', (an engine whose vLLM engine core died, until it exits)
+    'backend died', or 'restarting': the process is gone and `mmlane serve`, which restarts
+    it, publishes this for it (its pid then serve's)."""
     in_flight: int
     """Requests held and not yet answered."""
     queues: dict[str, int]
@@ -367,7 +390,8 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     interval_s: float = 0.0
     """Seconds until the next snapshot is due (0: not said): past a few, the process is stale."""
     restarts: int = 0
-    """How often `mmlane serve` has restarted this role's process."""
+    """How often `mmlane serve` has restarted this role's process (while 'restarting': the
+    number of the restart under way)."""
     http_refused: dict[str, int] = {}
     """Requests the frontend's HTTP API refused before it submitted them (bad JSON, an
     unsupported field, an unknown model, an API key, a body too large), by error code."""
@@ -390,14 +414,14 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True, frozen=True):
     name: str
     pid: int
     state: str
-    """'serving' or 'draining'."""
+    """As `Stats.state`."""
     model: str
     """The model the role has loaded (its id); "" when none is."""
     mm_cache_bytes: int = -1
     """The engine: the capacity of each MM worker's receiver cache, in bytes (-1: not an engine).
     An MM worker checks its own capacity against it at startup."""
     restarts: int = 0
-    """How often `mmlane serve` has restarted this role's process."""
+    """As `Stats.restarts`."""
 
 
 ControlRequest = Ping

@@ -8,12 +8,16 @@ SIGINT/SIGTERM (exit 0 after stopping every child).
 Supervision: a child that exits while serve runs is restarted with the same config (so a
 frontend keeps its ports), after `restart_backoff_s`, doubled for each further exit within
 `crash_loop_window_s`, once the socket files it had bound are removed. The child learns how
-often it was restarted from $MMLANE_RESTARTS and publishes it (stats, health, top). A role that
-exits `crash_loop_limit` times within the window stops serve (exit 1) with a message naming it
-and quoting its last log lines. Its peers recover as under supervisord: a restarted MM worker
-or engine comes back with a new cache epoch, so the mirrored cache heals. Each child runs in a
-process group of its own, and what is left of the group when the child exits (vLLM's engine
-core and workers under a killed engine role) is killed with it, before the restart.
+often it was restarted from $MMLANE_RESTARTS and publishes it (stats, health, top). Until its
+restart, serve stands in for it on its stats and control sockets (`Child.down_until`): the
+tools see the role in state 'restarting', with the number of the restart under way, not a
+silent one. A role that exits `crash_loop_limit` times within the window stops serve (exit 1)
+with a message naming it and quoting its last log lines. Its peers recover as under
+supervisord: the frontend fails at once what a restarted MM worker or engine held (it learns of
+the new process from the role's `HelloReply`), and the new process's new cache epoch heals the
+mirrored cache. Each child runs in a process group of its own, and what is left of the group
+when the child exits (vLLM's engine core and workers under a killed engine role) is killed with
+it, before the restart.
 
 Stopping is graceful, frontends first: a frontend drains while the MM worker and the engine
 still serve its requests in flight; once it has exited every request has had its reply, so the
@@ -55,7 +59,10 @@ from services.common.config import (
 from services.common.lifecycle import RESTARTS_ENV, setup_logging
 from services.common.settings import Settings
 from services.common.sockets import make_socket
+from services.common.stats import Metrics, StatsServer
 from services.engine.config import EngineConfig
+
+log = logging.getLogger("serve")  # the logger of `setup_logging("serve")`
 
 KILL_GRACE_S = 10.0
 """How long after its drain timeout a stopping child may take to exit (closing its sockets,
@@ -151,6 +158,8 @@ class Child:
         """When it exited while serve ran, within the crash-loop window."""
         self.restart_at: float | None = None
         """When the exited process is due to be restarted; None while it runs."""
+        self._stand_in: StatsServer | None = None
+        """While it is down: what answers for it on its stats and control sockets."""
         self._tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
         self._env = {**os.environ, **({} if run_dir is None else {"MMLANE_RUN_DIR": str(run_dir)})}
@@ -191,14 +200,40 @@ class Child:
         """The child's last LOG_TAIL_LINES log lines (none with a `log_dir`: see its file)."""
         return list(self._tail)
 
+    def down_until(self, restart_at: float) -> None:
+        """The process exited and restarts at `restart_at`; until then, publish its stats and
+        answer its pings as a process in state 'restarting' would, on its sockets, with the
+        number of the restart under way (pid: serve's)."""
+        self.restart_at = restart_at
+        ops: OpsConfig = self.config.ops  # type: ignore[attr-defined]
+        metrics = Metrics(self.role, ops.name)
+        metrics.state, metrics.restarts = "restarting", self.restarts + 1
+        self._remove_socket_files()
+        try:
+            self._stand_in = StatsServer(
+                metrics, stats_endpoint=ops.stats_endpoint, control_endpoint=ops.control_endpoint,
+                interval_s=ops.stats_interval_s,
+            ).start()
+        except OSError as exc:  # e.g. its tcp port taken meanwhile: the tools see no answer
+            log.warning("cannot stand in for %s while it is down: %s", self.role, exc)
+
+    def _end_stand_in(self) -> None:
+        if self._stand_in is not None:
+            self._stand_in.close()
+            self._stand_in = None
+
     def restart(self) -> None:
         """Start the role again with its config, once the socket files it bound are gone; it
         reports no `Ready` (serve is past startup)."""
-        for path in self.socket_files():
-            path.unlink(missing_ok=True)
+        self._end_stand_in()
+        self._remove_socket_files()
         self.restarts += 1
         self.restart_at = None
         self.process = self._start([])
+
+    def _remove_socket_files(self) -> None:
+        for path in self.socket_files():
+            path.unlink(missing_ok=True)
 
     def socket_files(self) -> list[Path]:
         """The ipc:// socket files this child binds (a kill -9 leaves them behind)."""
@@ -216,7 +251,8 @@ class Child:
             os.killpg(self.process.pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        """SIGTERM: the child drains, then exits."""
+        """SIGTERM: the child drains, then exits (one that is down: nothing stands in for it)."""
+        self._end_stand_in()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
@@ -334,7 +370,7 @@ def _supervise(
         for child in children:
             if child.restart_at is None and child.process.poll() is not None:
                 child.end_group()
-                child.restart_at = now + _backoff(child, config, now, log)
+                child.down_until(now + _backoff(child, config, now, log))
             elif child.restart_at is not None and now >= child.restart_at:
                 log.info("restarting %s (restart %d)", child.role, child.restarts + 1)
                 child.restart()

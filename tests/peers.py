@@ -2,7 +2,8 @@
 
     Inbox            where a role sends to the test: a bound PULL socket (an engine's input, a
                      frontend's reply socket, an MM worker's job socket) or a native client's
-                     DEALER; it decodes each message and keeps them all, in arrival order
+                     DEALER; it decodes each message and keeps them all, in arrival order, but
+                     answers a frontend's Hello at once, as a role does
     StandInEngine    an Inbox of EngineInput that answers a request when the test says so
     StandInFrontend  pushes requests or jobs to a role and takes its replies on `reply_to`
     push, send       a PUSH socket to a role, and sending messages on any socket
@@ -36,6 +37,8 @@ from protocol.messages import (
     EngineInput,
     EngineOutput,
     FrontendInput,
+    Hello,
+    HelloReply,
     RequestFailed,
     Stats,
 )
@@ -85,6 +88,9 @@ class Inbox:
         self.endpoint = endpoint
         self.codec: Codec[Any] = Codec(union)
         self.received: list[Any] = []
+        self.started = time.time_ns()
+        """What it answers a `Hello` with: the start of the process it stands in for."""
+        self._hello_replies: ReplySockets | None = None
 
     @classmethod
     def bound(cls: type[InboxT], ctx: zmq.Context, endpoint: str, union: Any) -> InboxT:
@@ -105,17 +111,29 @@ class Inbox:
         self.close()
 
     def close(self) -> None:
+        if self._hello_replies is not None:
+            self._hello_replies.close()
         self.sock.close(linger=0)
 
     def take_frames(self, timeout_s: float = PATIENCE_S) -> tuple[Any, int]:
         """The next message (kept in `received`) and how many frames it came in."""
-        assert self.sock.poll(int(timeout_s * 1000)), (
-            f"nothing arrived at {self.endpoint} within {timeout_s:g} s"
-        )
-        frames = self.sock.recv_multipart(copy=False)
-        message = self.codec.decode(frames)
-        self.received.append(message)
-        return message, len(frames)
+        taken = self._next(timeout_s)
+        assert taken is not None, f"nothing arrived at {self.endpoint} within {timeout_s:g} s"
+        self.received.append(taken[0])
+        return taken
+
+    def _next(self, timeout_s: float) -> tuple[Any, int] | None:
+        """The next message but a Hello (answered here), or None if none came in time."""
+        while self.sock.poll(int(timeout_s * 1000)):
+            frames = self.sock.recv_multipart(copy=False)
+            message = self.codec.decode(frames)
+            if not isinstance(message, Hello):
+                return message, len(frames)
+            if self._hello_replies is None:
+                self._hello_replies = ReplySockets(self.sock.context)
+            reply = HelloReply(peer=message.peer, started=self.started)
+            self._hello_replies.send(message.reply_to, Codec(FrontendInput).encode(reply))
+        return None
 
     def take(self, timeout_s: float = PATIENCE_S) -> Any:
         """The next message (kept in `received`)."""
@@ -135,11 +153,12 @@ class Inbox:
 
     def take_all(self, wait_s: float = 0.5) -> None:
         """Everything still arriving within `wait_s` (after the sender exited: all it sent)."""
-        while self.sock.poll(int(wait_s * 1000)):
-            self.take()
+        while (taken := self._next(wait_s)) is not None:
+            self.received.append(taken[0])
 
     def assert_quiet(self, wait_ms: int = 200) -> None:
-        assert not self.sock.poll(wait_ms), f"unexpected message at {self.endpoint}"
+        unexpected = self._next(wait_ms / 1000)
+        assert unexpected is None, f"unexpected message at {self.endpoint}: {unexpected}"
 
     def by_request(self) -> dict[str, list[Any]]:
         return by_request(self.received)

@@ -37,7 +37,7 @@ from services.ops.discovery import Targets, endpoint_label
 from services.ops.feed import ProcessSnapshots, StatsFeed
 from services.ops.lanes import lanes
 from services.ops.stats_cli import snapshot_text
-from services.ops.text import errors_text
+from services.ops.text import errors_text, state_text
 
 ROLES = ["frontend", "mm-worker", "engine"]
 STATS_INTERVAL = "0.2"
@@ -394,3 +394,13 @@ def test_top_and_stats_show_the_http_refusals_after_the_errors(
                     http_refused=refused)
     assert errors_text(stats) == text
     assert f"  errors    {text}" in snapshot_text(stats).splitlines()
+
+
+@pytest.mark.parametrize(("state", "restarts", "text"), [
+    ("serving", 0, "serving"),
+    ("serving", 2, "serving (restarted 2x)"),
+    ("draining", 0, "draining"),
+    ("restarting", 2, "restarting (restart 2)"),  # serve answers for a role it restarts
+])
+def test_the_tools_write_a_state_with_its_restarts(state: str, restarts: int, text: str) -> None:
+    assert state_text(state, restarts) == text

@@ -45,6 +45,8 @@ from protocol.messages import (
     EngineOutput,
     EngineRequest,
     FrontendInput,
+    Hello,
+    HelloReply,
     ImagePart,
     ImageUrl,
     LauncherInput,
@@ -92,6 +94,9 @@ CASES = [
                                 sampling=SAMPLING, mm_items=[_item(1, 8), _item(5, 4)]), 5),
     (FrontendInput, EngineOutput(request_id="r5", token_ids=[4], prompt_token_ids=[1]), 1),
     (FrontendInput, RequestFailed(request_id="r6", error=ERROR), 1),
+    (MMWorkerInput, Hello(reply_to="ipc://x", peer="mm-worker-0"), 1),
+    (EngineInput, Hello(reply_to="ipc://x", peer="engine"), 1),
+    (FrontendInput, HelloReply(peer="engine", started=7, engine_epoch=3), 1),
     (LauncherInput, Ready(role="engine", pid=1, endpoint="ipc://e"), 1),
     (LauncherInput, StartupFailed(role="engine", pid=1, message="no model"), 1),
 ]

@@ -35,7 +35,9 @@ from services.client import ChatResult, Client, user_message
 DEPLOY = REPO / "deploy"
 FRONTENDS = 2
 # Short, so that requests lost inside a killed process are answered (with a timeout) quickly.
-REQUEST_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 40.0
+"""Longer than a role's restart on a busy machine (which can take 10 s): what the killed role
+held ends with the restart's error, not with this timeout. Below PATIENCE_S."""
 # The longest any wait in this file may take: a reply, a restart. A hang fails, never passes.
 PATIENCE_S = 60.0
 STATS_ARGS = "--stats-interval 0.1"
@@ -302,6 +304,16 @@ def test_k8s_vllm_patch_runs_the_engine_on_vllm_beside_the_same_roles() -> None:
     assert "nvidia.com/gpu" in patched["engine"]["resources"]["limits"]
 
 
+def _assert_ended(load: Load, doomed: list[str], racing: list[str]) -> None:
+    """What the killed role held ended with its result or the restart's error, not the timeout;
+    what was sent as it died, with either, or with the timeout."""
+    for rid in doomed:
+        assert load.outcome(rid) in ("ok", "peer_restarted"), load.sent[rid].replies[0].error
+    for rid in racing:
+        assert load.outcome(rid) in ("ok", "peer_restarted", "timeout"), (
+            load.sent[rid].replies[0].error)
+
+
 def test_mm_worker_killed_under_load(supervised: Supervised, load: Load) -> None:
     old_pid = supervised.running_pid("mm-worker")
     assert old_pid is not None
@@ -313,7 +325,9 @@ def test_mm_worker_killed_under_load(supervised: Supervised, load: Load) -> None
     _kill(old_pid)
     killed_at = time.monotonic()
     # Sent as it dies: a job handed to the dying connection is lost with it (ZMQ has no acks),
-    # so each of these ends either way, with its result or with the request timeout.
+    # so each of these ends either way: with its result, with the restart's error once the
+    # frontend hears from the new process, or (sent as the frontend saw the disconnection)
+    # with the request timeout.
     racing = _both(load.image)
     _wait_until_gone(supervised, "mm-worker", old_pid)
 
@@ -338,8 +352,7 @@ def test_mm_worker_killed_under_load(supervised: Supervised, load: Load) -> None
         "text requests sent while the MM worker was down waited for it"
     )
     assert all(load.outcome(r) == "ok" for r in waiting + after), load.tally(waiting + after)
-    for rid in doomed + racing:  # each ended: a result, or the timeout of a lost job
-        assert load.outcome(rid) in ("ok", "timeout"), load.sent[rid].replies[0].error
+    _assert_ended(load, doomed, racing)
 
 
 def test_engine_killed_under_load(supervised: Supervised, load: Load) -> None:
@@ -374,8 +387,7 @@ def test_engine_killed_under_load(supervised: Supervised, load: Load) -> None:
           f"while down {dict(load.tally(waiting))}, after {dict(load.tally(after))}")
 
     assert all(load.outcome(r) == "ok" for r in waiting + after), load.tally(waiting + after)
-    for rid in doomed + racing:
-        assert load.outcome(rid) in ("ok", "timeout"), load.sent[rid].replies[0].error
+    _assert_ended(load, doomed, racing)
     assert supervised.running_pid("mm-worker") is not None
 
 

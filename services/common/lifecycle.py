@@ -10,7 +10,8 @@ The signal starts a graceful stop, the same in every role: its state turns 'drai
 holds for up to `drain_timeout_s` (counted from the signal: `Stop.drain_expired`), fails what is
 left with `unfinished_at_drain_timeout`, and `serve` returns once every request it held has had
 its terminal reply. Both errors are retryable, code `DRAINING_CODE`: the request may succeed on
-another instance, or on this one once it is back.
+another instance, or on this one once it is back. So is `lost_in_restart`, for what a role held
+when its process ended without a drain (a kill -9, a crash).
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ def unfinished_at_drain_timeout(role: str, stop: Stop) -> RetryableError:
         f"the {role} stopped before the request finished (drain timeout "
         f"{stop.drain_timeout_s:g} s)", code=DRAINING_CODE,
     )
+
+
+def lost_in_restart(peer: str) -> RetryableError:
+    """The error for work a peer held when its process ended, found out once it is back (a
+    frontend learns it from the peer's `HelloReply`)."""
+    return RetryableError(f"the {peer} restarted (a new process) before the request finished",
+                          code=DRAINING_CODE)
 
 
 class Role(Protocol):

@@ -24,12 +24,19 @@ def make_socket(
     bind: bool,
     hwm: int = DEFAULT_HWM,
     linger_ms: int = DEFAULT_LINGER_MS,
+    monitor_events: int = 0,
 ) -> zmq.Socket:
-    """Create a socket with our high-water marks and linger, bound or connected to `endpoint`."""
+    """Create a socket with our high-water marks and linger, bound or connected to `endpoint`.
+
+    With `monitor_events` (`zmq.EVENT_*` flags), those events of the socket are monitored from
+    before its bind or connect, so that its first connection is among them; read them from
+    `sock.get_monitor_socket()` (`zmq.utils.monitor.recv_monitor_message`)."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.LINGER, linger_ms)
+    if monitor_events:
+        sock.get_monitor_socket(monitor_events)
     if bind:
         _prepare_ipc_dir(endpoint)
         try:

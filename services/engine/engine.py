@@ -4,7 +4,7 @@ Socket I/O stays at the edges, on threads that own their sockets:
 
     engine-input    PULL (binds `engine_endpoint`) → decode → receiver cache (applied at
                     receipt, in arrival order; see cache.py) → admission → arrivals queue,
-                    and wakes the runner
+                    and wakes the runner; a frontend's `Hello` is answered at once
     serve (main)    1. admit: validate arrivals, hand the valid ones to the runner; apply aborts
                     2. expire: drop the requests whose deadline has passed
                     3. step: the runner's next outputs; it waits (until woken by an arrival,
@@ -50,6 +50,8 @@ from protocol.messages import (
     EngineOutput,
     EngineRequest,
     FrontendInput,
+    Hello,
+    HelloReply,
     RequestFailed,
     ResetEngineCache,
 )
@@ -99,6 +101,7 @@ class Engine:
         self.config = config
         self.endpoint = config.engine_endpoint
         self.metrics = Metrics("engine", config.ops.name)
+        self._started_ns = time.time_ns()  # tells a frontend's `Hello` which process answers
         self._ctx = zmq.Context()
         # Bind before loading the model: a taken address fails in a second, not after the load.
         self._input = make_socket(self._ctx, zmq.PULL, self.endpoint, bind=True)
@@ -314,13 +317,15 @@ class Engine:
     # ------------------------------------------------------------ socket threads
 
     def _receive_loop(self) -> None:
-        codec: Codec[EngineRequest | AbortRequests | ResetEngineCache] = Codec(EngineInput)
+        codec: Codec[EngineRequest | AbortRequests | ResetEngineCache | Hello] = Codec(
+            EngineInput)
         while not self._stopping.is_set():
             if self._input.poll(int(POLL_S * 1000)):
                 self._receive(codec, self._input.recv_multipart(copy=False))
 
     def _receive(
-        self, codec: Codec[EngineRequest | AbortRequests | ResetEngineCache], frames: list[Any]
+        self, codec: Codec[EngineRequest | AbortRequests | ResetEngineCache | Hello],
+        frames: list[Any],
     ) -> None:
         received_at = time.monotonic()
         self.metrics.counters["bytes_in"] += sum(len(frame) for frame in frames)
@@ -336,6 +341,10 @@ class Engine:
             return
         if isinstance(request, ResetEngineCache):
             self._reset_cache(request)
+            return
+        if isinstance(request, Hello):
+            reply = HelloReply(peer=request.peer, started=self._started_ns)
+            self._replies.put((request.reply_to, reply))
             return
         self.metrics.counters["requests"] += 1
         try:  # cache updates apply at receipt, in arrival order, before anything can refuse it
@@ -387,7 +396,7 @@ class Engine:
         try:
             while (item := self._replies.get()) is not None:
                 reply_to, message = item
-                if isinstance(message, (EngineOutput, RequestFailed)):
+                if isinstance(message, (EngineOutput, RequestFailed, HelloReply)):
                     # Stamped here, as it leaves: frontends see the epochs in the order they began.
                     message = replace(message, engine_epoch=self.caches.epoch)
                 frames = codec.encode(message)

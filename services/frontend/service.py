@@ -4,7 +4,8 @@ The I/O loop, in order, each turn:
   1. read client requests (ROUTER), validate them and hand them to the tokenizer pool;
   2. take finished tokenizations and route them: text-only to the engine, images to an MM worker;
   3. read replies from the engine and MM workers, detokenize and forward them to the client;
-  4. fail requests whose deadline passed.
+  4. read the monitors of its sockets to them (a disconnection, a connection: say hello);
+  5. fail requests whose deadline passed.
 Every accepted request is held in `_inflight` until exactly one terminal reply has gone out.
 
 The OpenAI-compatible HTTP API (`http_api.HttpApi`, its own thread and event loop) is one more
@@ -19,6 +20,18 @@ At SIGTERM the frontend drains: new requests (native and HTTP) are refused at on
 retryable error and /health answers 503, while the requests in flight are served until they
 finish or the drain timeout passes; the rest then get a retryable error and are stopped
 downstream.
+
+A restarted peer is noticed at once, and what its old process held fails then, not at the
+deadline. The frontend monitors its sockets to the engine and to each MM worker; at each
+(re)connection it sends a `Hello`, and the role answers with its process's start. A new start
+behind a socket that was disconnected means its old process is gone: every request sent there
+before the disconnection and not yet answered gets one retryable `peer_restarted` and is stopped
+downstream, as for a cancel. Requests sent after the disconnection went to the new process (ZMQ
+queued them while the peer was down) and are left alone. What an MM worker held: its image
+requests without an engine output yet (some may have reached the engine: they are aborted there).
+What the engine held: every request sent before, image requests whose MM worker may not yet have
+handed them on included, since the frontend cannot tell where those were. This needs nothing of
+`mmlane serve`: under supervisord or k8s it works the same.
 
 The mirrored feature cache needs three things from the frontend: it passes the newest engine
 cache epoch it has seen (from any engine reply) to the MM workers, on every job and in an
@@ -39,6 +52,7 @@ from dataclasses import dataclass, field
 
 import zmq
 from msgspec.structs import replace
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.codec import Codec
 from protocol.errors import (
@@ -65,6 +79,8 @@ from protocol.messages import (
     EngineOutput,
     EngineRequest,
     FrontendInput,
+    Hello,
+    HelloReply,
     MMJob,
     RequestFailed,
     ResetCache,
@@ -75,6 +91,7 @@ from services.common.config import FrontendConfig
 from services.common.lifecycle import (
     Stop,
     drain,
+    lost_in_restart,
     refused_while_draining,
     unfinished_at_drain_timeout,
 )
@@ -95,6 +112,7 @@ log = logging.getLogger(__name__)
 _POLL_MS = 50
 _STALLED_S = 5.0
 """An I/O loop that has not turned for this long makes /health answer 503."""
+_PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass
@@ -109,12 +127,34 @@ class InFlight:
     text: OutputText
     """Its output's text so far, cut at its stop strings."""
     job: MMJob | None = None
-    """The job as sent to MM worker number `worker`, kept to resend it after a cache miss."""
+    """The job as sent to MM worker number `worker`, kept to resend it after a cache miss; None
+    again once the engine answers it (no MM worker holds it then)."""
     worker: int = 0
     resent: bool = False
+    sent: int | None = None
+    """The number of its last send to the engine or an MM worker (`Frontend._sends`); None
+    while it is tokenized."""
     accepted_at: float = field(default_factory=time.monotonic)
     token_texts: TokenTexts | None = None
     """The texts of its logprobs' tokens, made with its first output that has logprobs."""
+
+
+@dataclass
+class Peer:
+    """A role the frontend sends to (the engine, an MM worker), and the process behind it."""
+
+    name: str
+    """Its name in our `Hello` ('engine', 'mm-worker-0')."""
+    sock: zmq.Socket
+    started: int = 0
+    """The `HelloReply.started` of its process; 0 before the first."""
+    lost_before: int = 0
+    """`Frontend._sends` at its last disconnection: what was sent before it may be lost."""
+
+    @property
+    def events(self) -> zmq.Socket:
+        """The monitor of `sock`: its (re)connections and disconnections."""
+        return self.sock.get_monitor_socket()
 
 
 @dataclass(frozen=True)
@@ -138,6 +178,7 @@ class Frontend:
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{id(self):x}"
         self._inflight: dict[str, InFlight] = {}
+        self._sends = 0  # messages sent for requests to the engine and MM workers (`InFlight.sent`)
         self._tokenizing = 0  # requests handed to the tokenizer pool and not yet back
         self.metrics = Metrics("frontend", config.ops.name)
         self.metrics.model = self._pre.model_id
@@ -178,13 +219,17 @@ class Frontend:
         c = self.config
         self._wake = make_socket(self._ctx, zmq.PULL, self._wake_endpoint, bind=True)
         self._output = make_socket(self._ctx, zmq.PULL, c.output_endpoint, bind=True)
-        self._engine = make_socket(self._ctx, zmq.PUSH, c.engine_endpoint, bind=False)
+        self._engine = make_socket(self._ctx, zmq.PUSH, c.engine_endpoint, bind=False,
+                                   monitor_events=_PEER_EVENTS)
         # One socket per MM worker: a resend after a cache miss must reach the same worker,
         # whose sender cache the engine's receiver cache mirrors.
         self._mm_workers = [
-            make_socket(self._ctx, zmq.PUSH, endpoint, bind=False)
+            make_socket(self._ctx, zmq.PUSH, endpoint, bind=False, monitor_events=_PEER_EVENTS)
             for endpoint in c.mm_worker_endpoint
         ]
+        peers = [Peer("engine", self._engine)] + [
+            Peer(f"mm-worker-{i}", sock) for i, sock in enumerate(self._mm_workers)]
+        self._peers = {peer.name: peer for peer in peers}
         self._next_worker = itertools.cycle(range(len(self._mm_workers)))
         # The client socket binds last: once clients can reach us, everything else is ready.
         self._client = make_socket(self._ctx, zmq.ROUTER, c.client_endpoint, bind=True)
@@ -197,7 +242,8 @@ class Frontend:
     def serve(self, stop: Stop) -> None:
         self._stop = stop
         poller = zmq.Poller()
-        for sock in (self._client, self._wake, self._output):
+        for sock in (self._client, self._wake, self._output,
+                     *(peer.events for peer in self._peers.values())):
             poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
             self._turn(poller)
@@ -215,6 +261,9 @@ class Frontend:
             self._route_tokenized()
         if self._output in ready:
             self._read_outputs()
+        for peer in self._peers.values():
+            if peer.events in ready:
+                self._read_peer_events(peer)
         self._expire(time.monotonic())
 
     def _fail_unfinished(self, error: MMLaneError) -> None:
@@ -340,6 +389,7 @@ class Frontend:
                 sampling=checked.sampling, deadline=deadline,
             )
             sock = self._engine
+        self._number_send(pending)
         try:
             sock.send_multipart(self._client_codec.encode(message), zmq.NOBLOCK, copy=False)
         except zmq.Again as exc:
@@ -362,6 +412,8 @@ class Frontend:
             self._see_engine_epoch(message.engine_epoch)
             if isinstance(message, EngineCacheReset):
                 self._cache_was_reset(message)
+            elif isinstance(message, HelloReply):
+                self._peer_said_hello(message)
             elif isinstance(message, RequestFailed):
                 if message.request_id in self._inflight:
                     self._on_failed(message.request_id, message.error)
@@ -385,6 +437,7 @@ class Frontend:
             pending.job, engine_epoch=self._engine_epoch, mm_cache_invalidate=invalidate
         )
         pending.resent = True
+        self._number_send(pending)
         self.metrics.counters["cache_miss_resends"] += 1
         log.info("request %s: cache miss on %d image(s); resent (%d resends so far)",
                  request_id, len(invalidate), self.metrics.counters["cache_miss_resends"])
@@ -408,14 +461,65 @@ class Frontend:
             except zmq.Again:  # its next job carries the epoch anyway
                 pass
 
+    # ------------------------------------------------------------------ restarted peers
+
+    def _number_send(self, pending: InFlight) -> None:
+        pending.sent = self._sends
+        self._sends += 1
+
+    def _read_peer_events(self, peer: Peer) -> None:
+        """Say hello at each (re)connection; remember where the sends stood at a disconnection."""
+        while True:
+            try:
+                event = recv_monitor_message(peer.events, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                peer.lost_before = self._sends
+                log.info("%s at %s disconnected", peer.name, event["endpoint"].decode())
+            elif event["event"] == zmq.EVENT_CONNECTED:
+                hello = Hello(reply_to=self.config.output_endpoint, peer=peer.name)
+                try:
+                    peer.sock.send_multipart(self._client_codec.encode(hello), zmq.NOBLOCK)
+                except zmq.Again:  # its restart, if it was one, shows at the request timeout
+                    log.warning("%s queue full: no hello sent", peer.name)
+
+    def _peer_said_hello(self, hello: HelloReply) -> None:
+        """A new process behind a peer: fail what its old process held (see the module
+        docstring)."""
+        peer = self._peers.get(hello.peer)
+        if peer is None:  # not a name we gave
+            return
+        if peer.started and hello.started != peer.started:
+            lost = {rid: p for rid, p in self._inflight.items() if self._held_by(p, peer)}
+            log.warning("%s restarted (a new process): failing the %d requests it held",
+                        peer.name, len(lost))
+            self.metrics.counters["peer_restarts"] += 1
+            error = lost_in_restart(peer.name)
+            for request_id in lost:
+                self._fail(request_id, error)
+            self._stop_downstream(lost)
+        peer.started = hello.started
+
+    def _held_by(self, pending: InFlight, peer: Peer) -> bool:
+        """Whether `peer`'s old process may have held this request: sent to it (the engine: any
+        request) before its disconnection."""
+        if pending.sent is None or pending.sent >= peer.lost_before:
+            return False
+        if peer.sock is self._engine:
+            return True
+        return pending.job is not None and self._mm_workers[pending.worker] is peer.sock
+
     # ------------------------------------------------------------------ reset cache
 
     def _reset_cache(self, client: bytes, request: ResetCache) -> None:
         """Ask the engine for a new cache epoch; MM workers clear their caches as they learn it."""
         request_id = f"{self._prefix}-{next(self._ids)}"
         deadline = time.monotonic() + self.config.request_timeout_s
-        self._inflight[request_id] = InFlight(client, request.request_id, deadline, None,
-                                              OutputText(self._pre.decode))
+        pending = InFlight(client, request.request_id, deadline, None,
+                           OutputText(self._pre.decode))
+        self._inflight[request_id] = pending
+        self._number_send(pending)
         reset = ResetEngineCache(request_id=request_id, reply_to=self.config.output_endpoint)
         try:
             self._engine.send_multipart(self._client_codec.encode(reset), zmq.NOBLOCK, copy=False)
@@ -434,6 +538,7 @@ class Frontend:
         pending = self._inflight.get(output.request_id)
         if pending is None:
             return
+        pending.job = None  # the engine has it: no MM worker holds it any more
         shown = output.token_ids
         if pending.checked is not None:  # a stop token adds no text (see `shown_ids`)
             shown = pending.checked.shown_ids(shown, output.finish_reason)

@@ -2,8 +2,9 @@
 
 Socket reading stays at the edge, on a thread that owns the job socket:
 
-    mm-worker-input   job socket (PULL, bound) → decode → cancels applied to the queue at once;
-                      jobs (their http(s) fetches started) and engine-epoch notices → the queue
+    mm-worker-input   job socket (PULL, bound) → decode → cancels applied to the queue at once,
+                      a frontend's hello answered at once; jobs (their http(s) fetches started)
+                      and engine-epoch notices → the queue
     mm-worker-fifo    1. take the head of the queue once its own fetches are done; load, hash,
     (serve)              start decoding and processing the images the engine lacks (inline, or
                          in the pool of `mm_processes` processes: services/mm_worker/pool.py)
@@ -60,6 +61,8 @@ from protocol.messages import (
     EngineInput,
     EngineRequest,
     FrontendInput,
+    Hello,
+    HelloReply,
     MMJob,
     MMWorkerInput,
     RequestFailed,
@@ -116,7 +119,8 @@ class MMWorker:
         self.metrics = Metrics("mm-worker", config.ops.name)
         self.metrics.model = self.preprocessor.model_id
         configure_pillow(config.max_image_pixels)
-        self._job_codec: Codec[MMJob | EngineEpoch | CancelJobs] = Codec(MMWorkerInput)
+        self._job_codec: Codec[MMJob | EngineEpoch | CancelJobs | Hello] = Codec(MMWorkerInput)
+        self._started_ns = time.time_ns()  # tells a frontend's `Hello` which process answers
         self._engine_codec: Codec[Any] = Codec(EngineInput)
         self._ctx = zmq.Context()
         with ExitStack() as undo:  # a failed bind or connect closes what was opened
@@ -127,7 +131,7 @@ class MMWorker:
                 self._ctx, zmq.PUSH, config.engine_endpoint, bind=False, hwm=ENGINE_SEND_HWM
             )
             undo.pop_all()
-        self._failures = FailureReplies(self._ctx)  # the loop's; the input thread has its own
+        self._failures = FrontendReplies(self._ctx)  # the loop's; the input thread has its own
         # The engine keeps one receiver cache per sender: name ours by host and bound address
         # (resolved, so two workers bound to 'tcp://host:*' get different names).
         bound = self._jobs.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -310,7 +314,7 @@ class MMWorker:
         """The mm-worker-input thread: reads the job socket, which it alone uses, into the queue
         while there is room (always, once draining: new jobs are refused, not queued); ends at
         `_stop_input`, after reading what has arrived by then."""
-        replies = FailureReplies(self._ctx)
+        replies = FrontendReplies(self._ctx)
         try:
             while not self._input_done.is_set():
                 if self._wait_for_room() and self._jobs.poll(POLL_MS):
@@ -335,9 +339,9 @@ class MMWorker:
         the socket is read on regardless (the jobs there get their refusal at once)."""
         return not self._stop.is_set() and len(self._queue) >= self.config.fetch_ahead_jobs
 
-    def _take_message(self, replies: FailureReplies) -> None:
-        """Read one message off the job socket: queue it, apply it (a cancel), refuse it (a job
-        while draining) or drop it (invalid)."""
+    def _take_message(self, replies: FrontendReplies) -> None:
+        """Read one message off the job socket: queue it, apply it (a cancel), answer it (a
+        hello), refuse it (a job while draining) or drop it (invalid)."""
         frames = self._jobs.recv_multipart(copy=False)
         received_at = time.monotonic()
         counters = self.metrics.counters
@@ -356,6 +360,9 @@ class MMWorker:
             return
         if isinstance(message, EngineEpoch):
             self._enqueue(message)
+            return
+        if isinstance(message, Hello):
+            replies.send(message.reply_to, HelloReply(peer=message.peer, started=self._started_ns))
             return
         counters["requests"] += 1
         if self._stop.is_set():
@@ -427,7 +434,7 @@ class MMWorker:
         self.metrics.counters["bytes_out"] += sum(len(frame) for frame in frames)
         return True
 
-    def _fail(self, job: MMJob, exc: Exception, replies: FailureReplies | None = None) -> None:
+    def _fail(self, job: MMJob, exc: Exception, replies: FrontendReplies | None = None) -> None:
         """Send the job's terminal error to its frontend (through `replies`, the calling
         thread's; the loop's by default); the loop serves on."""
         if isinstance(exc, MMLaneError):
@@ -437,23 +444,23 @@ class MMWorker:
             log.exception("request %s: internal error", job.request_id, exc_info=exc)
             error = MMLaneError(f"internal error in the MM worker: {type(exc).__name__}: {exc}")
         self.metrics.errors[error.code] += 1
-        (replies or self._failures).send(job, error)
+        reply = RequestFailed(request_id=job.request_id, error=error.to_info())
+        (replies or self._failures).send(job.reply_to, reply)
 
 
-class FailureReplies:
-    """Sends jobs' RequestFailed replies to their frontends. Sockets and codecs are not
-    thread-safe: each thread that replies has its own."""
+class FrontendReplies:
+    """Sends replies to frontends: jobs' RequestFailed, and HelloReply. Sockets and codecs are
+    not thread-safe: each thread that replies has its own."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self._codec: Codec[Any] = Codec(FrontendInput)
         self._sockets = ReplySockets(ctx)
 
-    def send(self, job: MMJob, error: MMLaneError) -> None:
-        reply = RequestFailed(request_id=job.request_id, error=error.to_info())
+    def send(self, reply_to: str, reply: RequestFailed | HelloReply) -> None:
         try:
-            self._sockets.send(job.reply_to, self._codec.encode(reply))
+            self._sockets.send(reply_to, self._codec.encode(reply))
         except zmq.ZMQError as exc:  # e.g. a reply_to that is not a valid address
-            log.warning("cannot reply to %r for request %s: %s", job.reply_to, job.request_id, exc)
+            log.warning("cannot send a %s to %r: %s", type(reply).__name__, reply_to, exc)
 
     def close(self) -> None:
         self._sockets.close()

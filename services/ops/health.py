@@ -1,8 +1,10 @@
 """`mmlane health`: ping every control socket at once; exit 0 only when every process serves.
 
 Healthy means: every process answers within --timeout, says 'serving', and every engine has a
-model loaded. When the sockets are discovered (no --connect), at least one frontend, one MM
-worker and one engine must answer too, so a role whose socket is gone counts as missing.
+model loaded. A role that `mmlane serve` is about to restart is answered for by serve, as
+'restarting' with the number of the restart: unhealthy, but not silent. When the sockets are
+discovered (no --connect), at least one frontend, one MM worker and one engine must answer too,
+so a role whose socket is gone counts as missing.
 
 The pings go out together, one REQ socket each, and each role answers from its stats thread, so
 a role busy with a 12 MP image still answers at once. A socket that gets no answer is closed
@@ -103,7 +105,7 @@ def _judge(answer: Answer, body: bytes, decoder: msgspec.msgpack.Decoder) -> Non
         answer.problem = f"unreadable answer ({exc})"
         return
     if answer.pong.state != "serving":
-        answer.problem = f"state {answer.pong.state}"
+        answer.problem = f"state {state_text(answer.pong.state, answer.pong.restarts)}"
     elif answer.pong.role == "engine" and not answer.pong.model:
         answer.problem = "the engine has no model loaded"
 

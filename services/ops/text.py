@@ -52,5 +52,8 @@ def errors_text(stats: Stats) -> str:
 
 
 def state_text(state: str, restarts: int) -> str:
-    """'serving', or 'serving (restarted 2x)' for a process that `mmlane serve` restarted."""
+    """'serving', or 'serving (restarted 2x)' for a process that `mmlane serve` restarted, or
+    'restarting (restart 2)' for a role that serve restarts (see `Child.down_until`)."""
+    if state == "restarting":
+        return f"{state} (restart {restarts})"
     return f"{state} (restarted {restarts}x)" if restarts else state
