@@ -4,6 +4,7 @@
     test_engine_killed_mid_flight             kill -9 the engine, start it again
     test_mm_worker_killed_mid_flight          kill -9 the MM worker, start it again
     test_reset_cache_while_requests_are_in_flight
+    test_two_mm_workers_each_image_goes_where_it_is_cached   affinity routing, and a worker gone
 
 Each test starts its own roles (their logs under RUN_DIR/logs) and stops them at its end: a role
 logs its counters as JSON when it stops, and the tests read them there.
@@ -27,11 +28,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, role_log, start_role
-from peers import wait_for_stats
+from peers import wait_for_stats, wait_until
 from protocol.errors import RetryableError
+from protocol.messages import ImageUrl
 from services.bench.images import jpeg_uri, noise_image, png_uri
 from services.cli import config_from_argv
 from services.client import ChatResult, Client, user_message
+from services.frontend.service import affinity_key
 from services.launcher import Child, start_roles, stop_all
 
 GIB = 1 << 30
@@ -252,3 +255,44 @@ def reset_soon(roles: Cluster) -> None:
                    "the frontend holding requests")
     with Client(roles.endpoint, timeout_s=60) as client:
         client.reset_cache()
+
+
+def test_two_mm_workers_each_image_goes_where_it_is_cached(run_dir: Path, qwen_dir: Path) -> None:
+    """Jobs go by their image's affinity key: a repeated image always meets the sender cache
+    that holds it (each image misses once, in its worker; round robin over an odd number of
+    images would not), and a worker that is gone hands its images to the other."""
+    engine = f"ipc://{run_dir}/e.sock"
+    workers = [f"ipc://{run_dir}/m{i}.sock" for i in range(2)]
+    common = ["--model", str(qwen_dir), "--engine-endpoint", engine]
+    roles = [start_role("engine", common, run_dir, log_dir=run_dir / "engine")]
+    roles += [start_role("mm-worker", [*common, "--mm-worker-endpoint", worker], run_dir,
+                         log_dir=run_dir / f"worker-{i}") for i, worker in enumerate(workers)]
+    roles.append(start_role("frontend", [
+        *common, "--mm-worker-endpoint", ",".join(workers), "--port", "0",
+        "--output-endpoint", f"ipc://{run_dir}/f.sock", "--request-timeout", "60",
+    ], run_dir, log_dir=run_dir / "frontend"))
+    engine_role, first_worker, second_worker, frontend = roles
+    urls = images(5)
+    on_first = sum(affinity_key(ImageUrl(url=url)) % 2 == 0 for url in urls)
+    assert 0 < on_first < len(urls)  # both workers have images
+    try:
+        assert frontend.endpoint is not None
+        with Client(frontend.endpoint, timeout_s=60) as client:
+            expected = warm_up(client, urls)  # each image twice
+            order = list(range(5)) * 2
+            assert check_answers(run(client, urls, order, in_flight=4), order, expected) == 0
+            os.kill(first_worker.process.pid, signal.SIGKILL)
+            first_worker.process.wait()
+            wait_until(lambda: "mm-worker-0 at" in role_log(frontend)
+                       and "disconnected" in role_log(frontend), "the frontend sees it gone")
+            order = list(range(5))
+            assert check_answers(run(client, urls, order, in_flight=1), order, expected) == 0
+    finally:
+        stop_all(roles)
+    engine_counts, second = counters(engine_role), counters(second_worker)
+    on_second = len(urls) - on_first
+    # Before the kill: one miss per image, in its worker; every repeat hit.
+    # After it: the first worker's images are misses in the second, the second's hit again.
+    assert engine_counts["cache_hits"] == 3 * len(urls) + on_second
+    assert second["requests"] == 4 * on_second + len(urls)
+    assert (second["cache_misses"], second["cache_hits"]) == (len(urls), 4 * on_second)

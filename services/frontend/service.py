@@ -47,6 +47,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -81,6 +82,7 @@ from protocol.messages import (
     FrontendInput,
     Hello,
     HelloReply,
+    ImageUrl,
     MMJob,
     RequestFailed,
     ResetCache,
@@ -150,6 +152,8 @@ class Peer:
     """The `HelloReply.started` of its process; 0 before the first."""
     lost_before: int = 0
     """`Frontend._sends` at its last disconnection: what was sent before it may be lost."""
+    connected: bool = True
+    """False from a disconnection until it connects again (unknown at first: taken as up)."""
 
     @property
     def events(self) -> zmq.Socket:
@@ -227,10 +231,10 @@ class Frontend:
             make_socket(self._ctx, zmq.PUSH, endpoint, bind=False, monitor_events=_PEER_EVENTS)
             for endpoint in c.mm_worker_endpoint
         ]
-        peers = [Peer("engine", self._engine)] + [
-            Peer(f"mm-worker-{i}", sock) for i, sock in enumerate(self._mm_workers)]
-        self._peers = {peer.name: peer for peer in peers}
-        self._next_worker = itertools.cycle(range(len(self._mm_workers)))
+        self._worker_peers = [Peer(f"mm-worker-{i}", sock)
+                              for i, sock in enumerate(self._mm_workers)]
+        self._peers = {peer.name: peer for peer in [Peer("engine", self._engine),
+                                                    *self._worker_peers]}
         # The client socket binds last: once clients can reach us, everything else is ready.
         self._client = make_socket(self._ctx, zmq.ROUTER, c.client_endpoint, bind=True)
         self.endpoint = bound_endpoint(self._client)  # port 0: the port it got (for Ready)
@@ -381,7 +385,7 @@ class Frontend:
                 images=checked.images, sampling=checked.sampling, deadline=deadline,
                 engine_epoch=self._engine_epoch,
             )
-            pending.job, pending.worker = message, next(self._next_worker)
+            pending.job, pending.worker = message, self._worker_for(checked.images[0])
             sock = self._mm_workers[pending.worker]
         else:
             message = EngineRequest(
@@ -395,6 +399,16 @@ class Frontend:
         except zmq.Again as exc:
             lane = "the MM worker" if checked.images else "the engine"
             self._fail(request_id, translate(exc, f"cannot send to {lane}"))
+
+    def _worker_for(self, image: ImageUrl) -> int:
+        """The MM worker for a job, by its first image's affinity key, so that a repeated image
+        goes where the sender cache holds it; the next connected one while that one is down."""
+        count = len(self._worker_peers)
+        first = affinity_key(image) % count
+        for index in (first + step for step in range(count)):
+            if self._worker_peers[index % count].connected:
+                return index % count
+        return first  # none is up: ZMQ keeps the job for when it is back, or it times out
 
     # ------------------------------------------------------------------ replies
 
@@ -475,9 +489,10 @@ class Frontend:
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                peer.lost_before = self._sends
+                peer.lost_before, peer.connected = self._sends, False
                 log.info("%s at %s disconnected", peer.name, event["endpoint"].decode())
             elif event["event"] == zmq.EVENT_CONNECTED:
+                peer.connected = True
                 hello = Hello(reply_to=self.config.output_endpoint, peer=peer.name)
                 try:
                     peer.sock.send_multipart(self._client_codec.encode(hello), zmq.NOBLOCK)
@@ -648,3 +663,17 @@ class Frontend:
             self.http.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._ctx.destroy(linger=500)
+
+
+AFFINITY_TAIL = 4096
+"""Characters of an image's URL (its end) that its affinity key covers, with the URL's length."""
+
+
+def affinity_key(image: ImageUrl) -> int:
+    """Which MM worker an image goes to is this modulo the number of workers: the same for the
+    same image, in every frontend. The client's uuid when it names the image, else its URL: the
+    end of a data URI is the end of the encoded image, and hashing all of a 7 MB URI on the
+    I/O loop would cost milliseconds (a key shared by two images only sends both to one worker).
+    """
+    text = image.uuid if image.uuid is not None else image.url
+    return zlib.crc32(f"{len(text)}:{text[-AFFINITY_TAIL:]}".encode())
