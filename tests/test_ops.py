@@ -8,6 +8,7 @@ in this process, except the exporter, which runs as its own process until SIGTER
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from services.bench.images import ImageSource, jpeg_uri
 from services.cli import main
 from services.client import Client, user_message
 from services.common.config import ipc
+from services.common.lifecycle import RESTARTS_ENV
 from services.common.prometheus import metric_name
 from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.ops.discovery import Targets, endpoint_label
@@ -404,3 +406,58 @@ def test_top_and_stats_show_the_http_refusals_after_the_errors(
 ])
 def test_the_tools_write_a_state_with_its_restarts(state: str, restarts: int, text: str) -> None:
     assert state_text(state, restarts) == text
+
+
+SLOW_TO_BUILD = """
+import sys, time
+from pathlib import Path
+from services.common.config import OpsConfig
+from services.common.lifecycle import run_role
+from services.common.stats import Metrics
+
+release = Path(sys.argv[1])
+
+
+class Role:
+    endpoint = "inproc://slow"
+
+    def __init__(self):
+        self.metrics = Metrics("engine", "slow")
+
+    def serve(self, stop):
+        stop.wait()
+
+    def close(self):
+        pass
+
+
+def build():
+    while not release.exists():  # a model that takes its time to load
+        time.sleep(0.05)
+    return Role()
+
+
+sys.exit(run_role("engine", build, None, OpsConfig(stats_interval_s=0.1).named("slow")))
+"""
+
+
+def test_a_role_that_is_still_loading_answers_as_starting(
+    capsys: pytest.CaptureFixture[str], run_dir: Path,
+) -> None:
+    """From before its build (a model load) to its end, health says 'starting', not silence;
+    then 'serving'. The restart count shows in both."""
+    release = run_dir / "release"
+    env = {**os.environ, "MMLANE_RUN_DIR": str(run_dir), RESTARTS_ENV: "2"}
+    role = subprocess.Popen([sys.executable, "-c", SLOW_TO_BUILD, str(release)], cwd=REPO,
+                            env=env)
+    try:
+        wait_until(lambda: (run_dir / "control-slow.sock").exists(), "its control socket")
+        status, out, err = mmlane(capsys, "health", "--timeout", "5", "--run-dir", str(run_dir))
+        assert status == 1 and "state starting (restart 2)" in err, (out, err)
+        release.touch()
+        wait_until(lambda: mmlane(capsys, "health", "--timeout", "5", "--run-dir",
+                                  str(run_dir))[1].count("serving (restarted 2x)") == 1,
+                   "it serves")
+    finally:
+        role.send_signal(signal.SIGTERM)
+        assert role.wait(timeout=30) == 0

@@ -127,21 +127,24 @@ def run_role(
     service: Role | None = None
     stats: StatsServer | None = None
     try:
+        # While it builds (loads its model), the role answers stats and pings as 'starting'.
+        stats = None if ops is None else _stats_server(Metrics(role, ops.name), ops, "starting")
         service = build()
         if ops is not None:
             metrics: Metrics = service.metrics  # type: ignore[attr-defined]  # roles given `ops` have it
             stop.metrics = metrics  # from the signal on, stats and health say 'draining'
-            metrics.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
-            stats = StatsServer(
-                metrics, stats_endpoint=ops.stats_endpoint,
-                control_endpoint=ops.control_endpoint, interval_s=ops.stats_interval_s,
-            ).start()
+            assert stats is not None
+            stats.close()  # the built role's own takes its sockets over
+            stats = None
+            stats = _stats_server(metrics, ops)
     except Exception as exc:  # any startup failure is reported, not raised through
         message = f"{type(exc).__name__}: {exc}"
         log.error("failed to start: %s\n%s", message, traceback.format_exc())
         _announce(ready_endpoint, StartupFailed(role=role, pid=os.getpid(), message=message))
         if service is not None:
             service.close()
+        if stats is not None:
+            stats.close()
         return 1
     try:
         log.info("ready on %s", service.endpoint)
@@ -153,6 +156,17 @@ def run_role(
         if stats is not None:
             stats.close()
     return 0
+
+
+def _stats_server(metrics: Metrics, ops: OpsConfig, state: str | None = None) -> StatsServer:
+    """A started StatsServer for `metrics` on the role's stats and control sockets, with the
+    restart count from $MMLANE_RESTARTS (and `state` unless None)."""
+    metrics.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
+    if state is not None:
+        metrics.state = state
+    return StatsServer(metrics, stats_endpoint=ops.stats_endpoint,
+                       control_endpoint=ops.control_endpoint,
+                       interval_s=ops.stats_interval_s).start()
 
 
 def _announce(ready_endpoint: str | None, message: Ready | StartupFailed) -> None:

@@ -53,7 +53,8 @@ def errors_text(stats: Stats) -> str:
 
 def state_text(state: str, restarts: int) -> str:
     """'serving', or 'serving (restarted 2x)' for a process that `mmlane serve` restarted, or
-    'restarting (restart 2)' for a role that serve restarts (see `Child.down_until`)."""
-    if state == "restarting":
+    'restarting (restart 2)' for a role that serve restarts (see `Child.down_until`), then
+    'starting (restart 2)' while it loads."""
+    if state == "restarting" or (state == "starting" and restarts):
         return f"{state} (restart {restarts})"
     return f"{state} (restarted {restarts}x)" if restarts else state
