@@ -57,21 +57,24 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
 
 
 @pytest.fixture(scope="session")
-def model_dirs(qwen_dir: Path, llava_dir: Path) -> dict[str, Path]:
-    return {"qwen2_vl": qwen_dir, "llava": llava_dir}
+def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, Path]:
+    """Each tiny model by the name of its builder (`mmlane tiny-model --family NAME`)."""
+    return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir}
 
 
 @pytest.fixture(scope="session")
 def hf_processors(model_dirs: dict[str, Path]) -> dict:
     """The in-process Hugging Face processors that mmlane's preprocessing must match exactly."""
-    qwen_dir = model_dirs["qwen2_vl"]
-    tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
-    qwen = ImageOnlyQwen2VLProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(qwen_dir, backend="pil"),
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
-    )
-    return {"qwen2_vl": qwen, "llava": LlavaProcessor.from_pretrained(model_dirs["llava"])}
+    def qwen(model_dir: Path) -> Qwen2VLProcessor:  # Qwen2.5-VL's processor is Qwen2-VL's
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return ImageOnlyQwen2VLProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(model_dir, backend="pil"),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return {"qwen2_vl": qwen(model_dirs["qwen2_vl"]), "qwen2_5_vl": qwen(model_dirs["qwen2_5_vl"]),
+            "llava": LlavaProcessor.from_pretrained(model_dirs["llava"])}
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:
@@ -103,11 +106,21 @@ def qwen_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def llava_dir() -> Path:
+    return _tiny_model("llava")
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_dir() -> Path:
+    return _tiny_model("qwen2_5_vl")
+
+
+def _tiny_model(family: str) -> Path:
+    """The tiny model of `family`, built once beside the default one."""
     from services.model import build_tiny_model, default_model_dir
 
-    target = default_model_dir().parent / "tiny-llava"
+    target = default_model_dir().parent / f"tiny-{family.replace('_', '-')}"
     if not (target / "config.json").exists():
-        build_tiny_model(target, family="llava")
+        build_tiny_model(target, family=family)
     return target
 
 

@@ -376,11 +376,11 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
 
 
 @pytest.mark.parametrize("max_batch", [1, MAX_BATCH])
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
 def test_runner_chunked_prefill_and_interleaving_match_generate(
-    family, max_batch, qwen_dir, llava_dir
+    family, max_batch, model_dirs
 ) -> None:
-    model_dir = qwen_dir if family == "qwen2_vl" else llava_dir
+    model_dir = model_dirs[family]
     runner = HFRunner.load(str(model_dir), DEVICE, max_batch=max_batch)
     prep = load_preprocessor(model_dir)
     requests = [make_request(prep, "look", ((90, 70),), max_tokens=10), make_request(prep, "hi")]

@@ -23,7 +23,7 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "llava"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:

@@ -23,6 +23,8 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
 )
@@ -168,17 +170,46 @@ def ensure_default_model() -> Path:
 
 
 def _build_qwen2_vl(out_dir: Path, seed: int) -> None:
+    _build_qwen_vl(out_dir, seed, Qwen2VLConfig, Qwen2VLForConditionalGeneration, {
+        "embed_dim": 32,
+        "hidden_size": 4 * QWEN_HEAD_DIM,
+    }, processor_class="Qwen2VLProcessor")
+
+
+def _build_qwen2_5_vl(out_dir: Path, seed: int) -> None:
+    # Qwen2.5-VL's vision tower: RMSNorm, a gated MLP and windowed attention (the last block
+    # attends to the whole image), projected to the language model's width.
+    _build_qwen_vl(out_dir, seed, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 4 * QWEN_HEAD_DIM,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+    }, processor_class="Qwen2_5_VLProcessor")
+
+
+QWEN_HEAD_DIM = 64
+"""The Qwen families' attention head size: one vLLM's CPU attention takes, so vLLM serves the
+tiny models too."""
+
+
+def _build_qwen_vl(
+    out_dir: Path, seed: int, config_class: type[Qwen2VLConfig | Qwen2_5_VLConfig],
+    model_class: type[PreTrainedModel], vision: dict, *, processor_class: str,
+) -> None:
+    """A tiny Qwen-VL model (Qwen2-VL, Qwen2.5-VL): the same tokenizer, template, image
+    processor and language model; `vision` is the family's vision tower."""
     bpe = _train_bpe(QWEN2_VL_SPECIAL_TOKENS)
     _save_tokenizer(
         out_dir, bpe, QWEN2_VL_CHAT_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
-    _write_json(out_dir / "preprocessor_config.json", QWEN2_VL_IMAGE_PROCESSOR)
+    _write_json(out_dir / "preprocessor_config.json",
+                {**QWEN2_VL_IMAGE_PROCESSOR, "processor_class": processor_class})
     ids = bpe.get_vocab(with_added_tokens=True)
-    head_dim = 64  # a head size vLLM's CPU attention takes: vLLM serves this model too
-    config = Qwen2VLConfig(
+    config = config_class(
         text_config={
             "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
-            "hidden_size": 4 * head_dim,
+            "hidden_size": 4 * QWEN_HEAD_DIM,
             "intermediate_size": 128,
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
@@ -196,12 +227,11 @@ def _build_qwen2_vl(out_dir: Path, seed: int) -> None:
         },
         vision_config={
             "depth": 2,
-            "embed_dim": 32,
             "num_heads": 2,
-            "hidden_size": 4 * head_dim,
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
+            **vision,
         },
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -213,7 +243,7 @@ def _build_qwen2_vl(out_dir: Path, seed: int) -> None:
         pad_token_id=ids["<|endoftext|>"],
         bos_token_id=ids["<|endoftext|>"],
     )
-    _save_model(out_dir, Qwen2VLForConditionalGeneration, config, generation, seed)
+    _save_model(out_dir, model_class, config, generation, seed)
 
 
 def _build_llava(out_dir: Path, seed: int) -> None:
@@ -317,5 +347,6 @@ def _write_json(path: Path, data: dict) -> None:
 
 _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "qwen2_vl": _build_qwen2_vl,
+    "qwen2_5_vl": _build_qwen2_5_vl,
     "llava": _build_llava,
 }
