@@ -161,6 +161,23 @@ def test_help_shows_every_setting_with_its_default(
     assert ("else from its MMLANE_* environment variable" in text) == (command != "bench")
 
 
+@pytest.mark.parametrize("command", ["serve", "mm-worker"])
+def test_help_says_jpeg_draft_is_off_and_not_bit_exact(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # undo the wrapping
+    help_of_flag = text[text.index("--jpeg-draft Decode"):]
+    assert "NOT bit-exact" in help_of_flag.partition("(default: ")[0]
+    assert help_of_flag.partition("(default: ")[2].startswith("False; $MMLANE_JPEG_DRAFT)")
+
+
+def test_serve_hands_jpeg_draft_to_its_mm_worker() -> None:
+    assert not serve_config(SERVE_SETTINGS.parse([])).mm_worker.jpeg_draft
+    assert serve_config(SERVE_SETTINGS.parse(["--jpeg-draft"])).mm_worker.jpeg_draft
+
+
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """The subcommands `mmlane --help` lists (bench-server, internal, is not)."""
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

@@ -10,6 +10,8 @@ with the same preprocessing run in this process.
     TestJobSocket      garbage on the job socket is dropped; the worker serves on
     TestFilesDisabled  a worker started without --allowed-media-dir refuses file:// URLs
     TestInputThread    cancels and new jobs' fetches are taken in while a big job is processed
+    TestJpegDraft      --jpeg-draft: a big JPEG arrives decoded reduced, with the exact decode's
+                       grid and pixels close to its; other images exactly; the pool does it too
     TestMedia, TestRender  the loading/decoding boundary and the placeholder arithmetic, in-process
 """
 
@@ -43,9 +45,15 @@ from protocol.messages import (
     SamplingParams,
     Stats,
 )
-from services.bench.images import data_uri, encode, noise_image, png_uri
+from services.bench.images import data_uri, encode, make_image, noise_image, png_uri
 from services.launcher import Child
-from services.mm_worker.media import MediaPolicy, decode_image, load_image_bytes, to_rgb
+from services.mm_worker.media import (
+    MediaPolicy,
+    decode_image,
+    jpeg_draft_scale,
+    load_image_bytes,
+    to_rgb,
+)
 from services.mm_worker.render import placeholder_offsets
 from services.ops.discovery import Targets
 from services.ops.feed import StatsFeed
@@ -580,6 +588,46 @@ class TestMedia:
         np.testing.assert_array_equal(np.asarray(image), np.asarray(expected))
 
 
+class TestJpegDraftScale:
+    """The rule: the largest of 1/8, 1/4, 1/2 leaving both sides at least the target's (libjpeg
+    rounds up), and only where the resize rule gives that same target from the reduced size."""
+
+    @pytest.mark.parametrize(("size", "scale"), [
+        ((4000, 3200), 8), ((3993, 3193), 8),  # 500x400 after rounding up
+        ((3992, 3200), 4), ((2000, 1600), 4), ((1997, 1600), 4), ((1996, 1600), 2),
+        ((1000, 800), 2), ((999, 800), 2), ((998, 800), 1), ((500, 400), 1), ((100, 100), 1),
+    ])
+    def test_both_sides_stay_at_least_the_targets(self, size: tuple[int, int],
+                                                  scale: int) -> None:
+        assert jpeg_draft_scale(*size, lambda width, height: (500, 400)) == scale
+
+    def test_a_reduction_that_would_change_the_target_is_not_taken(self) -> None:
+        def quarter(width: int, height: int) -> tuple[int, int]:
+            return width // 4, height // 4
+
+        assert jpeg_draft_scale(4000, 4000, quarter) == 1
+
+    def test_the_families_rules(self, preprocessors: dict[str, Any]) -> None:
+        qwen, llava = preprocessors["qwen2_vl"], preprocessors["llava"]
+        assert qwen.resized_size(4032, 3024) == (1148, 840)  # smart_resize to <= 1003520 px
+        assert jpeg_draft_scale(4032, 3024, qwen.resized_size) == 2
+        assert jpeg_draft_scale(*DRAFTED, qwen.resized_size) == 2
+        assert jpeg_draft_scale(*JUST_BELOW, qwen.resized_size) == 1  # 1161x871 -> 1148x868
+        assert jpeg_draft_scale(2000, 1500, qwen.resized_size) == 1  # 1000 < 1148
+        assert llava.resized_size(4032, 3024) == (448, 336)  # shortest edge 336, then a crop
+        assert jpeg_draft_scale(4032, 3024, llava.resized_size) == 8
+
+    def test_a_turned_jpeg_is_reduced_then_turned_upright(
+        self, preprocessors: dict[str, Any]
+    ) -> None:
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        width, height = DRAFTED
+        jpeg = encode(make_image(height, width), "JPEG", exif=exif.tobytes())
+        image = decode_image(jpeg, 0, 10**8, preprocessors["qwen2_vl"].resized_size)
+        assert image.size == (-(-width // 2), -(-height // 2))
+
+
 class TestRender:
     @pytest.mark.parametrize(
         ("ids", "lengths", "offsets"),
@@ -739,3 +787,89 @@ class TestInputThread:
         assert f"request {queued.request_id} cancelled by its frontend: skipped" in (
             role_log(worker))
         peers.assert_quiet()
+
+
+# ---------------------------------------------------------------- end to end: --jpeg-draft
+
+
+DRAFTED = (2400, 1800)
+"""A JPEG the tiny Qwen2-VL (max 1003520 pixels: 1148x840) takes drafted at 1/2."""
+JUST_BELOW = (2322, 1741)
+"""The largest 4:3 JPEG it does not: 1161x871 would be resized to 1148x868."""
+# Measured on photo-like JPEGs (BENCHMARKS.md, "JPEG reduce-on-decode"): the mean |diff| of the
+# uint8 pixels is largest just above the threshold (4.7 at 2323x1742, 3.7 here at 2400x1800)
+# and falls as the JPEG grows (1.5 at 4032x3024).
+DRAFT_MEAN_DIFF_BOUND = 5.0
+
+
+def draft_worker(name: str, run_dir: Path, model_dir: Path, peers: Peers,
+                 processes: int) -> Iterator[Child]:
+    worker = start_worker(name, run_dir, model_dir, peers.engine_endpoint, "--jpeg-draft",
+                          "--mm-processes", str(processes))
+    yield worker
+    assert stop_role(worker) == 0, role_log(worker)
+
+
+@pytest.fixture(scope="module")
+def drafting_worker(module_run_dir: Path, qwen_dir: Path, peers: Peers) -> Iterator[Child]:
+    yield from draft_worker("mm-worker-draft", module_run_dir, qwen_dir, peers, 1)
+
+
+@pytest.fixture(scope="module")
+def drafting_pool(module_run_dir: Path, qwen_dir: Path, peers: Peers) -> Iterator[Child]:
+    yield from draft_worker("mm-worker-draft-pool", module_run_dir, qwen_dir, peers, 2)
+
+
+def photo_jpeg(size: tuple[int, int], seed: int) -> bytes:
+    return encode(make_image(*size, seed=seed), "JPEG", quality=90)
+
+
+def assert_drafted(preprocessor: Any, job: MMJob, jpeg: bytes, got: EngineRequest,
+                   frames: int) -> None:
+    """`got` carries the in-process drafted decode's tensors, with the exact decode's grid and
+    token count and pixels within the measured difference of the exact ones."""
+    drafted = decode_image(jpeg, 0, 10**8, preprocessor.resized_size)
+    assert drafted.size == tuple(-(-side // 2) for side in Image.open(io.BytesIO(jpeg)).size)
+    assert_rendered(preprocessor, job, [drafted], got, frames)
+    exact = preprocessor.process_image(rgb_from(jpeg))
+    (item,) = got.mm_items
+    np.testing.assert_array_equal(item.tensors["image_grid_thw"], exact.tensors["image_grid_thw"])
+    assert item.length == exact.num_tokens
+    diff = np.abs(item.tensors["pixel_values"].astype(np.int16)
+                  - exact.tensors["pixel_values"].astype(np.int16))
+    assert 0 < diff.mean() < DRAFT_MEAN_DIFF_BOUND
+
+
+class TestJpegDraft:
+    def test_a_big_jpeg_is_decoded_reduced_to_the_processors_size(
+        self, drafting_worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        jpeg = photo_jpeg(DRAFTED, seed=20)
+        job = jobs.job(data_uri(jpeg))
+        peers.send(drafting_worker, job)
+        got, frames = peers.next_request()
+        assert_drafted(preprocessor, job, jpeg, got, frames)
+
+    def test_a_small_jpeg_a_png_and_a_jpeg_just_below_the_threshold_are_exact(
+        self, drafting_worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        small = photo_jpeg((640, 480), seed=21)
+        png = encode(make_image(*DRAFTED, seed=22), "PNG")
+        below = photo_jpeg(JUST_BELOW, seed=23)
+        job = jobs.job(data_uri(small), data_uri(below), data_uri(png, "image/png"))
+        peers.send(drafting_worker, job)
+        got, frames = peers.next_request()
+        assert_rendered(preprocessor, job, [rgb_from(data) for data in (small, below, png)],
+                        got, frames)
+
+    def test_the_pool_processes_draft_too(
+        self, drafting_pool: Child, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        big, below = photo_jpeg(DRAFTED, seed=24), photo_jpeg(JUST_BELOW, seed=25)
+        drafted, exact = jobs.job(data_uri(big)), jobs.job(data_uri(below))
+        peers.send(drafting_pool, drafted, exact)
+        got, frames = peers.next_request()
+        assert got.request_id == drafted.request_id
+        assert_drafted(preprocessor, drafted, big, got, frames)
+        got, frames = peers.next_request()
+        assert_rendered(preprocessor, exact, [rgb_from(below)], got, frames)

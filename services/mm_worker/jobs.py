@@ -124,8 +124,7 @@ class JobRenderer:
 
     def process_image(self, index: int, data: bytes) -> ImageItem:
         """Decode an image's bytes and run the model's image processor on it, here."""
-        return self._observed(process_image(self.preprocessor, index, data,
-                                            self.media.max_image_pixels))
+        return self._observed(process_image(self.preprocessor, index, data, self.media))
 
     # ------------------------------------------------------------ the steps
 

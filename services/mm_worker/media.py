@@ -3,7 +3,9 @@
     load_image_bytes(url, index, policy, fetched)
                                            data:image/...;base64 URI, allow-listed file:// path,
                                            or the result of an http(s) fetch started earlier
-    decode_image(data, index, max_pixels)  encoded bytes -> upright RGB PIL image
+    decode_image(data, index, max_pixels, resized_size)
+                                           encoded bytes -> upright RGB PIL image; with the
+                                           processor's resize rule, big JPEGs decode reduced
 
 Every failure here is the request's fault and leaves as a `RequestError` whose message starts
 with the image's position in the request (`image 2: ...`), so a client sending several images
@@ -11,6 +13,12 @@ knows which one was wrong. Codes: `invalid_image` (unreadable data, missing file
 `media_not_allowed` (a scheme or path we refuse) and `image_too_large` (bytes or pixels).
 Pillow's exceptions become ours through `protocol.errors.translated` (running out of memory
 while decoding is no fault of the request's: `overloaded`).
+
+Reduce-on-decode (`--jpeg-draft`, off by default): libjpeg can decode a JPEG at 1/2, 1/4 or 1/8
+of its size (Pillow's `Image.draft`), skipping most of the inverse DCT and colour conversion,
+which is most of a decode. The image processor then resizes the smaller image to the same size
+it would have resized the whole one to: the same tensors' shapes and token count, but not the
+same pixels (BENCHMARKS.md, "JPEG reduce-on-decode", has the difference).
 """
 
 from __future__ import annotations
@@ -22,12 +30,13 @@ import io
 import os
 import stat
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from protocol.errors import RequestError, translated
 from services.common.config import MMWorkerConfig
@@ -36,6 +45,13 @@ from services.common.config import MMWorkerConfig
 # entry (P, L, RGB with a tRNS colour key) are composited too.
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 _16_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
+_DRAFT_FORMATS = frozenset({"JPEG", "MPO"})  # MPO: a phone's JPEG with extra frames after it
+_DRAFT_SCALES = (8, 4, 2)  # libjpeg's reductions that Pillow's draft picks from
+_SIDES_SWAPPED = frozenset({5, 6, 7, 8})  # EXIF orientations that exif_transpose turns by 90°
+
+ResizedSize = Callable[[int, int], tuple[int, int]]
+"""`(width, height) -> (width, height)`: the image processor's resize rule for an upright image
+(`Preprocessor.resized_size`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +64,8 @@ class MediaPolicy:
     max_image_pixels: int
     allowed_schemes: frozenset[str] = frozenset({"data", "https"})
     """Schemes allowed besides file:// (data, https, http)."""
+    jpeg_draft: bool = False
+    """Decode big JPEGs reduced (`MMWorkerConfig.jpeg_draft`; not bit-exact)."""
 
     @classmethod
     def from_config(cls, config: MMWorkerConfig) -> MediaPolicy:
@@ -57,6 +75,7 @@ class MediaPolicy:
             max_image_bytes=config.max_image_bytes,
             max_image_pixels=config.max_image_pixels,
             allowed_schemes=frozenset(config.allowed_media_schemes),
+            jpeg_draft=config.jpeg_draft,
         )
 
 
@@ -201,10 +220,13 @@ def _read_regular_file(path: Path, url: str, index: int, max_bytes: int) -> byte
 # ---------------------------------------------------------------- decoding
 
 
-def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
+def decode_image(data: bytes, index: int, max_pixels: int,
+                 resized_size: ResizedSize | None = None) -> Image.Image:
     """Decode encoded bytes into an upright RGB image; raises RequestError naming the image.
 
-    The pixel count is checked from the header, before the pixels are decoded.
+    The pixel count is checked from the header, before the pixels are decoded. With
+    `resized_size`, the image processor's resize rule, a JPEG is decoded reduced by
+    `jpeg_draft_scale` (not bit-exact); without it, or for any other format, exactly.
     """
     if not data:
         raise _invalid(index, "image is empty (0 bytes)")
@@ -215,12 +237,43 @@ def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
     _check_pixels(image, index, max_pixels)
     with translated(f"image {index}: cannot decode the {image.format} data",
                     default="invalid_image"):
+        if resized_size is not None and image.format in _DRAFT_FORMATS:
+            _draft(image, resized_size)
         image.load()
     with translated(f"image {index}: cannot convert the {image.mode} image to RGB",
                     default="invalid_image"):
         ImageOps.exif_transpose(image, in_place=True)
         image = to_rgb(image)
     return image
+
+
+def jpeg_draft_scale(width: int, height: int, resized_size: ResizedSize) -> int:
+    """By how much a JPEG of this upright size may be reduced on decode: the largest of 8, 4
+    and 2 that leaves both sides at least as long as the processor resizes them to (so the
+    JPEG is at least twice that size on both sides), and from which the processor's rule gives
+    that same size, so that the tensors' shapes and token count stay the exact decode's.
+    1: decode it whole."""
+    try:
+        target = resized_size(width, height)
+        for scale in _DRAFT_SCALES:
+            reduced = (-(-width // scale), -(-height // scale))  # libjpeg rounds up
+            if (reduced[0] >= target[0] and reduced[1] >= target[1]
+                    and resized_size(*reduced) == target):
+                return scale
+    except ValueError:  # a size the processor refuses: it says so after the exact decode
+        pass
+    return 1
+
+
+def _draft(image: Image.Image, resized_size: ResizedSize) -> None:
+    """Make the JPEG decoder reduce `image` by `jpeg_draft_scale` (before `load`)."""
+    width, height = image.size
+    swapped = image.getexif().get(ExifTags.Base.Orientation) in _SIDES_SWAPPED
+    scale = jpeg_draft_scale(*((height, width) if swapped else (width, height)), resized_size)
+    if scale > 1:
+        # draft picks the largest scale whose reduced size is at least the size asked for:
+        # asking for the floor of size/scale gets exactly `scale`.
+        image.draft(image.mode, (width // scale, height // scale))
 
 
 def _check_pixels(image: Image.Image, index: int, max_pixels: int) -> None:

@@ -42,7 +42,7 @@ from protocol.errors import (
     from_info,
     translate,
 )
-from services.mm_worker.media import configure_pillow, decode_image
+from services.mm_worker.media import MediaPolicy, configure_pillow, decode_image
 from services.model import ImageItem, Preprocessor, load_preprocessor
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,13 @@ class Processed:
 
 
 def process_image(preprocessor: Preprocessor, index: int, data: bytes,
-                  max_image_pixels: int) -> Processed:
-    """Decode image `index`'s bytes and run the model's image processor on it; raises
-    RequestError naming the image when either refuses it."""
+                  media: MediaPolicy) -> Processed:
+    """Decode image `index`'s bytes (big JPEGs reduced to what the processor needs, with
+    `media.jpeg_draft`) and run the model's image processor on it; raises RequestError naming
+    the image when either refuses it."""
     started = time.perf_counter()
-    image = decode_image(data, index, max_image_pixels)
+    resized_size = preprocessor.resized_size if media.jpeg_draft else None
+    image = decode_image(data, index, media.max_image_pixels, resized_size)
     decoded = time.perf_counter()
     try:
         item = preprocessor.process_image(image)
@@ -112,10 +114,10 @@ class _Member:
 class ProcessPool:
     """`processes` pool processes for `model_dir`'s image processor, fed by `submit`."""
 
-    def __init__(self, model_dir: Path, image_backend: str, max_image_pixels: int,
+    def __init__(self, model_dir: Path, image_backend: str, media: MediaPolicy,
                  processes: int) -> None:
         self._ctx = multiprocessing.get_context("spawn")  # no fork of a threaded process
-        self._args = (str(model_dir), image_backend, max_image_pixels)
+        self._args = (str(model_dir), image_backend, media)
         self._waiting: deque[_Task] = deque()
         self._lock = threading.Lock()
         self._wake_reader, self._wake_writer = self._ctx.Pipe(duplex=False)
@@ -281,12 +283,12 @@ def _copy_out(name: str, layout: list[tuple[str, str, tuple[int, ...], int]]) ->
 
 
 def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str,
-           max_image_pixels: int) -> None:
+           media: MediaPolicy) -> None:
     """A pool process: load the preprocessor, then process tasks until the pipe closes."""
     import torch
 
     torch.set_num_threads(1)  # one core per process: the pool is the parallelism
-    configure_pillow(max_image_pixels)
+    configure_pillow(media.max_image_pixels)
     preprocessor = load_preprocessor(model_dir, image_backend)  # type: ignore[arg-type]
     results.send(("ready",))
     while True:
@@ -295,7 +297,7 @@ def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str,
         except (EOFError, OSError):
             return
         try:
-            done = process_image(preprocessor, index, data, max_image_pixels)
+            done = process_image(preprocessor, index, data, media)
         except Exception as exc:
             info: ErrorInfo = translate(exc, f"image {index}").to_info()
             results.send(("err", info))

@@ -139,8 +139,8 @@ class MMWorker:
                                  capacity_bytes(config.mm_cache_gb))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              self.preprocessor.image_processor.to_dict())
-        self.pool = (ProcessPool(model_dir, self.preprocessor.image_backend,
-                                 config.max_image_pixels, config.mm_processes)
+        self.pool = (ProcessPool(model_dir, self.preprocessor.image_backend, self.media,
+                                 config.mm_processes)
                      if config.mm_processes > 1 else None)
         self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher,
                                     self.metrics, self.pool)

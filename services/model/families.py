@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+from transformers.image_transforms import get_resize_output_image_size
+from transformers.image_utils import ChannelDimension
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from protocol.errors import RequestError
@@ -24,6 +26,9 @@ TokenCounter = Callable[[Tensors], int]
 ItemChecker = Callable[[list[MMItem]], None]
 """Raises RequestError when a request's images have tensors the model cannot take."""
 Uint8Processor = Callable[[Any, Image.Image], dict[str, np.ndarray]]
+ResizeRule = Callable[[Any, int, int], tuple[int, int]]
+"""`(image_processor, width, height) -> (width, height)`: the size the processor resizes an
+upright image of that size to."""
 
 
 class UnsupportedModelError(ValueError):
@@ -46,6 +51,9 @@ class Family:
     # in the model's layout, before the processor's rescale and normalise (services/model/
     # pixels.py: the engine runs those two).
     uint8_pixels: Uint8Processor
+    # The processor's own resize rule: what decoding may reduce a JPEG to and no further
+    # (services/mm_worker/media.py, `--jpeg-draft`).
+    resized_size: ResizeRule
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
         """The inverse of `split_items`: the batched tensors the model takes for these images."""
@@ -121,6 +129,17 @@ def processor_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.nd
     return tensors
 
 
+def _qwen2_vl_resized_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """smart_resize, as the processor calls it: sides multiples of patch x merge, the pixel
+    count within the processor's min and max pixels (its size's shortest and longest edge)."""
+    p = image_processor
+    height, width = smart_resize(
+        height, width, factor=p.patch_size * p.merge_size,
+        min_pixels=p.size["shortest_edge"], max_pixels=p.size["longest_edge"],
+    )
+    return width, height
+
+
 def _qwen2_vl_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
     """Qwen2VLImageProcessorPil's resize and patch layout, done in uint8 on the PIL image.
 
@@ -129,11 +148,7 @@ def _qwen2_vl_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.nd
     pass this skips. Same resize (its smart_resize rule, PIL, its resample filter), same
     layout, so the pixels are the processor's bit for bit (tests/test_pixels.py)."""
     p = image_processor
-    factor = p.patch_size * p.merge_size
-    height, width = smart_resize(
-        image.height, image.width, factor=factor,
-        min_pixels=p.size["shortest_edge"], max_pixels=p.size["longest_edge"],
-    )
+    width, height = _qwen2_vl_resized_size(p, image.width, image.height)
     resized = np.asarray(image.resize((width, height), resample=p.resample, reducing_gap=None))
     grid_h, grid_w = height // p.patch_size, width // p.patch_size
     merge, patch = p.merge_size, p.patch_size
@@ -150,6 +165,22 @@ def _qwen2_vl_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.nd
         "pixel_values": np.ascontiguousarray(pixel_values),
         "image_grid_thw": np.array([[1, grid_h, grid_w]], dtype=np.int64),
     }
+
+
+def _llava_resized_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """CLIP's resize (before its centre crop): the shortest edge to `size["shortest_edge"]`, the
+    other in proportion, as transformers computes it; or a fixed height and width. Any other
+    size rule: the image's own size, so that decoding never reduces it."""
+    size = image_processor.size
+    if size.get("shortest_edge") and not size.get("longest_edge"):
+        shape = np.broadcast_to(np.uint8(0), (height, width, 3))  # only its shape is read
+        height, width = get_resize_output_image_size(
+            shape, size["shortest_edge"], default_to_square=False,
+            input_data_format=ChannelDimension.LAST,
+        )
+    elif size.get("height") and size.get("width"):
+        height, width = size["height"], size["width"]
+    return width, height
 
 
 def _split_llava(batch: Tensors) -> list[dict[str, np.ndarray]]:
@@ -221,6 +252,7 @@ QWEN2_VL = Family(
     token_counter=_qwen2_vl_token_counter,
     item_checker=_qwen2_vl_item_checker,
     uint8_pixels=_qwen2_vl_uint8,
+    resized_size=_qwen2_vl_resized_size,
 )
 
 LLAVA = Family(
@@ -232,6 +264,7 @@ LLAVA = Family(
     token_counter=_llava_token_counter,
     item_checker=_llava_item_checker,
     uint8_pixels=processor_uint8,
+    resized_size=_llava_resized_size,
 )
 
 FAMILIES = (QWEN2_VL, LLAVA)

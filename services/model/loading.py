@@ -137,6 +137,11 @@ class Preprocessor:
         tensors = {field: batch[field] for field in self.family.item_fields}
         return ImageItem(tensors=tensors, num_tokens=self.count_image_tokens(tensors))
 
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) the image processor resizes an upright image of this size to;
+        raises ValueError for a size it refuses."""
+        return self.family.resized_size(self.image_processor, width, height)
+
     def expand_placeholders(self, token_ids: list[int], items: list[ImageItem]) -> list[int]:
         """Replace the i-th image placeholder with items[i].num_tokens copies of it."""
         placeholders = token_ids.count(self.image_token_id)
