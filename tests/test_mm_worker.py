@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from msgspec.structs import replace
 from PIL import Image, ImageOps
 
 from conftest import role_log, start_role, stop_role
@@ -861,6 +862,19 @@ class TestJpegDraft:
         got, frames = peers.next_request()
         assert_rendered(preprocessor, job, [rgb_from(data) for data in (small, below, png)],
                         got, frames)
+
+    def test_a_drafted_image_and_the_exact_one_never_share_a_hash(
+        self, worker: Child, drafting_worker: Child, peers: Peers, jobs: Jobs
+    ) -> None:
+        """Every cache keyed by the hash (the engine's, vLLM's) tells the two settings' renderings
+        apart: the setting is part of what a hash covers, for every image."""
+        url = data_uri(photo_jpeg((640, 480), seed=26))
+        hashes = []
+        for role in (worker, drafting_worker):  # an engine epoch: each hashes for its cache
+            peers.send(role, replace(jobs.job(url), engine_epoch=7))
+            got, _ = peers.next_request()
+            hashes.append(got.mm_items[0].mm_hash)
+        assert all(hashes) and hashes[0] != hashes[1]
 
     def test_the_pool_processes_draft_too(
         self, drafting_pool: Child, peers: Peers, jobs: Jobs, preprocessor: Any

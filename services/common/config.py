@@ -150,9 +150,8 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     to at 1/2, 1/4 or 1/8 of its size (libjpeg's reduce-on-decode), never below the processor's
     size and only where its tensor shapes and token count stay the same: about 2x less work
     per 12 MP photo for a 1 MP model, but NOT bit-exact (README; BENCHMARKS.md measures the
-    difference). The image hash stays that of its bytes; the mirrored cache stays exact, as a
-    worker keeps one setting while it runs and a restarted one starts a new sender epoch, at
-    which the engine drops all it cached from it."""
+    difference). The image hash covers the setting, so a drafted image and the same bytes
+    decoded exactly never share a hash in any cache (the engine's, vLLM's)."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:

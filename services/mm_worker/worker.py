@@ -137,8 +137,10 @@ class MMWorker:
         bound = self._jobs.getsockopt_string(zmq.LAST_ENDPOINT)
         self.cache = SenderCache(f"{socket.gethostname()}/{bound}",
                                  capacity_bytes(config.mm_cache_gb))
+        # What the hash stands for: the tensors, so every setting that changes them is in it.
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
-                             self.preprocessor.image_processor.to_dict())
+                             {**self.preprocessor.image_processor.to_dict(),
+                              "mmlane_jpeg_draft": config.jpeg_draft})
         self.pool = (ProcessPool(model_dir, self.preprocessor.image_backend, self.media,
                                  config.mm_processes)
                      if config.mm_processes > 1 else None)
