@@ -177,19 +177,18 @@ def test_engine_killed_mid_flight(run_dir: Path, qwen_dir: Path) -> None:
             expected = warm_up(client, urls)
             ids = [client.submit([user_message(PROMPT, [urls[i]])], max_tokens=6) for i in order]
             roles.kill("engine")
-            # Lost inside the dead engine: a timeout; still queued for it: the new one answers.
+            # Held by the dead engine: peer_restarted (or a timeout); queued for it: answered.
             results = client.collect(ids)
             check_answers([results[rid] for rid in ids], order, expected)
             assert_nothing_more(client)
-            # The worker still believes the old engine holds its images; the first miss
-            # tells everyone the new engine's epoch, and the images are cached again.
+            # The new engine's epoch reaches the worker (in the engine's HelloReply, or with
+            # the first cache miss, whichever comes first): the images are cached again.
             again = run(client, urls, order, in_flight=1)
             assert check_answers(again, order, expected) == 0
         count = roles.stop()
     engine, worker, frontend = count["engine"], count["mm-worker"], count["frontend"]
-    assert frontend["cache_miss_resends"] >= 1 and frontend["engine_epochs"] == 2
-    assert frontend.get("cache_miss_errors", 0) == 0
-    assert engine["cache_misses"] >= 1 and engine.get("cache_desyncs", 0) == 0
+    assert frontend["engine_epochs"] == 2 and frontend.get("cache_miss_errors", 0) == 0
+    assert engine.get("cache_desyncs", 0) == 0
     assert worker["cache_epochs"] == 2
     assert engine["cache_hits"] >= len(order) - len(urls)  # the repeated images hit again
 

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import free_port, role_log, start_role, stop_role
+from peers import StandInEngine
 from protocol.codec import Codec
 from protocol.messages import ChatOutput, ChatRequest, ClientReply, EngineOutput, EngineRequest
 from services.client import user_message
@@ -158,11 +159,10 @@ def test_logprobs_texts_of_sentencepiece_pieces_keep_their_leading_space() -> No
 
 
 @pytest.fixture
-def frontend(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
-    """A real frontend whose engine is this test's PULL socket; yields (client, engine)."""
+def frontend(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[zmq.Socket, StandInEngine]]:
+    """A real frontend whose engine this test stands in for; yields (client, engine)."""
     ctx: zmq.Context = zmq.Context.instance()
-    engine = ctx.socket(zmq.PULL)
-    engine.bind(f"ipc://{run_dir}/engine.sock")
+    engine = StandInEngine.at(ctx, f"ipc://{run_dir}/engine.sock")
     port = free_port()
     child = start_role("frontend", [
         "--model", str(qwen_dir), "--engine-endpoint", f"ipc://{run_dir}/engine.sock",
@@ -175,31 +175,27 @@ def frontend(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[zmq.Socket, zmq.So
         yield client, engine
     finally:
         client.close(linger=0)
-        engine.close(linger=0)
+        engine.close()
         assert stop_role(child) == 0, role_log(child)
 
 
 def test_a_streamed_reply_carries_the_whole_text(
-    frontend: tuple[zmq.Socket, zmq.Socket], prep: Preprocessor, tricky_ids: list[int]
+    frontend: tuple[zmq.Socket, StandInEngine], prep: Preprocessor, tricky_ids: list[int]
 ) -> None:
     """The engine streams one id per output, a special token among them: the client's chunks
     concatenate to the decoded output, and none holds a replacement character."""
     client, engine = frontend
     codec: Codec[EngineRequest] = Codec(EngineRequest)  # encodes any message
     client.send_multipart(codec.encode(ChatRequest(request_id="r", messages=[user_message("hi")])))
-    assert engine.poll(20_000), "nothing reached the engine"
-    request = codec.decode(engine.recv_multipart())
+    request = engine.take()
     output_ids = [*tricky_ids[:4], prep.tokenizer.all_special_ids[0], *tricky_ids[4:]]
-    ctx: zmq.Context = zmq.Context.instance()
-    with ctx.socket(zmq.PUSH) as reply:
-        reply.connect(request.reply_to)
-        for number, token in enumerate(output_ids, 1):
-            done = number == len(output_ids)
-            reply.send_multipart(codec.encode(EngineOutput(
-                request_id=request.request_id, token_ids=[token], finished=done,
-                finish_reason="stop" if done else None,
-            )))
-        replies = [_reply(client) for _ in output_ids]
+    for number, token in enumerate(output_ids, 1):
+        done = number == len(output_ids)
+        engine.reply(request.reply_to, EngineOutput(
+            request_id=request.request_id, token_ids=[token], finished=done,
+            finish_reason="stop" if done else None,
+        ))
+    replies = [_reply(client) for _ in output_ids]
     assert [r.token_ids for r in replies] == [[token] for token in output_ids]
     assert "".join(r.text for r in replies) == prep.decode(output_ids) == TRICKY_TEXT
     assert not any("\ufffd" in r.text for r in replies)
