@@ -134,7 +134,8 @@ def test_a_role_killed_under_load_is_restarted_and_serves_again(served: Served, 
             if error is not None and role != "frontend":  # the restart's error, not the timeout
                 assert error.code == "peer_restarted", f"{rid}: {error!r}"
 
-        restarted = served.stats(role, lambda s: s.restarts == 1, f"the {role} restarted once")
+        restarted = served.stats(role, lambda s: s.restarts == 1 and s.state == "serving",
+                                 f"the {role} restarted once, and serving")
         assert restarted.pid != pid
         _ok(client, *_mixed_load(client, seed=200))
         _ok(client, _image_request(client, 7))
@@ -192,8 +193,8 @@ def test_what_a_killed_role_held_fails_as_soon_as_it_is_back(
         assert f"the {role}" in reply.error.message and "restarted" in reply.error.message
         served.stats("frontend", lambda s: s.counters.get("peer_restarts", 0) > restarts_seen,
                      "the frontend counted the restart")
-        after = served.stats(role, lambda s: s.restarts == before.restarts + 1,
-                             f"the {role} restarted")
+        after = served.stats(role, lambda s: s.restarts == before.restarts + 1
+                             and s.state == "serving", f"the {role} restarted, and serving")
         assert after.pid != before.pid
         _ok(client, *_mixed_load(client, seed=300))
 

@@ -416,8 +416,10 @@ def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
         results = one_reply_each(client, load, timeout_s=120)
         for result in results.values():
             assert result.error is None or result.error.kind == "retryable", result.error
+        # Serving, not only restarted: a role answers stats as 'starting' while vLLM loads.
         wait_for_stats(run_dir, lambda s: s.role == "engine" and s.restarts >= 1
-                       and s.pid != engine.pid, "the engine restarted", timeout_s=STARTUP_S)
+                       and s.pid != engine.pid and s.state == "serving",
+                       "the engine restarted, and serving", timeout_s=STARTUP_S)
         after = client.chat([user_message("hello again")], max_tokens=4, ignore_eos=True)
         assert after.error is None and len(after.token_ids) == 4
     if victim == "the engine role":  # vLLM's processes do not outlive the role that ran them
