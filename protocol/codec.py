@@ -4,6 +4,11 @@ Every `np.ndarray` inside a message is replaced in the msgpack by a `TensorHeade
 frame index) and its buffer is sent as its own frame with `copy=False`; the receiver rebuilds it
 with `np.frombuffer` over the received frame, without a copy. A codec is built once by the object
 that owns the socket and is not shared between threads.
+
+On one host a codec may move large arrays through shared memory instead (protocol/shm.py): the
+sender's codec is given a `ShmWriter`, and its header then names a block (`shm`) instead of a
+frame. Only a decoder built with `accept_shm` (one that reads an ipc socket) takes such headers;
+any other refuses them, so nothing on a tcp socket can make a process open a file.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import numpy as np
 
-from protocol.errors import RequestError, translate
+from protocol import shm
+from protocol.errors import RequestError, TensorsLost, translate
 
 T = TypeVar("T")
 
@@ -30,14 +36,20 @@ class TensorHeader(msgspec.Struct, array_like=True, frozen=True):
     dtype: str
     shape: tuple[int, ...]
     frame: int
+    """The frame that holds the bytes; 0 when `shm` names the shared-memory block instead."""
+    shm: str = ""
 
 
 class Codec(Generic[T]):
     """Encoder for any message, typed decoder for one union (the messages of one socket)."""
 
-    def __init__(self, decode_type: Any) -> None:
+    def __init__(self, decode_type: Any, *, shm_writer: shm.ShmWriter | None = None,
+                 accept_shm: bool = False) -> None:
         self._out_frames: list[memoryview] = []
         self._in_frames: Sequence[Any] = ()
+        self._shm_writer = shm_writer
+        self._accept_shm = accept_shm
+        self._lost: list[str] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_array)
         self._decoder = msgspec.msgpack.Decoder(decode_type, dec_hook=self._dec_array)
 
@@ -56,16 +68,27 @@ class Codec(Generic[T]):
             raise RequestError("empty message", code="invalid_message")
         self._in_frames = frames
         try:
-            return self._decoder.decode(_buffer(frames[0]))
+            message = self._decoder.decode(_buffer(frames[0]))
         except msgspec.DecodeError as exc:
             raise translate(exc, "undecodable message") from exc
         finally:
             self._in_frames = ()
+            lost, self._lost = self._lost, []
+        if lost:
+            raise TensorsLost(
+                f"{len(lost)} shared-memory tensor(s) were gone on arrival ({lost[0]}, ...): "
+                "their sender restarted, or they waited too long", decoded=message,
+            )
+        return message
 
     def _enc_array(self, obj: Any) -> Any:
         if not isinstance(obj, np.ndarray):
             raise NotImplementedError(f"cannot encode {type(obj).__name__}")
         array = np.ascontiguousarray(obj)
+        if self._shm_writer is not None:
+            name = self._shm_writer.put(array)
+            if name is not None:
+                return TensorHeader(array.dtype.str, array.shape, 0, name)
         self._out_frames.append(memoryview(array.data).cast("B"))
         return TensorHeader(array.dtype.str, array.shape, len(self._out_frames))
 
@@ -75,6 +98,8 @@ class Codec(Generic[T]):
         header = msgspec.convert(obj, TensorHeader)
         if header.dtype not in _ALLOWED_DTYPES:
             raise ValueError(f"unsupported tensor dtype {header.dtype!r}")
+        if header.shm:
+            return self._take_shm(header)
         if not 0 < header.frame < len(self._in_frames):
             raise ValueError(f"tensor frame {header.frame} missing ({len(self._in_frames)} frames)")
         buffer = _buffer(self._in_frames[header.frame])
@@ -86,6 +111,16 @@ class Codec(Generic[T]):
                 f"shape {header.shape} of {header.dtype} needs {expected}"
             )
         return np.frombuffer(buffer, dtype=dtype).reshape(header.shape)
+
+    def _take_shm(self, header: TensorHeader) -> np.ndarray:
+        if not self._accept_shm:
+            raise ValueError("shared-memory tensors are refused on this socket")
+        dtype = np.dtype(header.dtype)
+        array = shm.take(header.shm, dtype, header.shape)
+        if array is None:
+            self._lost.append(header.shm)
+            return np.empty(0, dtype)
+        return array
 
 
 def _buffer(frame: Any) -> Any:

@@ -6,8 +6,10 @@
     │            fetch_failed, too_many_images, prompt_too_long, model_error, model_not_found,
     │            image_too_large, request_too_large, invalid_api_key
     ├── RetryableError               not the request's fault; the same request may succeed later
-    │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss, backend_died
-    │     └── CacheMissError         the engine lacks cached items a request refers to (`mm_hashes`)
+    │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss, backend_died,
+    │     │        tensors_lost
+    │     ├── CacheMissError         the engine lacks cached items a request refers to (`mm_hashes`)
+    │     └── TensorsLost            a message's shared-memory tensors were gone (protocol/shm.py)
     ├── InternalError                our fault, in one request: it fails, the process serves on
     │     codes: internal
     └── FatalError                   the process cannot serve (bad config, model will not load)
@@ -58,6 +60,7 @@ CODES: dict[str, Code] = {
     "timeout": Code("retryable", 504),
     "cache_miss": Code("retryable", 503),
     "backend_died": Code("retryable", 503),  # the engine's backend (vLLM's core) died: restarting
+    "tensors_lost": Code("retryable", 503),  # shared-memory pixels gone (protocol/shm.py)
     "internal": Code("internal", 500),
     "bad_config": Code("fatal", 500),
     "cannot_serve": Code("fatal", 500),
@@ -117,6 +120,17 @@ class CacheMissError(RetryableError):
         return ErrorInfo(
             kind=self.kind, code=self.code, message=self.message, mm_hashes=self.mm_hashes
         )
+
+
+class TensorsLost(RetryableError):
+    """A message's shared-memory tensors were gone when it arrived; `decoded` is the message
+    with those tensors empty, so that its sender can still be answered."""
+
+    default_code = "tensors_lost"
+
+    def __init__(self, message: str, *, decoded: object) -> None:
+        super().__init__(message)
+        self.decoded = decoded
 
 
 class InternalError(MMLaneError):

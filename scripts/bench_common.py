@@ -76,7 +76,7 @@ class LoneMMWorker:
             {"mm-worker": config_from_argv("mm-worker", argv, run_dir)}, run_dir, 300)
         self._source = ctx.socket(zmq.PUSH)
         self._source.connect(jobs)
-        self._codec: Codec = Codec(EngineInput)
+        self._codec: Codec = Codec(EngineInput, accept_shm=engine.startswith("ipc://"))
         self._reply_to = f"ipc://{run_dir}/bench-none.sock"
         self.preprocessor = load_preprocessor(model_dir)
         self._prompt = self.preprocessor.tokenize_batch([self.preprocessor.render_prompt(

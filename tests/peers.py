@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -45,6 +46,7 @@ from protocol.messages import (
 from services.client import ChatResult, Client
 from services.common.sockets import ReplySockets, bound_endpoint, make_socket
 from services.launcher import Child
+from services.mm_worker.worker import SHM_MIN_BYTES
 from services.ops.discovery import Targets
 from services.ops.feed import StatsFeed
 
@@ -80,13 +82,21 @@ def send(sock: zmq.Socket, *messages: msgspec.Struct) -> None:
         sock.send_multipart(codec.encode(message), copy=False)
 
 
+def frames_for(tensors: Iterable[np.ndarray], shm: bool = True) -> int:
+    """How many frames a role sends a message with these tensors in: the msgpack body, then one
+    per array; over ipc (`shm`) none for those large enough to go through shared memory
+    (services/mm_worker/worker.py)."""
+    return 1 + sum(1 for tensor in tensors if not shm or tensor.nbytes < SHM_MIN_BYTES)
+
+
 class Inbox:
     """Where a role sends to the test, and every message it sent there, in arrival order."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, union: Any) -> None:
         self.sock = sock
         self.endpoint = endpoint
-        self.codec: Codec[Any] = Codec(union)
+        # As a role reading an ipc socket does: it takes tensors sent through shared memory.
+        self.codec: Codec[Any] = Codec(union, accept_shm=endpoint.startswith("ipc://"))
         self.received: list[Any] = []
         self.started = time.time_ns()
         """What it answers a `Hello` with: the start of the process it stands in for."""

@@ -23,7 +23,10 @@ from msgspec.structs import replace
 
 from conftest import as_processor_output, start_role, stop_role
 from peers import StandInFrontend as Frontend
+from protocol import shm
+from protocol.codec import Codec
 from protocol.messages import (
+    EngineInput,
     EngineOutput,
     EngineRequest,
     MMItem,
@@ -32,6 +35,7 @@ from protocol.messages import (
     SamplingParams,
 )
 from protocol.sampling import StructuredOutputs
+from protocol.shm import ShmWriter
 from services.bench.images import make_image
 from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
@@ -346,6 +350,31 @@ def test_undecodable_or_unanswerable_messages_are_dropped(frontend, prep) -> Non
     frontend.send(replace(valid, reply_to="no address at all"))  # readable, but unanswerable
     replies = frontend.run(to(frontend, make_request(prep, *TEXT, max_tokens=2)))
     assert len(replies) == 1  # nothing came back for the garbage: it had no readable address
+
+
+def test_pixels_through_shared_memory_give_the_same_tokens_and_lost_ones_a_retryable_error(
+    frontend, prep, tmp_path
+) -> None:
+    """The engine reads an ipc socket, so it takes tensors from shared memory (protocol/shm.py),
+    as an MM worker on its host sends the big ones."""
+    writer = ShmWriter(shm.sender_tag(str(tmp_path)), threshold=1024, capacity=1 << 30,
+                       max_age_s=60)
+    via_shm = Codec(EngineInput, shm_writer=writer)
+    framed = to(frontend, make_request(prep, "what is in this picture?", ((224, 224),)))
+    shared = replace(framed, request_id="shared")
+    frontend.send_frames(via_shm.encode(shared))
+    frontend.send(framed)
+    replies = frontend.collect([shared.request_id, framed.request_id])
+    assert tokens_of(replies["shared"]) == tokens_of(replies[framed.request_id])
+    lost = replace(framed, request_id="lost")
+    frames = via_shm.encode(lost)
+    for path in shm.SHM_DIR.glob(f"mmlane-{writer.tag}-*"):
+        path.unlink()  # as if its MM worker's successor had reaped it
+    frontend.send_frames(frames)
+    [failed] = frontend.collect(["lost"])["lost"]
+    assert isinstance(failed, RequestFailed) and failed.error.code == "tensors_lost"
+    assert failed.error.kind == "retryable"
+    assert tokens_of(frontend.run(replace(framed, request_id="after"))["after"])  # serves on
 
 
 # ---------------------------------------------------------------- limits and stopping

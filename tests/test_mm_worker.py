@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,7 +35,8 @@ from PIL import Image, ImageOps
 
 from conftest import role_log, start_role, stop_role
 from image_server import PNG, ImageServer
-from peers import Inbox, StandInEngine, push, send
+from peers import Inbox, StandInEngine, frames_for, push, send
+from protocol import shm
 from protocol.errors import RequestError
 from protocol.messages import (
     CancelJobs,
@@ -47,6 +49,7 @@ from protocol.messages import (
     Stats,
 )
 from services.bench.images import data_uri, encode, make_image, noise_image, png_uri
+from services.common.sockets import free_tcp_port
 from services.launcher import Child
 from services.mm_worker.media import (
     MediaPolicy,
@@ -214,7 +217,8 @@ def expected_request(preprocessor: Any, job: MMJob, images: list[Image.Image]) -
 
 
 def assert_rendered(
-    preprocessor: Any, job: MMJob, images: list[Image.Image], got: EngineRequest, frames: int
+    preprocessor: Any, job: MMJob, images: list[Image.Image], got: EngineRequest, frames: int,
+    via_shm: bool = True,
 ) -> None:
     prompt, items = expected_request(preprocessor, job, images)
     assert got.request_id == job.request_id
@@ -234,7 +238,7 @@ def assert_rendered(
             assert got_item.tensors[name].dtype == tensor.dtype, name
             np.testing.assert_array_equal(got_item.tensors[name], tensor, err_msg=name)
         expected_offset += item.num_tokens - 1
-    assert frames == 1 + sum(len(item.tensors) for item in items)
+    assert frames == frames_for((t for item in items for t in item.tensors.values()), via_shm)
 
 
 # ---------------------------------------------------------------- end to end: rendering
@@ -887,3 +891,86 @@ class TestJpegDraft:
         assert_drafted(preprocessor, drafted, big, got, frames)
         got, frames = peers.next_request()
         assert_rendered(preprocessor, exact, [rgb_from(below)], got, frames)
+
+
+# ---------------------------------------------------------------- end to end: shared memory
+
+
+SHM_IMAGE = (504, 504)
+"""1,296 patches: 1.5 MB of uint8 pixel_values, over SHM_MIN_BYTES (1 MiB)."""
+SHM_IMAGE_BIG = (700, 700)
+"""2,500 patches: 2.9 MB."""
+
+
+def shm_blocks(worker: Child) -> list[str]:
+    """The worker's shared-memory tensors not yet taken (named by host and job endpoint)."""
+    tag = shm.sender_tag(f"{socket.gethostname()}/{worker.endpoint}")
+    return sorted(path.name for path in shm.SHM_DIR.glob(f"mmlane-{tag}-*"))
+
+
+@pytest.fixture(scope="module")
+def bounded_worker(module_run_dir: Path, qwen_dir: Path, peers: Peers) -> Iterator[Child]:
+    """A worker with 2 MiB for tensors in shared memory, started where a killed one with its
+    name left a block."""
+    endpoint = f"ipc://{module_run_dir}/mm-worker-shm.sock"
+    leftover = shm.SHM_DIR / f"mmlane-{shm.sender_tag(f'{socket.gethostname()}/{endpoint}')}-1-0"
+    leftover.write_bytes(b"\0" * 4096)
+    worker = start_worker("mm-worker-shm", module_run_dir, qwen_dir, peers.engine_endpoint,
+                          "--shm-transport-mb", "2")
+    assert worker.endpoint == endpoint
+    yield worker
+    assert stop_role(worker) == 0, role_log(worker)
+
+
+class TestSharedMemory:
+    def test_a_big_tensor_reaches_the_engine_through_shared_memory(
+        self, worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        png = encode(noise_image(*SHM_IMAGE, seed=11), "PNG")
+        job = jobs.job(data_uri(png, "image/png"))
+        peers.send(worker, job)
+        got, frames = peers.next_request()
+        assert_rendered(preprocessor, job, [rgb_from(png)], got, frames)  # the same pixels
+        assert frames == 2  # msgpack body + image_grid_thw: pixel_values came as a block
+        assert shm_blocks(worker) == []  # the engine's decoder took (unlinked) it
+
+    def test_beyond_its_bound_tensors_go_as_frames(
+        self, bounded_worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        sizes = [SHM_IMAGE, SHM_IMAGE, SHM_IMAGE_BIG]
+        pngs = [encode(noise_image(*size, seed=20 + i), "PNG") for i, size in enumerate(sizes)]
+        arrived = []
+        for png, via_shm in zip(pngs, [True, True, False], strict=True):
+            job = jobs.job(data_uri(png, "image/png"))
+            peers.send(bounded_worker, job)  # one at a time: each block taken before the next
+            got, frames = peers.next_request()
+            assert_rendered(preprocessor, job, [rgb_from(png)], got, frames, via_shm=via_shm)
+            arrived.append(frames)
+        # 1.5 MB fits the 2 MiB twice over, as the first was taken; 2.9 MB never fits
+        assert arrived == [2, 2, 3]
+
+    def test_a_killed_workers_blocks_are_unlinked_when_its_successor_starts(
+        self, bounded_worker: Child
+    ) -> None:
+        assert shm_blocks(bounded_worker) == []
+        assert "unlinked 1 shared-memory tensor(s) a previous MM worker left" in (
+            role_log(bounded_worker))
+
+    def test_an_engine_over_tcp_gets_frames(
+        self, module_run_dir: Path, qwen_dir: Path, jobs: Jobs, preprocessor: Any
+    ) -> None:
+        ctx = zmq.Context.instance()
+        with StandInEngine.at(ctx, f"tcp://127.0.0.1:{free_tcp_port()}") as engine:
+            worker = start_worker("mm-worker-tcp", module_run_dir, qwen_dir, engine.endpoint)
+            assert worker.endpoint is not None
+            sender = push(ctx, worker.endpoint)
+            try:
+                png = encode(noise_image(*SHM_IMAGE, seed=12), "PNG")
+                job = jobs.job(data_uri(png, "image/png"))
+                send(sender, job)
+                got, frames = engine.take_frames(RECV_TIMEOUT_S)
+                assert_rendered(preprocessor, job, [rgb_from(png)], got, frames, via_shm=False)
+                assert frames == 3
+            finally:
+                sender.close(linger=0)
+                assert stop_role(worker) == 0, role_log(worker)

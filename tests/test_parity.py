@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from conftest import as_processor_output, start_role
-from peers import StandInEngine
+from peers import StandInEngine, frames_for
 from protocol.messages import EngineRequest
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
@@ -30,8 +30,7 @@ class Lane:
 
     def received(self) -> EngineRequest:
         request, frames = self.engine.take_frames()
-        tensors = sum(len(item.tensors) for item in request.mm_items)
-        assert frames == 1 + tensors  # the msgpack body, then one frame per array
+        assert frames == frames_for(t for item in request.mm_items for t in item.tensors.values())
         return request
 
 

@@ -7,6 +7,8 @@ import ast
 import importlib
 import io
 import re
+import time
+from collections.abc import Iterator
 
 import msgspec
 import numpy as np
@@ -16,7 +18,7 @@ import zmq
 from PIL import Image
 
 from conftest import REPO
-from protocol import errors
+from protocol import errors, shm
 from protocol.codec import Codec
 from protocol.errors import (
     CODES,
@@ -28,6 +30,7 @@ from protocol.errors import (
     MMLaneError,
     RequestError,
     RetryableError,
+    TensorsLost,
     from_info,
     http_status,
     translate,
@@ -59,6 +62,7 @@ from protocol.messages import (
     StartupFailed,
     TextPart,
 )
+from protocol.shm import ShmWriter
 
 SAMPLING = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=3)
 ERROR = ErrorInfo(kind="request", code="invalid_image", message="image 0: truncated")
@@ -174,6 +178,100 @@ def _tensor_request(header: list, frames: list[bytes]) -> list[bytes]:
 def test_bad_tensor_frames_are_refused(header, frames, match) -> None:
     with pytest.raises(RequestError, match=match):
         Codec(EngineInput).decode(_tensor_request(header, frames))
+
+
+# ---------------------------------------------------------------- shared-memory tensors
+
+
+@pytest.fixture
+def writer() -> Iterator[ShmWriter]:
+    """A writer of its own tag, taking every array of 1 KiB or more; its blocks go after."""
+    tag = shm.sender_tag(f"test-{time.time_ns()}")
+    writer = ShmWriter(tag, threshold=1024, capacity=1 << 20, max_age_s=60)
+    yield writer
+    for name in _blocks(writer):
+        (shm.SHM_DIR / name).unlink()
+
+
+def _blocks(writer: ShmWriter) -> list[str]:
+    return sorted(path.name for path in shm.SHM_DIR.glob(f"mmlane-{writer.tag}-*"))
+
+
+def _image_request(patches: int) -> EngineRequest:
+    return EngineRequest(request_id="r", reply_to="x", prompt_token_ids=[1], sampling=SAMPLING,
+                         mm_items=[_item(0, patches)])
+
+
+def test_big_arrays_go_through_shared_memory_and_come_back_equal(writer) -> None:
+    sent = _image_request(64)  # pixel_values 301 KB: a block; image_grid_thw 24 B: a frame
+    frames = Codec(EngineInput, shm_writer=writer).encode(sent)
+    assert len(frames) == 2
+    assert len(_blocks(writer)) == 1
+    got = Codec(EngineInput, accept_shm=True).decode(frames).mm_items[0].tensors
+    assert _blocks(writer) == []  # taken: unlinked by the receiver
+    for name, array in sent.mm_items[0].tensors.items():
+        assert got[name].dtype == array.dtype and np.array_equal(got[name], array), name
+    assert not got["pixel_values"].flags.writeable  # the mapping itself, read-only
+    assert writer.counters["shm_tensors"] == 1
+    assert writer.counters["shm_bytes"] == sent.mm_items[0].tensors["pixel_values"].nbytes
+
+
+def test_a_decoder_that_does_not_accept_shared_memory_refuses_it(writer) -> None:
+    frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
+    with pytest.raises(RequestError, match="shared-memory tensors are refused"):
+        Codec(EngineInput).decode(frames)
+    assert len(_blocks(writer)) == 1  # not touched
+
+
+def test_beyond_its_capacity_a_writer_sends_frames_until_blocks_are_taken(writer) -> None:
+    codec = Codec(EngineInput, shm_writer=writer)
+    first = codec.encode(_image_request(128))  # 602 KB of the 1 MiB
+    assert len(codec.encode(_image_request(128))) == 3  # would pass 1 MiB: a frame
+    assert writer.counters["shm_fallbacks"] == 1
+    Codec(EngineInput, accept_shm=True).decode(first)
+    assert len(codec.encode(_image_request(128))) == 2  # the first was taken: room again
+
+
+def test_blocks_left_untaken_are_reaped_by_age_and_by_a_successor(writer) -> None:
+    writer.max_age_s = 0
+    codec = Codec(EngineInput, shm_writer=writer)
+    codec.encode(_image_request(64))
+    codec.encode(_image_request(64))  # the first, already too old, is unlinked first
+    assert writer.counters["shm_reaped"] == 1 and len(_blocks(writer)) == 1
+    successor = ShmWriter(writer.tag, threshold=1024, capacity=1 << 20, max_age_s=60)
+    assert successor.reap_predecessors() == 1
+    assert _blocks(writer) == []
+
+
+def test_a_message_whose_block_is_gone_is_decoded_for_its_reply(writer) -> None:
+    frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
+    for name in _blocks(writer):
+        (shm.SHM_DIR / name).unlink()
+    with pytest.raises(TensorsLost, match="gone on arrival") as lost:
+        Codec(EngineInput, accept_shm=True).decode(frames)
+    assert lost.value.code == "tensors_lost" and lost.value.kind == "retryable"
+    assert lost.value.decoded.request_id == "r" and lost.value.decoded.reply_to == "x"
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [("../../etc/passwd", "not a shared-memory tensor name"),
+     ("mmlane-000000000000-1-0/x", "not a shared-memory tensor name"),
+     ("psm_1234", "not a shared-memory tensor name")],
+)
+def test_shared_memory_names_are_checked_before_any_file_is_opened(name, match) -> None:
+    header = ["<f4", [2, 2], 0, name]
+    with pytest.raises(RequestError, match=match):
+        Codec(EngineInput, accept_shm=True).decode(_tensor_request(header, []))
+
+
+def test_a_block_of_the_wrong_size_is_refused(writer) -> None:
+    frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
+    [name] = _blocks(writer)
+    header = ["<f4", [2, 2], 0, name]  # 16 bytes, where the block holds 301 KB
+    with pytest.raises(RequestError, match="needs 16"):
+        Codec(EngineInput, accept_shm=True).decode(_tensor_request(header, []))
+    assert _blocks(writer) == [] and len(frames) == 2  # taken (and dropped) all the same
 
 
 KINDS = [RequestError, RetryableError, InternalError, FatalError]

@@ -152,10 +152,16 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     per 12 MP photo for a 1 MP model, but NOT bit-exact (README; BENCHMARKS.md measures the
     difference). The image hash covers the setting, so a drafted image and the same bytes
     decoded exactly never share a hash in any cache (the engine's, vLLM's)."""
+    shm_transport_mb: float = 1024.0
+    """With an ipc:// engine endpoint (the engine on this host), tensors of 1 MiB or more go to
+    the engine through shared memory (/dev/shm) rather than as ZMQ frames: at most this many
+    MiB of them not yet taken by the engine, the rest as frames. 0: frames only."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:
         capacity_bytes(self.mm_cache_gb)
+        if self.shm_transport_mb < 0:
+            raise ValueError(f"shm_transport_mb must be 0 or more, got {self.shm_transport_mb}")
         self.allowed_media_schemes = [s.lower() for s in self.allowed_media_schemes]
         if self.allow_http_media and "http" not in self.allowed_media_schemes:
             self.allowed_media_schemes.append("http")

@@ -42,7 +42,14 @@ import zmq
 from msgspec.structs import replace
 
 from protocol.codec import Codec
-from protocol.errors import CacheMissError, FatalError, MMLaneError, RetryableError, translate
+from protocol.errors import (
+    CacheMissError,
+    FatalError,
+    MMLaneError,
+    RetryableError,
+    TensorsLost,
+    translate,
+)
 from protocol.messages import (
     AbortRequests,
     EngineCacheReset,
@@ -318,7 +325,7 @@ class Engine:
 
     def _receive_loop(self) -> None:
         codec: Codec[EngineRequest | AbortRequests | ResetEngineCache | Hello] = Codec(
-            EngineInput)
+            EngineInput, accept_shm=self.config.engine_endpoint.startswith("ipc://"))
         while not self._stopping.is_set():
             if self._input.poll(int(POLL_S * 1000)):
                 self._receive(codec, self._input.recv_multipart(copy=False))
@@ -331,6 +338,12 @@ class Engine:
         self.metrics.counters["bytes_in"] += sum(len(frame) for frame in frames)
         try:
             request = codec.decode(frames)
+        except TensorsLost as exc:  # its MM worker restarted, or it waited a minute unread
+            self.metrics.counters["tensors_lost"] += 1
+            log.warning("%s", exc)
+            if isinstance(exc.decoded, EngineRequest):
+                self._fail(exc.decoded, exc)
+            return
         except Exception as exc:  # garbage has no reply address: count, log, drop
             self.metrics.counters["invalid_messages"] += 1
             count = self.metrics.counters["invalid_messages"]

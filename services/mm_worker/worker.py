@@ -53,6 +53,7 @@ from typing import Any
 
 import zmq
 
+from protocol import shm
 from protocol.codec import Codec
 from protocol.errors import MMLaneError, RequestError, RetryableError
 from protocol.messages import (
@@ -92,6 +93,12 @@ ENGINE_SEND_HWM = 8
 """Rendered requests queued toward the engine before the loop waits. Kept small: one 12 MP
 photo is about 300 MB of float32 pixel values, held until ZMQ has sent it (copy=False)."""
 SLOW_ENGINE_WARNING_S = 5.0
+SHM_MIN_BYTES = 1 << 20
+"""Tensors this large go through shared memory to an engine on this host (`shm_transport_mb`):
+above it a block's file and mapping cost less than the copies of a ZMQ frame."""
+SHM_MAX_AGE_S = 60.0
+"""A shared-memory tensor the engine has not taken by then is unlinked: the engine is gone (a
+live one takes it as the message arrives)."""
 
 
 @dataclass
@@ -121,7 +128,6 @@ class MMWorker:
         configure_pillow(config.max_image_pixels)
         self._job_codec: Codec[MMJob | EngineEpoch | CancelJobs | Hello] = Codec(MMWorkerInput)
         self._started_ns = time.time_ns()  # tells a frontend's `Hello` which process answers
-        self._engine_codec: Codec[Any] = Codec(EngineInput)
         self._ctx = zmq.Context()
         with ExitStack() as undo:  # a failed bind or connect closes what was opened
             undo.callback(self._ctx.term)
@@ -137,6 +143,8 @@ class MMWorker:
         bound = self._jobs.getsockopt_string(zmq.LAST_ENDPOINT)
         self.cache = SenderCache(f"{socket.gethostname()}/{bound}",
                                  capacity_bytes(config.mm_cache_gb))
+        self.shm = shm_writer(config, self.cache.sender)
+        self._engine_codec: Codec[Any] = Codec(EngineInput, shm_writer=self.shm)
         # What the hash stands for: the tensors, so every setting that changes them is in it.
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              {**self.preprocessor.image_processor.to_dict(),
@@ -168,6 +176,8 @@ class MMWorker:
         self._input_done = threading.Event()
         self._input: threading.Thread | None = None
         self.metrics.add_counters(self.cache.counters)
+        if self.shm is not None:
+            self.metrics.add_counters(self.shm.counters)
         self.metrics.epoch = lambda: self.cache.epoch
         self.metrics.gauge("jobs_queued", lambda: len(self._queue))
         self.metrics.in_flight = lambda: len(self._queue) + len(self._started) + self._turning
@@ -466,6 +476,24 @@ class FrontendReplies:
 
     def close(self) -> None:
         self._sockets.close()
+
+
+def shm_writer(config: MMWorkerConfig, sender: str) -> shm.ShmWriter | None:
+    """The shared-memory transport to an engine on this host (`shm_transport_mb`), or None:
+    the engine is reached over tcp, the setting is 0, or the host has no /dev/shm. Blocks a
+    killed predecessor under the same name left are unlinked here."""
+    if not config.engine_endpoint.startswith("ipc://") or config.shm_transport_mb == 0:
+        return None
+    if not shm.available():
+        log.warning("no writable %s: tensors go to the engine as ZMQ frames", shm.SHM_DIR)
+        return None
+    writer = shm.ShmWriter(shm.sender_tag(sender), threshold=SHM_MIN_BYTES,
+                           capacity=int(config.shm_transport_mb * 2**20),
+                           max_age_s=SHM_MAX_AGE_S)
+    reaped = writer.reap_predecessors()
+    if reaped:
+        log.info("unlinked %d shared-memory tensor(s) a previous MM worker left", reaped)
+    return writer
 
 
 def fetch_policy(config: MMWorkerConfig) -> FetchPolicy:
