@@ -48,7 +48,7 @@ class Codec(Generic[T]):
         self._out_frames: list[memoryview] = []
         self._in_frames: Sequence[Any] = ()
         self._shm_writer = shm_writer
-        self._accept_shm = accept_shm
+        self._shm_reader = shm.ShmReader() if accept_shm else None
         self._lost: list[str] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_array)
         self._decoder = msgspec.msgpack.Decoder(decode_type, dec_hook=self._dec_array)
@@ -113,10 +113,10 @@ class Codec(Generic[T]):
         return np.frombuffer(buffer, dtype=dtype).reshape(header.shape)
 
     def _take_shm(self, header: TensorHeader) -> np.ndarray:
-        if not self._accept_shm:
+        if self._shm_reader is None:
             raise ValueError("shared-memory tensors are refused on this socket")
         dtype = np.dtype(header.dtype)
-        array = shm.take(header.shm, dtype, header.shape)
+        array = self._shm_reader.take(header.shm, dtype, header.shape)
         if array is None:
             self._lost.append(header.shm)
             return np.empty(0, dtype)

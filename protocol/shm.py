@@ -1,26 +1,32 @@
 """Large tensors through shared memory between two processes of one host, not through ZMQ.
 
-    sender ── put(array) ──▶ /dev/shm/mmlane-TAG-STARTED-SEQ (0600) ── its name, in the
-                                                                      message's TensorHeader
-    receiver ◀── take(name) ── opens, unlinks, maps it read-only: the array is the mapping
+    sender ── put(array) ──▶ a free slot: /dev/shm/mmlane-TAG-STARTED-SLOT (0600), its bytes
+                             written, marked full ── "SLOT-NAME.GENERATION" in the TensorHeader
+    receiver ◀── ShmReader.take(ref) ── copies the bytes out, marks the slot free again
 
-Over an ipc socket a ZMQ frame is copied into the kernel and out again in small pieces; here
-the sender writes the bytes once into a file of the host's shared-memory filesystem and the
-receiver maps that file, so the receiving side copies nothing. The receiver unlinks the file as
-it takes it (the memory lives on until the last array over the mapping is gone), so a block
-that exists is one no receiver has taken yet: that is all the sender needs to bound what it
-has outstanding.
+Over an ipc socket a ZMQ frame is copied into the kernel and out again in small pieces, with a
+switch between the two processes for each; here the sender copies the bytes once into a slot,
+a file of the host's shared-memory filesystem, and the receiver copies them once out of it into
+memory of its own. The slots are kept and reused, so their pages are allocated once: a new
+file per tensor would cost the kernel more (allocating and zeroing every page) than the copies.
+
+A slot starts with a 64-byte header: byte 0 says whether it is full (the sender sets it after
+writing the bytes; the receiver clears it after copying them out), bytes 8-16 count the
+slot's uses (its generation, named in the message, so that a message can never read a later
+use of its slot), bytes 16-24 hold the size of the bytes put (which must be what the message's
+dtype and shape need).
 
 Bounded, and cleaned up when a peer dies:
-- `ShmWriter` keeps at most `capacity` bytes in blocks not yet taken; beyond it (and whenever
-  the filesystem has no room: `posix_fallocate` reserves every page first, so a full /dev/shm
-  is an error here, not a SIGBUS later) a tensor goes as a ZMQ frame, as over tcp.
-- A block not taken within `max_age_s` is unlinked by its sender: its receiver is gone (a live
-  one takes a block as the message arrives, within milliseconds).
-- A sender's blocks are named by its identity (`tag`) and start time, so a restarted sender
-  unlinks what its killed predecessor left (`reap_predecessors`).
-A receiver that finds a block gone (its sender was restarted meanwhile, or the block was
-reaped) makes the codec raise `TensorsLost` (protocol/errors.py) with the rest of the message
+- `ShmWriter` keeps at most `capacity` bytes of slots; a tensor that finds no free slot and no
+  room for a new one goes as a ZMQ frame, as over tcp. `posix_fallocate` reserves a slot's pages
+  when it is made, so a full /dev/shm means frames, not a SIGBUS later.
+- A slot full for longer than `max_age_s` is taken back by its sender: its receiver is gone (a
+  live one empties a slot as the message arrives, within milliseconds).
+- A sender unlinks its slots when it closes (once they are empty, or after a short wait), and a
+  restarted sender unlinks what its killed predecessor under the same tag left
+  (`reap_predecessors`).
+A receiver that finds a slot gone or reused (its sender restarted meanwhile, or took the slot
+back) makes the codec raise `TensorsLost` (protocol/errors.py) with the rest of the message
 decoded, so that the request it belongs to still gets its one reply (a retryable error; the
 receiver cache, which missed the request's commit, falls out of sync and starts over).
 """
@@ -31,16 +37,22 @@ import hashlib
 import mmap
 import os
 import re
+import struct
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 SHM_DIR = Path("/dev/shm")
+HEADER = 64
+"""Bytes before a slot's data: the full flag, the generation; the data stays 64-byte aligned."""
+_GROW = 1 << 20  # slots are sized in whole MiB, so that a slightly larger tensor still fits
+_CLOSE_WAIT_S = 2.0
 _PREFIX = "mmlane-"
-_NAME = re.compile(r"mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,20}")
+_REF = re.compile(r"(mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,9})\.([0-9]{1,20})")
+_USE = struct.Struct("<QQ")  # generation, nbytes: at offset 8
 
 
 def available() -> bool:
@@ -54,14 +66,19 @@ def sender_tag(identity: str) -> str:
 
 
 @dataclass
-class _Block:
+class _Slot:
     path: Path
-    nbytes: int
-    created: float
+    mapping: mmap.mmap
+    size: int
+    generation: int = 0
+    filled_at: float = 0.0
+
+    def is_free(self) -> bool:
+        return self.mapping[0] == 0
 
 
 class ShmWriter:
-    """The sending side: puts arrays of at least `threshold` bytes into blocks of its own."""
+    """The sending side: puts arrays of at least `threshold` bytes into slots of its own."""
 
     def __init__(self, tag: str, *, threshold: int, capacity: int, max_age_s: float) -> None:
         self.tag = tag
@@ -69,15 +86,13 @@ class ShmWriter:
         self.capacity = capacity
         self.max_age_s = max_age_s
         self._stem = f"{_PREFIX}{tag}-{time.time_ns()}-"
-        self._seq = 0
-        self._outstanding: deque[_Block] = deque()
-        self._bytes = 0
+        self._slots: list[_Slot] = []
         self.counters: Counter[str] = Counter()
-        """shm_tensors, shm_bytes (put into blocks), shm_fallbacks (sent as frames instead),
-        shm_reaped (unlinked untaken)."""
+        """shm_tensors and shm_bytes (put into slots), shm_fallbacks (sent as frames instead,
+        no slot free and no room), shm_reaped (slots taken back untaken, or a predecessor's)."""
 
     def reap_predecessors(self) -> int:
-        """Unlink the blocks an earlier process under the same tag left; how many there were."""
+        """Unlink the slots an earlier process under the same tag left; how many there were."""
         reaped = 0
         for path in SHM_DIR.glob(f"{_PREFIX}{self.tag}-*"):
             if not path.name.startswith(self._stem):
@@ -87,77 +102,125 @@ class ShmWriter:
         return reaped
 
     def put(self, array: np.ndarray) -> str | None:
-        """The name of a new block holding `array`'s bytes, or None: send it as a frame."""
+        """The reference of a slot now holding `array`'s bytes, or None: send it as a frame."""
         nbytes = array.nbytes
         if nbytes < self.threshold:
             return None
-        self._prune()
-        if self._bytes + nbytes > self.capacity:
+        slot = self._free_slot(nbytes)
+        if slot is None:
             self.counters["shm_fallbacks"] += 1
             return None
-        path = SHM_DIR / f"{self._stem}{self._seq}"
-        self._seq += 1
-        try:
-            _write(path, array)
-        except OSError:  # no room in /dev/shm (or none at all): frames still work
-            path.unlink(missing_ok=True)
-            self.counters["shm_fallbacks"] += 1
-            return None
-        self._outstanding.append(_Block(path, nbytes, time.monotonic()))
-        self._bytes += nbytes
+        target = np.frombuffer(slot.mapping, dtype=array.dtype, count=array.size, offset=HEADER)
+        np.copyto(target.reshape(array.shape), array)
+        del target
+        slot.generation += 1
+        _USE.pack_into(slot.mapping, 8, slot.generation, nbytes)
+        slot.mapping[0] = 1  # full: after the bytes, before the message is sent
+        slot.filled_at = time.monotonic()
         self.counters["shm_tensors"] += 1
         self.counters["shm_bytes"] += nbytes
-        return path.name
+        return f"{slot.path.name}.{slot.generation}"
 
-    def _prune(self) -> None:
-        """Forget the blocks their receiver took; unlink the ones too old to be taken."""
+    def close(self) -> None:
+        """Unlink every slot, once the receiver has emptied them (a message sent just before a
+        stop is still on its way) or after a short wait."""
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        while any(not slot.is_free() for slot in self._slots) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for slot in self._slots:
+            slot.path.unlink(missing_ok=True)
+            slot.mapping.close()
+        self._slots = []
+
+    def _free_slot(self, nbytes: int) -> _Slot | None:
+        """The smallest free slot that fits (a slot full too long is taken back first), else a
+        new one while the capacity allows; None when neither."""
         now = time.monotonic()
-        kept: deque[_Block] = deque()
-        for block in self._outstanding:
-            if not block.path.exists():
-                self._bytes -= block.nbytes
-            elif now - block.created > self.max_age_s:
-                block.path.unlink(missing_ok=True)
-                self._bytes -= block.nbytes
+        for slot in self._slots:
+            if not slot.is_free() and now - slot.filled_at > self.max_age_s:
+                slot.mapping[0] = 0
                 self.counters["shm_reaped"] += 1
-            else:
-                kept.append(block)
-        self._outstanding = kept
+        fitting = [s for s in self._slots if s.is_free() and s.size - HEADER >= nbytes]
+        if fitting:
+            return min(fitting, key=lambda s: s.size)
+        size = HEADER + -(-nbytes // _GROW) * _GROW
+        if sum(s.size for s in self._slots) + size > self.capacity:
+            return None
+        path = SHM_DIR / f"{self._stem}{len(self._slots)}"
+        try:
+            mapping = _create(path, size)
+        except OSError:  # no room in /dev/shm (or none at all): frames still work
+            path.unlink(missing_ok=True)
+            return None
+        slot = _Slot(path, mapping, size)
+        self._slots.append(slot)
+        return slot
 
 
-def _write(path: Path, array: np.ndarray) -> None:
+def _create(path: Path, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, array.nbytes)  # ENOSPC now rather than SIGBUS while writing
-        with mmap.mmap(fd, array.nbytes) as mapping:
-            target = np.frombuffer(mapping, dtype=array.dtype).reshape(array.shape)
-            np.copyto(target, array)
-            del target
+        os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS while writing
+        return mmap.mmap(fd, size)
     finally:
         os.close(fd)
 
 
-def take(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The array a sender put into block `name` (a read-only mapping; the block is unlinked),
-    or None when the block is gone. Raises ValueError for a name that is not a block's, or a
-    block of another size than `dtype` and `shape` need."""
-    if not _NAME.fullmatch(name):
-        raise ValueError(f"{name!r} is not a shared-memory tensor name")
-    path = SHM_DIR / name
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        path.unlink(missing_ok=True)  # taken: its sender stops counting it
-        size = os.fstat(fd).st_size
-        expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        if any(d < 0 for d in shape) or size != expected or size == 0:
-            raise ValueError(
-                f"shared-memory tensor {name} holds {size} bytes, shape {shape} of {dtype} "
-                f"needs {expected}"
-            )
-        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return np.frombuffer(mapping, dtype=dtype).reshape(shape)
+class ShmReader:
+    """The receiving side: copies tensors out of their senders' slots. It keeps each slot it
+    has read mapped (at most `MAPPINGS`, the least recently used dropped first, and any whose
+    file is gone), since mapping a slot afresh for every tensor costs a page fault per page."""
+
+    MAPPINGS = 64
+
+    def __init__(self) -> None:
+        self._mappings: OrderedDict[str, mmap.mmap] = OrderedDict()
+
+    def take(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+        """A copy of the array a sender put into the slot `ref` names (the slot is free again
+        after it), or None when the slot is gone or holds another use by now. Raises ValueError
+        for a reference that names no slot, or bytes of another size than `dtype` and `shape`
+        need."""
+        match = _REF.fullmatch(ref)
+        if match is None:
+            raise ValueError(f"{ref!r} is not a shared-memory tensor reference")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shared-memory tensor {ref} has a negative shape {shape}")
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        slot = self._mapping(match[1])
+        if slot is None:
+            return None
+        generation, put = _USE.unpack_from(slot, 8)
+        if slot[0] != 1 or generation != int(match[2]):
+            return None
+        if put != nbytes or HEADER + nbytes > len(slot):
+            raise ValueError(f"shared-memory tensor {ref} holds {put} bytes, shape {shape} of "
+                             f"{dtype} needs {nbytes}")
+        view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize, offset=HEADER)
+        array = view.reshape(shape).copy()
+        del view
+        slot[0] = 0  # free: the sender may reuse it
+        return array
+
+    def _mapping(self, name: str) -> mmap.mmap | None:
+        slot = self._mappings.get(name)
+        if slot is not None:
+            self._mappings.move_to_end(name)
+            return slot
+        for known in [n for n in self._mappings if not (SHM_DIR / n).exists()]:
+            self._mappings.pop(known).close()
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER:
+                raise ValueError(f"shared-memory slot {name} is {size} bytes, no slot's size")
+            slot = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._mappings[name] = slot
+        if len(self._mappings) > self.MAPPINGS:
+            self._mappings.popitem(last=False)[1].close()
+        return slot

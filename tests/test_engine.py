@@ -353,23 +353,26 @@ def test_undecodable_or_unanswerable_messages_are_dropped(frontend, prep) -> Non
 
 
 def test_pixels_through_shared_memory_give_the_same_tokens_and_lost_ones_a_retryable_error(
-    frontend, prep, tmp_path
+    frontend, prep, tmp_path, request
 ) -> None:
     """The engine reads an ipc socket, so it takes tensors from shared memory (protocol/shm.py),
     as an MM worker on its host sends the big ones."""
-    writer = ShmWriter(shm.sender_tag(str(tmp_path)), threshold=1024, capacity=1 << 30,
-                       max_age_s=60)
-    via_shm = Codec(EngineInput, shm_writer=writer)
+
+    def sender(name: str) -> Codec:
+        writer = ShmWriter(shm.sender_tag(f"{tmp_path}/{name}"), threshold=1024,
+                           capacity=1 << 30, max_age_s=60)
+        request.addfinalizer(writer.close)
+        return Codec(EngineInput, shm_writer=writer)
+
     framed = to(frontend, make_request(prep, "what is in this picture?", ((224, 224),)))
     shared = replace(framed, request_id="shared")
-    frontend.send_frames(via_shm.encode(shared))
+    frontend.send_frames(sender("live").encode(shared))
     frontend.send(framed)
     replies = frontend.collect([shared.request_id, framed.request_id])
     assert tokens_of(replies["shared"]) == tokens_of(replies[framed.request_id])
-    lost = replace(framed, request_id="lost")
-    frames = via_shm.encode(lost)
-    for path in shm.SHM_DIR.glob(f"mmlane-{writer.tag}-*"):
-        path.unlink()  # as if its MM worker's successor had reaped it
+    frames = sender("killed").encode(replace(framed, request_id="lost"))
+    for path in shm.SHM_DIR.glob(f"mmlane-{shm.sender_tag(f'{tmp_path}/killed')}-*"):
+        path.unlink()  # as the successor of a killed MM worker does
     frontend.send_frames(frames)
     [failed] = frontend.collect(["lost"])["lost"]
     assert isinstance(failed, RequestFailed) and failed.error.code == "tensors_lost"

@@ -902,21 +902,23 @@ SHM_IMAGE_BIG = (700, 700)
 """2,500 patches: 2.9 MB."""
 
 
-def shm_blocks(worker: Child) -> list[str]:
-    """The worker's shared-memory tensors not yet taken (named by host and job endpoint)."""
-    tag = shm.sender_tag(f"{socket.gethostname()}/{worker.endpoint}")
-    return sorted(path.name for path in shm.SHM_DIR.glob(f"mmlane-{tag}-*"))
+def shm_slots(endpoint: str | None) -> dict[str, bool]:
+    """The shared-memory slots of the worker at `endpoint` (named by host and job endpoint),
+    and whether each is full."""
+    tag = shm.sender_tag(f"{socket.gethostname()}/{endpoint}")
+    return {path.name: path.read_bytes()[0] == 1
+            for path in sorted(shm.SHM_DIR.glob(f"mmlane-{tag}-*"))}
 
 
 @pytest.fixture(scope="module")
 def bounded_worker(module_run_dir: Path, qwen_dir: Path, peers: Peers) -> Iterator[Child]:
-    """A worker with 2 MiB for tensors in shared memory, started where a killed one with its
-    name left a block."""
+    """A worker with 3 MiB for tensors in shared memory, started where a killed one with its
+    name left a slot."""
     endpoint = f"ipc://{module_run_dir}/mm-worker-shm.sock"
     leftover = shm.SHM_DIR / f"mmlane-{shm.sender_tag(f'{socket.gethostname()}/{endpoint}')}-1-0"
-    leftover.write_bytes(b"\0" * 4096)
+    leftover.write_bytes(b"\1" * 4096)
     worker = start_worker("mm-worker-shm", module_run_dir, qwen_dir, peers.engine_endpoint,
-                          "--shm-transport-mb", "2")
+                          "--shm-transport-mb", "3")
     assert worker.endpoint == endpoint
     yield worker
     assert stop_role(worker) == 0, role_log(worker)
@@ -931,8 +933,8 @@ class TestSharedMemory:
         peers.send(worker, job)
         got, frames = peers.next_request()
         assert_rendered(preprocessor, job, [rgb_from(png)], got, frames)  # the same pixels
-        assert frames == 2  # msgpack body + image_grid_thw: pixel_values came as a block
-        assert shm_blocks(worker) == []  # the engine's decoder took (unlinked) it
+        assert frames == 2  # msgpack body + image_grid_thw: pixel_values came in a slot
+        assert list(shm_slots(worker.endpoint).values()) == [False]  # emptied by the engine
 
     def test_beyond_its_bound_tensors_go_as_frames(
         self, bounded_worker: Child, peers: Peers, jobs: Jobs, preprocessor: Any
@@ -946,15 +948,27 @@ class TestSharedMemory:
             got, frames = peers.next_request()
             assert_rendered(preprocessor, job, [rgb_from(png)], got, frames, via_shm=via_shm)
             arrived.append(frames)
-        # 1.5 MB fits the 2 MiB twice over, as the first was taken; 2.9 MB never fits
+        # 1.5 MB takes a 2 MiB slot, reused for the second; 2.9 MB needs a 3 MiB one: 5 > 3
         assert arrived == [2, 2, 3]
+        assert list(shm_slots(bounded_worker.endpoint).values()) == [False]
 
-    def test_a_killed_workers_blocks_are_unlinked_when_its_successor_starts(
+    def test_a_killed_workers_slots_are_unlinked_when_its_successor_starts(
         self, bounded_worker: Child
     ) -> None:
-        assert shm_blocks(bounded_worker) == []
-        assert "unlinked 1 shared-memory tensor(s) a previous MM worker left" in (
+        assert not any(name.endswith("-1-0") for name in shm_slots(bounded_worker.endpoint))
+        assert "unlinked 1 shared-memory slot(s) a previous MM worker left" in (
             role_log(bounded_worker))
+
+    def test_a_stopped_worker_unlinks_its_slots(
+        self, module_run_dir: Path, qwen_dir: Path, peers: Peers, jobs: Jobs
+    ) -> None:
+        worker = start_worker("mm-worker-shm-stop", module_run_dir, qwen_dir,
+                              peers.engine_endpoint)
+        peers.send(worker, jobs.job(png_uri(noise_image(*SHM_IMAGE, seed=13))))
+        assert peers.next_request()[1] == 2
+        assert len(shm_slots(worker.endpoint)) == 1
+        assert stop_role(worker) == 0, role_log(worker)
+        assert shm_slots(worker.endpoint) == {}
 
     def test_an_engine_over_tcp_gets_frames(
         self, module_run_dir: Path, qwen_dir: Path, jobs: Jobs, preprocessor: Any

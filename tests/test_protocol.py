@@ -182,36 +182,40 @@ def test_bad_tensor_frames_are_refused(header, frames, match) -> None:
 
 # ---------------------------------------------------------------- shared-memory tensors
 
+SLOT = shm.HEADER + (1 << 20)
+"""The size of a slot made for a tensor of up to 1 MiB."""
+
 
 @pytest.fixture
 def writer() -> Iterator[ShmWriter]:
-    """A writer of its own tag, taking every array of 1 KiB or more; its blocks go after."""
+    """A writer of its own tag, taking every array of 1 KiB or more, with room for two slots."""
     tag = shm.sender_tag(f"test-{time.time_ns()}")
-    writer = ShmWriter(tag, threshold=1024, capacity=1 << 20, max_age_s=60)
+    writer = ShmWriter(tag, threshold=1024, capacity=2 * SLOT, max_age_s=60)
     yield writer
-    for name in _blocks(writer):
-        (shm.SHM_DIR / name).unlink()
+    writer.close()
 
 
-def _blocks(writer: ShmWriter) -> list[str]:
-    return sorted(path.name for path in shm.SHM_DIR.glob(f"mmlane-{writer.tag}-*"))
+def _slots(writer: ShmWriter) -> dict[str, bool]:
+    """Each of the writer's slot files, and whether it is full."""
+    return {path.name: path.read_bytes()[0] == 1
+            for path in sorted(shm.SHM_DIR.glob(f"mmlane-{writer.tag}-*"))}
 
 
-def _image_request(patches: int) -> EngineRequest:
-    return EngineRequest(request_id="r", reply_to="x", prompt_token_ids=[1], sampling=SAMPLING,
-                         mm_items=[_item(0, patches)])
+def _image_request(patches: int, request_id: str = "r") -> EngineRequest:
+    return EngineRequest(request_id=request_id, reply_to="x", prompt_token_ids=[1],
+                         sampling=SAMPLING, mm_items=[_item(0, patches)])
 
 
 def test_big_arrays_go_through_shared_memory_and_come_back_equal(writer) -> None:
-    sent = _image_request(64)  # pixel_values 301 KB: a block; image_grid_thw 24 B: a frame
+    sent = _image_request(64)  # pixel_values 301 KB: a slot; image_grid_thw 24 B: a frame
     frames = Codec(EngineInput, shm_writer=writer).encode(sent)
     assert len(frames) == 2
-    assert len(_blocks(writer)) == 1
+    assert list(_slots(writer).values()) == [True]
     got = Codec(EngineInput, accept_shm=True).decode(frames).mm_items[0].tensors
-    assert _blocks(writer) == []  # taken: unlinked by the receiver
+    assert list(_slots(writer).values()) == [False]  # emptied by the receiver, kept for reuse
     for name, array in sent.mm_items[0].tensors.items():
         assert got[name].dtype == array.dtype and np.array_equal(got[name], array), name
-    assert not got["pixel_values"].flags.writeable  # the mapping itself, read-only
+    assert got["pixel_values"].flags.owndata  # a copy: the slot is the sender's again
     assert writer.counters["shm_tensors"] == 1
     assert writer.counters["shm_bytes"] == sent.mm_items[0].tensors["pixel_values"].nbytes
 
@@ -220,58 +224,69 @@ def test_a_decoder_that_does_not_accept_shared_memory_refuses_it(writer) -> None
     frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
     with pytest.raises(RequestError, match="shared-memory tensors are refused"):
         Codec(EngineInput).decode(frames)
-    assert len(_blocks(writer)) == 1  # not touched
+    assert list(_slots(writer).values()) == [True]  # not touched
 
 
-def test_beyond_its_capacity_a_writer_sends_frames_until_blocks_are_taken(writer) -> None:
-    codec = Codec(EngineInput, shm_writer=writer)
-    first = codec.encode(_image_request(128))  # 602 KB of the 1 MiB
-    assert len(codec.encode(_image_request(128))) == 3  # would pass 1 MiB: a frame
+def test_slots_are_reused_and_beyond_the_capacity_tensors_go_as_frames(writer) -> None:
+    sender, receiver = Codec(EngineInput, shm_writer=writer), Codec(EngineInput, accept_shm=True)
+    first = sender.encode(_image_request(128, "first"))
+    second = sender.encode(_image_request(128, "second"))  # the first slot is full: a new one
+    assert len(sender.encode(_image_request(128))) == 3  # both full, no room: a frame
     assert writer.counters["shm_fallbacks"] == 1
-    Codec(EngineInput, accept_shm=True).decode(first)
-    assert len(codec.encode(_image_request(128))) == 2  # the first was taken: room again
+    assert receiver.decode(first).request_id == "first"
+    third = sender.encode(_image_request(64, "third"))  # into the first's slot, emptied
+    assert len(third) == 2 and len(_slots(writer)) == 2
+    assert [receiver.decode(f).request_id for f in (second, third)] == ["second", "third"]
+    assert list(_slots(writer).values()) == [False, False]
 
 
-def test_blocks_left_untaken_are_reaped_by_age_and_by_a_successor(writer) -> None:
+def test_a_slot_full_too_long_is_taken_back_and_its_old_message_is_lost(writer) -> None:
     writer.max_age_s = 0
-    codec = Codec(EngineInput, shm_writer=writer)
-    codec.encode(_image_request(64))
-    codec.encode(_image_request(64))  # the first, already too old, is unlinked first
-    assert writer.counters["shm_reaped"] == 1 and len(_blocks(writer)) == 1
-    successor = ShmWriter(writer.tag, threshold=1024, capacity=1 << 20, max_age_s=60)
-    assert successor.reap_predecessors() == 1
-    assert _blocks(writer) == []
+    sender, receiver = Codec(EngineInput, shm_writer=writer), Codec(EngineInput, accept_shm=True)
+    old = sender.encode(_image_request(64, "old"))
+    new = sender.encode(_image_request(64, "new"))  # the slot, full too long, is reused
+    assert writer.counters["shm_reaped"] == 1 and len(_slots(writer)) == 1
+    with pytest.raises(TensorsLost):  # the slot holds a later use by now
+        receiver.decode(old)
+    assert receiver.decode(new).request_id == "new"
 
 
-def test_a_message_whose_block_is_gone_is_decoded_for_its_reply(writer) -> None:
+def test_a_successor_unlinks_its_predecessors_slots_and_a_message_of_them_is_lost(
+    writer
+) -> None:
     frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
-    for name in _blocks(writer):
-        (shm.SHM_DIR / name).unlink()
+    successor = ShmWriter(writer.tag, threshold=1024, capacity=SLOT, max_age_s=60)
+    assert successor.reap_predecessors() == 1
+    assert _slots(writer) == {}
     with pytest.raises(TensorsLost, match="gone on arrival") as lost:
         Codec(EngineInput, accept_shm=True).decode(frames)
     assert lost.value.code == "tensors_lost" and lost.value.kind == "retryable"
     assert lost.value.decoded.request_id == "r" and lost.value.decoded.reply_to == "x"
 
 
+def test_a_closed_writer_unlinks_its_slots(writer) -> None:
+    Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
+    writer.max_age_s = 0  # its one slot stays full: close waits a little, then unlinks it
+    writer.close()
+    assert _slots(writer) == {}
+
+
 @pytest.mark.parametrize(
-    "name, match",
-    [("../../etc/passwd", "not a shared-memory tensor name"),
-     ("mmlane-000000000000-1-0/x", "not a shared-memory tensor name"),
-     ("psm_1234", "not a shared-memory tensor name")],
+    "ref",
+    ["../../etc/passwd", "mmlane-000000000000-1-0/x.1", "mmlane-000000000000-1-0", "psm_1234"],
 )
-def test_shared_memory_names_are_checked_before_any_file_is_opened(name, match) -> None:
-    header = ["<f4", [2, 2], 0, name]
-    with pytest.raises(RequestError, match=match):
+def test_shared_memory_references_are_checked_before_any_file_is_opened(ref) -> None:
+    header = ["<f4", [2, 2], 0, ref]
+    with pytest.raises(RequestError, match="not a shared-memory tensor reference"):
         Codec(EngineInput, accept_shm=True).decode(_tensor_request(header, []))
 
 
-def test_a_block_of_the_wrong_size_is_refused(writer) -> None:
-    frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
-    [name] = _blocks(writer)
-    header = ["<f4", [2, 2], 0, name]  # 16 bytes, where the block holds 301 KB
+def test_a_slot_holding_another_size_is_refused(writer) -> None:
+    Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
+    [name] = _slots(writer)
+    header = ["<f4", [2, 2], 0, f"{name}.1"]  # 16 bytes, where the slot holds 301 KB
     with pytest.raises(RequestError, match="needs 16"):
         Codec(EngineInput, accept_shm=True).decode(_tensor_request(header, []))
-    assert _blocks(writer) == [] and len(frames) == 2  # taken (and dropped) all the same
 
 
 KINDS = [RequestError, RetryableError, InternalError, FatalError]

@@ -95,10 +95,10 @@ photo is about 300 MB of float32 pixel values, held until ZMQ has sent it (copy=
 SLOW_ENGINE_WARNING_S = 5.0
 SHM_MIN_BYTES = 1 << 20
 """Tensors this large go through shared memory to an engine on this host (`shm_transport_mb`):
-above it a block's file and mapping cost less than the copies of a ZMQ frame."""
+above it two copies through a slot cost less than a ZMQ frame's way through the kernel."""
 SHM_MAX_AGE_S = 60.0
-"""A shared-memory tensor the engine has not taken by then is unlinked: the engine is gone (a
-live one takes it as the message arrives)."""
+"""A shared-memory slot the engine has not emptied by then is taken back: the engine is gone (a
+live one empties it as the message arrives)."""
 
 
 @dataclass
@@ -269,6 +269,8 @@ class MMWorker:
         self.fetcher.close()
         self._failures.close()
         self._engine.close()
+        if self.shm is not None:
+            self.shm.close()
         self._jobs.close()
         self._ctx.term()
 
@@ -480,7 +482,7 @@ class FrontendReplies:
 
 def shm_writer(config: MMWorkerConfig, sender: str) -> shm.ShmWriter | None:
     """The shared-memory transport to an engine on this host (`shm_transport_mb`), or None:
-    the engine is reached over tcp, the setting is 0, or the host has no /dev/shm. Blocks a
+    the engine is reached over tcp, the setting is 0, or the host has no /dev/shm. Slots a
     killed predecessor under the same name left are unlinked here."""
     if not config.engine_endpoint.startswith("ipc://") or config.shm_transport_mb == 0:
         return None
@@ -492,7 +494,7 @@ def shm_writer(config: MMWorkerConfig, sender: str) -> shm.ShmWriter | None:
                            max_age_s=SHM_MAX_AGE_S)
     reaped = writer.reap_predecessors()
     if reaped:
-        log.info("unlinked %d shared-memory tensor(s) a previous MM worker left", reaped)
+        log.info("unlinked %d shared-memory slot(s) a previous MM worker left", reaped)
     return writer
 
 

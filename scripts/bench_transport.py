@@ -1,0 +1,126 @@
+"""Pixels from one process to another on one host: ZMQ frames against shared memory, against a
+plain memcpy of the same bytes, in one run.
+
+    python scripts/bench_transport.py [--messages 40] [--rounds 3] [--mb 5.79]
+
+Each message is an EngineRequest with one image's uint8 pixel_values (5.79 MB: a 12 MP photo
+for the embedded tiny Qwen2-VL), encoded by the real codec and sent over a real ipc PUSH/PULL
+pair to a second process, which decodes it and reads one byte of every page of the pixels (so
+that a mapping's pages are in, as whoever uses the tensor would fault them in). `frames` is the
+codec as over tcp; `shm` gives the sender's codec a ShmWriter (protocol/shm.py), as the MM
+worker does for an ipc engine. `memcpy` copies the same bytes into a new array in one process
+(`np.copyto`), the bound the issue measures against. Per round the three alternate. The sender
+sends its messages back to back; throughput is the bytes of all over the time from the first
+encode to the receiver's last read (CLOCK_MONOTONIC is one clock for both processes); latency is
+one message's encode-to-read time. Prints, per mode, median latency, GB/s, and the throughput as
+a share of memcpy's; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from protocol import shm
+from protocol.codec import Codec
+from protocol.messages import EngineInput, EngineRequest, MMItem, SamplingParams
+
+PAGE = 4096
+
+
+def request(pixels: np.ndarray, sent_at: float) -> EngineRequest:
+    # The send time travels as the deadline, a float the receiver reads back.
+    return EngineRequest(request_id="r", reply_to="x", prompt_token_ids=[1],
+                         sampling=SamplingParams(max_tokens=1), deadline=sent_at,
+                         mm_items=[MMItem(offset=0, length=1, tensors={"pixel_values": pixels})])
+
+
+def receive(endpoint: str, done: str, count: int) -> None:
+    """The receiving process: decode each message, read a byte per page, report when done."""
+    ctx = zmq.Context()
+    pull, back = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(endpoint)
+    back.connect(done)
+    codec: Codec = Codec(EngineInput, accept_shm=True)
+    back.send(b"ready")
+    times = []
+    for _ in range(count):
+        message = codec.decode(pull.recv_multipart(copy=False))
+        pixels = message.mm_items[0].tensors["pixel_values"].reshape(-1)
+        int(pixels[::PAGE].sum())  # every page in
+        times.append((message.deadline, time.monotonic()))
+    back.send_pyobj(times)
+    ctx.destroy(linger=0)
+
+
+def transport(mode: str, pixels: np.ndarray, count: int,
+              run_dir: Path) -> tuple[list[float], float]:
+    """Seconds per message, sender's encode to receiver's read; and for all of them."""
+    endpoint, done = f"ipc://{run_dir}/{mode}.sock", f"ipc://{run_dir}/{mode}-done.sock"
+    ctx = zmq.Context()
+    back = ctx.socket(zmq.PULL)
+    back.bind(done)
+    child = multiprocessing.get_context("spawn").Process(
+        target=receive, args=(endpoint, done, count))
+    child.start()
+    back.recv()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoint)
+    writer = (shm.ShmWriter(shm.sender_tag(f"bench-{time.time_ns()}"), threshold=1 << 20,
+                            capacity=1 << 30, max_age_s=60) if mode == "shm" else None)
+    codec: Codec = Codec(EngineInput, shm_writer=writer)
+    for _ in range(count):
+        push.send_multipart(codec.encode(request(pixels, time.monotonic())), copy=False)
+    times = back.recv_pyobj()
+    child.join()
+    ctx.destroy(linger=0)
+    if writer is not None:
+        writer.close()
+    return [read - sent for sent, read in times], times[-1][1] - times[0][0]
+
+
+def memcpy(pixels: np.ndarray, count: int) -> tuple[list[float], float]:
+    times = []
+    for _ in range(count):
+        started = time.monotonic()
+        copy = np.empty_like(pixels)
+        np.copyto(copy, pixels)
+        times.append(time.monotonic() - started)
+        del copy
+    return times, sum(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=40, help="per mode and round (40)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, modes alternating (3)")
+    parser.add_argument("--mb", type=float, default=5.79, help="pixel bytes per message, in MB "
+                        "(5.79: a 12 MP photo's uint8 pixels for the tiny Qwen2-VL)")
+    args = parser.parse_args()
+    pixels = np.random.default_rng(0).integers(0, 256, int(args.mb * 1e6), np.uint8)
+    latencies: dict[str, list[float]] = {"memcpy": [], "frames": [], "shm": []}
+    totals = dict.fromkeys(latencies, 0.0)
+    with tempfile.TemporaryDirectory(prefix="mml-bench-") as tmp:
+        for _ in range(args.rounds):
+            for mode in latencies:
+                times, total = (memcpy(pixels, args.messages) if mode == "memcpy" else
+                                transport(mode, pixels, args.messages, Path(tmp)))
+                latencies[mode] += times
+                totals[mode] += total
+    sent = pixels.nbytes * args.messages * args.rounds
+    print(f"{pixels.nbytes:,} bytes per message, {args.rounds} rounds x {args.messages}")
+    print(f"{'mode':8} {'latency p50 ms':>15} {'GB/s':>6} {'of memcpy':>10}")
+    for mode, times in latencies.items():
+        print(f"{mode:8} {statistics.median(times) * 1e3:15.2f} {sent / totals[mode] / 1e9:6.2f} "
+              f"{totals['memcpy'] / totals[mode]:9.0%}")
+
+
+if __name__ == "__main__":
+    main()
