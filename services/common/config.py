@@ -154,8 +154,9 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decoded exactly never share a hash in any cache (the engine's, vLLM's)."""
     shm_transport_mb: float = 1024.0
     """With an ipc:// engine endpoint (the engine on this host), tensors of 1 MiB or more go to
-    the engine through shared memory (/dev/shm) rather than as ZMQ frames: at most this many
-    MiB of them not yet taken by the engine, the rest as frames. 0: frames only."""
+    the engine through shared-memory slots (/dev/shm, reused) rather than as ZMQ frames: at
+    most this many MiB of slots; a tensor that finds none free and no room goes as a frame.
+    0: frames only."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
     def __post_init__(self) -> None:
