@@ -14,25 +14,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
-
-from protocol.codec import Codec
 from protocol.messages import (
     ChatMessage,
-    EngineInput,
     ImagePart,
     ImageUrl,
-    MMJob,
-    SamplingParams,
     TextPart,
 )
 from services.bench.images import data_uri, encode, make_image
 from services.bench.stats import percentile
-from services.cli import config_from_argv
 from services.client import Client, user_message
 from services.common.sockets import free_tcp_port
 from services.launcher import SERVE_SETTINGS, serve_config, start_roles, stop_all
-from services.model import load_preprocessor, resolve_model_dir
+from services.model import resolve_model_dir
 
 BIG = (4032, 3024)
 
@@ -59,52 +52,6 @@ def serving(run_dir: Path, *serve_args: str, log_dir: Path | None = None) -> Ite
         yield config.frontend.client_endpoint
     finally:
         stop_all(children)
-
-
-class LoneMMWorker:
-    """One `mmlane mm-worker ARGS` whose engine is this script: push jobs, take what it sends."""
-
-    def __init__(self, run_dir: Path, model_dir: Path, *worker_args: str) -> None:
-        engine, jobs = f"ipc://{run_dir}/bench-engine.sock", f"ipc://{run_dir}/bench-jobs.sock"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ctx = zmq.Context.instance()
-        self._sink = ctx.socket(zmq.PULL)
-        self._sink.bind(engine)
-        argv = ["--model", str(model_dir), "--engine-endpoint", engine,
-                "--mm-worker-endpoint", jobs, *worker_args]
-        self._children = start_roles(
-            {"mm-worker": config_from_argv("mm-worker", argv, run_dir)}, run_dir, 300)
-        self._source = ctx.socket(zmq.PUSH)
-        self._source.connect(jobs)
-        self._codec: Codec = Codec(EngineInput, accept_shm=engine.startswith("ipc://"))
-        self._reply_to = f"ipc://{run_dir}/bench-none.sock"
-        self.preprocessor = load_preprocessor(model_dir)
-        self._prompt = self.preprocessor.tokenize_batch([self.preprocessor.render_prompt(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
-        )])[0]
-
-    def __enter__(self) -> LoneMMWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        stop_all(self._children)
-        self._sink.close(linger=0)
-        self._source.close(linger=0)
-
-    def push(
-        self, url: str, request_id: str, uuid: str | None = None, **job_fields: object
-    ) -> None:
-        """Send one job with one image, as a frontend would."""
-        job = MMJob(request_id=request_id, reply_to=self._reply_to,
-                    prompt_token_ids=self._prompt, images=[ImageUrl(url=url, uuid=uuid)],
-                    sampling=SamplingParams(), **job_fields)  # type: ignore[arg-type]
-        self._source.send_multipart(self._codec.encode(job))
-
-    def take(self) -> int:
-        """Wait for the next EngineRequest the worker sends; its size in bytes, all frames."""
-        frames = self._sink.recv_multipart(copy=False)
-        self._codec.decode(frames)
-        return sum(len(frame.buffer) for frame in frames)
 
 
 def text_latencies(endpoint: str, count: int, max_tokens: int = 1) -> list[float]:

@@ -22,7 +22,6 @@ from pathlib import Path
 from bench_common import (
     BIG,
     ImageLoad,
-    LoneMMWorker,
     big_jpeg,
     report,
     serving,
@@ -31,6 +30,7 @@ from bench_common import (
 
 from services.bench.images import data_uri
 from services.bench.inproc import job_renderer
+from services.bench.throughput import LoneMMWorker
 from services.model import resolve_model_dir
 
 

@@ -28,6 +28,7 @@ from services.bench.images import ImageSource, jpeg_uri, make_image
 from services.bench.inproc import MAX_IMAGES, InProcessConfig, InProcessServer
 from services.bench.results import BenchResult, Latency, ModeResult
 from services.bench.stats import cpu_seconds, percentile
+from services.bench.throughput import ThroughputResult
 from services.bench.workload import poisson_arrivals
 from services.cli import main
 from services.client import Client, user_message
@@ -130,6 +131,30 @@ class TestRun:
     def test_chart_is_a_png(self, bench_run: tuple[int, Path, Path]) -> None:
         image = Image.open(bench_run[2])
         assert image.format == "PNG" and image.width > 800
+
+
+def test_throughput_run_reports_every_design(module_run_dir: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = module_run_dir / "throughput"
+    out.mkdir()
+    json_path, chart_path = out / "throughput.json", out / "throughput.png"
+    status = main(["bench", "--throughput", "--throughput-size", "320x240",
+                   "--throughput-images", "2", "--throughput-rounds", "2",
+                   "--throughput-processes", "1,2", "--json", str(json_path),
+                   "--chart", str(chart_path), "--run-dir", str(out / "run")])
+    assert status == 0
+    result = msgspec.json.decode(json_path.read_bytes(), type=ThroughputResult)
+    assert [(d.design, d.pixels) for d in result.designs] == [
+        ("in-process, 1 thread", "float"), ("in-process, 1 thread", "uint8"),
+        ("in-process, 2 threads", "float"), ("in-process, 2 threads", "uint8"),
+        ("mm-worker, 1 proc", "uint8"), ("mm-worker, 2 procs", "uint8"),
+    ]
+    for design in result.designs:
+        assert len(design.images_per_s) == 2 and all(r > 0 for r in design.images_per_s)
+        assert design.median_images_per_s == pytest.approx(sum(design.images_per_s) / 2)
+    assert (result.image_size, result.images, result.rounds) == ("320x240", 2, 2)
+    assert chart_path.read_bytes().startswith(b"\x89PNG")
+    assert "mm-worker, 2 procs" in capsys.readouterr().out
 
 
 def test_schema_flag_prints_json_schema(capsys: pytest.CaptureFixture[str]) -> None:

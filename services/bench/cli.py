@@ -10,13 +10,18 @@ import argparse
 import shlex
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from protocol.errors import FatalError
 from services.bench.config import BenchConfig, load_bench_config
 from services.common.settings import Settings
+
+Outputs = tuple[Callable[[Any, Path], None], Callable[[Any], str]]
+"""A run's chart(result, path) and table(result)."""
 
 EXTRA_HINT = "mmlane bench needs the 'bench' extra: pip install -e '.[bench]' (matplotlib, tqdm)"
 
@@ -61,16 +66,24 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     config = bench_config(args)
     _check_extra()
-    from services.bench.report import chart, table
-    from services.bench.run import run_bench as run
-
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="mmb-"))
     try:
-        result = run(config, run_dir, progress=not args.no_progress)
+        if config.throughput:
+            from services.bench import throughput
+
+            result: Any = throughput.run_throughput(config, run_dir)
+            outputs: Outputs = (throughput.chart, throughput.table)
+        else:
+            from services.bench import report
+            from services.bench.run import run_bench as run
+
+            result = run(config, run_dir, progress=not args.no_progress)
+            outputs = (report.chart, report.table)
     finally:
         if args.run_dir is None:
             shutil.rmtree(run_dir, ignore_errors=True)
     args.json.write_bytes(msgspec.json.format(msgspec.json.encode(result)) + b"\n")
+    chart, table = outputs
     chart(result, args.chart)
     print(table(result))
     print(f"\nresults: {args.json}, chart: {args.chart}")

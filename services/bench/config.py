@@ -88,13 +88,27 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     the engine every mode shares gets serve's engine arguments (e.g. `--torch-threads 1`)."""
     startup_timeout_s: float = 300.0
     max_image_pixels: int = 64_000_000
+    throughput: bool = False
+    """Run the MM lane throughput comparison instead of the modes: images/s of in-process
+    designs (1 and 2 threads; float and uint8 pixels) and of MM worker processes
+    (services/bench/throughput.py)."""
+    throughput_size: str = "4032x3024"
+    """The throughput run's JPEG size."""
+    throughput_images: int = 24
+    """Images each design preprocesses per round of the throughput run."""
+    throughput_processes: list[int] = []
+    """The MM workers' `--mm-processes` settings in the throughput run; empty: 1, 2 and every
+    core."""
+    throughput_rounds: int = 2
+    """Rounds of the throughput run, the designs alternating within each."""
 
     def __post_init__(self) -> None:
         unknown = [mode for mode in self.modes if mode not in MODES]
         if unknown or not self.modes:
             raise ValueError(f"modes must be some of {', '.join(MODES)}, got {self.modes}")
         for name in ("text_words", "images_per_request", "max_tokens", "pool_size",
-                     "tokenizer_workers", "probe_loops", "max_image_pixels"):
+                     "tokenizer_workers", "probe_loops", "max_image_pixels",
+                     "throughput_images", "throughput_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("text_rate", "idle_s", "phase_s", "probe_s", "probe_idle_s",
@@ -103,8 +117,11 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.image_rates or any(rate <= 0 for rate in self.image_rates):
             raise ValueError(f"image_rates must be positive numbers, got {self.image_rates}")
-        for size in [*self.image_sizes, *self.probe_sizes]:
+        for size in [*self.image_sizes, *self.probe_sizes, self.throughput_size]:
             parse_size(size)
+        if any(n < 1 for n in self.throughput_processes):
+            raise ValueError(f"throughput_processes must be at least 1, got "
+                             f"{self.throughput_processes}")
         if not self.image_sizes and not self.image_files:
             raise ValueError("give at least one image size or image file")
         for path in self.image_files:
