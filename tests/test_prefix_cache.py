@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from msgspec.structs import replace
-from test_engine import DEVICE, make_request
+from test_engine import DEVICE, make_request, start_engine, to, tokens_of
 
+from conftest import stop_role
+from peers import StandInFrontend, wait_for_stats
 from protocol.errors import FatalError
 from protocol.messages import EngineRequest
 from services.common.config import load_config
@@ -156,6 +158,28 @@ def test_eviction_under_a_tiny_budget_keeps_results_exact(family, model_dirs, pr
     assert counters["prefix_cache_evictions"] > 0
     assert counters["prefix_cache_bytes"] <= (shared + 1) * chunk_bytes
     assert counters["prefix_cache_hits"] == 4  # the shared chunks were never evicted
+
+
+def test_an_engine_process_reuses_a_prefix_and_says_so_in_its_stats(run_dir, preps,
+                                                                   uncached) -> None:
+    """The setting reaches the runner through the role's config; the counters its stats."""
+    prep = preps["qwen2_vl"]
+    engine = start_engine(run_dir, "--prefill-chunk-tokens", str(CHUNK), "--prefix-cache-gb",
+                          "0.01", "--stats-interval", "0.1")
+    try:
+        with StandInFrontend.connected(engine, run_dir) as frontend:
+            first = to(frontend, request(prep, "what is the capital of france?", system=SYSTEM))
+            second = to(frontend, request(prep, "name three colours.", system=SYSTEM))
+            for req in (first, second):
+                replies = frontend.run(req)[req.request_id]
+                logprobs = [position for reply in replies for position in reply.logprobs or []]
+                assert (tokens_of(replies), logprobs) == serve(uncached["qwen2_vl"], req)
+        wait_for_stats(run_dir, lambda stats: stats.role == "engine"
+                       and stats.counters.get("prefix_cache_hits") == 1
+                       and stats.counters.get("prefix_cache_misses") == 1,
+                       "the engine's stats count the prefix cache's hit")
+    finally:
+        assert stop_role(engine) == 0
 
 
 def test_the_prefix_cache_setting_is_checked() -> None:
