@@ -123,6 +123,29 @@ def test_the_same_image_asked_again_skips_its_vision_pass(family, model_dirs, pr
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_request_that_arrived_with_another_shares_what_that_one_stored(
+    family, model_dirs, preps, uncached
+) -> None:
+    """Image requests run in arrival order: the second looks its prefix up at its first unit,
+    after the first has stored it."""
+    prep, runner = preps[family], cached(model_dirs, family)
+    requests = [request(prep, LEAD_IN + question, "photo")
+                for question in ("what is in it?", "which colours does it have?")]
+    for handle, req in enumerate(requests):
+        runner.add(handle, req)
+    served: dict[int, Served] = {0: ([], []), 1: ([], [])}
+    while runner.has_work():
+        for output in runner.step():
+            assert output.error is None, output.error
+            served[output.handle][0].extend(output.token_ids)
+            served[output.handle][1].extend(output.logprobs or [])
+    assert [served[0], served[1]] == [serve(uncached[family], req) for req in requests]
+    counters = runner.metrics.counters
+    assert (counters["prefix_cache_hits"], counters["prefix_cache_hit_images"]) == (1, 1)
+    assert counters["encoder_cache_misses"] == 1  # one vision pass started, for both
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_another_image_with_the_same_token_ids_does_not_hit(family, model_dirs, preps,
                                                             uncached) -> None:
     prep, runner = preps[family], cached(model_dirs, family)

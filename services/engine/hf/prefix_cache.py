@@ -19,8 +19,8 @@ of what its forward pass got, and the key names all of it:
 - the KV of the chunks before: each key is a hash chained over the previous chunk's key.
 The model, its dtype, device and attention are the runner's own, the same for every request.
 
-A request looks its prefix up when it arrives (`HFRunner.add`), so two requests that arrive
-together share nothing; the second of two in a row shares what the first stored.
+A request looks its prefix up when its first unit runs (`HFRunner._reuse_prefix`), so it
+also shares what a request that arrived just before it has stored since.
 
 An image without a hash (its MM worker's cache off, no client uuid) cannot be named, so the
 chunks from the first one it overlaps on are never stored. The last chunk of a prompt always

@@ -154,15 +154,15 @@ class HFRunner:
             arrived=time.monotonic() if arrived is None else arrived, grammar=grammar,
             chunk_tokens=self.prefill_chunk_tokens,
         )
-        self._reuse_prefix(seq)
         for index in range(len(request.mm_items)):  # an image seen before needs no vision unit
-            if seq.needs_features(index):
-                seq.image_features[index] = self._encoded_before(seq, index)
+            seq.image_features[index] = self._encoded_before(seq, index)
         self._sequences[handle] = seq
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest prefix of its prompt the prefix cache holds; the images
-        wholly inside it need no vision pass."""
+        wholly inside it need no vision pass. Called at the request's first unit, not at its
+        arrival: image requests run in arrival order, so the second of two that arrive together
+        with the same image finds what the first stored."""
         if self._prefix is None or seq.chunk_tokens is None:
             return  # one prefill unit per prompt: no chunk is ever the same shape as another's
         seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
@@ -194,12 +194,13 @@ class HFRunner:
 
     @torch.inference_mode()
     def _step(self, batch: list[Sequence], lane: Lane) -> list[StepOutput]:
-        unit = batch[0].next_unit()
         started = time.monotonic()
         for seq in batch:
             if seq.last_run < 0:
                 self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
+                self._reuse_prefix(seq)
             seq.last_run = self._units
+        unit = batch[0].next_unit()
         self._units += 1
         outputs = self._advance(batch, unit)
         if self.model.device.type == "cuda":  # kernels run asynchronously: time what they took
