@@ -85,12 +85,18 @@ def reference(qwen_dir: Path) -> torch.nn.Module:
 
 
 def make_request(
-    prep: Preprocessor, text: str, images: tuple[tuple[int, int], ...] = (), **sampling: object
+    prep: Preprocessor, text: str, images: tuple[tuple[int, int], ...] = (), *,
+    system: str = "", image_seed: int = 0, **sampling: object
 ) -> EngineRequest:
-    """A request rendered as the frontend and MM worker render it: chat template, expansion."""
+    """A request rendered as the frontend and MM worker render it: chat template, expansion.
+    With a `system` message when given; image i is `make_image`'s of seed `image_seed` + i."""
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    prompt = prep.render_prompt([{"role": "user", "content": content}])
-    items = [prep.process_image(make_image(w, h, seed=i)) for i, (w, h) in enumerate(images)]
+    messages = [{"role": "user", "content": content}]
+    if system:
+        messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
+    prompt = prep.render_prompt(messages)
+    items = [prep.process_image(make_image(w, h, seed=image_seed + i))
+             for i, (w, h) in enumerate(images)]
     ids = prep.expand_placeholders(prep.tokenize_batch([prompt])[0], items)
     mm_items, start = [], 0
     for item in items:

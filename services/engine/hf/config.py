@@ -35,10 +35,17 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """GiB of vision-encoder outputs kept by image hash, the most recently used, on the model's
     device: a repeated image (one the MM worker hashed: its cache on, or a client uuid) skips
     its vision pass, with the same bits as running it again. 0: off."""
+    prefix_cache_gb: float = 1.0
+    """GiB of prompt prefixes' KV kept, the most recently used, on the model's device, in
+    chunks of --prefill-chunk-tokens: a prompt that starts with the same tokens and images as
+    a recent one (a shared system prompt, the same image asked about again) prefills only the
+    rest, and an image wholly inside the reused prefix skips its vision pass; the same logits
+    as prefilling it again. 0: off."""
 
     def __post_init__(self) -> None:
         _positive(self, "prefill_chunk_tokens", "max_batch", "grammar_cache_size")
         capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
+        capacity_bytes(self.prefix_cache_gb, "prefix_cache_gb")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be 0 (automatic) or more, "
                              f"got {self.torch_threads}")

@@ -42,6 +42,7 @@ from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
+from services.engine.hf.prefix_cache import PrefixCache, chunk_keys
 from services.engine.hf.sampling import token_logprobs
 from services.engine.hf.scheduler import Lane, Scheduler
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
@@ -77,7 +78,7 @@ class HFRunner:
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,
         prefill_chunk_tokens: int | None = None, max_batch: int = MAX_BATCH,
         metrics: Metrics | None = None, grammars: Grammars | None = None,
-        encoder_cache_bytes: int = 0,
+        encoder_cache_bytes: int = 0, prefix_cache_bytes: int = 0,
     ) -> None:
         if max_batch < 1:
             raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
@@ -86,7 +87,8 @@ class HFRunner:
         self.adapter = adapter
         self.prefill_chunk_tokens = prefill_chunk_tokens
         """The most tokens a unit takes: prefill chunks (the KV cache carries over) and vision
-        slices (in image tokens). None runs a whole prompt, or a whole image, as one unit."""
+        slices (in image tokens). None runs a whole prompt, or a whole image, as one unit. A
+        request keeps the size it arrived with."""
         self.metrics = metrics or Metrics("engine", "engine")
         """Where unit times (engine_step:KIND), first-unit waits (queue_wait:KIND) and the
         decode_steps and decode_tokens counters (their ratio: the mean batch) go."""
@@ -101,6 +103,9 @@ class HFRunner:
         self._encoded: FeatureCache[torch.Tensor] = FeatureCache(encoder_cache_bytes)
         """Vision-encoder outputs by mm_hash (encoder_cache_gb): the same image's features are
         the same bits whoever runs its pass, so a request takes them instead."""
+        self._prefix = self._prefix_cache(prefix_cache_bytes)
+        """KV of prompt prefixes by what they were computed from (prefix_cache_gb; None: off):
+        a request whose prompt starts as a recent one's prefills only the rest."""
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._units = 0  # units run so far: the scheduler's round-robin clock
@@ -111,11 +116,13 @@ class HFRunner:
         cls, model: str | None, device: str, *, prefill_chunk_tokens: int | None = None,
         max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
         grammar_cache_size: int = GRAMMAR_CACHE_SIZE, encoder_cache_bytes: int = 0,
+        prefix_cache_bytes: int = 0,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`); a decode step runs up to
         `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
-        grammars stay compiled, and up to `encoder_cache_bytes` of vision-encoder outputs."""
+        grammars stay compiled, up to `encoder_cache_bytes` of vision-encoder outputs and up
+        to `prefix_cache_bytes` of prompt prefixes' KV."""
         torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
@@ -130,7 +137,8 @@ class HFRunner:
         runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
                      max_batch=max_batch, metrics=metrics,
                      grammars=Grammars(tokenizer, grammar_cache_size),
-                     encoder_cache_bytes=encoder_cache_bytes)
+                     encoder_cache_bytes=encoder_cache_bytes,
+                     prefix_cache_bytes=prefix_cache_bytes)
         log.info("loaded %s (%s) on %s, %d torch threads, decode steps of up to %d requests",
                  model_dir, spec.family, network.device, torch.get_num_threads(), runner.max_batch)
         return runner
@@ -144,10 +152,25 @@ class HFRunner:
         seq = Sequence(
             handle, request, prompt, cache, self.spec.eos_token_ids,
             arrived=time.monotonic() if arrived is None else arrived, grammar=grammar,
+            chunk_tokens=self.prefill_chunk_tokens,
         )
         for index in range(len(request.mm_items)):  # an image seen before needs no vision unit
             seq.image_features[index] = self._encoded_before(seq, index)
         self._sequences[handle] = seq
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start `seq` from the longest prefix of its prompt the prefix cache holds; the images
+        wholly inside it need no vision pass. Called at the request's first unit, not at its
+        arrival: image requests run in arrival order, so the second of two that arrive together
+        with the same image finds what the first stored."""
+        if self._prefix is None or seq.chunk_tokens is None:
+            return  # one prefill unit per prompt: no chunk is ever the same shape as another's
+        seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
+        seq.num_cached = self._prefix.reuse(seq.prefix_keys, seq.chunk_tokens, seq.prompt_len,
+                                            seq.cache)
+        self.metrics.counters["prefix_cache_hit_images"] += sum(
+            item.offset + item.length <= seq.num_cached for item in seq.request.mm_items
+        )
 
     def _grammar(self, structured: StructuredOutputs | None) -> Grammar | None:
         if structured is None:
@@ -171,12 +194,13 @@ class HFRunner:
 
     @torch.inference_mode()
     def _step(self, batch: list[Sequence], lane: Lane) -> list[StepOutput]:
-        unit = batch[0].next_unit(self.prefill_chunk_tokens)
         started = time.monotonic()
         for seq in batch:
             if seq.last_run < 0:
                 self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
+                self._reuse_prefix(seq)
             seq.last_run = self._units
+        unit = batch[0].next_unit()
         self._units += 1
         outputs = self._advance(batch, unit)
         if self.model.device.type == "cuda":  # kernels run asynchronously: time what they took
@@ -254,7 +278,7 @@ class HFRunner:
                 return
             if item.mm_hash:
                 self.metrics.counters["encoder_cache_misses"] += 1
-            seq.vision = self.adapter.vision_pass(item.tensors, self.prefill_chunk_tokens)
+            seq.vision = self.adapter.vision_pass(item.tensors, seq.chunk_tokens)
         features = seq.vision.step()
         if features is None:
             return
@@ -293,9 +317,18 @@ class HFRunner:
             cache=seq.cache, use_cache=True, logits_to_keep=1,
         )
         seq.num_cached = end
+        self._store_prefix(seq)
         if end == seq.prompt_len:
             seq.image_features = []  # in the KV cache now
         return out.logits[:, -1]
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """After a chunk that ended at a chunk boundary: the prefix cache holds the prompt's
+        chunks up to it (a prompt's short last chunk is never reused: no other is that size)."""
+        chunk = seq.chunk_tokens
+        if self._prefix is None or chunk is None or seq.num_cached % chunk:
+            return
+        self._prefix.store(seq.prefix_keys[: seq.num_cached // chunk], chunk, seq.cache)
 
     def _prompt_embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Token embeddings of prompt[start:end], image placeholders replaced by image features."""
@@ -356,12 +389,22 @@ class HFRunner:
 
     # ------------------------------------------------------------ checks at startup
 
+    def _prefix_cache(self, capacity: int) -> PrefixCache | None:
+        """The prefix cache, or None when `capacity` is 0 or the model's KV cache keeps only a
+        window (its layers' keys are then no longer the prompt's, position for position)."""
+        if not capacity:
+            return None
+        if _has_sliding_window(self._text_config):
+            log.warning("the prefix cache is off: the model has sliding-window layers")
+            return None
+        return PrefixCache(capacity, self.metrics)
+
     def _can_batch(self) -> bool:
         """Whether decode steps can run batched, bit for bit as alone; logs why not."""
         config = self._text_config
         if config._attn_implementation != "sdpa":
             reason = f"its text attention is {config._attn_implementation!r}, not 'sdpa'"
-        elif any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        elif _has_sliding_window(config):
             reason = "it has sliding-window layers"  # per_sequence_attention has no window
         elif not self._rows_are_independent():
             reason = "a row's logits depend on the other rows on this device"
@@ -411,7 +454,12 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
         max_batch=hf.max_batch, threads=hf.torch_threads, metrics=metrics,
         grammar_cache_size=hf.grammar_cache_size,
         encoder_cache_bytes=capacity_bytes(hf.encoder_cache_gb, "encoder_cache_gb"),
+        prefix_cache_bytes=capacity_bytes(hf.prefix_cache_gb, "prefix_cache_gb"),
     )
+
+
+def _has_sliding_window(text_config: Any) -> bool:
+    return any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or [])
 
 
 def _model_error(exc: Exception) -> MMLaneError:

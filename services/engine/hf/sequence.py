@@ -55,6 +55,7 @@ class Sequence:
         eos_token_ids: frozenset[int],
         arrived: float,
         grammar: Grammar | None = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.handle = handle
         self.request = request
@@ -65,6 +66,11 @@ class Sequence:
         self.image_features: list[torch.Tensor | None] = [None] * len(request.mm_items)
         self.vision: VisionPass | None = None  # the image being encoded, between its slices
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
+        self.chunk_tokens = chunk_tokens
+        """The most prompt tokens a prefill unit takes (None: the whole prompt), fixed at
+        arrival: the prefix cache keys and stores chunks by this size (prefix_cache.py)."""
+        self.prefix_keys: list[str] = []
+        """The prefix cache's key of each full chunk of the prompt (empty: the cache is off)."""
         self.output_ids: list[int] = []
         self.sampler = Sampler(request.sampling, request.prompt_token_ids)
         self.grammar = grammar
@@ -90,14 +96,20 @@ class Sequence:
         """Whether the whole prompt is in the KV cache: every unit left is a decode step."""
         return self.num_cached == self.prompt_len
 
-    def next_unit(self, prefill_chunk_tokens: int | None = None) -> Unit:
+    def next_unit(self) -> Unit:
         if not self.decoding:
-            for index, features in enumerate(self.image_features):
-                if features is None:  # every image is encoded before the prefill starts
+            for index in range(len(self.image_features)):
+                if self.needs_features(index):  # every image is encoded before the prefill
                     return Unit(UnitKind.VISION, self.request.mm_items[index].length, index)
             remaining = self.prompt_len - self.num_cached
-            return Unit(UnitKind.PREFILL, min(remaining, prefill_chunk_tokens or remaining))
+            return Unit(UnitKind.PREFILL, min(remaining, self.chunk_tokens or remaining))
         return Unit(UnitKind.DECODE, 1)
+
+    def needs_features(self, index: int) -> bool:
+        """Whether image `index` still needs its features: not had yet, and some of its
+        placeholders not yet in the KV cache (a reused prefix may hold them all)."""
+        item = self.request.mm_items[index]
+        return self.image_features[index] is None and item.offset + item.length > self.num_cached
 
     def next_token(self, logits: torch.Tensor) -> int:
         """Pick the next token from `logits` (vocab,) and add it to the output: in vLLM's

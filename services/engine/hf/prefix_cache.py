@@ -1,0 +1,143 @@
+"""The prefix cache: the KV of prompt prefixes seen before, reused bit for bit.
+
+A request prefills its prompt in chunks of `chunk_tokens` tokens from position 0 (runner.py).
+After each full chunk the runner stores that chunk's keys and values here; a later request whose
+prompt starts the same way copies the longest run of held chunks into its own KV cache and
+prefills only the rest, in its own chunks. The reuse is exact because a chunk's KV is a function
+of what its forward pass got, and the key names all of it:
+
+- the chunk size: a chunk's KV depends on its shape (a matmul over 64 rows may sum in another
+  order than one over 100), so only chunks of the same size, at the same boundaries (multiples
+  of the chunk size from 0), are ever shared; the size is in every key, as
+  `HFRunner.prefill_chunk_tokens` may change;
+- every token up to the chunk's end, and every image whose placeholder tokens overlap that
+  span, by its offset, length and `mm_hash`: placeholder token ids are the same for every
+  image, the hash tells the images apart, and it also fixes the image's features (the same
+  bits from the encoder cache or a vision pass, which the runner slices the same way for every
+  request) and its grid. Qwen2-VL's M-RoPE position of a token follows from the tokens and the
+  grids of the images before it, so that is named too; LLaVA's positions are the token's index;
+- the KV of the chunks before: each key is a hash chained over the previous chunk's key.
+The model, its dtype, device and attention are the runner's own, the same for every request.
+
+A request looks its prefix up when its first unit runs (`HFRunner._reuse_prefix`), so it
+also shares what a request that arrived just before it has stored since.
+
+An image without a hash (its MM worker's cache off, no client uuid) cannot be named, so the
+chunks from the first one it overlaps on are never stored. The last chunk of a prompt always
+runs (its logits give the first token), so a prompt reuses at most the chunks before its last
+token. Bounded by bytes (`FeatureCache`, LRU): a chain is stored and refreshed with its first
+chunk most recent, so eviction takes a prefix's tail before its head and a held chain stays
+reachable from position 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from protocol.messages import EngineRequest
+from services.common.feature_cache import FeatureCache
+from services.common.stats import Metrics
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """One chunk's keys and values, a (1, kv_heads, chunk_tokens, head_dim) tensor per layer."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def chunk_keys(request: EngineRequest, chunk_tokens: int) -> list[str]:
+    """The key of each full chunk of the request's prompt, in order: chunk j's names the chunk
+    size, the tokens of [0, (j+1) * chunk_tokens) and the images overlapping it. Stops before
+    the first chunk that overlaps an image without a hash."""
+    tokens = request.prompt_token_ids
+    digest = hashlib.blake2b(f"chunk_tokens {chunk_tokens}".encode()).digest()
+    keys: list[str] = []
+    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
+        end = start + chunk_tokens
+        part = hashlib.blake2b(digest)
+        part.update(repr(tokens[start:end]).encode())
+        for item in request.mm_items:
+            if item.offset < end and start < item.offset + item.length:
+                if not item.mm_hash:
+                    return keys
+                part.update(f"|{item.offset},{item.length},{item.mm_hash}".encode())
+        digest = part.digest()
+        keys.append(digest.hex())
+    return keys
+
+
+class PrefixCache:
+    """KV chunks by `chunk_keys`, LRU by bytes; counts into `metrics` as prefix_cache_hits,
+    _misses (requests with a chunk to look up that found none), _hit_tokens, _hit_images (vision
+    passes skipped, counted by the runner), _evictions and _bytes."""
+
+    def __init__(self, capacity: int, metrics: Metrics) -> None:
+        self._chunks: FeatureCache[KVChunk] = FeatureCache(capacity)
+        self._counters = metrics.counters
+
+    def reuse(
+        self, keys: list[str], chunk_tokens: int, prompt_len: int, cache: DynamicCache
+    ) -> int:
+        """Fill the empty `cache` with the longest held run of `keys` from the start that ends
+        before the prompt's last token; how many prompt tokens it now holds."""
+        usable = keys[: (prompt_len - 1) // chunk_tokens]
+        if not usable:
+            return 0
+        held = []
+        for key in usable:
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                break
+            held.append(chunk)
+        if not held:
+            self._counters["prefix_cache_misses"] += 1
+            return 0
+        self._refresh(usable[: len(held)])
+        for layer, parts in enumerate(zip(*(chunk.keys for chunk in held), strict=True)):
+            values = [chunk.values[layer] for chunk in held]
+            cache.update(torch.cat(parts, dim=-2), torch.cat(values, dim=-2), layer)
+        self._counters["prefix_cache_hits"] += 1
+        self._counters["prefix_cache_hit_tokens"] += len(held) * chunk_tokens
+        return len(held) * chunk_tokens
+
+    def store(self, keys: list[str], chunk_tokens: int, cache: DynamicCache) -> None:
+        """Hold the chunks `keys` name, the first len(keys) of `cache` (each one taken from it
+        unless held already), unless together they are larger than the whole cache."""
+        chunks = [self._chunks.get(key) or _sliced(cache, index * chunk_tokens, chunk_tokens)
+                  for index, key in enumerate(keys)]
+        if sum(chunk.nbytes for chunk in chunks) > self._chunks.capacity:
+            return
+        self._refresh(keys)  # the held ones are most recent: a put evicts only other chains
+        for key, chunk in zip(keys, chunks, strict=True):
+            if key not in self._chunks:
+                self._chunks.put(key, chunk.nbytes, chunk)
+        self._refresh(keys)
+        self._counters["prefix_cache_evictions"] = self._chunks.evictions
+        self._counters["prefix_cache_bytes"] = self._chunks.nbytes
+
+    def _refresh(self, keys: list[str]) -> None:
+        """Make a chain's chunks the most recently used, its first chunk most of all."""
+        for key in reversed(keys):
+            self._chunks.touch(key)
+
+
+def _sliced(cache: DynamicCache, start: int, count: int) -> KVChunk:
+    """Tokens [start, start + count) of every layer of `cache`, copied: a view would keep the
+    whole layer's tensor alive, and the cache's next update replaces that tensor anyway."""
+    span = slice(start, start + count)
+    layers: list[Any] = list(cache.layers)  # DynamicLayers: the runner refuses sliding windows
+    return KVChunk(
+        keys=tuple(layer.keys[:, :, span].clone() for layer in layers),
+        values=tuple(layer.values[:, :, span].clone() for layer in layers),
+    )
