@@ -34,6 +34,7 @@ receiver cache, which missed the request's commit, falls out of sync and starts 
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import re
@@ -186,7 +187,7 @@ class ShmReader:
             raise ValueError(f"{ref!r} is not a shared-memory tensor reference")
         if any(d < 0 for d in shape):
             raise ValueError(f"shared-memory tensor {ref} has a negative shape {shape}")
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        nbytes = dtype.itemsize * math.prod(shape)  # Python ints: no overflow
         slot = self._mapping(match[1])
         if slot is None:
             return None
