@@ -17,7 +17,13 @@ cpu_wheels.apply()  # before transformers loads: a vLLM CPU install needs it (cp
 import numpy as np
 import pytest
 import torch
-from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor, Qwen2VLProcessor
+from transformers import (
+    AutoImageProcessor,
+    AutoTokenizer,
+    LlavaNextProcessor,
+    LlavaProcessor,
+    Qwen2VLProcessor,
+)
 
 from image_server import ImageServer
 from protocol.errors import FatalError
@@ -59,7 +65,8 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
 @pytest.fixture(scope="session")
 def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, Path]:
     """Each tiny model by the name of its builder (`mmlane tiny-model --family NAME`)."""
-    return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir}
+    return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
+            "llava_next": _tiny_model("llava_next")}
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +81,8 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
         )
 
     return {"qwen2_vl": qwen(model_dirs["qwen2_vl"]), "qwen2_5_vl": qwen(model_dirs["qwen2_5_vl"]),
-            "llava": LlavaProcessor.from_pretrained(model_dirs["llava"])}
+            "llava": LlavaProcessor.from_pretrained(model_dirs["llava"]),
+            "llava_next": LlavaNextProcessor.from_pretrained(model_dirs["llava_next"])}
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ from protocol.messages import EngineRequest
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.launcher import stop_all
-from services.model import PixelNorm
+from services.model import PixelNorm, family_for
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Lane:
         return request
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"])
 def lane(request, module_run_dir: Path, model_dirs: dict[str, Path]) -> Iterator[Lane]:
     family = request.param
     run = module_run_dir / family
@@ -82,14 +82,15 @@ def test_engine_receives_what_the_hf_processor_makes(
     )
     expected = processor(text=[prompt], images=images, return_tensors="np")
     assert got.prompt_token_ids == expected["input_ids"][0].tolist()
-    joined = as_processor_output(
-        {name: np.concatenate([item.tensors[name] for item in got.mm_items])
-         for name in got.mm_items[0].tensors},
-        PixelNorm.of(processor.image_processor),
-    )
-    for name in joined:
-        assert joined[name].dtype == expected[name].dtype
-        assert np.array_equal(joined[name], expected[name]), name
+    # Image by image: a batch may pad its images to one shape (LLaVA-NeXT's tiles).
+    wanted = family_for(family).split_items(processor.image_processor, expected)
+    norm = PixelNorm.of(processor.image_processor)
+    for item, want in zip(got.mm_items, wanted, strict=True):
+        tensors = as_processor_output(item.tensors, norm)
+        assert tensors.keys() == want.keys()
+        for name in tensors:
+            assert tensors[name].dtype == want[name].dtype
+            assert np.array_equal(tensors[name], want[name]), name
 
 
 def test_text_only_request_goes_straight_to_the_engine(lane: Lane, hf_processors: dict,

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -20,6 +21,9 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -90,6 +94,24 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+# LLaVA-v1.6-Mistral's "[INST] <image>\n... [/INST]" format, images before the text as the hub
+# template puts them; like LLAVA_CHAT_TEMPLATE it also accepts plain-string content.
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ ' ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] }}{% endfor %}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}{{ ' [/INST]' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% endif %}"
+    "{% endfor %}"
+)
+
 BUILDER_VERSION = 3  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
@@ -130,6 +152,19 @@ LLAVA_PROCESSOR = {
     "processor_class": "LlavaProcessor",
     "vision_feature_select_strategy": "default",
 }
+
+# Stock llava-hf/llava-v1.6-mistral-7b-hf preprocessor_config.json and processor_config.json:
+# CLIP's 336-pixel crops, an "anyres" grid of up to 2x2 (or 1x3) tiles beside the whole image.
+LLAVA_NEXT_GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+LLAVA_NEXT_IMAGE_PROCESSOR = {
+    **LLAVA_IMAGE_PROCESSOR,
+    "aspect_ratio_setting": "anyres",
+    "do_pad": True,
+    "image_grid_pinpoints": LLAVA_NEXT_GRID_PINPOINTS,
+    "image_processor_type": "LlavaNextImageProcessor",
+    "processor_class": "LlavaNextProcessor",
+}
+LLAVA_NEXT_PROCESSOR = {**LLAVA_PROCESSOR, "processor_class": "LlavaNextProcessor"}
 
 
 def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
@@ -247,6 +282,36 @@ def _build_qwen_vl(
 
 
 def _build_llava(out_dir: Path, seed: int) -> None:
+    _build_llava_like(
+        out_dir, seed, LlavaConfig, LlavaForConditionalGeneration, LlamaConfig,
+        chat_template=LLAVA_CHAT_TEMPLATE, image_processor=LLAVA_IMAGE_PROCESSOR,
+        processor=LLAVA_PROCESSOR,
+    )
+
+
+def _build_llava_next(out_dir: Path, seed: int) -> None:
+    # LLaVA-v1.6-Mistral: LLaVA's CLIP tower and projector, a Mistral language model, the anyres
+    # tiles and the learned image_newline (LlavaNextForConditionalGeneration's own).
+    _build_llava_like(
+        out_dir, seed, LlavaNextConfig, LlavaNextForConditionalGeneration, MistralConfig,
+        chat_template=LLAVA_NEXT_CHAT_TEMPLATE, image_processor=LLAVA_NEXT_IMAGE_PROCESSOR,
+        processor=LLAVA_NEXT_PROCESSOR, image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
+        # As Mistral-7B-Instruct-v0.2: full attention over 32k positions, room for a few
+        # images of up to 2,928 tokens each.
+        max_positions=32768, text_fields={"sliding_window": None},
+    )
+
+
+def _build_llava_like(
+    out_dir: Path, seed: int, config_class: type[LlavaConfig | LlavaNextConfig],
+    model_class: type[PreTrainedModel], text_config_class: type[LlamaConfig | MistralConfig],
+    *, chat_template: str, image_processor: dict, processor: dict,
+    max_positions: int = MAX_POSITIONS, text_fields: dict | None = None,
+    **config_fields: Any,
+) -> None:
+    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT): a Llama-style tokenizer with
+    `<image>`, a small CLIP tower at the processor's crop size, and the family's own settings
+    on top (`text_fields` of its language model, `config_fields` of the whole)."""
     bpe = _train_bpe(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
     # Llama tokenizers prepend BOS when asked for special tokens; keep that so the tiny LLaVA
     # exercises the same path as a real one.
@@ -256,46 +321,49 @@ def _build_llava(out_dir: Path, seed: int) -> None:
     _save_tokenizer(
         out_dir,
         bpe,
-        LLAVA_CHAT_TEMPLATE,
+        chat_template,
+        max_positions,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
         extra_special_tokens={"image_token": "<image>"},
     )
-    _write_json(out_dir / "preprocessor_config.json", LLAVA_IMAGE_PROCESSOR)
-    _write_json(out_dir / "processor_config.json", LLAVA_PROCESSOR)
+    _write_json(out_dir / "preprocessor_config.json", image_processor)
+    _write_json(out_dir / "processor_config.json", processor)
     ids = bpe.get_vocab(with_added_tokens=True)
-    config = LlavaConfig(
+    config = config_class(
         vision_config=CLIPVisionConfig(
-            image_size=336,
-            patch_size=14,
+            image_size=image_processor["crop_size"]["height"],
+            patch_size=processor["patch_size"],
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=2,
             projection_dim=32,
         ),
-        text_config=LlamaConfig(
+        text_config=text_config_class(
             vocab_size=bpe.get_vocab_size(with_added_tokens=True),
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=MAX_POSITIONS,
+            max_position_embeddings=max_positions,
             bos_token_id=ids["<s>"],
             eos_token_id=ids["</s>"],
             pad_token_id=ids["<pad>"],
+            **(text_fields or {}),
         ),
         image_token_index=ids["<image>"],
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=processor["vision_feature_select_strategy"],
         vision_feature_layer=-2,
+        **config_fields,
     )
     generation = GenerationConfig(
         bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]
     )
-    _save_model(out_dir, LlavaForConditionalGeneration, config, generation, seed)
+    _save_model(out_dir, model_class, config, generation, seed)
 
 
 def _train_bpe(special_tokens: list[str]) -> Tokenizer:
@@ -316,11 +384,14 @@ def _train_bpe(special_tokens: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def _save_tokenizer(out_dir: Path, bpe: Tokenizer, chat_template: str, **special_tokens) -> None:
+def _save_tokenizer(
+    out_dir: Path, bpe: Tokenizer, chat_template: str, max_positions: int = MAX_POSITIONS,
+    **special_tokens: str | dict,
+) -> None:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         chat_template=chat_template,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
         **special_tokens,
     )
     tokenizer.save_pretrained(out_dir)
@@ -349,4 +420,5 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "qwen2_vl": _build_qwen2_vl,
     "qwen2_5_vl": _build_qwen2_5_vl,
     "llava": _build_llava,
+    "llava_next": _build_llava_next,
 }
