@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -281,11 +282,40 @@ def _build_qwen_vl(
     _save_model(out_dir, model_class, config, generation, seed)
 
 
+@dataclass(frozen=True)
+class _Tokens:
+    """A LLaVA family's tokenizer: its special tokens and which of them play which part."""
+
+    special: list[str]
+    eos: str
+    pad: str
+    bos: str | None = None
+    """Prepended to every text when the tokenizer adds special tokens (Llama's `<s>`)."""
+    unk: str | None = None
+    named: dict[str, str] = field(default_factory=dict)
+    """The processor's tokens by their attribute name (`image_token`)."""
+
+
+LLAMA_TOKENS = _Tokens(
+    special=["<unk>", "<s>", "</s>", "<image>", "<pad>"], eos="</s>", pad="<pad>", bos="<s>",
+    unk="<unk>", named={"image_token": "<image>"},
+)
+
+# A tiny tower's size; its image and patch size are the processor's (the caller's).
+TINY_VISION: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+}
+
+
 def _build_llava(out_dir: Path, seed: int) -> None:
     _build_llava_like(
-        out_dir, seed, LlavaConfig, LlavaForConditionalGeneration, LlamaConfig,
-        chat_template=LLAVA_CHAT_TEMPLATE, image_processor=LLAVA_IMAGE_PROCESSOR,
-        processor=LLAVA_PROCESSOR,
+        out_dir, seed, LlavaConfig, LlavaForConditionalGeneration, LLAMA_TOKENS,
+        vision_config=CLIPVisionConfig(
+            image_size=336, patch_size=14, projection_dim=32, **TINY_VISION
+        ),
+        text_config_class=LlamaConfig, chat_template=LLAVA_CHAT_TEMPLATE,
+        image_processor=LLAVA_IMAGE_PROCESSOR, processor=LLAVA_PROCESSOR,
+        vision_feature_select_strategy="default", vision_feature_layer=-2,
     )
 
 
@@ -293,55 +323,51 @@ def _build_llava_next(out_dir: Path, seed: int) -> None:
     # LLaVA-v1.6-Mistral: LLaVA's CLIP tower and projector, a Mistral language model, the anyres
     # tiles and the learned image_newline (LlavaNextForConditionalGeneration's own).
     _build_llava_like(
-        out_dir, seed, LlavaNextConfig, LlavaNextForConditionalGeneration, MistralConfig,
-        chat_template=LLAVA_NEXT_CHAT_TEMPLATE, image_processor=LLAVA_NEXT_IMAGE_PROCESSOR,
-        processor=LLAVA_NEXT_PROCESSOR, image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
+        out_dir, seed, LlavaNextConfig, LlavaNextForConditionalGeneration, LLAMA_TOKENS,
+        vision_config=CLIPVisionConfig(
+            image_size=336, patch_size=14, projection_dim=32, **TINY_VISION
+        ),
+        text_config_class=MistralConfig, chat_template=LLAVA_NEXT_CHAT_TEMPLATE,
+        image_processor=LLAVA_NEXT_IMAGE_PROCESSOR, processor=LLAVA_NEXT_PROCESSOR,
         # As Mistral-7B-Instruct-v0.2: full attention over 32k positions, room for a few
         # images of up to 2,928 tokens each.
         max_positions=32768, text_fields={"sliding_window": None},
+        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
     )
 
 
 def _build_llava_like(
-    out_dir: Path, seed: int, config_class: type[LlavaConfig | LlavaNextConfig],
-    model_class: type[PreTrainedModel], text_config_class: type[LlamaConfig | MistralConfig],
-    *, chat_template: str, image_processor: dict, processor: dict,
-    max_positions: int = MAX_POSITIONS, text_fields: dict | None = None,
+    out_dir: Path, seed: int, config_class: Callable[..., PretrainedConfig],
+    model_class: type[PreTrainedModel], tokens: _Tokens, *, vision_config: PretrainedConfig,
+    text_config_class: Callable[..., PretrainedConfig], chat_template: str, image_processor: dict,
+    processor: dict, max_positions: int = MAX_POSITIONS, text_fields: dict | None = None,
     **config_fields: Any,
 ) -> None:
-    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT): a Llama-style tokenizer with
-    `<image>`, a small CLIP tower at the processor's crop size, and the family's own settings
-    on top (`text_fields` of its language model, `config_fields` of the whole)."""
-    bpe = _train_bpe(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
-    # Llama tokenizers prepend BOS when asked for special tokens; keep that so the tiny LLaVA
-    # exercises the same path as a real one.
-    bpe.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bpe.token_to_id("<s>"))]
-    )
+    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision): the family's
+    tokenizer and template, a small vision tower, a small language model, and the family's own
+    settings on top (`text_fields` of its language model, `config_fields` of the whole)."""
+    bpe = _train_bpe(tokens.special)
+    named: dict[str, str | dict] = {"eos_token": tokens.eos, "pad_token": tokens.pad}
+    if tokens.bos is not None:
+        # Llama tokenizers prepend BOS when asked for special tokens; keep that so the tiny
+        # model exercises the same path as a real one.
+        bpe.post_processor = processors.TemplateProcessing(
+            single=f"{tokens.bos} $A", pair=f"{tokens.bos} $A {tokens.bos} $B",
+            special_tokens=[(tokens.bos, bpe.token_to_id(tokens.bos))],
+        )
+        named["bos_token"] = tokens.bos
+    if tokens.unk is not None:
+        named["unk_token"] = tokens.unk
     _save_tokenizer(
-        out_dir,
-        bpe,
-        chat_template,
-        max_positions,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
+        out_dir, bpe, chat_template, max_positions, **named, extra_special_tokens=tokens.named
     )
     _write_json(out_dir / "preprocessor_config.json", image_processor)
     _write_json(out_dir / "processor_config.json", processor)
     ids = bpe.get_vocab(with_added_tokens=True)
+    first = ids[tokens.bos or tokens.pad]
     config = config_class(
-        vision_config=CLIPVisionConfig(
-            image_size=image_processor["crop_size"]["height"],
-            patch_size=processor["patch_size"],
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            projection_dim=32,
-        ),
+        vision_config=vision_config,
         text_config=text_config_class(
             vocab_size=bpe.get_vocab_size(with_added_tokens=True),
             hidden_size=64,
@@ -350,18 +376,16 @@ def _build_llava_like(
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=max_positions,
-            bos_token_id=ids["<s>"],
-            eos_token_id=ids["</s>"],
-            pad_token_id=ids["<pad>"],
+            bos_token_id=first,
+            eos_token_id=ids[tokens.eos],
+            pad_token_id=ids[tokens.pad],
             **(text_fields or {}),
         ),
         image_token_index=ids["<image>"],
-        vision_feature_select_strategy=processor["vision_feature_select_strategy"],
-        vision_feature_layer=-2,
         **config_fields,
     )
     generation = GenerationConfig(
-        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]
+        bos_token_id=first, eos_token_id=ids[tokens.eos], pad_token_id=ids[tokens.pad]
     )
     _save_model(out_dir, model_class, config, generation, seed)
 
