@@ -13,6 +13,7 @@ from conftest import as_processor_output
 from protocol.errors import RequestError
 from protocol.messages import MMItem
 from services.bench.images import noise_image
+from services.mm_worker.media import jpeg_draft_scale
 from services.model import (
     ImageError,
     ModelDirError,
@@ -26,7 +27,7 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision"]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -149,12 +150,22 @@ class TestPreprocessor:
             ("llava_next", (56, 56), 1176),  # 2x1 tiles for a square: its best grid wastes least
             ("llava_next", (1024, 768), 2340),  # 2x2 tiles, unpadded to 48x36, a newline a row
             ("llava_next", (1200, 90), 1014),  # 1x3 tiles, mostly padding cut off again
+            ("llava_onevision", (56, 56), 1485),  # one grid tile: 729 + 27 rows of 27 + 27 newlines
+            ("llava_onevision", (1024, 768), 4725),  # 2x3 tiles, unpadded to 54x73
+            ("llava_onevision", (4032, 3024), 7309),  # 5x6 tiles, pooled to about 9 tiles' worth
         ],
     )
     def test_num_tokens(self, preprocessors, family, size, num_tokens):
         assert (
             preprocessors[family].process_image(noise_image(*size, seed=0)).num_tokens == num_tokens
         )
+
+    @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+    def test_anyres_jpegs_are_never_drafted(self, preprocessors, family):
+        """Their tile grid and token count follow the image's own size (image_sizes)."""
+        resized_size = preprocessors[family].resized_size
+        assert resized_size(4032, 3024) == (4032, 3024)
+        assert jpeg_draft_scale(4032, 3024, resized_size) == 1
 
     def test_expand_refuses_placeholder_count_mismatch(self, preprocessors):
         preprocessor = preprocessors["qwen2_vl"]

@@ -35,7 +35,8 @@ class Lane:
         return request
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next",
+                                                "llava_onevision"])
 def lane(request, module_run_dir: Path, model_dirs: dict[str, Path]) -> Iterator[Lane]:
     family = request.param
     run = module_run_dir / family

@@ -7,6 +7,7 @@ the model takes (the engine checks every request against them, whatever its back
 """
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,18 +231,25 @@ def _llava_item_checker(config: Any) -> ItemChecker:
 
 
 def _llava_next_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
-    """LLaVA-NeXT's processor with its rescale and normalise off: its one-image batch is one
-    item. Its steps in order are resize (to the best grid resolution, and the whole image to
-    one tile), pad with 0, cut into tiles, rescale, normalise; the padding comes before the
-    normalise, so uint8 zeros normalise to what the processor's float path holds there."""
+    """LLaVA-NeXT's (and OneVision's) processor with its rescale and normalise off: its
+    one-image batch is one item. Its steps in order are resize (to the best grid resolution,
+    and the whole image to one tile), pad with 0, cut into tiles, rescale, normalise; the
+    padding comes before the normalise, so uint8 zeros normalise to what the processor's float
+    path holds there."""
     tensors = processor_uint8(image_processor, image)
     return {"pixel_values": tensors["pixel_values"][0], "image_sizes": tensors["image_sizes"]}
+
+
+def _tile_side(image_processor: Any) -> int:
+    """The side of one anyres tile, as the LLaVA-NeXT processors pick it."""
+    crop = image_processor.crop_size
+    return int(crop["height"] if crop else image_processor.size["height"])
 
 
 def _split_llava_next(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
     # The batch pads every image to the most tiles with float zeros (after normalising: no
     # uint8 value gives them); each image keeps its own tiles, the whole image first.
-    tile = image_processor.crop_size["height"]
+    tile = _tile_side(image_processor)
     items = []
     for pixels, size in zip(batch["pixel_values"], batch["image_sizes"], strict=True):
         tiles = image_size_to_num_patches(size, image_processor.image_grid_pinpoints, tile)
@@ -249,23 +257,58 @@ def _split_llava_next(image_processor: Any, batch: Tensors) -> list[dict[str, np
     return items
 
 
+def _unpadded_grid(item: Tensors, pinpoints: list, features_per_side: int) -> tuple[int, int]:
+    """`(rows, columns)` of an image's grid-tile features once the padding that the processor
+    added around the resized image is cut off again (the model's `unpad_image`)."""
+    height, width = (int(v) for v in item["image_sizes"][0])
+    tile = item["pixel_values"].shape[-1]
+    best_height, best_width = select_best_resolution((height, width), pinpoints)
+    rows = features_per_side * (best_height // tile)
+    columns = features_per_side * (best_width // tile)
+    if width / height > columns / rows:  # wider than the grid: padded above and below
+        rows -= 2 * ((rows - int(round(height * (columns / width), 7))) // 2)
+    else:
+        columns -= 2 * ((columns - int(round(width * (rows / height), 7))) // 2)
+    return rows, columns
+
+
 def _llava_next_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
-    """LlavaNextProcessor's count: the whole image's tile, then the grid tiles' features with
-    the padding the processor added cut off again (`unpad_image`), one image_newline per row."""
+    """LlavaNextProcessor's count: the whole image's tile, then the grid tiles' features,
+    unpadded, with one image_newline a row."""
     patch_size, extra = _llava_feature_settings(model_dir, config)
     pinpoints = image_processor.image_grid_pinpoints
 
     def num_image_tokens(item: Tensors) -> int:
-        height, width = (int(v) for v in item["image_sizes"][0])
-        tile = item["pixel_values"].shape[-1]
-        best_height, best_width = select_best_resolution((height, width), pinpoints)
-        rows = (tile // patch_size) * (best_height // tile)
-        columns = (tile // patch_size) * (best_width // tile)
-        if width / height > columns / rows:  # wider than the grid: padded above and below
-            rows -= 2 * ((rows - int(round(height * (columns / width), 7))) // 2)
-        else:
-            columns -= 2 * ((columns - int(round(width * (rows / height), 7))) // 2)
-        return (tile // patch_size) ** 2 + extra + rows * columns + rows
+        side = item["pixel_values"].shape[-1] // patch_size
+        rows, columns = _unpadded_grid(item, pinpoints, side)
+        return side * side + extra + rows * columns + rows
+
+    return num_image_tokens
+
+
+def _llava_onevision_token_counter(
+    model_dir: Path, config: Any, image_processor: Any
+) -> TokenCounter:
+    """LlavaOnevisionProcessor's count: LLaVA-NeXT's, except that grid features beyond about
+    `anyres_max_N` tiles' worth are pooled down (bilinear, in the model) to that many."""
+    settings = _read_processor_config(model_dir)
+    vision = config.vision_config
+    base = settings.get("num_image_tokens") or (vision.image_size // vision.patch_size) ** 2
+    strategy = (
+        settings.get("vision_feature_select_strategy") or config.vision_feature_select_strategy
+    )
+    aspect = settings.get("vision_aspect_ratio") or config.vision_aspect_ratio
+    max_tiles = int(aspect.removeprefix("anyres_max_"))
+    side = int(math.sqrt(base))
+    pinpoints = image_processor.image_grid_pinpoints
+    dropped = 1 if strategy == "default" else 0
+
+    def num_image_tokens(item: Tensors) -> int:
+        rows, columns = _unpadded_grid(item, pinpoints, side)
+        ratio = math.sqrt(rows * columns / (max_tiles * side**2))
+        if ratio > 1.1:
+            rows, columns = int(rows // ratio), int(columns // ratio)
+        return base + rows * columns + rows - dropped
 
     return num_image_tokens
 
@@ -358,7 +401,22 @@ LLAVA_NEXT = Family(
     resized_size=_image_own_size,
 )
 
-FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT)
+# LLaVA-NeXT's tiles with SigLIP, pooled past anyres_max_9. Each image of a request is tiled
+# on its own, as the processor does for a flat list of images (a prompt's images given as one
+# nested list would each be padded to one square tile instead: not what it is called with).
+LLAVA_ONEVISION = Family(
+    name="llava_onevision",
+    model_types=("llava_onevision",),
+    image_token="<image>",
+    item_fields=("pixel_values", "image_sizes"),
+    split_items=_split_llava_next,
+    token_counter=_llava_onevision_token_counter,
+    item_checker=_llava_next_item_checker,
+    uint8_pixels=_llava_next_uint8,
+    resized_size=_image_own_size,
+)
+
+FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION)
 
 
 def family_for(model_type: str) -> Family:

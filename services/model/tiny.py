@@ -24,14 +24,18 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaNextConfig,
     LlavaNextForConditionalGeneration,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
     MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    SiglipVisionConfig,
 )
 
 DEFAULT_MODEL_NAME = "tiny-qwen2-vl"
@@ -113,6 +117,21 @@ LLAVA_NEXT_CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 
+# LLaVA-OneVision-Qwen2's ChatML, images first in each message; also plain-string content.
+LLAVA_ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ '\n' + message['content'] }}"
+    "{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ '\n' + content['text'] }}{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 BUILDER_VERSION = 3  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
@@ -166,6 +185,34 @@ LLAVA_NEXT_IMAGE_PROCESSOR = {
     "processor_class": "LlavaNextProcessor",
 }
 LLAVA_NEXT_PROCESSOR = {**LLAVA_PROCESSOR, "processor_class": "LlavaNextProcessor"}
+
+# Stock llava-hf/llava-onevision-qwen2-0.5b-ov-hf preprocessor_config.json and
+# processor_config.json: SigLIP's 384-pixel tiles (729 features each), a grid of up to 6x6 tiles
+# whose features are pooled down to about 9 tiles' worth ("anyres_max_9").
+LLAVA_ONEVISION_GRID_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]
+LLAVA_ONEVISION_IMAGE_PROCESSOR = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_grid_pinpoints": LLAVA_ONEVISION_GRID_PINPOINTS,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "LlavaOnevisionImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "LlavaOnevisionProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"height": 384, "width": 384},
+}
+LLAVA_ONEVISION_PROCESSOR = {
+    "image_token": "<image>",
+    "num_image_tokens": 729,
+    "processor_class": "LlavaOnevisionProcessor",
+    "video_token": "<video>",
+    "vision_aspect_ratio": "anyres_max_9",
+    "vision_feature_select_strategy": "full",
+}
 
 
 def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
@@ -293,12 +340,19 @@ class _Tokens:
     """Prepended to every text when the tokenizer adds special tokens (Llama's `<s>`)."""
     unk: str | None = None
     named: dict[str, str] = field(default_factory=dict)
-    """The processor's tokens by their attribute name (`image_token`)."""
+    """The processor's tokens by their attribute name (`image_token`); the model config has
+    each one's id as NAME_index."""
 
 
 LLAMA_TOKENS = _Tokens(
     special=["<unk>", "<s>", "</s>", "<image>", "<pad>"], eos="</s>", pad="<pad>", bos="<s>",
     unk="<unk>", named={"image_token": "<image>"},
+)
+
+QWEN_LLAVA_TOKENS = _Tokens(
+    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
+    eos="<|im_end|>", pad="<|endoftext|>",
+    named={"image_token": "<image>", "video_token": "<video>"},
 )
 
 # A tiny tower's size; its image and patch size are the processor's (the caller's).
@@ -334,6 +388,24 @@ def _build_llava_next(out_dir: Path, seed: int) -> None:
         max_positions=32768, text_fields={"sliding_window": None},
         vision_feature_select_strategy="default", vision_feature_layer=-2,
         image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
+    )
+
+
+def _build_llava_onevision(out_dir: Path, seed: int) -> None:
+    # LLaVA-OneVision-Qwen2: a SigLIP tower (no CLS, no head), a Qwen2 language model, the anyres
+    # tiles pooled down past 9 tiles' worth, and the image_newline.
+    _build_llava_like(
+        out_dir, seed, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+        QWEN_LLAVA_TOKENS,
+        vision_config=SiglipVisionConfig(
+            image_size=384, patch_size=14, vision_use_head=False, **TINY_VISION
+        ),
+        text_config_class=Qwen2Config, chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE,
+        image_processor=LLAVA_ONEVISION_IMAGE_PROCESSOR, processor=LLAVA_ONEVISION_PROCESSOR,
+        # As Qwen2-0.5B: 32k positions, room for a few images of up to ~7,000 tokens each.
+        max_positions=32768,
+        vision_feature_select_strategy="full", vision_feature_layer=-1,
+        vision_aspect_ratio="anyres_max_9", image_grid_pinpoints=LLAVA_ONEVISION_GRID_PINPOINTS,
     )
 
 
@@ -381,7 +453,8 @@ def _build_llava_like(
             pad_token_id=ids[tokens.pad],
             **(text_fields or {}),
         ),
-        image_token_index=ids["<image>"],
+        # image_token_index (and video_token_index): the ids of the processor's named tokens
+        **{f"{name}_index": ids[token] for name, token in tokens.named.items()},
         **config_fields,
     )
     generation = GenerationConfig(
@@ -445,4 +518,5 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5_vl": _build_qwen2_5_vl,
     "llava": _build_llava,
     "llava_next": _build_llava_next,
+    "llava_onevision": _build_llava_onevision,
 }

@@ -209,6 +209,7 @@ class Qwen2VLAdapter(Adapter):
 
 ADAPTERS: dict[str, type[Adapter]] = {
     "qwen2_vl": Qwen2VLAdapter, "llava": Adapter, "llava_next": Adapter,
+    "llava_onevision": Adapter,
 }
 
 
