@@ -9,7 +9,7 @@ the model takes (the engine checks every request against them, whatever its back
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -404,16 +404,11 @@ LLAVA_NEXT = Family(
 # LLaVA-NeXT's tiles with SigLIP, pooled past anyres_max_9. Each image of a request is tiled
 # on its own, as the processor does for a flat list of images (a prompt's images given as one
 # nested list would each be padded to one square tile instead: not what it is called with).
-LLAVA_ONEVISION = Family(
+LLAVA_ONEVISION = replace(
+    LLAVA_NEXT,
     name="llava_onevision",
     model_types=("llava_onevision",),
-    image_token="<image>",
-    item_fields=("pixel_values", "image_sizes"),
-    split_items=_split_llava_next,
     token_counter=_llava_onevision_token_counter,
-    item_checker=_llava_next_item_checker,
-    uint8_pixels=_llava_next_uint8,
-    resized_size=_image_own_size,
 )
 
 FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION)

@@ -361,15 +361,23 @@ TINY_VISION: dict[str, Any] = {
 }
 
 
+def _clip_tower() -> CLIPVisionConfig:
+    """LLaVA-1.5's and LLaVA-NeXT's tower, tiny: CLIP at 336 pixels, its features taken from
+    the second-last layer without the CLS one (`CLIP_FEATURES`)."""
+    return CLIPVisionConfig(image_size=336, patch_size=14, projection_dim=32, **TINY_VISION)
+
+
+CLIP_FEATURES: dict[str, Any] = {
+    "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
+}
+
+
 def _build_llava(out_dir: Path, seed: int) -> None:
     _build_llava_like(
         out_dir, seed, LlavaConfig, LlavaForConditionalGeneration, LLAMA_TOKENS,
-        vision_config=CLIPVisionConfig(
-            image_size=336, patch_size=14, projection_dim=32, **TINY_VISION
-        ),
-        text_config_class=LlamaConfig, chat_template=LLAVA_CHAT_TEMPLATE,
-        image_processor=LLAVA_IMAGE_PROCESSOR, processor=LLAVA_PROCESSOR,
-        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        vision_config=_clip_tower(), text_config_class=LlamaConfig,
+        chat_template=LLAVA_CHAT_TEMPLATE, image_processor=LLAVA_IMAGE_PROCESSOR,
+        processor=LLAVA_PROCESSOR, **CLIP_FEATURES,
     )
 
 
@@ -378,16 +386,13 @@ def _build_llava_next(out_dir: Path, seed: int) -> None:
     # tiles and the learned image_newline (LlavaNextForConditionalGeneration's own).
     _build_llava_like(
         out_dir, seed, LlavaNextConfig, LlavaNextForConditionalGeneration, LLAMA_TOKENS,
-        vision_config=CLIPVisionConfig(
-            image_size=336, patch_size=14, projection_dim=32, **TINY_VISION
-        ),
-        text_config_class=MistralConfig, chat_template=LLAVA_NEXT_CHAT_TEMPLATE,
-        image_processor=LLAVA_NEXT_IMAGE_PROCESSOR, processor=LLAVA_NEXT_PROCESSOR,
+        vision_config=_clip_tower(), text_config_class=MistralConfig,
+        chat_template=LLAVA_NEXT_CHAT_TEMPLATE, image_processor=LLAVA_NEXT_IMAGE_PROCESSOR,
+        processor=LLAVA_NEXT_PROCESSOR,
         # As Mistral-7B-Instruct-v0.2: full attention over 32k positions, room for a few
         # images of up to 2,928 tokens each.
         max_positions=32768, text_fields={"sliding_window": None},
-        vision_feature_select_strategy="default", vision_feature_layer=-2,
-        image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
+        image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS, **CLIP_FEATURES,
     )
 
 
