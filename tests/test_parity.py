@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from msgspec.structs import replace
 
 from conftest import as_processor_output, start_role
 from peers import StandInEngine
@@ -63,21 +64,30 @@ SIZES = [(56, 56), (333, 500), (1024, 768), (1200, 90)]
 
 
 @pytest.mark.parametrize(
-    "sizes", [[SIZES[0]], [SIZES[1]], [SIZES[2]], [SIZES[3]], SIZES[:3]],
-    ids=["56x56", "333x500", "1024x768", "1200x90", "three"],
+    ("sizes", "text_first"),
+    [([SIZES[0]], False), ([SIZES[1]], False), ([SIZES[2]], False), ([SIZES[3]], False),
+     (SIZES[:3], False), ([SIZES[3], SIZES[1]], True)],
+    ids=["56x56", "333x500", "1024x768", "1200x90", "three", "two-after-the-text"],
 )
 def test_engine_receives_what_the_hf_processor_makes(
-    lane: Lane, hf_processors: dict, request: pytest.FixtureRequest, sizes: list
+    lane: Lane, hf_processors: dict, request: pytest.FixtureRequest, sizes: list,
+    text_first: bool,
 ) -> None:
     family = request.node.callspec.params["lane"]
     processor = hf_processors[family]
     images = [make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
     # Send lossless PNGs so the worker decodes exactly the pixels the reference sees.
     urls = [png_uri(image) for image in images]
-    lane.client.submit([user_message("Compare these.", urls)], max_tokens=4)
+    message = user_message("Compare these.", urls)
+    if text_first:
+        *parts, text_part = message.content
+        message = replace(message, content=[text_part, *parts])
+    lane.client.submit([message], max_tokens=4)
     got = lane.received()
 
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Compare these."}]
+    content = [{"type": "image"} for _ in images]
+    text = [{"type": "text", "text": "Compare these."}]
+    content = text + content if text_first else content + text
     prompt = processor.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
