@@ -234,7 +234,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "tiny-model", _cmd_tiny_model, "write the embedded tiny model (built offline) to a folder"
     )
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "llava"],
+    p.add_argument("--family", default="qwen2_vl",
+                   choices=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision"],
                    help="model architecture (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights (default %(default)s)")

@@ -17,7 +17,14 @@ cpu_wheels.apply()  # before transformers loads: a vLLM CPU install needs it (cp
 import numpy as np
 import pytest
 import torch
-from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor, Qwen2VLProcessor
+from transformers import (
+    AutoImageProcessor,
+    AutoTokenizer,
+    LlavaNextProcessor,
+    LlavaOnevisionProcessor,
+    LlavaProcessor,
+    Qwen2VLProcessor,
+)
 
 from image_server import ImageServer
 from protocol.errors import FatalError
@@ -56,10 +63,24 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
+class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
+    """LlavaOnevisionProcessor without its video processor, which needs torchvision. The
+    settings are named in the signature, since from_pretrained passes on only those."""
+
+    def __init__(self, image_processor=None, tokenizer=None, num_image_tokens=None,
+                 vision_feature_select_strategy=None, chat_template=None, image_token="<image>",
+                 video_token="<video>", vision_aspect_ratio="anyres_max_9", **kwargs):
+        super().__init__(image_processor, tokenizer, None, num_image_tokens,
+                         vision_feature_select_strategy, chat_template, image_token, video_token,
+                         vision_aspect_ratio, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, Path]:
     """Each tiny model by the name of its builder (`mmlane tiny-model --family NAME`)."""
-    return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir}
+    return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
+            "llava_next": _tiny_model("llava_next"),
+            "llava_onevision": _tiny_model("llava_onevision")}
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +95,11 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
         )
 
     return {"qwen2_vl": qwen(model_dirs["qwen2_vl"]), "qwen2_5_vl": qwen(model_dirs["qwen2_5_vl"]),
-            "llava": LlavaProcessor.from_pretrained(model_dirs["llava"])}
+            "llava": LlavaProcessor.from_pretrained(model_dirs["llava"]),
+            "llava_next": LlavaNextProcessor.from_pretrained(model_dirs["llava_next"]),
+            "llava_onevision": ImageOnlyLlavaOnevisionProcessor.from_pretrained(
+                model_dirs["llava_onevision"]
+            )}
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:

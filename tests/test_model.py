@@ -7,9 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig
 
 from conftest import as_processor_output
+from protocol.errors import RequestError
+from protocol.messages import MMItem
 from services.bench.images import noise_image
+from services.mm_worker.media import jpeg_draft_scale
 from services.model import (
     ImageError,
     ModelDirError,
@@ -23,7 +27,7 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision"]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -104,14 +108,13 @@ class TestParity:
         assert (
             preprocessor.expand_placeholders(token_ids, items) == expected["input_ids"][0].tolist()
         )
-        if images:
-            joined = as_processor_output(
-                preprocessor.family.join_items([item.tensors for item in items]),
-                preprocessor.pixel_norm,
-            )
-            for field in preprocessor.family.item_fields:
-                assert joined[field].dtype == expected[field].dtype
-                assert np.array_equal(joined[field], expected[field])
+        if images:  # image by image: a batch may pad its images to one shape (LLaVA-NeXT)
+            batch = preprocessor.family.split_items(processor.image_processor, expected)
+            for want, item in zip(batch, items, strict=True):
+                got = as_processor_output(item.tensors, preprocessor.pixel_norm)
+                for field in preprocessor.family.item_fields:
+                    assert got[field].dtype == want[field].dtype
+                    assert np.array_equal(got[field], want[field]), field
 
     @pytest.mark.parametrize("family", FAMILIES)
     def test_split_items_inverts_batch(self, preprocessors, family):
@@ -122,7 +125,8 @@ class TestParity:
         ]
         batch = preprocessor.image_processor(images=images, return_tensors="np")
         items = [preprocessor.process_image(image) for image in images]
-        for split, item in zip(preprocessor.family.split_items(batch), items, strict=True):
+        split_items = preprocessor.family.split_items(preprocessor.image_processor, batch)
+        for split, item in zip(split_items, items, strict=True):
             assert split.keys() == item.tensors.keys()
             tensors = as_processor_output(item.tensors, preprocessor.pixel_norm)
             assert all(np.array_equal(split[field], tensors[field]) for field in split)
@@ -143,12 +147,25 @@ class TestPreprocessor:
             ("qwen2_vl", (500, 333), 216),
             ("llava", (56, 56), 576),
             ("llava", (1024, 768), 576),
+            ("llava_next", (56, 56), 1176),  # 2x1 tiles for a square: its best grid wastes least
+            ("llava_next", (1024, 768), 2340),  # 2x2 tiles, unpadded to 48x36, a newline a row
+            ("llava_next", (1200, 90), 1014),  # 1x3 tiles, mostly padding cut off again
+            ("llava_onevision", (56, 56), 1485),  # one grid tile: 729 + 27 rows of 27 + 27 newlines
+            ("llava_onevision", (1024, 768), 4725),  # 2x3 tiles, unpadded to 54x73
+            ("llava_onevision", (4032, 3024), 7309),  # 5x6 tiles, pooled to about 9 tiles' worth
         ],
     )
     def test_num_tokens(self, preprocessors, family, size, num_tokens):
         assert (
             preprocessors[family].process_image(noise_image(*size, seed=0)).num_tokens == num_tokens
         )
+
+    @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+    def test_anyres_jpegs_are_never_drafted(self, preprocessors, family):
+        """Their tile grid and token count follow the image's own size (image_sizes)."""
+        resized_size = preprocessors[family].resized_size
+        assert resized_size(4032, 3024) == (4032, 3024)
+        assert jpeg_draft_scale(4032, 3024, resized_size) == 1
 
     def test_expand_refuses_placeholder_count_mismatch(self, preprocessors):
         preprocessor = preprocessors["qwen2_vl"]
@@ -199,6 +216,32 @@ class TestErrors:
     def test_directory_without_config(self, tmp_path):
         with pytest.raises(ModelDirError, match="no config.json"):
             resolve_model_dir(tmp_path)
+
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            ({"pixel_values": lambda t: t[:-1]},  # the model would take 3 tiles
+             r"pixel_values has shape \(2, 3, 336, 336\), an image of size \(500, 333\) "
+             r"needs \(3, 3, 336, 336\)"),
+            ({"image_sizes": lambda t: np.array([[1024, 768]])},  # a size with a 2x2 grid
+             r"an image of size \(1024, 768\) needs \(5, 3, 336, 336\)"),
+            ({"image_sizes": lambda t: np.array([[0, 333]])}, "image_sizes must be one positive"),
+            ({"pixel_values": lambda t: t.astype("f4")},
+             "pixel_values must be a 4-D array of kind 'u', got 4-D float32"),
+        ],
+        ids=["tile-missing", "size-of-another-grid", "zero-size", "float-pixels"],
+    )
+    def test_llava_next_tiles_must_be_those_of_the_image_size(
+        self, model_dirs, preprocessors, change, message
+    ):
+        preprocessor = preprocessors["llava_next"]
+        config = AutoConfig.from_pretrained(model_dirs["llava_next"])
+        check = preprocessor.family.item_checker(config)
+        tensors = preprocessor.process_image(noise_image(333, 500, seed=0)).tensors
+        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
+        changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
+        with pytest.raises(RequestError, match=message):
+            check([MMItem(offset=0, length=1, tensors=changed)])
 
     def test_unsupported_model_type_names_path_and_type(self, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))

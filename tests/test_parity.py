@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from msgspec.structs import replace
 
 from conftest import as_processor_output, start_role
 from peers import StandInEngine, frames_for
@@ -20,7 +21,7 @@ from protocol.messages import EngineRequest
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.launcher import stop_all
-from services.model import PixelNorm
+from services.model import PixelNorm, family_for
 
 
 @dataclass
@@ -34,7 +35,8 @@ class Lane:
         return request
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next",
+                                                "llava_onevision"])
 def lane(request, module_run_dir: Path, model_dirs: dict[str, Path]) -> Iterator[Lane]:
     family = request.param
     run = module_run_dir / family
@@ -61,34 +63,44 @@ SIZES = [(56, 56), (333, 500), (1024, 768), (1200, 90)]
 
 
 @pytest.mark.parametrize(
-    "sizes", [[SIZES[0]], [SIZES[1]], [SIZES[2]], [SIZES[3]], SIZES[:3]],
-    ids=["56x56", "333x500", "1024x768", "1200x90", "three"],
+    ("sizes", "text_first"),
+    [([SIZES[0]], False), ([SIZES[1]], False), ([SIZES[2]], False), ([SIZES[3]], False),
+     (SIZES[:3], False), ([SIZES[3], SIZES[1]], True)],
+    ids=["56x56", "333x500", "1024x768", "1200x90", "three", "two-after-the-text"],
 )
 def test_engine_receives_what_the_hf_processor_makes(
-    lane: Lane, hf_processors: dict, request: pytest.FixtureRequest, sizes: list
+    lane: Lane, hf_processors: dict, request: pytest.FixtureRequest, sizes: list,
+    text_first: bool,
 ) -> None:
     family = request.node.callspec.params["lane"]
     processor = hf_processors[family]
     images = [make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
     # Send lossless PNGs so the worker decodes exactly the pixels the reference sees.
     urls = [png_uri(image) for image in images]
-    lane.client.submit([user_message("Compare these.", urls)], max_tokens=4)
+    message = user_message("Compare these.", urls)
+    if text_first:
+        *parts, text_part = message.content
+        message = replace(message, content=[text_part, *parts])
+    lane.client.submit([message], max_tokens=4)
     got = lane.received()
 
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Compare these."}]
+    content = [{"type": "image"} for _ in images]
+    text = [{"type": "text", "text": "Compare these."}]
+    content = text + content if text_first else content + text
     prompt = processor.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
     expected = processor(text=[prompt], images=images, return_tensors="np")
     assert got.prompt_token_ids == expected["input_ids"][0].tolist()
-    joined = as_processor_output(
-        {name: np.concatenate([item.tensors[name] for item in got.mm_items])
-         for name in got.mm_items[0].tensors},
-        PixelNorm.of(processor.image_processor),
-    )
-    for name in joined:
-        assert joined[name].dtype == expected[name].dtype
-        assert np.array_equal(joined[name], expected[name]), name
+    # Image by image: a batch may pad its images to one shape (LLaVA-NeXT's tiles).
+    wanted = family_for(family).split_items(processor.image_processor, expected)
+    norm = PixelNorm.of(processor.image_processor)
+    for item, want in zip(got.mm_items, wanted, strict=True):
+        tensors = as_processor_output(item.tensors, norm)
+        assert tensors.keys() == want.keys()
+        for name in tensors:
+            assert tensors[name].dtype == want[name].dtype
+            assert np.array_equal(tensors[name], want[name]), name
 
 
 def test_text_only_request_goes_straight_to_the_engine(lane: Lane, hf_processors: dict,

@@ -7,15 +7,18 @@ the model takes (the engine checks every request against them, whatever its back
 """
 
 import json
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
+from transformers.image_processing_utils import select_best_resolution
 from transformers.image_transforms import get_resize_output_image_size
 from transformers.image_utils import ChannelDimension
+from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from protocol.errors import RequestError
@@ -42,7 +45,8 @@ class Family:
     image_token: str
     # Image-processor outputs that are per-image tensors, in the order the model takes them.
     item_fields: tuple[str, ...]
-    split_items: Callable[[Tensors], list[dict[str, np.ndarray]]]
+    # `(image_processor, batch) -> items`: a batched processor output, one image an item.
+    split_items: Callable[[Any, Tensors], list[dict[str, np.ndarray]]]
     # Reads the model's settings once and returns `num_image_tokens(item) -> int`.
     token_counter: Callable[[Path, Any, Any], TokenCounter]
     # Reads the model's config (transformers' PretrainedConfig) once and returns the check.
@@ -62,7 +66,7 @@ class Family:
         }
 
 
-def _split_qwen2_vl(batch: Tensors) -> list[dict[str, np.ndarray]]:
+def _split_qwen2_vl(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
     # Patches of all images are stacked on axis 0; each image owns t*h*w rows of them.
     grids = batch["image_grid_thw"]
     ends = np.cumsum(grids.prod(axis=1))
@@ -183,26 +187,31 @@ def _llava_resized_size(image_processor: Any, width: int, height: int) -> tuple[
     return width, height
 
 
-def _split_llava(batch: Tensors) -> list[dict[str, np.ndarray]]:
+def _split_llava(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
     pixel_values = batch["pixel_values"]
     return [{"pixel_values": pixel_values[index : index + 1]} for index in range(len(pixel_values))]
 
 
-def _llava_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
-    # LlavaProcessor reads these from processor_config.json; the model config is the fallback
-    # for directories saved before the processor carried them.
+def _llava_feature_settings(model_dir: Path, config: Any) -> tuple[int, int]:
+    """`(patch_size, extra)`: the vision tower's patch side, and the tokens an image's features
+    have beyond one per patch (the CLS feature, unless the "default" strategy drops it)."""
+    # LLaVA's processors read these from processor_config.json; the model config is the
+    # fallback for directories saved before the processor carried them.
     settings = _read_processor_config(model_dir)
     patch_size = settings.get("patch_size") or config.vision_config.patch_size
     strategy = (
         settings.get("vision_feature_select_strategy") or config.vision_feature_select_strategy
     )
     additional = settings.get("num_additional_image_tokens", 0)
-    # The "default" strategy drops the CLS feature, so one additional token goes away again.
-    dropped = 1 if strategy == "default" else 0
+    return patch_size, additional - (1 if strategy == "default" else 0)
+
+
+def _llava_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
+    patch_size, extra = _llava_feature_settings(model_dir, config)
 
     def num_image_tokens(item: Tensors) -> int:
         height, width = item["pixel_values"].shape[-2:]
-        return (height // patch_size) * (width // patch_size) + additional - dropped
+        return (height // patch_size) * (width // patch_size) + extra
 
     return num_image_tokens
 
@@ -219,6 +228,117 @@ def _llava_item_checker(config: Any) -> ItemChecker:
             )
 
     return lambda items: _check_each(items, check_tensors)
+
+
+def _llava_next_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+    """LLaVA-NeXT's (and OneVision's) processor with its rescale and normalise off: its
+    one-image batch is one item. Its steps in order are resize (to the best grid resolution,
+    and the whole image to one tile), pad with 0, cut into tiles, rescale, normalise; the
+    padding comes before the normalise, so uint8 zeros normalise to what the processor's float
+    path holds there."""
+    tensors = processor_uint8(image_processor, image)
+    return {"pixel_values": tensors["pixel_values"][0], "image_sizes": tensors["image_sizes"]}
+
+
+def _tile_side(image_processor: Any) -> int:
+    """The side of one anyres tile, as the LLaVA-NeXT processors pick it."""
+    crop = image_processor.crop_size
+    return int(crop["height"] if crop else image_processor.size["height"])
+
+
+def _split_llava_next(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
+    # The batch pads every image to the most tiles with float zeros (after normalising: no
+    # uint8 value gives them); each image keeps its own tiles, the whole image first.
+    tile = _tile_side(image_processor)
+    items = []
+    for pixels, size in zip(batch["pixel_values"], batch["image_sizes"], strict=True):
+        tiles = image_size_to_num_patches(size, image_processor.image_grid_pinpoints, tile)
+        items.append({"pixel_values": pixels[:tiles], "image_sizes": size[None]})
+    return items
+
+
+def _unpadded_grid(item: Tensors, pinpoints: list, features_per_side: int) -> tuple[int, int]:
+    """`(rows, columns)` of an image's grid-tile features once the padding that the processor
+    added around the resized image is cut off again (the model's `unpad_image`)."""
+    height, width = (int(v) for v in item["image_sizes"][0])
+    tile = item["pixel_values"].shape[-1]
+    best_height, best_width = select_best_resolution((height, width), pinpoints)
+    rows = features_per_side * (best_height // tile)
+    columns = features_per_side * (best_width // tile)
+    if width / height > columns / rows:  # wider than the grid: padded above and below
+        rows -= 2 * ((rows - int(round(height * (columns / width), 7))) // 2)
+    else:
+        columns -= 2 * ((columns - int(round(width * (rows / height), 7))) // 2)
+    return rows, columns
+
+
+def _llava_next_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
+    """LlavaNextProcessor's count: the whole image's tile, then the grid tiles' features,
+    unpadded, with one image_newline a row."""
+    patch_size, extra = _llava_feature_settings(model_dir, config)
+    pinpoints = image_processor.image_grid_pinpoints
+
+    def num_image_tokens(item: Tensors) -> int:
+        side = item["pixel_values"].shape[-1] // patch_size
+        rows, columns = _unpadded_grid(item, pinpoints, side)
+        return side * side + extra + rows * columns + rows
+
+    return num_image_tokens
+
+
+def _llava_onevision_token_counter(
+    model_dir: Path, config: Any, image_processor: Any
+) -> TokenCounter:
+    """LlavaOnevisionProcessor's count: LLaVA-NeXT's, except that grid features beyond about
+    `anyres_max_N` tiles' worth are pooled down (bilinear, in the model) to that many."""
+    settings = _read_processor_config(model_dir)
+    vision = config.vision_config
+    base = settings.get("num_image_tokens") or (vision.image_size // vision.patch_size) ** 2
+    strategy = (
+        settings.get("vision_feature_select_strategy") or config.vision_feature_select_strategy
+    )
+    aspect = settings.get("vision_aspect_ratio") or config.vision_aspect_ratio
+    max_tiles = int(aspect.removeprefix("anyres_max_"))
+    side = int(math.sqrt(base))
+    pinpoints = image_processor.image_grid_pinpoints
+    dropped = 1 if strategy == "default" else 0
+
+    def num_image_tokens(item: Tensors) -> int:
+        rows, columns = _unpadded_grid(item, pinpoints, side)
+        ratio = math.sqrt(rows * columns / (max_tiles * side**2))
+        if ratio > 1.1:
+            rows, columns = int(rows // ratio), int(columns // ratio)
+        return base + rows * columns + rows - dropped
+
+    return num_image_tokens
+
+
+def _llava_next_item_checker(config: Any) -> ItemChecker:
+    vision = config.vision_config
+    tile_shape = (vision.num_channels, vision.image_size, vision.image_size)
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
+        sizes = _tensor(tensors, where, "image_sizes", ndim=2, kind="iu")
+        if sizes.shape != (1, 2) or (sizes < 1).any():
+            raise RequestError(
+                f"{where}.image_sizes must be one positive (height, width) row, "
+                f"got {sizes.tolist()}"
+            )
+        # The model reads the number of tiles from the image's size, and takes that many.
+        tiles = image_size_to_num_patches(sizes[0], config.image_grid_pinpoints, vision.image_size)
+        if pixels.shape != (tiles, *tile_shape):
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, an image of size "
+                f"{tuple(sizes[0].tolist())} needs {(tiles, *tile_shape)}"
+            )
+
+    return lambda items: _check_each(items, check_tensors)
+
+
+def _image_own_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """No reduced decode: the family's token count reads the image's own size."""
+    return width, height
 
 
 def _check_each(items: list[MMItem], check_tensors: Callable[[str, Tensors], None]) -> None:
@@ -267,7 +387,31 @@ LLAVA = Family(
     resized_size=_llava_resized_size,
 )
 
-FAMILIES = (QWEN2_VL, LLAVA)
+# The whole image's size picks the tile grid and the token count (image_sizes), so a JPEG is
+# never decoded reduced (--jpeg-draft leaves it whole).
+LLAVA_NEXT = Family(
+    name="llava_next",
+    model_types=("llava_next",),
+    image_token="<image>",
+    item_fields=("pixel_values", "image_sizes"),
+    split_items=_split_llava_next,
+    token_counter=_llava_next_token_counter,
+    item_checker=_llava_next_item_checker,
+    uint8_pixels=_llava_next_uint8,
+    resized_size=_image_own_size,
+)
+
+# LLaVA-NeXT's tiles with SigLIP, pooled past anyres_max_9. Each image of a request is tiled
+# on its own, as the processor does for a flat list of images (a prompt's images given as one
+# nested list would each be padded to one square tile instead: not what it is called with).
+LLAVA_ONEVISION = replace(
+    LLAVA_NEXT,
+    name="llava_onevision",
+    model_types=("llava_onevision",),
+    token_counter=_llava_onevision_token_counter,
+)
+
+FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION)
 
 
 def family_for(model_type: str) -> Family:

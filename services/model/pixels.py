@@ -9,7 +9,7 @@ element-wise, so doing them after the layout instead of before changes no bit.
 
 Every family's layout is channel-major after the first axis: reshaped to (N, channels, -1),
 each channel's values are one block (Qwen2-VL patch rows are channel x time x patch x patch;
-LLaVA's are (1, channels, height, width)).
+LLaVA's are (1, channels, height, width), LLaVA-NeXT's (tiles, channels, height, width)).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -20,13 +22,20 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    SiglipVisionConfig,
 )
 
 DEFAULT_MODEL_NAME = "tiny-qwen2-vl"
@@ -90,6 +99,39 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+# LLaVA-v1.6-Mistral's "[INST] <image>\n... [/INST]" format, images before the text as the hub
+# template puts them; like LLAVA_CHAT_TEMPLATE it also accepts plain-string content.
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ ' ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] }}{% endfor %}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}{{ ' [/INST]' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% endif %}"
+    "{% endfor %}"
+)
+
+# LLaVA-OneVision-Qwen2's ChatML, images first in each message; also plain-string content.
+LLAVA_ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ '\n' + message['content'] }}"
+    "{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ '\n' + content['text'] }}{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 BUILDER_VERSION = 3  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
@@ -129,6 +171,47 @@ LLAVA_PROCESSOR = {
     "patch_size": 14,
     "processor_class": "LlavaProcessor",
     "vision_feature_select_strategy": "default",
+}
+
+# Stock llava-hf/llava-v1.6-mistral-7b-hf preprocessor_config.json and processor_config.json:
+# CLIP's 336-pixel crops, an "anyres" grid of up to 2x2 (or 1x3) tiles beside the whole image.
+LLAVA_NEXT_GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+LLAVA_NEXT_IMAGE_PROCESSOR = {
+    **LLAVA_IMAGE_PROCESSOR,
+    "aspect_ratio_setting": "anyres",
+    "do_pad": True,
+    "image_grid_pinpoints": LLAVA_NEXT_GRID_PINPOINTS,
+    "image_processor_type": "LlavaNextImageProcessor",
+    "processor_class": "LlavaNextProcessor",
+}
+LLAVA_NEXT_PROCESSOR = {**LLAVA_PROCESSOR, "processor_class": "LlavaNextProcessor"}
+
+# Stock llava-hf/llava-onevision-qwen2-0.5b-ov-hf preprocessor_config.json and
+# processor_config.json: SigLIP's 384-pixel tiles (729 features each), a grid of up to 6x6 tiles
+# whose features are pooled down to about 9 tiles' worth ("anyres_max_9").
+LLAVA_ONEVISION_GRID_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]
+LLAVA_ONEVISION_IMAGE_PROCESSOR = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_grid_pinpoints": LLAVA_ONEVISION_GRID_PINPOINTS,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "LlavaOnevisionImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "LlavaOnevisionProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"height": 384, "width": 384},
+}
+LLAVA_ONEVISION_PROCESSOR = {
+    "image_token": "<image>",
+    "num_image_tokens": 729,
+    "processor_class": "LlavaOnevisionProcessor",
+    "video_token": "<video>",
+    "vision_aspect_ratio": "anyres_max_9",
+    "vision_feature_select_strategy": "full",
 }
 
 
@@ -246,56 +329,143 @@ def _build_qwen_vl(
     _save_model(out_dir, model_class, config, generation, seed)
 
 
+@dataclass(frozen=True)
+class _Tokens:
+    """A LLaVA family's tokenizer: its special tokens and which of them play which part."""
+
+    special: list[str]
+    eos: str
+    pad: str
+    bos: str | None = None
+    """Prepended to every text when the tokenizer adds special tokens (Llama's `<s>`)."""
+    unk: str | None = None
+    named: dict[str, str] = field(default_factory=dict)
+    """The processor's tokens by their attribute name (`image_token`); the model config has
+    each one's id as NAME_index."""
+
+
+LLAMA_TOKENS = _Tokens(
+    special=["<unk>", "<s>", "</s>", "<image>", "<pad>"], eos="</s>", pad="<pad>", bos="<s>",
+    unk="<unk>", named={"image_token": "<image>"},
+)
+
+QWEN_LLAVA_TOKENS = _Tokens(
+    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
+    eos="<|im_end|>", pad="<|endoftext|>",
+    named={"image_token": "<image>", "video_token": "<video>"},
+)
+
+# A tiny tower's size; its image and patch size are the processor's (the caller's).
+TINY_VISION: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+}
+
+
+def _clip_tower() -> CLIPVisionConfig:
+    """LLaVA-1.5's and LLaVA-NeXT's tower, tiny: CLIP at 336 pixels, its features taken from
+    the second-last layer without the CLS one (`CLIP_FEATURES`)."""
+    return CLIPVisionConfig(image_size=336, patch_size=14, projection_dim=32, **TINY_VISION)
+
+
+CLIP_FEATURES: dict[str, Any] = {
+    "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
+}
+
+
 def _build_llava(out_dir: Path, seed: int) -> None:
-    bpe = _train_bpe(["<unk>", "<s>", "</s>", "<image>", "<pad>"])
-    # Llama tokenizers prepend BOS when asked for special tokens; keep that so the tiny LLaVA
-    # exercises the same path as a real one.
-    bpe.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bpe.token_to_id("<s>"))]
+    _build_llava_like(
+        out_dir, seed, LlavaConfig, LlavaForConditionalGeneration, LLAMA_TOKENS,
+        vision_config=_clip_tower(), text_config_class=LlamaConfig,
+        chat_template=LLAVA_CHAT_TEMPLATE, image_processor=LLAVA_IMAGE_PROCESSOR,
+        processor=LLAVA_PROCESSOR, **CLIP_FEATURES,
     )
-    _save_tokenizer(
-        out_dir,
-        bpe,
-        LLAVA_CHAT_TEMPLATE,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
+
+
+def _build_llava_next(out_dir: Path, seed: int) -> None:
+    # LLaVA-v1.6-Mistral: LLaVA's CLIP tower and projector, a Mistral language model, the anyres
+    # tiles and the learned image_newline (LlavaNextForConditionalGeneration's own).
+    _build_llava_like(
+        out_dir, seed, LlavaNextConfig, LlavaNextForConditionalGeneration, LLAMA_TOKENS,
+        vision_config=_clip_tower(), text_config_class=MistralConfig,
+        chat_template=LLAVA_NEXT_CHAT_TEMPLATE, image_processor=LLAVA_NEXT_IMAGE_PROCESSOR,
+        processor=LLAVA_NEXT_PROCESSOR,
+        # As Mistral-7B-Instruct-v0.2: full attention over 32k positions, room for a few
+        # images of up to 2,928 tokens each.
+        max_positions=32768, text_fields={"sliding_window": None},
+        image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS, **CLIP_FEATURES,
     )
-    _write_json(out_dir / "preprocessor_config.json", LLAVA_IMAGE_PROCESSOR)
-    _write_json(out_dir / "processor_config.json", LLAVA_PROCESSOR)
-    ids = bpe.get_vocab(with_added_tokens=True)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(
-            image_size=336,
-            patch_size=14,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            projection_dim=32,
+
+
+def _build_llava_onevision(out_dir: Path, seed: int) -> None:
+    # LLaVA-OneVision-Qwen2: a SigLIP tower (no CLS, no head), a Qwen2 language model, the anyres
+    # tiles pooled down past 9 tiles' worth, and the image_newline.
+    _build_llava_like(
+        out_dir, seed, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+        QWEN_LLAVA_TOKENS,
+        vision_config=SiglipVisionConfig(
+            image_size=384, patch_size=14, vision_use_head=False, **TINY_VISION
         ),
-        text_config=LlamaConfig(
+        text_config_class=Qwen2Config, chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE,
+        image_processor=LLAVA_ONEVISION_IMAGE_PROCESSOR, processor=LLAVA_ONEVISION_PROCESSOR,
+        # As Qwen2-0.5B: 32k positions, room for a few images of up to ~7,000 tokens each.
+        max_positions=32768,
+        vision_feature_select_strategy="full", vision_feature_layer=-1,
+        vision_aspect_ratio="anyres_max_9", image_grid_pinpoints=LLAVA_ONEVISION_GRID_PINPOINTS,
+    )
+
+
+def _build_llava_like(
+    out_dir: Path, seed: int, config_class: Callable[..., PretrainedConfig],
+    model_class: type[PreTrainedModel], tokens: _Tokens, *, vision_config: PretrainedConfig,
+    text_config_class: Callable[..., PretrainedConfig], chat_template: str, image_processor: dict,
+    processor: dict, max_positions: int = MAX_POSITIONS, text_fields: dict | None = None,
+    **config_fields: Any,
+) -> None:
+    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision): the family's
+    tokenizer and template, a small vision tower, a small language model, and the family's own
+    settings on top (`text_fields` of its language model, `config_fields` of the whole)."""
+    bpe = _train_bpe(tokens.special)
+    named: dict[str, str | dict] = {"eos_token": tokens.eos, "pad_token": tokens.pad}
+    if tokens.bos is not None:
+        # Llama tokenizers prepend BOS when asked for special tokens; keep that so the tiny
+        # model exercises the same path as a real one.
+        bpe.post_processor = processors.TemplateProcessing(
+            single=f"{tokens.bos} $A", pair=f"{tokens.bos} $A {tokens.bos} $B",
+            special_tokens=[(tokens.bos, bpe.token_to_id(tokens.bos))],
+        )
+        named["bos_token"] = tokens.bos
+    if tokens.unk is not None:
+        named["unk_token"] = tokens.unk
+    _save_tokenizer(
+        out_dir, bpe, chat_template, max_positions, **named, extra_special_tokens=tokens.named
+    )
+    _write_json(out_dir / "preprocessor_config.json", image_processor)
+    _write_json(out_dir / "processor_config.json", processor)
+    ids = bpe.get_vocab(with_added_tokens=True)
+    first = ids[tokens.bos or tokens.pad]
+    config = config_class(
+        vision_config=vision_config,
+        text_config=text_config_class(
             vocab_size=bpe.get_vocab_size(with_added_tokens=True),
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=MAX_POSITIONS,
-            bos_token_id=ids["<s>"],
-            eos_token_id=ids["</s>"],
-            pad_token_id=ids["<pad>"],
+            max_position_embeddings=max_positions,
+            bos_token_id=first,
+            eos_token_id=ids[tokens.eos],
+            pad_token_id=ids[tokens.pad],
+            **(text_fields or {}),
         ),
-        image_token_index=ids["<image>"],
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
+        # image_token_index (and video_token_index): the ids of the processor's named tokens
+        **{f"{name}_index": ids[token] for name, token in tokens.named.items()},
+        **config_fields,
     )
     generation = GenerationConfig(
-        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]
+        bos_token_id=first, eos_token_id=ids[tokens.eos], pad_token_id=ids[tokens.pad]
     )
-    _save_model(out_dir, LlavaForConditionalGeneration, config, generation, seed)
+    _save_model(out_dir, model_class, config, generation, seed)
 
 
 def _train_bpe(special_tokens: list[str]) -> Tokenizer:
@@ -316,11 +486,14 @@ def _train_bpe(special_tokens: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def _save_tokenizer(out_dir: Path, bpe: Tokenizer, chat_template: str, **special_tokens) -> None:
+def _save_tokenizer(
+    out_dir: Path, bpe: Tokenizer, chat_template: str, max_positions: int = MAX_POSITIONS,
+    **special_tokens: str | dict,
+) -> None:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         chat_template=chat_template,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
         **special_tokens,
     )
     tokenizer.save_pretrained(out_dir)
@@ -349,4 +522,6 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "qwen2_vl": _build_qwen2_vl,
     "qwen2_5_vl": _build_qwen2_5_vl,
     "llava": _build_llava,
+    "llava_next": _build_llava_next,
+    "llava_onevision": _build_llava_onevision,
 }

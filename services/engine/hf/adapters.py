@@ -3,15 +3,16 @@
 An adapter runs the vision encoder for one image and gives a request its own position ids (the
 checks of an image's tensor shapes are the family's, in services/model/families.py, so every
 backend makes them). Qwen2-VL needs explicit 3-D (M-RoPE) positions: the model
-would otherwise keep one `rope_deltas` on itself, shared by every request it serves. LLaVA uses
-plain positions, which the model derives from the request's own KV cache in a prefill; a decode
-step gets them explicitly, as a batched step runs without that cache (runner.py).
+would otherwise keep one `rope_deltas` on itself, shared by every request it serves. LLaVA and
+LLaVA-NeXT use plain positions, which the model derives from the request's own KV cache in a
+prefill; a decode step gets them explicitly, as a batched step runs without that cache (runner.py).
 
 The vision encoder runs as a `VisionPass`, one bounded slice per unit of work. Qwen2-VL's
 encoder slices by rows of patches (the patch embedding, then each block's attention by query
 rows); rows do not interact within those steps, so the slices compute exactly what one call
 would, and the adapter checks that against the model at startup. Other families run the whole
-pass as one slice.
+pass as one slice, through the model's own `get_image_features` (LLaVA-NeXT's with the image's
+`image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own).
 """
 
 from __future__ import annotations
@@ -206,7 +207,10 @@ class Qwen2VLAdapter(Adapter):
         return MRopePositions(ids, int(deltas[0, 0]))
 
 
-ADAPTERS: dict[str, type[Adapter]] = {"qwen2_vl": Qwen2VLAdapter, "llava": Adapter}
+ADAPTERS: dict[str, type[Adapter]] = {
+    "qwen2_vl": Qwen2VLAdapter, "llava": Adapter, "llava_next": Adapter,
+    "llava_onevision": Adapter,
+}
 
 
 def _run(vision: VisionPass) -> torch.Tensor:
