@@ -22,6 +22,7 @@ import pytest
 import zmq
 from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Group
 
 from conftest import REPO, free_port, role_log, start_role
 from peers import wait_until
@@ -40,6 +41,7 @@ from services.ops.feed import ProcessSnapshots, StatsFeed
 from services.ops.lanes import lanes
 from services.ops.stats_cli import snapshot_text
 from services.ops.text import errors_text, state_text
+from services.ops.top import plain_text, process_table
 
 ROLES = ["frontend", "mm-worker", "engine"]
 STATS_INTERVAL = "0.2"
@@ -372,6 +374,22 @@ def test_the_last_window_is_the_difference_of_one_runs_two_snapshots(
     (lane,) = lanes([process], now=1.0)
     assert lane.since_start == [3, 1, 0]
     assert lane.last_window == window  # a new pid is a restarted process: no window
+
+
+def test_top_shows_each_mm_workers_share_of_the_requests() -> None:
+    def worker(name: str, requests: int) -> ProcessSnapshots:
+        process = ProcessSnapshots(f"ipc:///x/stats-{name}.sock")
+        for at, count in ((10.0, 0), (11.0, requests)):
+            process.add(replace(_stats(7, at, [0, 0, 0]), role="mm-worker", name=name,
+                                counters={"requests": count}), now=at - 10.0)
+        return process
+
+    processes = [worker("mm-worker-a", 3), worker("mm-worker-b", 1)]
+    text = plain_text(Group(process_table(processes, now=1.0)))
+    rows = {line.split()[1]: line for line in text.splitlines() if "mm-worker-" in line}
+    assert "3.0 (75%)" in rows["mm-worker-a"] and "1.0 (25%)" in rows["mm-worker-b"]
+    alone = plain_text(Group(process_table(processes[:1], now=1.0)))
+    assert "3.0" in alone and "%" not in alone
 
 
 def test_a_process_that_stops_publishing_goes_stale() -> None:

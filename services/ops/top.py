@@ -103,12 +103,28 @@ def process_table(processes: list[ProcessSnapshots], now: float) -> Table:
     table.add_column("queues")  # queues and errors wrap when the terminal is narrow
     table.add_column("req/s", no_wrap=True, justify="right")
     table.add_column("errors")
+    rates = {id(p): _request_rate(p) if p.fresh(now) else None for p in processes}
     for process in processes:
-        table.add_row(*_process_row(process, now))
+        table.add_row(*_process_row(process, now, _rate_text(process, processes, rates)))
     return table
 
 
-def _process_row(process: ProcessSnapshots, now: float) -> list[str]:
+def _rate_text(process: ProcessSnapshots, processes: list[ProcessSnapshots],
+               rates: dict[int, float | None]) -> str:
+    """The process's requests/s; where its role has several processes (MM workers behind one
+    frontend), also its share of the role's requests: how evenly affinity routing spreads."""
+    rate = rates[id(process)]
+    if rate is None:
+        return "-"
+    role = process.latest.role if process.latest is not None else None
+    peers = [rates[id(p)] for p in processes if p.latest is not None and p.latest.role == role]
+    total = sum(r for r in peers if r is not None)
+    if len(peers) < 2 or total <= 0:
+        return f"{rate:.1f}"
+    return f"{rate:.1f} ({rate / total:.0%})"
+
+
+def _process_row(process: ProcessSnapshots, now: float, rate: str) -> list[str]:
     stats = process.latest
     if stats is None:
         return ["?", process.name, "-", "no data", "-", "-", process.endpoint, "-", "-"]
@@ -117,19 +133,18 @@ def _process_row(process: ProcessSnapshots, now: float) -> list[str]:
              else f"stale {uptime_text(now - process.received_at)}")
     return [
         stats.role, stats.name, str(stats.pid), state, uptime_text(stats.uptime_s),
-        str(stats.in_flight), counts_text(stats.queues), _request_rate(process) if fresh else "-",
-        errors_text(stats),
+        str(stats.in_flight), counts_text(stats.queues), rate, errors_text(stats),
     ]
 
 
-def _request_rate(process: ProcessSnapshots) -> str:
-    """Requests per second over the last window, or '-' without one."""
+def _request_rate(process: ProcessSnapshots) -> float | None:
+    """Requests per second over the last window, or None without one."""
     window = process.window()
     if window is None:
-        return "-"
+        return None
     before, after = window
     requests = after.counters.get("requests", 0) - before.counters.get("requests", 0)
-    return f"{requests / max(after.time - before.time, 1e-9):.1f}"
+    return requests / max(after.time - before.time, 1e-9)
 
 
 def lane_table(all_lanes: list[Lane]) -> Table:
