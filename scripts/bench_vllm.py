@@ -47,6 +47,8 @@ def main() -> int:
     parser.add_argument("--rates", default="1,4", help="request rates (req/s), comma-separated")
     parser.add_argument("--output-len", type=int, default=16, help="output tokens per request")
     parser.add_argument("--input-len", type=int, default=32, help="random text tokens per request")
+    parser.add_argument("--sizes", default=",".join(SIZES),
+                        help=f"image sizes, comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--servers", default="vllm,mmlane",
                         help="which to run: vllm, mmlane, mmlane-priority (comma-separated)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
@@ -54,13 +56,17 @@ def main() -> int:
     args = parser.parse_args()
     model = resolve_model_dir(args.model)
     rates = [float(rate) for rate in args.rates.split(",")]
+    unknown = set(args.sizes.split(",")) - set(SIZES)
+    if unknown:
+        parser.error(f"unknown --sizes {', '.join(sorted(unknown))}")
     rows = []
     for server in args.servers.split(","):
         port = free_tcp_port()
         process = _start(server, model, port, args.out)
         try:
             _wait_healthy(port, model, process, args.out / f"{server}.log")
-            for size_name, (width, height) in SIZES.items():
+            for size_name in args.sizes.split(","):
+                width, height = SIZES[size_name]
                 for rate in rates:
                     probe = _TextProbe(port, model.name) if size_name == "4032x3024" else None
                     result = _bench(server, port, model, width, height, rate, args)
