@@ -23,7 +23,6 @@ same pixels (BENCHMARKS.md, "JPEG reduce-on-decode", has the difference).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import concurrent.futures
 import io
@@ -36,6 +35,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
+import pybase64
 from PIL import ExifTags, Image, ImageOps
 
 from protocol.errors import RequestError, translated
@@ -148,8 +148,8 @@ def _read_data_uri(url: str, index: int, max_bytes: int) -> bytes:
         raise _invalid(index, "data URI is not base64 (expected data:image/<format>;base64,...)")
     if len(payload) // 4 * 3 > max_bytes + 3:  # refuse before decoding megabytes for nothing
         raise _too_large(index, f"about {len(payload) // 4 * 3} bytes", max_bytes)
-    try:
-        data = base64.b64decode(payload, validate=True)
+    try:  # pybase64 (SIMD): 20x the stdlib's speed on a 7 MB URI, what vLLM decodes with too
+        data = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise _invalid(index, "data URI is not valid base64") from exc
     if len(data) > max_bytes:
