@@ -925,8 +925,9 @@ def test_overload_timeout_and_disconnect_reach_the_engine(
         first.start()
         request = _engine_message(engine)  # the first is in flight: the second is refused
         assert isinstance(request, EngineRequest)
-        _assert_error(_status_error(client, None, **hi), 503, "overloaded",
-                      "frontend overloaded: 1 requests in flight")
+        refused = _status_error(client, None, **hi)
+        _assert_error(refused, 503, "overloaded", "frontend overloaded: 1 requests in flight")
+        assert refused.response.headers["Retry-After"] == "1"
         first.join(30)
         _assert_error(outcome[0], 504, "timeout", "no reply within request_timeout_s=2")
         assert isinstance(_engine_message(engine), AbortRequests)
@@ -1031,8 +1032,10 @@ def test_a_draining_frontend_refuses_new_requests_and_answers_held_ones(
                             "/health saying the frontend is draining")
         assert health[1]["error"]["code"] == "peer_restarted"
 
-        _assert_error(_status_error(client, None, **hi), 503, "peer_restarted",
+        refused = _status_error(client, None, **hi)
+        _assert_error(refused, 503, "peer_restarted",
                       "the frontend is stopping and takes no new requests")
+        assert refused.response.headers["Retry-After"] == "1"
         engine.answer(request.reply_to, request.request_id,
                       prompt_token_ids=request.prompt_token_ids)
         thread.join(60)

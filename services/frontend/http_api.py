@@ -86,6 +86,9 @@ from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1
+"""Seconds a 503 answer's `Retry-After` asks a client to wait before it tries again."""
+
 REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
@@ -786,4 +789,6 @@ def _error_body(error: ApiError) -> dict[str, Any]:
 
 
 def _error_response(error: ApiError) -> web.Response:
-    return web.json_response(_error_body(error), status=error.status)
+    # A 503 (overloaded, draining, a peer restarting) says when to try again, as HTTP has it.
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    return web.json_response(_error_body(error), status=error.status, headers=headers)
