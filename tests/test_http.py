@@ -13,6 +13,7 @@ import itertools
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ from protocol.messages import (
     EngineOutput,
     EngineRequest,
     RequestFailed,
+    TokenLogprobs,
 )
 from services.bench.images import make_image, png_uri
 from services.client import ChatResult, Client, user_message
@@ -939,6 +941,48 @@ def test_overload_timeout_and_disconnect_reach_the_engine(
     request = _engine_message(engine)
     abort = _engine_message(engine)  # well before the 2 s deadline would have sent it
     assert isinstance(abort, AbortRequests) and abort.request_ids == [request.request_id]
+
+
+def test_a_stream_its_client_stops_reading_is_cut_off_and_cancelled(
+    run_dir: Path, qwen_dir: Path
+) -> None:
+    with frontend_with_silent_engine(run_dir, qwen_dir, "--http-stream-write-timeout", "1") as (
+        frontend, base_url, engine
+    ):
+        port = int(base_url.split(":")[2].split("/")[0])
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, then
+        reader.connect(("127.0.0.1", port))  # it reads nothing past the headers
+        body = json.dumps({"model": qwen_dir.name, "stream": True, "max_tokens": 4000, "n": 2,
+                           "logprobs": True, "top_logprobs": 20,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        requests = [_engine_message(engine) for _ in range(2)]  # one per choice
+        # 2 x 4000 tokens, each with its 20 alternatives: about 10 MB of events, more than the
+        # kernel and aiohttp buffer for a client that reads nothing
+        ids = list(range(1000, 1100))
+        logprobs = [TokenLogprobs(logprob=-1.0, top_token_ids=list(range(1000, 1020)),
+                                  top_logprobs=[-1.0] * 20)] * len(ids)
+        for _ in range(40):
+            for request in requests:
+                engine.reply(request.reply_to, EngineOutput(
+                    request_id=request.request_id, token_ids=ids, logprobs=logprobs))
+        aborted: set[str] = set()
+        while aborted != {r.request_id for r in requests}:  # both choices cancelled
+            abort = _engine_message(engine)
+            assert isinstance(abort, AbortRequests), abort
+            aborted |= set(abort.request_ids)
+        wait_until(lambda: "the client read nothing for 1 s; closed" in role_log(frontend),
+                   "the frontend's log of the cut-off stream")
+        reader.close()
+        answered = _answered(engine, lambda: urllib.request.urlopen(urllib.request.Request(
+            f"{base_url}/chat/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": qwen_dir.name, "max_tokens": 1, "messages": [
+                {"role": "user", "content": "hi"}]}).encode()), timeout=30).status,
+            lambda r: EngineOutput(request_id=r.request_id, token_ids=[1000], finished=True,
+                                   finish_reason="length", prompt_token_ids=r.prompt_token_ids))
+        assert answered == 200  # serving on
 
 
 # ---------------------------------------------------------------- each kind of error, over HTTP

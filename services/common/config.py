@@ -221,6 +221,9 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Port of the HTTP API; 0 disables it."""
     http_max_body_bytes: int = 128 * 1024 * 1024
     """Largest HTTP request body accepted (inline images included); larger gets a 413."""
+    http_stream_write_timeout_s: float = 30.0
+    """A streaming HTTP client that takes none of its stream for this long (its connection's
+    buffers full) is disconnected and its request cancelled: a stalled reader holds nothing."""
     api_key: list[str] = []
     """API keys a client must send (`Authorization: Bearer KEY`) on every /v1 route; with none
     (nor api_key_file) the HTTP API is open."""
@@ -231,7 +234,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be 0 (off) or a port number, got {self.http_port}")
-        _positive(self, "http_max_body_bytes")
+        _positive(self, "http_max_body_bytes", "http_stream_write_timeout_s")
         self.ops = self.ops.named(process_name("frontend", self.client_endpoint))
         self.output_endpoint = self.output_endpoint or ipc(f"reply-{self.ops.name}")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")

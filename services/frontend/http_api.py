@@ -12,7 +12,9 @@ and differ only where a `_Route` says (the prompt field, the object names, the c
 the shape of logprobs: chat's `content` entries, or a completion's legacy `tokens`,
 `token_logprobs`, `top_logprobs` and `text_offset` lists).
 A client that disconnects before its reply cancels the request (`CancelChat`), which the
-frontend turns into an abort.
+frontend turns into an abort; so does a streaming client that reads nothing for
+`--http-stream-write-timeout` (its connection's buffers full): it is disconnected, counted
+(`http_stalled_streams`), and holds no request.
 
 With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
@@ -115,15 +117,20 @@ class ApiError(Exception):
         self.status = status or CODES[code].http_status
 
 
+class _Stalled(Exception):
+    """A streaming client read nothing for the write timeout."""
+
+
 class HttpApi:
     """Serves the HTTP API on `host:port` from a thread named 'frontend-http'."""
 
     def __init__(
         self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
         max_body_bytes: int, alive: Callable[[], bool], draining: Callable[[], bool],
-        api_keys: list[str], max_n: int, metrics: Metrics,
+        api_keys: list[str], max_n: int, metrics: Metrics, stream_write_timeout_s: float,
     ) -> None:
         self.model_id = model_id
+        self._stream_write_timeout_s = stream_write_timeout_s
         self._max_n = max_n
         self._metrics = metrics
         self._prometheus = registry_of(OwnStatsCollector(metrics.snapshot))
@@ -320,32 +327,55 @@ class HttpApi:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         })
         await response.prepare(http)
+        try:
+            await self._stream_events(response, request, choices, firsts, include_usage, route)
+        except _Stalled:  # the client reads nothing: cut it off; `_choices` cancels the rest
+            self._metrics.counters["http_stalled_streams"] += 1
+            log.warning("HTTP stream of %s: the client read nothing for %g s; closed",
+                        request.request_id, self._stream_write_timeout_s)
+            if http.transport is not None:
+                http.transport.abort()
+        return response
+
+    async def _stream_events(
+        self, response: web.StreamResponse, request: NativeRequest, choices: Choices,
+        firsts: list[ChatOutput], include_usage: bool, route: _Route,
+    ) -> None:
+        async def send(payload: dict[str, Any]) -> None:
+            await self._write(response, b"data: " + json.dumps(payload).encode() + b"\n\n")
+
         chunk = _Chunks(route, self.model_id)
         if route.opening is not None:
             for index in range(len(firsts)):
-                await _send_event(response, chunk.choice(index, route.opening))
+                await send(chunk.choice(index, route.opening))
         completion_tokens = 0
         text_offsets = [0] * len(firsts)  # each choice's, where its next chunk's tokens start
         async for index, output in choices.replies(firsts):
             if isinstance(output, ChatError):  # the status is sent already: an error event
-                await _send_event(response, _error_body(_from_info(output.error)))
+                await send(_error_body(_from_info(output.error)))
                 break
             completion_tokens += len(output.token_ids)
             if output.text or output.logprobs:  # each token's logprobs, text or not (as vLLM)
                 content = route.delta(output.text) if output.text else route.closing
                 logprobs = route.logprobs_of(request, output.logprobs, text_offsets[index])
-                await _send_event(response, chunk.choice(index, content, logprobs=logprobs))
+                await send(chunk.choice(index, content, logprobs=logprobs))
                 text_offsets[index] += _texts_length(output.logprobs or [])
             if output.finished:
-                await _send_event(response, chunk.choice(
-                    index, route.closing, _finish_reason(output.finish_reason)))
+                await send(chunk.choice(index, route.closing,
+                                        _finish_reason(output.finish_reason)))
         else:
             if include_usage:
-                usage = _usage(prompt_tokens(firsts), completion_tokens)
-                await _send_event(response, chunk.usage(usage))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+                await send(chunk.usage(_usage(prompt_tokens(firsts), completion_tokens)))
+        await self._write(response, b"data: [DONE]\n\n")
+        await asyncio.wait_for(response.write_eof(), self._stream_write_timeout_s)
+
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
+        """Write to a stream; raises _Stalled when the client has read nothing for the write
+        timeout (its connection's buffers full), so that it holds no request any longer."""
+        try:
+            await asyncio.wait_for(response.write(data), self._stream_write_timeout_s)
+        except TimeoutError:
+            raise _Stalled from None
 
     # ------------------------------------------------------------ the OpenAI request
 
@@ -740,10 +770,6 @@ def _shown_logprob(entry: TokenLogprob) -> float:
 def _texts_length(positions: list[ChatLogprobs]) -> int:
     """The length of the texts of the tokens whose logprobs these are (see text_offset)."""
     return sum(len(position.sampled.token) for position in positions)
-
-
-async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

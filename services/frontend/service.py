@@ -207,6 +207,7 @@ class Frontend:
                 ctx=self._ctx, client_endpoint=self._http_endpoint, host=config.http_host,
                 port=config.http_port, model_id=self._pre.model_id,
                 max_body_bytes=config.http_max_body_bytes,
+                stream_write_timeout_s=config.http_stream_write_timeout_s,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
                 draining=lambda: self._stop.is_set(), api_keys=config.api_keys(),
                 max_n=config.max_n,
