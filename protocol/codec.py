@@ -71,8 +71,8 @@ class Codec(Generic[T]):
             self._in_frames = ()
         if len(self._used_frames) != len(frames) - 1:
             raise RequestError(
-                f"undecodable message: {len(frames)} frames, but its tensors use "
-                f"{len(self._used_frames)} after the first", code="invalid_message",
+                f"undecodable message: {len(frames) - 1} frames after the body, but its "
+                f"tensors use {len(self._used_frames)}", code="invalid_message",
             )
         return message
 
