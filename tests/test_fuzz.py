@@ -91,6 +91,7 @@ from protocol.messages import (
     TextPart,
     TokenLogprobs,
 )
+from protocol.sampling import StructuredOutputs
 from services.bench.images import encode, make_image, png_uri
 from services.launcher import Child
 from services.model import Preprocessor
@@ -278,10 +279,11 @@ class Replies:
     """The Inboxes where a role sends to the test, read until the replies the test waits for
     have come."""
 
-    def __init__(self, *inboxes: Inbox, answer: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, *inboxes: Inbox, answer: Callable[[Any], bool] | None = None) -> None:
         self.inboxes = inboxes
         self.answer = answer
-        """Called with each message (a stand-in peer's chance to play its part)."""
+        """Called with each message (a stand-in peer's chance to play its part): True when it
+        took the message, which then answers nothing the test waits for."""
 
     def until(self, keys: set[str], role: Child) -> dict[str, list[Any]]:
         """Every message until each of `keys` has had its terminal reply; none gets two."""
@@ -292,8 +294,8 @@ class Replies:
             message = self._next()
             if message is None:
                 continue
-            if self.answer is not None:
-                self.answer(message)
+            if self.answer is not None and self.answer(message):
+                continue
             if not hasattr(message, "request_id") and not isinstance(message, HelloReply):
                 continue
             got.setdefault(key(message), []).append(message)
@@ -571,3 +573,203 @@ def test_mm_worker_job_socket(worker_fuzz: WorkerFuzz, data: st.DataObject) -> N
 def test_mm_worker_counted_what_it_dropped(worker_fuzz: WorkerFuzz, module_run_dir: Path) -> None:
     assert worker_fuzz.dropped > 0
     counter(module_run_dir, "mm-worker", "invalid_messages", worker_fuzz.dropped)
+
+
+# ================================================================ the frontend's sockets
+
+
+class FrontendFuzz:
+    """The test as the frontend's client, engine and MM worker: a DEALER to its client socket,
+    a PUSH to its output socket, a stand-in engine and MM worker that answer what reaches them
+    with one token (42), the probe."""
+
+    def __init__(self, run_dir: Path, prep: Preprocessor) -> None:
+        self.ctx = zmq.Context()
+        self.engine = StandInEngine.at(self.ctx, f"ipc://{run_dir}/fe-engine.sock")
+        self.mm_worker = StandInEngine.bound(self.ctx, f"ipc://{run_dir}/fe-mm.sock",
+                                             MMWorkerInput)
+        self.output_endpoint = f"ipc://{run_dir}/fe-out.sock"
+        self.frontend = start_role("frontend", [
+            "--engine-endpoint", self.engine.endpoint,
+            "--mm-worker-endpoint", self.mm_worker.endpoint, "--port", "0",
+            "--output-endpoint", self.output_endpoint, "--request-timeout", "30", *ROLE_ARGS,
+        ], run_dir, log_dir=run_dir / "logs")
+        assert self.frontend.endpoint is not None
+        self.client = Inbox.client(self.ctx, self.frontend.endpoint)
+        self.output = push(self.ctx, self.output_endpoint)
+        self.replies = Replies(self.client, self.engine, self.mm_worker, answer=self.play_peers)
+        self.codec: Codec[Any] = Codec(ClientRequest)
+        self.output_codec: Codec[Any] = Codec(FrontendInput)
+        self.answer_text = prep.decode([42])
+        self.prep = prep
+        self.messages = client_requests(prep, png_uri(make_image(32, 32)))
+        self.dropped = 0
+        """Messages sent to the output socket that the frontend cannot decode."""
+        self.probe()
+
+    def play_peers(self, message: Any) -> bool:
+        """The stand-in engine's and MM worker's part: finish each request (a job too) with
+        token 42, answer a cache reset; True when `message` was theirs, not a client reply."""
+        if isinstance(message, EngineRequest | MMJob):
+            self.engine.answer(message.reply_to, message.request_id)
+        elif isinstance(message, ResetEngineCache):
+            self.engine.reply(message.reply_to, EngineCacheReset(
+                request_id=message.request_id, engine_epoch=1))
+        return not isinstance(message, ClientReply)
+
+    def send(self, *messages: msgspec.Struct) -> None:
+        for message in messages:
+            self.client.sock.send_multipart(frames_of(message))
+
+    def probe(self) -> None:
+        """A valid chat gets the stand-in engine's token, as text."""
+        request_id = f"probe-{next(_ids)}"
+        self.send(ChatRequest(request_id=request_id, messages=[ChatMessage("user", "hi")],
+                              max_tokens=1))
+        [reply] = self.replies.until({request_id}, self.frontend)[request_id]
+        assert isinstance(reply, ChatOutput), reply
+        assert (reply.token_ids, reply.text, reply.finished) == ([42], self.answer_text, True)
+
+    def hold(self) -> tuple[str, EngineRequest]:
+        """A chat that the stand-in engine holds, unanswered: its client id and the request."""
+        request_id = f"held-{next(_ids)}"
+        self.send(ChatRequest(request_id=request_id, messages=[ChatMessage("user", "hi")],
+                              max_tokens=4, logprobs=2))
+        request = self.engine.take()
+        assert isinstance(request, EngineRequest), request
+        return request_id, request
+
+    def close(self) -> None:
+        self.client.close()
+        self.output.close(linger=0)
+        assert stop_role(self.frontend) == 0, _log_tail(self.frontend)
+        self.engine.close()
+        self.mm_worker.close()
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def frontend_fuzz(module_run_dir: Path, prep: Preprocessor) -> Iterator[FrontendFuzz]:
+    fuzz = FrontendFuzz(module_run_dir, prep)
+    yield fuzz
+    fuzz.close()
+
+
+def client_requests(prep: Preprocessor, image: str) -> st.SearchStrategy[msgspec.Struct]:
+    parts = st.lists(st.one_of(
+        st.builds(TextPart, hostile_text),
+        st.builds(ImagePart, st.builds(ImageUrl, url=often(image, hostile_text),
+                                       uuid=often(None, hashes()))),
+    ), max_size=3)
+    messages = st.lists(st.builds(
+        ChatMessage, st.sampled_from(["system", "user", "assistant"]),
+        st.one_of(hostile_text, parts, st.just("hi " * 5000)),  # the last: over the context
+    ), max_size=3)
+    structured = st.builds(StructuredOutputs, json=often(None, st.one_of(
+        hostile_text, st.just('{"type": "object"}'), st.just("[" * 10_000))),
+        json_object=often(None, st.booleans()))
+    fields = dict(
+        max_tokens=often(1, hostile_ints), temperature=often(0.0, hostile_floats),
+        top_p=often(1.0, hostile_floats), seed=often(None, hostile_ints),
+        min_tokens=often(0, hostile_ints), stop_token_ids=often([], st.lists(hostile_ints)),
+        logit_bias=often(None, st.dictionaries(hostile_ints, hostile_floats, max_size=3)),
+        structured_outputs=often(None, structured), logprobs=often(None, hostile_ints),
+        stop=often([], st.lists(hostile_text, max_size=3)),
+    )
+    prompts = st.one_of(hostile_text, st.lists(hostile_ints, max_size=8),
+                        st.just(long_prompt(prep)), st.just([prep.image_token_id]))
+    return st.one_of(
+        st.builds(ChatRequest, request_id=hostile_text, messages=messages, **fields),
+        st.builds(CompletionRequest, request_id=hostile_text, prompt=prompts, **fields),
+        st.builds(ResetCache, request_id=hostile_text),
+        st.builds(CancelChat, request_id=hostile_text),
+    )
+
+
+@given(data=st.data())
+@FUZZ
+def test_frontend_client_socket(frontend_fuzz: FrontendFuzz, data: st.DataObject) -> None:
+    fuzz = frontend_fuzz
+    frames = data.draw(broken(fuzz.messages))
+    message = decoded(fuzz.codec, frames)
+    owed = {""} if message is None else set() if isinstance(message, CancelChat) \
+        else {message.request_id}
+    fuzz.client.sock.send_multipart(frames)
+    replies = fuzz.replies.until(owed, fuzz.frontend)
+    for reply in (r for rs in replies.values() for r in rs if isinstance(r, ChatError)):
+        assert_clear_error(reply.error, message)
+        assert message is not None or reply.error.code == "invalid_message", reply
+    event(outcome(message, replies))
+    fuzz.probe()
+
+
+def frontend_inputs(request_id: str) -> st.SearchStrategy[msgspec.Struct]:
+    """What an engine or MM worker could send: mostly about the request the engine holds."""
+    ids = st.one_of(st.just(request_id), st.just(request_id), hostile_text)
+    token_ids = st.lists(hostile_ints, min_size=1, max_size=4)
+    logprobs = st.lists(st.builds(
+        TokenLogprobs, logprob=hostile_floats, top_token_ids=st.lists(hostile_ints, max_size=3),
+        top_logprobs=st.lists(hostile_floats, max_size=3)), max_size=3)
+    errors = st.builds(
+        ErrorInfo, kind=often("request", hostile_text),
+        code=st.one_of(st.sampled_from(sorted(CODES)), hostile_text), message=hostile_text,
+        mm_hashes=st.lists(hashes(), max_size=2))
+    outputs = st.builds(
+        EngineOutput, request_id=ids, token_ids=st.one_of(st.just([42]), token_ids),
+        finished=st.booleans(), finish_reason=often(None, hostile_text),
+        prompt_token_ids=often(None, st.lists(hostile_ints, max_size=4)),
+        engine_epoch=often(0, hostile_ints), logprobs=often(None, logprobs))
+    return st.one_of(
+        outputs, outputs,
+        st.builds(RequestFailed, request_id=ids, error=errors,
+                  engine_epoch=often(0, hostile_ints)),
+        st.builds(EngineCacheReset, request_id=ids, engine_epoch=hostile_ints),
+        st.builds(HelloReply, peer=st.one_of(st.sampled_from(["engine", "mm-worker-0"]),
+                                             hostile_text),
+                  started=hostile_ints, engine_epoch=often(0, hostile_ints)),
+    )
+
+
+@given(data=st.data())
+@FUZZ
+def test_frontend_output_socket(frontend_fuzz: FrontendFuzz, data: st.DataObject) -> None:
+    """While the stand-in engine holds a chat, a hostile peer sends to the frontend's output
+    socket (often about that chat); then the engine finishes it. The chat gets exactly one
+    terminal reply, whatever came first."""
+    fuzz = frontend_fuzz
+    held, request = fuzz.hold()
+    frames = data.draw(broken(frontend_inputs(request.request_id)))
+    message = decoded(fuzz.output_codec, frames)
+    fuzz.dropped += message is None
+    fuzz.output.send_multipart(frames)
+    fuzz.engine.answer(request.reply_to, request.request_id)
+    replies = fuzz.replies.until({held}, fuzz.frontend)
+    event(outcome(message, replies))
+    fuzz.probe()
+
+
+def test_frontend_counted_what_it_dropped(frontend_fuzz: FrontendFuzz,
+                                          module_run_dir: Path) -> None:
+    assert frontend_fuzz.dropped > 0
+    counter(module_run_dir, "frontend", "invalid_messages", frontend_fuzz.dropped)
+
+
+@pytest.mark.parametrize("output, bad_id", [
+    ({"token_ids": [-1]}, -1), ({"token_ids": [2**63]}, 2**63),
+    ({"token_ids": [2**64 - 1], "finished": True}, 2**64 - 1),
+    ({"token_ids": [42], "logprobs": [TokenLogprobs(0.0, [-5], [0.0])]}, -5),
+], ids=["negative_id", "id_over_int64", "id_max_uint64", "negative_logprob_id"])
+def test_frontend_output_with_ids_no_tokenizer_takes(
+    frontend_fuzz: FrontendFuzz, output: dict[str, Any], bad_id: int
+) -> None:
+    """Found by the fuzzing (the frontend's I/O loop died of the tokenizer's OverflowError):
+    the chat fails naming the id, is stopped in the engine, and the frontend serves on."""
+    fuzz = frontend_fuzz
+    held, request = fuzz.hold()
+    fuzz.output.send_multipart(frames_of(EngineOutput(request_id=request.request_id, **output)))
+    [reply] = fuzz.replies.until({held}, fuzz.frontend)[held]
+    assert isinstance(reply, ChatError), reply
+    assert reply.error.code == "internal" and f"token id {bad_id}," in reply.error.message
+    abort = fuzz.engine.take()
+    assert isinstance(abort, AbortRequests) and abort.request_ids == [request.request_id]
+    fuzz.probe()
