@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,16 +48,15 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port, role_log, start_role, stop_role
+from conftest import role_log, start_role, stop_role
 from peers import PATIENCE_S, Inbox, StandInEngine, push, wait_for_stats
 from protocol.codec import Codec
 from protocol.errors import CODES, ErrorInfo
 from protocol.messages import (
     AbortRequests,
-    CacheReset,
     CancelChat,
     CancelJobs,
     ChatError,
@@ -96,7 +96,7 @@ from services.bench.images import encode, make_image, png_uri
 from services.launcher import Child
 from services.model import Preprocessor
 
-FUZZ_EXAMPLES = int(os.environ.get("MMLANE_FUZZ_EXAMPLES", "40"))
+FUZZ_EXAMPLES = int(os.environ.get("MMLANE_FUZZ_EXAMPLES", "60"))
 """Examples per fuzzed socket; raise it for a longer run (see the module docstring)."""
 FUZZ = settings(
     max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
@@ -171,14 +171,17 @@ def _replaced(tree: Any, path: tuple, value: Any) -> Any:
     return tree
 
 
+BREAKS = ["as is"] * 4 + ["node"] * 2 + ["truncated", "frames dropped", "frames added",
+                                         "empty frames", "random bytes"]
+"""How an example's frames are broken, each as likely as its count here."""
+
+
 @st.composite
 def broken(draw: st.DrawFn, messages: st.SearchStrategy[msgspec.Struct]) -> list[bytes]:
     """A message of the socket's union, as its frames, then maybe broken (module docstring)."""
     frames = frames_of(draw(messages))
     body, tensors = frames[0], frames[1:]
-    how = draw(st.sampled_from(
-        ["as is", "as is", "as is", "as is", "node", "node", "truncated", "frames dropped", "frames added",
-         "empty frames", "random bytes"]))
+    how = draw(st.sampled_from(BREAKS))
     if how == "node":
         tree = msgspec.msgpack.decode(body)
         path = draw(st.sampled_from(list(_nodes(tree))))
@@ -414,7 +417,8 @@ def engine_owes(message: Any, reply_to: str) -> set[str]:
 
 
 def outcome(message: Any, replies: dict[str, list[Any]]) -> str:
-    """What became of a fuzzed message, for hypothesis' statistics (--hypothesis-show-statistics)."""
+    """What became of a fuzzed message, for hypothesis' statistics
+    (pytest --hypothesis-show-statistics)."""
     if message is None:
         return "undecodable: dropped and counted"
     codes = sorted({r.error.code for rs in replies.values() for r in rs
@@ -439,10 +443,18 @@ def test_engine_input(engine_fuzz: EngineFuzz, data: st.DataObject) -> None:
     assert fuzz.probe() == fuzz.baseline
 
 
+def holds_nothing(run_dir: Path, role: str) -> None:
+    """Every request the role took has had its terminal reply: it holds none."""
+    wait_for_stats(run_dir, lambda s: s.role == role and s.in_flight == 0,
+                   f"the {role} holding no request", timeout_s=5)
+
+
 def test_engine_counted_what_it_dropped(engine_fuzz: EngineFuzz, module_run_dir: Path) -> None:
-    """After the fuzzing (this test runs after it): every undecodable message was counted."""
+    """After the fuzzing (this test runs after it): every undecodable message was counted,
+    and nothing is held."""
     assert engine_fuzz.dropped > 0
     counter(module_run_dir, "engine", "invalid_messages", engine_fuzz.dropped)
+    holds_nothing(module_run_dir, "engine")
 
 
 # ================================================================ the MM worker's job socket
@@ -571,8 +583,10 @@ def test_mm_worker_job_socket(worker_fuzz: WorkerFuzz, data: st.DataObject) -> N
 
 
 def test_mm_worker_counted_what_it_dropped(worker_fuzz: WorkerFuzz, module_run_dir: Path) -> None:
+    """As the engine's."""
     assert worker_fuzz.dropped > 0
     counter(module_run_dir, "mm-worker", "invalid_messages", worker_fuzz.dropped)
+    holds_nothing(module_run_dir, "mm-worker")
 
 
 # ================================================================ the frontend's sockets
@@ -603,6 +617,7 @@ class FrontendFuzz:
         self.answer_text = prep.decode([42])
         self.prep = prep
         self.messages = client_requests(prep, png_uri(make_image(32, 32)))
+        self.outputs = frontend_inputs()
         self.dropped = 0
         """Messages sent to the output socket that the frontend cannot decode."""
         self.probe()
@@ -635,8 +650,8 @@ class FrontendFuzz:
         request_id = f"held-{next(_ids)}"
         self.send(ChatRequest(request_id=request_id, messages=[ChatMessage("user", "hi")],
                               max_tokens=4, logprobs=2))
-        request = self.engine.take()
-        assert isinstance(request, EngineRequest), request
+        while not isinstance(request := self.engine.take(), EngineRequest):
+            assert isinstance(request, AbortRequests), request  # of an earlier request
         return request_id, request
 
     def close(self) -> None:
@@ -703,9 +718,14 @@ def test_frontend_client_socket(frontend_fuzz: FrontendFuzz, data: st.DataObject
     fuzz.probe()
 
 
-def frontend_inputs(request_id: str) -> st.SearchStrategy[msgspec.Struct]:
+HELD = msgspec.msgpack.encode("<the held request>")
+"""Stands in the drawn frames for the id of the request the engine holds (known only later)."""
+
+
+def frontend_inputs() -> st.SearchStrategy[msgspec.Struct]:
     """What an engine or MM worker could send: mostly about the request the engine holds."""
-    ids = st.one_of(st.just(request_id), st.just(request_id), hostile_text)
+    ids = st.one_of(st.just(msgspec.msgpack.decode(HELD)), st.just(msgspec.msgpack.decode(HELD)),
+                    hostile_text)
     token_ids = st.lists(hostile_ints, min_size=1, max_size=4)
     logprobs = st.lists(st.builds(
         TokenLogprobs, logprob=hostile_floats, top_token_ids=st.lists(hostile_ints, max_size=3),
@@ -737,8 +757,9 @@ def test_frontend_output_socket(frontend_fuzz: FrontendFuzz, data: st.DataObject
     socket (often about that chat); then the engine finishes it. The chat gets exactly one
     terminal reply, whatever came first."""
     fuzz = frontend_fuzz
+    frames = data.draw(broken(fuzz.outputs))  # first: a draw may end the example
     held, request = fuzz.hold()
-    frames = data.draw(broken(frontend_inputs(request.request_id)))
+    frames = [frame.replace(HELD, msgspec.msgpack.encode(request.request_id)) for frame in frames]
     message = decoded(fuzz.output_codec, frames)
     fuzz.dropped += message is None
     fuzz.output.send_multipart(frames)
@@ -750,8 +771,11 @@ def test_frontend_output_socket(frontend_fuzz: FrontendFuzz, data: st.DataObject
 
 def test_frontend_counted_what_it_dropped(frontend_fuzz: FrontendFuzz,
                                           module_run_dir: Path) -> None:
+    """As the engine's: every unreadable reply was counted, and no request waits for its
+    timeout."""
     assert frontend_fuzz.dropped > 0
     counter(module_run_dir, "frontend", "invalid_messages", frontend_fuzz.dropped)
+    holds_nothing(module_run_dir, "frontend")
 
 
 @pytest.mark.parametrize("output, bad_id", [
@@ -773,3 +797,106 @@ def test_frontend_output_with_ids_no_tokenizer_takes(
     abort = fuzz.engine.take()
     assert isinstance(abort, AbortRequests) and abort.request_ids == [request.request_id]
     fuzz.probe()
+
+
+# ================================================================ every role's stats and control
+
+
+ROLES = {"engine": "engine_fuzz", "mm-worker": "worker_fuzz", "frontend": "frontend_fuzz"}
+"""Each role's name in its stats, and the fixture that started it."""
+
+
+def role_child(request: pytest.FixtureRequest, role: str) -> Child:
+    fuzz = request.getfixturevalue(ROLES[role])
+    return {"engine": lambda: fuzz.engine, "mm-worker": lambda: fuzz.worker,
+            "frontend": lambda: fuzz.frontend}[role]()
+
+
+class ControlFuzz:
+    """A DEALER to a role's control socket, its stats socket subscribed, and what it dropped."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        self.ctx = zmq.Context()
+        ops = child.config.ops  # type: ignore[attr-defined]
+        self.control = self.ctx.socket(zmq.DEALER)
+        self.control.connect(ops.control_endpoint)
+        self.stats = self.ctx.socket(zmq.SUB)
+        self.stats.subscribe(b"")
+        self.stats.connect(ops.stats_endpoint)
+        self.xsub = self.ctx.socket(zmq.XSUB)  # a PUB takes only what an XSUB peer sends
+        self.xsub.connect(ops.stats_endpoint)
+        self.dropped = 0
+
+    def pong(self) -> list[bytes]:
+        assert self.control.poll(int(PATIENCE_S * 1000)), f"no Pong from the {self.child.role}"
+        return self.control.recv_multipart()
+
+    def close(self) -> None:
+        for sock in (self.control, self.stats, self.xsub):
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def control_fuzz(request: pytest.FixtureRequest) -> Iterator[dict[str, ControlFuzz]]:
+    fuzzes = {role: ControlFuzz(role_child(request, role)) for role in ROLES}
+    yield fuzzes
+    for fuzz in fuzzes.values():
+        fuzz.close()
+
+
+control_frames = st.one_of(
+    st.lists(st.binary(max_size=32), min_size=1, max_size=3),  # random frames, envelopes
+    st.builds(lambda envelope, body: [*envelope, body],
+              st.lists(st.sampled_from([b"", b"x"]), max_size=2),
+              st.sampled_from([frames_of(Ping())[0], b"", b"\x81\xa4type\xa4pong",
+                               b"\x81\xa4type\xa4ping\xc1", frames_of(Pong(
+                                   role="x", name="y", pid=-1, state="", model=""))[0]])),
+)
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+@given(frames=control_frames)
+@FUZZ
+def test_control_socket(control_fuzz: dict[str, ControlFuzz], role: str,
+                        frames: list[bytes]) -> None:
+    """A role answers each readable Ping in its envelope, drops (and counts) the rest, and
+    answers the next plain Ping."""
+    fuzz = control_fuzz[role]
+    readable = decoded(Codec(ControlRequest), frames[-1:]) is not None
+    fuzz.dropped += not readable
+    fuzz.control.send_multipart(frames)
+    if readable:
+        *envelope, pong = fuzz.pong()
+        assert envelope == frames[:-1]
+        assert msgspec.msgpack.decode(pong, type=Pong).role == role
+    fuzz.control.send_multipart(frames_of(Ping()))
+    [pong] = fuzz.pong()
+    assert msgspec.msgpack.decode(pong, type=Pong).role == role
+    event("a Ping: answered" if readable else "unreadable: dropped and counted")
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+@given(frames=st.lists(st.binary(max_size=32), min_size=1, max_size=3))
+@settings(FUZZ, max_examples=max(10, FUZZ_EXAMPLES // 5))  # each waits for a snapshot
+def test_stats_socket(control_fuzz: dict[str, ControlFuzz], role: str,
+                      frames: list[bytes]) -> None:
+    """Whatever an XSUB peer sends a role's stats socket (subscriptions, unsubscriptions,
+    anything), the role publishes on: a snapshot taken after it comes."""
+    fuzz = control_fuzz[role]
+    fuzz.xsub.send_multipart(frames)
+    sent = time.time()
+    while True:
+        assert fuzz.stats.poll(int(PATIENCE_S * 1000)), f"no Stats from the {role}"
+        stats = msgspec.msgpack.decode(fuzz.stats.recv(), type=Stats)
+        if stats.time > sent:
+            break
+    assert stats.role == role and fuzz.child.process.poll() is None
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_control_counted_what_it_dropped(control_fuzz: dict[str, ControlFuzz], role: str,
+                                         module_run_dir: Path) -> None:
+    assert control_fuzz[role].dropped > 0
+    counter(module_run_dir, role, "invalid_control_messages", control_fuzz[role].dropped)
