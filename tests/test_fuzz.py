@@ -93,6 +93,7 @@ from protocol.messages import (
 )
 from protocol.sampling import StructuredOutputs
 from services.bench.images import encode, make_image, png_uri
+from services.common.feature_cache import MAX_EPOCH
 from services.launcher import Child
 from services.model import Preprocessor
 
@@ -292,8 +293,11 @@ class Replies:
         """Every message until each of `keys` has had its terminal reply; none gets two."""
         got: dict[str, list[Any]] = {}
         done: set[str] = set()
+        deadline = time.monotonic() + PATIENCE_S
         while not keys <= done:
             assert role.process.poll() is None, f"the {role.role} died:\n{_log_tail(role)}"
+            assert time.monotonic() < deadline, \
+                f"no reply for {keys - done} from the {role.role}:\n{_log_tail(role)}"
             message = self._next()
             if message is None:
                 continue
@@ -441,6 +445,44 @@ def test_engine_input(engine_fuzz: EngineFuzz, data: st.DataObject) -> None:
             assert_clear_error(failed.error, message)
     event(outcome(message, replies))
     assert fuzz.probe() == fuzz.baseline
+
+
+def test_engine_refuses_a_nan_deadline(engine_fuzz: EngineFuzz) -> None:
+    """A NaN deadline is never passed, and at the top of the engine's heap of deadlines it
+    would stop every other request from expiring: refused, naming it."""
+    fuzz = engine_fuzz
+    request = EngineRequest(request_id=f"nan-{next(_ids)}", reply_to=fuzz.inbox.endpoint,
+                            prompt_token_ids=fuzz.prompt, sampling=SamplingParams(max_tokens=2),
+                            deadline=math.nan)
+    fuzz.send(frames_of(request))
+    [failed] = fuzz.replies.until({request.request_id}, fuzz.engine)[request.request_id]
+    assert isinstance(failed, RequestFailed) and "deadline" in failed.error.message, failed
+    assert fuzz.probe() == fuzz.baseline
+
+
+@pytest.mark.parametrize("epochs", [[2**64 - 1], [2**63 - 1, 2**64 - 1]],
+                         ids=["past_uint64", "past_int64_then_uint64"])
+def test_engine_follows_no_epoch_past_any_clock(
+    engine_fuzz: EngineFuzz, module_run_dir: Path, epochs: list[int]
+) -> None:
+    """Found by the fuzzing: a cache header naming engine epoch 2**64 - 1 made the engine
+    follow it to 2**64, which msgpack cannot carry: its output thread died on the next reply
+    (the engine went deaf) and its stats stopped. Such an epoch is not followed now: the
+    request is served without the cache, and the engine's epoch stays one a clock makes."""
+    fuzz = engine_fuzz
+    for epoch in epochs:
+        header = MMCacheHeader(sender="far-future", sender_epoch=1, engine_epoch=epoch, seq=0,
+                               capacity=1 << 20)
+        request = EngineRequest(request_id=f"epoch-{next(_ids)}", reply_to=fuzz.inbox.endpoint,
+                                prompt_token_ids=fuzz.prompt,
+                                sampling=SamplingParams(max_tokens=1), mm_cache=header)
+        fuzz.send(frames_of(request))
+        replies = fuzz.replies.until({request.request_id}, fuzz.engine)[request.request_id]
+        assert all(isinstance(r, EngineOutput) for r in replies), replies
+        assert replies[0].engine_epoch <= MAX_EPOCH
+    assert fuzz.probe() == fuzz.baseline
+    stats = wait_for_stats(module_run_dir, lambda s: s.role == "engine", "the engine's stats")
+    assert 0 < stats.epoch <= MAX_EPOCH
 
 
 def holds_nothing(run_dir: Path, role: str) -> None:

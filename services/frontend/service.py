@@ -91,6 +91,7 @@ from protocol.messages import (
     TokenLogprob,
 )
 from services.common.config import FrontendConfig
+from services.common.feature_cache import is_epoch
 from services.common.lifecycle import (
     Stop,
     drain,
@@ -489,7 +490,8 @@ class Frontend:
 
     def _see_engine_epoch(self, epoch: int) -> None:
         """Follow a newer engine cache epoch, and tell every MM worker at once."""
-        if epoch <= self._engine_epoch:  # 0 (not from an engine) or one we have passed
+        # 0 (not from an engine), one we have passed, or one no engine makes (a faulty peer's)
+        if epoch <= self._engine_epoch or not is_epoch(epoch):
             return
         self._engine_epoch = epoch
         self.metrics.counters["engine_epochs"] += 1
