@@ -425,7 +425,7 @@ def outcome(message: Any, replies: dict[str, list[Any]]) -> str:
     (pytest --hypothesis-show-statistics)."""
     if message is None:
         return "undecodable: dropped and counted"
-    codes = sorted({r.error.code for rs in replies.values() for r in rs
+    codes = sorted({r.error.code[:24] for rs in replies.values() for r in rs  # a peer's, odd
                     if isinstance(r, RequestFailed | ChatError)})
     return f"{type(message).__name__}: " + (f"error {', '.join(codes)}" if codes else "served")
 
