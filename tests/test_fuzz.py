@@ -36,6 +36,7 @@ shared cores). A longer run raises it:
 
 from __future__ import annotations
 
+import base64
 import itertools
 import math
 import os
@@ -121,7 +122,8 @@ hostile_text = st.one_of(
     utf8_text, st.just(""), st.just("x" * 100_000), st.just("\x00" * 8), st.just("é" * 5000),
 )
 NESTED_DEEP = msgspec.Raw(b"\x91" * 100_000 + b"\xc0")
-"""A list in a list ... 100 000 deep: msgpack that recursion, not the parser, must refuse."""
+"""A list in a list ... 100 000 deep: where a field is typed only by the codec's hook (a
+tensor's header), msgspec recurses into it until Python's recursion limit stops it."""
 raw_oddities = st.sampled_from([
     msgspec.Raw(b"\xa3\xff\xfe\xfd"),  # a str whose bytes are not UTF-8
     msgspec.Raw(b"\xa3\xed\xa0\x80"),  # a str holding a UTF-16 surrogate
@@ -351,10 +353,11 @@ class EngineFuzz:
 
     def __init__(self, engine: Child, run_dir: Path, prep: Preprocessor) -> None:
         assert engine.endpoint is not None
-        self.engine = engine
+        self.role = engine
         self.ctx = zmq.Context()
         self.push = push(self.ctx, engine.endpoint)
         self.inbox = Inbox.bound(self.ctx, f"ipc://{run_dir}/engine-replies.sock", FrontendInput)
+        self.reply_to = self.inbox.endpoint
         self.replies = Replies(self.inbox)
         self.codec: Codec[Any] = Codec(EngineInput)
         self.prompt = prep.tokenize_batch(["Hello, how are you?"])[0]
@@ -366,15 +369,12 @@ class EngineFuzz:
     def probe(self) -> list[int]:
         """A valid greedy request's output tokens."""
         request_id = f"probe-{next(_ids)}"
-        self.send(frames_of(EngineRequest(
+        self.push.send_multipart(frames_of(EngineRequest(
             request_id=request_id, reply_to=self.inbox.endpoint, prompt_token_ids=self.prompt,
             sampling=SamplingParams(max_tokens=3))))
-        replies = self.replies.until({request_id}, self.engine)[request_id]
+        replies = self.replies.until({request_id}, self.role)[request_id]
         assert all(isinstance(r, EngineOutput) for r in replies), replies
         return [token for reply in replies for token in reply.token_ids]
-
-    def send(self, frames: list[bytes]) -> None:
-        self.push.send_multipart(frames)
 
     def close(self) -> None:
         self.push.close(linger=0)
@@ -394,7 +394,7 @@ def engine_inputs(prep: Preprocessor, reply_to: str) -> st.SearchStrategy[msgspe
     prompt = prep.tokenize_batch(["Describe"])[0]
     ids = [*prompt, *[prep.image_token_id] * image.num_tokens]
     item = MMItem(offset=len(prompt), length=image.num_tokens, tensors=image.tensors)
-    prompts = st.one_of(
+    prompts: st.SearchStrategy[list[int]] = st.one_of(
         st.just(ids), st.just([]), st.just(long_prompt(prep)), st.lists(hostile_ints, max_size=8),
     )
     requests = st.builds(
@@ -411,13 +411,12 @@ def engine_inputs(prep: Preprocessor, reply_to: str) -> st.SearchStrategy[msgspe
     return st.one_of(requests, requests, others)
 
 
-def engine_owes(message: Any, reply_to: str) -> set[str]:
-    """The keys of the replies the engine owes the test for a message it could decode."""
-    if isinstance(message, EngineRequest | ResetEngineCache) and message.reply_to == reply_to:
-        return {message.request_id}
-    if isinstance(message, Hello) and message.reply_to == reply_to:
-        return {f"hello:{message.peer}"}
-    return set()
+def owed(message: Any, reply_to: str) -> set[str]:
+    """The keys of the replies a role owes the test for a message it could decode: one for
+    each message (a request, a job, a cache reset, a hello) that names the test's reply_to."""
+    if getattr(message, "reply_to", None) != reply_to:
+        return set()
+    return {f"hello:{message.peer}"} if isinstance(message, Hello) else {message.request_id}
 
 
 def outcome(message: Any, replies: dict[str, list[Any]]) -> str:
@@ -430,21 +429,24 @@ def outcome(message: Any, replies: dict[str, list[Any]]) -> str:
     return f"{type(message).__name__}: " + (f"error {', '.join(codes)}" if codes else "served")
 
 
+def fuzz_example(fuzz: EngineFuzz | WorkerFuzz, data: st.DataObject) -> None:
+    """One example against a role that replies to `reply_to` addresses (module docstring)."""
+    frames = data.draw(broken(fuzz.messages))
+    message = decoded(fuzz.codec, frames)
+    fuzz.dropped += message is None
+    fuzz.push.send_multipart(frames)
+    replies = fuzz.replies.until(set() if message is None else owed(message, fuzz.reply_to),
+                                 fuzz.role)
+    for failed in (r for rs in replies.values() for r in rs if isinstance(r, RequestFailed)):
+        assert_clear_error(failed.error, message)
+    event(outcome(message, replies))
+    assert fuzz.probe() == fuzz.baseline
+
+
 @given(data=st.data())
 @FUZZ
 def test_engine_input(engine_fuzz: EngineFuzz, data: st.DataObject) -> None:
-    fuzz = engine_fuzz
-    frames = data.draw(broken(fuzz.messages))
-    message = decoded(fuzz.codec, frames)
-    owed = set() if message is None else engine_owes(message, fuzz.inbox.endpoint)
-    fuzz.dropped += message is None
-    fuzz.send(frames)
-    replies = fuzz.replies.until(owed, fuzz.engine)
-    for reply in replies.values():
-        for failed in (r for r in reply if isinstance(r, RequestFailed)):
-            assert_clear_error(failed.error, message)
-    event(outcome(message, replies))
-    assert fuzz.probe() == fuzz.baseline
+    fuzz_example(engine_fuzz, data)
 
 
 def test_engine_refuses_a_nan_deadline(engine_fuzz: EngineFuzz) -> None:
@@ -454,8 +456,8 @@ def test_engine_refuses_a_nan_deadline(engine_fuzz: EngineFuzz) -> None:
     request = EngineRequest(request_id=f"nan-{next(_ids)}", reply_to=fuzz.inbox.endpoint,
                             prompt_token_ids=fuzz.prompt, sampling=SamplingParams(max_tokens=2),
                             deadline=math.nan)
-    fuzz.send(frames_of(request))
-    [failed] = fuzz.replies.until({request.request_id}, fuzz.engine)[request.request_id]
+    fuzz.push.send_multipart(frames_of(request))
+    [failed] = fuzz.replies.until({request.request_id}, fuzz.role)[request.request_id]
     assert isinstance(failed, RequestFailed) and "deadline" in failed.error.message, failed
     assert fuzz.probe() == fuzz.baseline
 
@@ -476,8 +478,8 @@ def test_engine_follows_no_epoch_past_any_clock(
         request = EngineRequest(request_id=f"epoch-{next(_ids)}", reply_to=fuzz.inbox.endpoint,
                                 prompt_token_ids=fuzz.prompt,
                                 sampling=SamplingParams(max_tokens=1), mm_cache=header)
-        fuzz.send(frames_of(request))
-        replies = fuzz.replies.until({request.request_id}, fuzz.engine)[request.request_id]
+        fuzz.push.send_multipart(frames_of(request))
+        replies = fuzz.replies.until({request.request_id}, fuzz.role)[request.request_id]
         assert all(isinstance(r, EngineOutput) for r in replies), replies
         assert replies[0].engine_epoch <= MAX_EPOCH
     assert fuzz.probe() == fuzz.baseline
@@ -510,12 +512,13 @@ class WorkerFuzz:
         self.ctx = zmq.Context()
         self.engine = StandInEngine.at(self.ctx, f"ipc://{run_dir}/mm-engine.sock")
         self.inbox = Inbox.bound(self.ctx, f"ipc://{run_dir}/mm-replies.sock", FrontendInput)
-        self.worker = start_role("mm-worker", [
+        self.reply_to = self.inbox.endpoint
+        self.role = start_role("mm-worker", [
             "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock",
             "--engine-endpoint", self.engine.endpoint, "--allowed-media-dir", str(media_dir),
             *ROLE_ARGS], run_dir, log_dir=run_dir / "logs")
-        assert self.worker.endpoint is not None
-        self.push = push(self.ctx, self.worker.endpoint)
+        assert self.role.endpoint is not None
+        self.push = push(self.ctx, self.role.endpoint)
         self.replies = Replies(self.inbox, self.engine)
         self.codec: Codec[Any] = Codec(MMWorkerInput)
         self.prompt = prep.tokenize_batch([prep.render_prompt([{"role": "user", "content": [
@@ -532,14 +535,14 @@ class WorkerFuzz:
         self.push.send_multipart(frames_of(MMJob(
             request_id=request_id, reply_to=self.inbox.endpoint, prompt_token_ids=self.prompt,
             images=[ImageUrl(url=self.image)], sampling=SamplingParams(max_tokens=2))))
-        [request] = self.replies.until({request_id}, self.worker)[request_id]
+        [request] = self.replies.until({request_id}, self.role)[request_id]
         assert isinstance(request, EngineRequest), request
         assert len(request.mm_items) == 1, request
         return request.prompt_token_ids
 
     def close(self) -> None:
         self.push.close(linger=0)
-        assert stop_role(self.worker) == 0, _log_tail(self.worker)
+        assert stop_role(self.role) == 0, _log_tail(self.role)
         self.engine.close()
         self.inbox.close()
         self.ctx.term()
@@ -572,8 +575,6 @@ def image_urls(valid: str, media_dir: Path) -> st.SearchStrategy[str]:
 
 
 def _b64(data: bytes) -> str:
-    import base64
-
     return base64.b64encode(data).decode()
 
 
@@ -599,29 +600,10 @@ def worker_inputs(prep: Preprocessor, prompt: list[int], image: str, reply_to: s
     return st.one_of(jobs, jobs, others)
 
 
-def worker_owes(message: Any, reply_to: str) -> set[str]:
-    if isinstance(message, MMJob) and message.reply_to == reply_to:
-        return {message.request_id}
-    if isinstance(message, Hello) and message.reply_to == reply_to:
-        return {f"hello:{message.peer}"}
-    return set()
-
-
 @given(data=st.data())
 @FUZZ
 def test_mm_worker_job_socket(worker_fuzz: WorkerFuzz, data: st.DataObject) -> None:
-    fuzz = worker_fuzz
-    frames = data.draw(broken(fuzz.messages))
-    message = decoded(fuzz.codec, frames)
-    owed = set() if message is None else worker_owes(message, fuzz.inbox.endpoint)
-    fuzz.dropped += message is None
-    fuzz.push.send_multipart(frames)
-    replies = fuzz.replies.until(owed, fuzz.worker)
-    for reply in replies.values():
-        for failed in (r for r in reply if isinstance(r, RequestFailed)):
-            assert_clear_error(failed.error, message)
-    event(outcome(message, replies))
-    assert fuzz.probe() == fuzz.baseline
+    fuzz_example(worker_fuzz, data)
 
 
 def test_mm_worker_counted_what_it_dropped(worker_fuzz: WorkerFuzz, module_run_dir: Path) -> None:
@@ -645,13 +627,13 @@ class FrontendFuzz:
         self.mm_worker = StandInEngine.bound(self.ctx, f"ipc://{run_dir}/fe-mm.sock",
                                              MMWorkerInput)
         self.output_endpoint = f"ipc://{run_dir}/fe-out.sock"
-        self.frontend = start_role("frontend", [
+        self.role = start_role("frontend", [
             "--engine-endpoint", self.engine.endpoint,
             "--mm-worker-endpoint", self.mm_worker.endpoint, "--port", "0",
             "--output-endpoint", self.output_endpoint, "--request-timeout", "30", *ROLE_ARGS,
         ], run_dir, log_dir=run_dir / "logs")
-        assert self.frontend.endpoint is not None
-        self.client = Inbox.client(self.ctx, self.frontend.endpoint)
+        assert self.role.endpoint is not None
+        self.client = Inbox.client(self.ctx, self.role.endpoint)
         self.output = push(self.ctx, self.output_endpoint)
         self.replies = Replies(self.client, self.engine, self.mm_worker, answer=self.play_peers)
         self.codec: Codec[Any] = Codec(ClientRequest)
@@ -683,7 +665,7 @@ class FrontendFuzz:
         request_id = f"probe-{next(_ids)}"
         self.send(ChatRequest(request_id=request_id, messages=[ChatMessage("user", "hi")],
                               max_tokens=1))
-        [reply] = self.replies.until({request_id}, self.frontend)[request_id]
+        [reply] = self.replies.until({request_id}, self.role)[request_id]
         assert isinstance(reply, ChatOutput), reply
         assert (reply.token_ids, reply.text, reply.finished) == ([42], self.answer_text, True)
 
@@ -699,7 +681,7 @@ class FrontendFuzz:
     def close(self) -> None:
         self.client.close()
         self.output.close(linger=0)
-        assert stop_role(self.frontend) == 0, _log_tail(self.frontend)
+        assert stop_role(self.role) == 0, _log_tail(self.role)
         self.engine.close()
         self.mm_worker.close()
         self.ctx.term()
@@ -752,7 +734,7 @@ def test_frontend_client_socket(frontend_fuzz: FrontendFuzz, data: st.DataObject
     owed = {""} if message is None else set() if isinstance(message, CancelChat) \
         else {message.request_id}
     fuzz.client.sock.send_multipart(frames)
-    replies = fuzz.replies.until(owed, fuzz.frontend)
+    replies = fuzz.replies.until(owed, fuzz.role)
     for reply in (r for rs in replies.values() for r in rs if isinstance(r, ChatError)):
         assert_clear_error(reply.error, message)
         assert message is not None or reply.error.code == "invalid_message", reply
@@ -806,7 +788,7 @@ def test_frontend_output_socket(frontend_fuzz: FrontendFuzz, data: st.DataObject
     fuzz.dropped += message is None
     fuzz.output.send_multipart(frames)
     fuzz.engine.answer(request.reply_to, request.request_id)
-    replies = fuzz.replies.until({held}, fuzz.frontend)
+    replies = fuzz.replies.until({held}, fuzz.role)
     event(outcome(message, replies))
     fuzz.probe()
 
@@ -833,7 +815,7 @@ def test_frontend_output_with_ids_no_tokenizer_takes(
     fuzz = frontend_fuzz
     held, request = fuzz.hold()
     fuzz.output.send_multipart(frames_of(EngineOutput(request_id=request.request_id, **output)))
-    [reply] = fuzz.replies.until({held}, fuzz.frontend)[held]
+    [reply] = fuzz.replies.until({held}, fuzz.role)[held]
     assert isinstance(reply, ChatError), reply
     assert reply.error.code == "internal" and f"token id {bad_id}," in reply.error.message
     abort = fuzz.engine.take()
@@ -849,9 +831,8 @@ ROLES = {"engine": "engine_fuzz", "mm-worker": "worker_fuzz", "frontend": "front
 
 
 def role_child(request: pytest.FixtureRequest, role: str) -> Child:
-    fuzz = request.getfixturevalue(ROLES[role])
-    return {"engine": lambda: fuzz.engine, "mm-worker": lambda: fuzz.worker,
-            "frontend": lambda: fuzz.frontend}[role]()
+    child: Child = request.getfixturevalue(ROLES[role]).role
+    return child
 
 
 class ControlFuzz:
