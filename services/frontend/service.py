@@ -448,16 +448,17 @@ class Frontend:
 
     def _count_invalid_reply(self, exc: Exception) -> None:
         self.metrics.counters["invalid_messages"] += 1
-        log.warning("dropped an invalid reply (%d so far): %s",
-                    self.metrics.counters["invalid_messages"], exc)
+        log.warning("dropped an invalid reply (%d so far): %s",  # a bug of ours: its traceback
+                    self.metrics.counters["invalid_messages"], exc,
+                    exc_info=not isinstance(exc, MMLaneError))
 
     def _fail_on_invalid_reply(self, message: FrontendInput, exc: Exception) -> None:
         """The request an invalid reply was for fails with what was wrong, and is stopped
         downstream: its engine or MM worker is not to be trusted with it any more."""
-        pending = self._inflight.get(getattr(message, "request_id", ""))
+        request_id = getattr(message, "request_id", "")  # a HelloReply names none
+        pending = self._inflight.get(request_id)
         if pending is None:
             return
-        request_id = getattr(message, "request_id", "")
         self._fail(request_id, translate(exc, "invalid reply from the engine or MM worker"))
         self._stop_downstream({request_id: pending})
 
