@@ -24,14 +24,18 @@ decode is counted in the role's stats (`invalid_messages`, `invalid_control_mess
 dropped, or, on the client socket, answered with an `invalid_message` error; and a valid
 request sent after it gets its normal reply (the engine: the same greedy tokens as before any
 fuzzing; the MM worker: the same rendered prompt; the frontend: the stand-in engine's token).
+On the frontend's output socket the fuzzer is the engine, while the stand-in engine holds a
+chat: that chat gets exactly one terminal reply, whatever came (the engine's errors pass to the
+client as the engine said them). After the fuzzing, no role holds a request.
 
 One process per role serves the whole module, fuzzed with many examples. The runs are seeded
 (`derandomize`) and bounded: FUZZ_EXAMPLES per socket (about a minute for the file on two
 shared cores). A longer run raises it:
 
-    MMLANE_FUZZ_EXAMPLES=2000 scripts/test tests/test_fuzz.py
+    MMLANE_FUZZ_EXAMPLES=1000 scripts/test tests/test_fuzz.py --hypothesis-show-statistics
 
-(BENCHMARKS.md, "Fuzzing every socket", has the cases run, times and what they found.)
+(BENCHMARKS.md, "Fuzzing every socket", has the cases run, times and what they found; each
+fix has a targeted test here beside the fuzzing that found it.)
 """
 
 from __future__ import annotations
