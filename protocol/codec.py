@@ -13,6 +13,7 @@ any other refuses them, so nothing on a tcp socket can make a process open a fil
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -47,6 +48,7 @@ class Codec(Generic[T]):
                  accept_shm: bool = False) -> None:
         self._out_frames: list[memoryview] = []
         self._in_frames: Sequence[Any] = ()
+        self._used_frames: set[int] = set()
         self._shm_writer = shm_writer
         self._shm_reader = shm.ShmReader() if accept_shm else None
         self._lost: list[str] = []
@@ -63,17 +65,28 @@ class Codec(Generic[T]):
             self._out_frames = []
 
     def decode(self, frames: Sequence[Any]) -> T:
-        """Rebuild a message from received frames (bytes or zmq.Frame); raises RequestError."""
+        """Rebuild a message from received frames (bytes or zmq.Frame); raises RequestError.
+
+        Whatever fails while decoding is the frames' fault, whoever sent them: msgspec's
+        errors, and also a RecursionError from msgpack nested too deeply, which msgspec does
+        not wrap. A frame that no tensor of the message uses is refused too, so that a sender
+        whose frames and header disagree is told at once."""
         if not frames:
             raise RequestError("empty message", code="invalid_message")
         self._in_frames = frames
+        self._used_frames = set()
         try:
             message = self._decoder.decode(_buffer(frames[0]))
-        except msgspec.DecodeError as exc:
-            raise translate(exc, "undecodable message") from exc
+        except Exception as exc:
+            raise translate(exc, "undecodable message", default="invalid_message") from exc
         finally:
             self._in_frames = ()
             lost, self._lost = self._lost, []
+        if len(self._used_frames) != len(frames) - 1:
+            raise RequestError(
+                f"undecodable message: {len(frames) - 1} frames after the body, but its "
+                f"tensors use {len(self._used_frames)}", code="invalid_message",
+            )
         if lost:
             raise TensorsLost(
                 f"{len(lost)} shared-memory tensor(s) were gone on arrival ({lost[0]}, ...): "
@@ -102,10 +115,15 @@ class Codec(Generic[T]):
             return self._take_shm(header)
         if not 0 < header.frame < len(self._in_frames):
             raise ValueError(f"tensor frame {header.frame} missing ({len(self._in_frames)} frames)")
+        if header.frame in self._used_frames:
+            raise ValueError(f"tensor frame {header.frame} is used twice")
+        self._used_frames.add(header.frame)
         buffer = _buffer(self._in_frames[header.frame])
         dtype = np.dtype(header.dtype)
-        expected = dtype.itemsize * int(np.prod(header.shape, dtype=np.int64))
-        if any(d < 0 for d in header.shape) or len(buffer) != expected:
+        if any(d < 0 for d in header.shape):
+            raise ValueError(f"tensor frame {header.frame}: negative dimension in {header.shape}")
+        expected = dtype.itemsize * math.prod(header.shape)  # Python ints: no overflow
+        if len(buffer) != expected:
             raise ValueError(
                 f"tensor frame {header.frame} holds {len(buffer)} bytes, "
                 f"shape {header.shape} of {header.dtype} needs {expected}"

@@ -170,10 +170,15 @@ def _tensor_request(header: list, frames: list[bytes]) -> list[bytes]:
         (["<f4", [2, 2], 1], [], "frame 1 missing"),
         (["<f4", [2, 2], 1], [b"\0" * 15], "holds 15 bytes"),
         (["|O", [1], 1], [b"\0" * 8], "unsupported tensor dtype"),
-        (["<f4", [-1, 4], 1], [b"\0" * 16], "needs"),
+        (["<f4", [-1, 4], 1], [b"\0" * 16], "negative dimension"),
+        (["|u1", [2**32, 2**32], 1], [b""], r"needs 18446744073709551616\b"),  # no int64 wrap
         ("not a header", [], "Expected `array`"),
+        (["|u1", [1], 1], [b"\0", b"\0"], "2 frames after the body, but its tensors use 1"),
+        (["|u1", [0], 1], [], "frame 1 missing"),
+        (msgspec.Raw(b"\x91" * 100_000 + b"\xc0"), [], "recursion depth"),  # not a crash
     ],
-    ids=["missing_frame", "short_frame", "object_dtype", "negative_shape", "bad_header"],
+    ids=["missing_frame", "short_frame", "object_dtype", "negative_shape", "huge_shape",
+         "bad_header", "extra_frame", "no_frame", "nested_deep"],
 )
 def test_bad_tensor_frames_are_refused(header, frames, match) -> None:
     with pytest.raises(RequestError, match=match):

@@ -40,6 +40,18 @@ def capacity_bytes(cache_gb: float, name: str = "mm_cache_gb") -> int:
     return int(cache_gb * GIB)
 
 
+MAX_EPOCH = 2**63 - 1
+"""The largest epoch any process makes: epochs are int64 nanoseconds (until the year 2262)."""
+
+
+def is_epoch(epoch: int) -> bool:
+    """Whether a peer's `epoch` may be followed: one a process could have made, below
+    MAX_EPOCH so that the epoch made newer than it (`new_epoch`) is one too. A larger one (2**64
+    - 1 from a faulty peer) is not: followed, the next epoch would not fit in msgpack, and the
+    stats and replies that carry it could no longer be sent."""
+    return 0 < epoch < MAX_EPOCH
+
+
 def new_epoch(previous: int = 0) -> int:
     """A new epoch: the wall clock in ns, and always larger than `previous`.
 

@@ -235,6 +235,7 @@ class StatsServer:
         try:
             codec.decode([body])
         except RequestError as exc:
+            self.metrics.counters["invalid_control_messages"] += 1  # this thread's alone
             log.warning("dropped an unreadable control message: %s", exc)
             return
         self._control.send_multipart([peer, *envelope, encoder.encode(self.metrics.pong())])

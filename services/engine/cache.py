@@ -29,7 +29,13 @@ from msgspec.structs import replace
 
 from protocol.errors import CacheMissError
 from protocol.messages import EngineRequest, MMCacheHeader, MMItem
-from services.common.feature_cache import FeatureCache, commit, new_epoch, tensors_nbytes
+from services.common.feature_cache import (
+    FeatureCache,
+    commit,
+    is_epoch,
+    new_epoch,
+    tensors_nbytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +115,8 @@ class ReceiverCaches:
     def _mirror_for(self, header: MMCacheHeader, items: list[MMItem]) -> _Mirror | None:
         """The P1 this request commits to, or None when its sender is out of sync."""
         if header.engine_epoch != self.epoch:
-            if header.engine_epoch > self.epoch:  # our clock went back across a restart
+            # Newer: our clock went back across a restart (never past what a clock makes).
+            if self.epoch < header.engine_epoch and is_epoch(header.engine_epoch):
                 self._drifted(header, "it knows a newer engine epoch than ours")
             self.counters["cache_unsynced"] += 1
             return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from protocol.errors import RequestError
@@ -14,6 +16,8 @@ MAX_MM_HASH_CHARS = 128
 
 def validate_request(request: EngineRequest, spec: ModelSpec) -> None:
     """Raise RequestError unless `request` can run on the model `spec` describes."""
+    if math.isnan(request.deadline):  # in the engine's heap of deadlines it would block expiry
+        raise RequestError("deadline must be a time (time.time(); 0: none), got nan")
     check_sampling(request.sampling, vocab_size=spec.vocab_size, prefix="sampling.")
     prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
     check_prompt(prompt, request.sampling.max_tokens, spec)

@@ -59,6 +59,7 @@ from protocol.codec import Codec
 from protocol.errors import (
     CacheMissError,
     ErrorInfo,
+    InternalError,
     MMLaneError,
     RequestError,
     RetryableError,
@@ -90,6 +91,7 @@ from protocol.messages import (
     TokenLogprob,
 )
 from services.common.config import FrontendConfig
+from services.common.feature_cache import is_epoch
 from services.common.lifecycle import (
     Stop,
     drain,
@@ -115,6 +117,8 @@ _POLL_MS = 50
 _STALLED_S = 5.0
 """An I/O loop that has not turned for this long makes /health answer 503."""
 _PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+MAX_TOKEN_ID = 2**32 - 1
+"""The largest token id a tokenizer takes (Hugging Face tokenizers holds ids as u32)."""
 
 
 @dataclass
@@ -292,6 +296,7 @@ class Frontend:
             request = self._client_codec.decode(frames)
         except RequestError as exc:
             log.warning("unreadable client message: %s", exc)
+            self.metrics.errors[exc.code] += 1
             self._reply(client, ChatError(request_id="", error=exc.to_info()))
             return
         if isinstance(request, CancelChat):
@@ -422,18 +427,41 @@ class Frontend:
             try:
                 message = self._output_codec.decode(frames)
             except RequestError as exc:
-                log.warning("dropped unreadable reply: %s", exc)
+                self._count_invalid_reply(exc)
                 continue
-            self._see_engine_epoch(message.engine_epoch)
-            if isinstance(message, EngineCacheReset):
-                self._cache_was_reset(message)
-            elif isinstance(message, HelloReply):
-                self._peer_said_hello(message)
-            elif isinstance(message, RequestFailed):
-                if message.request_id in self._inflight:
-                    self._on_failed(message.request_id, message.error)
-            else:
-                self._forward_output(message)
+            try:
+                self._take_reply(message)
+            except Exception as exc:  # a faulty peer's reply must not end the I/O loop
+                self._count_invalid_reply(exc)
+                self._fail_on_invalid_reply(message, exc)
+
+    def _take_reply(self, message: FrontendInput) -> None:
+        self._see_engine_epoch(message.engine_epoch)
+        if isinstance(message, EngineCacheReset):
+            self._cache_was_reset(message)
+        elif isinstance(message, HelloReply):
+            self._peer_said_hello(message)
+        elif isinstance(message, RequestFailed):
+            if message.request_id in self._inflight:
+                self._on_failed(message.request_id, message.error)
+        else:
+            self._forward_output(message)
+
+    def _count_invalid_reply(self, exc: Exception) -> None:
+        self.metrics.counters["invalid_messages"] += 1
+        log.warning("dropped an invalid reply (%d so far): %s",  # a bug of ours: its traceback
+                    self.metrics.counters["invalid_messages"], exc,
+                    exc_info=not isinstance(exc, MMLaneError))
+
+    def _fail_on_invalid_reply(self, message: FrontendInput, exc: Exception) -> None:
+        """The request an invalid reply was for fails with what was wrong, and is stopped
+        downstream: its engine or MM worker is not to be trusted with it any more."""
+        request_id = getattr(message, "request_id", "")  # a HelloReply names none
+        pending = self._inflight.get(request_id)
+        if pending is None:
+            return
+        self._fail(request_id, translate(exc, "invalid reply from the engine or MM worker"))
+        self._stop_downstream({request_id: pending})
 
     def _on_failed(self, request_id: str, error: ErrorInfo) -> None:
         """A terminal error; a first cache miss is not one: the job goes out again."""
@@ -464,7 +492,8 @@ class Frontend:
 
     def _see_engine_epoch(self, epoch: int) -> None:
         """Follow a newer engine cache epoch, and tell every MM worker at once."""
-        if epoch <= self._engine_epoch:  # 0 (not from an engine) or one we have passed
+        # 0 (not from an engine), one we have passed, or one no engine makes (a faulty peer's)
+        if epoch <= self._engine_epoch or not is_epoch(epoch):
             return
         self._engine_epoch = epoch
         self.metrics.counters["engine_epochs"] += 1
@@ -554,6 +583,7 @@ class Frontend:
         pending = self._inflight.get(output.request_id)
         if pending is None:
             return
+        self._check_output_ids(output)
         pending.job = None  # the engine has it: no MM worker holds it any more
         shown = output.token_ids
         if pending.checked is not None:  # a stop token adds no text (see `shown_ids`)
@@ -575,6 +605,18 @@ class Frontend:
             self.metrics.counters["stop_strings"] += 1
             self._stop_downstream({output.request_id: pending})
         self._reply(pending.client, reply)
+
+    def _check_output_ids(self, output: EngineOutput) -> None:
+        """Refuse token ids that no tokenizer takes, on which decoding would raise: only a
+        faulty engine sends them, and the request fails naming them. (Ids past the tokenizer's
+        end are fine: a model's padded vocabulary has them, and they decode to nothing.)"""
+        ids = [*output.token_ids,
+               *(token for position in output.logprobs or [] for token in position.top_token_ids)]
+        outside = [token for token in ids if not 0 <= token <= MAX_TOKEN_ID]
+        if outside:
+            raise InternalError(
+                f"the engine sent token id {outside[0]}, not a token id (0..{MAX_TOKEN_ID})"
+            )
 
     def _chat_logprobs(self, pending: InFlight, output: EngineOutput) -> list[ChatLogprobs]:
         """The logprobs of the output's new tokens, with the tokens' texts (see TokenTexts)."""

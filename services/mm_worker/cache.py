@@ -21,7 +21,7 @@ from typing import Any
 import blake3
 
 from protocol.messages import EngineRequest, MMCacheHeader
-from services.common.feature_cache import FeatureCache, commit, new_epoch
+from services.common.feature_cache import FeatureCache, commit, is_epoch, new_epoch
 
 HASH_FORMAT = "mmlane-mm-hash-1"
 """Part of every hash: change it when decoding or hashing changes what a hash stands for."""
@@ -91,10 +91,11 @@ class SenderCache:
     def see_engine_epoch(self, engine_epoch: int) -> bool:
         """Start over (empty P0, new sender epoch) when `engine_epoch` is newer than ours.
 
-        0 (the frontend knows none yet) and older epochs (a frontend that has not heard of the
-        newest one) change nothing. Returns whether P0 was cleared.
+        0 (the frontend knows none yet), older epochs (a frontend that has not heard of the
+        newest one) and epochs no engine makes (`is_epoch`) change nothing. Returns whether P0
+        was cleared.
         """
-        if engine_epoch <= self.engine_epoch:
+        if not self._newer(engine_epoch):
             return False
         self.engine_epoch = engine_epoch
         self.cache.clear()
@@ -117,10 +118,13 @@ class SenderCache:
         self.counters["cache_misses"] += len(hashes) - hits
         return found
 
+    def _newer(self, engine_epoch: int) -> bool:
+        return engine_epoch > self.engine_epoch and is_epoch(engine_epoch)
+
     def guess(self, hashes: list[str], invalidate: list[str], engine_epoch: int) -> list[bool]:
         """For each hash, whether `lookup` would find it if nothing were committed before: a
         guess for a job started ahead of others (counts nothing, changes nothing)."""
-        if engine_epoch > self.engine_epoch:  # P0 will start over before this job's lookup
+        if self._newer(engine_epoch):  # P0 will start over before this job's lookup
             return [False] * len(hashes)
         dropped = set(invalidate)
         return [self.in_use and h not in dropped and h in self.cache for h in hashes]
