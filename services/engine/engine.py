@@ -341,8 +341,9 @@ class Engine:
         except TensorsLost as exc:  # its MM worker restarted, or it waited a minute unread
             self.metrics.counters["tensors_lost"] += 1
             log.warning("%s", exc)
-            if isinstance(exc.decoded, EngineRequest):
-                self._fail(exc.decoded, exc)
+            lost = exc.decoded
+            if isinstance(lost, EngineRequest) and lost.reply_to.startswith(_REPLY_SCHEMES):
+                self._fail(lost, exc)
             return
         except Exception as exc:  # garbage has no reply address: count, log, drop
             self.metrics.counters["invalid_messages"] += 1
