@@ -54,6 +54,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
                         help="where the JSON results and server logs go")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     model = resolve_model_dir(args.model)
     rates = [float(rate) for rate in args.rates.split(",")]
     unknown = set(args.sizes.split(",")) - set(SIZES)
