@@ -36,7 +36,8 @@ from protocol.codec import Codec
 from protocol.messages import EngineInput, ImageUrl, MMJob, SamplingParams
 from services.bench.config import BenchConfig, parse_size
 from services.bench.images import data_uri, generated_jpeg
-from services.cli import config_from_argv
+from services.common.config import MMWorkerConfig, load_config, run_dir_defaults
+from services.common.settings import Settings
 from services.launcher import start_roles, stop_all
 from services.mm_worker.media import decode_image
 from services.model import Preprocessor, load_preprocessor, resolve_model_dir
@@ -72,9 +73,10 @@ class LoneMMWorker:
         self._sink.bind(engine)
         argv = ["--model", str(model_dir), "--engine-endpoint", engine,
                 "--mm-worker-endpoint", jobs, *worker_args]
-        self._children = start_roles(
-            {"mm-worker": config_from_argv("mm-worker", argv, run_dir)}, run_dir, 300,
-            log_dir=run_dir / "logs")
+        with run_dir_defaults(run_dir):  # as `mmlane mm-worker ARGV` started there builds it
+            config = load_config(MMWorkerConfig, Settings(MMWorkerConfig).parse(argv))
+        self._children = start_roles({"mm-worker": config}, run_dir, 300,
+                                     log_dir=run_dir / "logs")
         self._source = ctx.socket(zmq.PUSH)
         self._source.connect(jobs)
         self._codec: Codec = Codec(EngineInput, accept_shm=True)  # an ipc socket, as an engine's
