@@ -11,7 +11,8 @@ memory of its own. The slots are kept and reused, so their pages are allocated o
 file per tensor would cost the kernel more (allocating and zeroing every page) than the copies.
 
 A slot starts with a 64-byte header: byte 0 says whether it is full (the sender sets it after
-writing the bytes; the receiver clears it after copying them out), bytes 8-16 count the
+writing the bytes; the receiver clears it after copying them out), byte 1 that its sender has
+closed (the receiver then unlinks the slot once it has emptied it), bytes 8-16 count the
 slot's uses (its generation, named in the message, so that a message can never read a later
 use of its slot), bytes 16-24 hold the size of the bytes put (which must be what the message's
 dtype and shape need).
@@ -22,9 +23,10 @@ Bounded, and cleaned up when a peer dies:
   when it is made, so a full /dev/shm means frames, not a SIGBUS later.
 - A slot full for longer than `max_age_s` is taken back by its sender: its receiver is gone (a
   live one empties a slot as the message arrives, within milliseconds).
-- A sender unlinks its slots when it closes (once they are empty, or after a short wait), and a
-  restarted sender unlinks what its killed predecessor under the same tag left
-  (`reap_predecessors`).
+- A sender unlinks its empty slots when it closes and marks the others closed: their receiver,
+  which may still be on its way to them (an engine reading behind a worker that drained and
+  stopped), unlinks each once it has emptied it. A restarted sender unlinks what its killed
+  predecessor under the same tag left (`reap_predecessors`).
 A receiver that finds a slot gone or reused (its sender restarted meanwhile, or took the slot
 back) makes the codec raise `TensorsLost` (protocol/errors.py) with the rest of the message
 decoded, so that the request it belongs to still gets its one reply (a retryable error; the
@@ -50,7 +52,6 @@ SHM_DIR = Path("/dev/shm")
 HEADER = 64
 """Bytes before a slot's data: the full flag, the generation; the data stays 64-byte aligned."""
 _GROW = 1 << 20  # slots are sized in whole MiB, so that a slightly larger tensor still fits
-_CLOSE_WAIT_S = 2.0
 _PREFIX = "mmlane-"
 _REF = re.compile(r"(mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,9})\.([0-9]{1,20})")
 _USE = struct.Struct("<QQ")  # generation, nbytes: at offset 8
@@ -123,13 +124,12 @@ class ShmWriter:
         return f"{slot.path.name}.{slot.generation}"
 
     def close(self) -> None:
-        """Unlink every slot, once the receiver has emptied them (a message sent just before a
-        stop is still on its way) or after a short wait."""
-        deadline = time.monotonic() + _CLOSE_WAIT_S
-        while any(not slot.is_free() for slot in self._slots) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        """Unlink the empty slots; mark the full ones closed, for their receiver to unlink once
+        it has taken them (a message sent just before a stop may still be on its way)."""
         for slot in self._slots:
-            slot.path.unlink(missing_ok=True)
+            slot.mapping[1] = 1  # closed: before looking whether it is empty (see `take`)
+            if slot.is_free():
+                slot.path.unlink(missing_ok=True)
             slot.mapping.close()
         self._slots = []
 
@@ -201,6 +201,8 @@ class ShmReader:
         array = view.reshape(shape).copy()
         del view
         slot[0] = 0  # free: the sender may reuse it
+        if slot[1]:  # its sender has closed (it set this before looking whether slots were free)
+            (SHM_DIR / match[1]).unlink(missing_ok=True)
         return array
 
     def _mapping(self, name: str) -> mmap.mmap | None:

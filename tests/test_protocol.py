@@ -198,6 +198,8 @@ def writer() -> Iterator[ShmWriter]:
     writer = ShmWriter(tag, threshold=1024, capacity=2 * SLOT, max_age_s=60)
     yield writer
     writer.close()
+    for name in _slots(writer):  # full ones no receiver took
+        (shm.SHM_DIR / name).unlink()
 
 
 def _slots(writer: ShmWriter) -> dict[str, bool]:
@@ -269,10 +271,14 @@ def test_a_successor_unlinks_its_predecessors_slots_and_a_message_of_them_is_los
     assert lost.value.decoded.request_id == "r" and lost.value.decoded.reply_to == "x"
 
 
-def test_a_closed_writer_unlinks_its_slots(writer) -> None:
-    Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
-    writer.max_age_s = 0  # its one slot stays full: close waits a little, then unlinks it
-    writer.close()
+def test_a_closed_writer_unlinks_its_empty_slots_and_its_receiver_the_others(writer) -> None:
+    sender, receiver = Codec(EngineInput, shm_writer=writer), Codec(EngineInput, accept_shm=True)
+    taken = sender.encode(_image_request(64, "taken"))
+    pending = sender.encode(_image_request(64, "pending"))  # the first slot is full: a second
+    receiver.decode(taken)
+    writer.close()  # the sender stops with "pending" still on its way
+    assert list(_slots(writer).values()) == [True]  # the empty slot is gone, the full one kept
+    assert receiver.decode(pending).request_id == "pending"  # ... until its receiver takes it
     assert _slots(writer) == {}
 
 
