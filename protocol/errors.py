@@ -54,6 +54,8 @@ CODES: dict[str, Code] = {
     "image_too_large": Code("request", 413),
     "request_too_large": Code("request", 413),
     "invalid_api_key": Code("request", 401),  # no key, or a wrong one, for the HTTP API
+    "request_timeout": Code("retryable", 408),  # an HTTP client too slow sending its request
+    "rate_limit_exceeded": Code("retryable", 429),  # over the HTTP API's --http-rate-limit
     "overloaded": Code("retryable", 503),
     "peer_restarted": Code("retryable", 503),
     "aborted": Code("retryable", 503),

@@ -985,6 +985,125 @@ def test_a_stream_its_client_stops_reading_is_cut_off_and_cancelled(
         assert answered == 200  # serving on
 
 
+def _raw_answer(sock: socket.socket, timeout_s: float = 20.0) -> bytes:
+    """Everything the server sends on `sock` until it closes the connection."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _raw_error(answer: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """A raw HTTP answer's status, headers (lower-cased names) and JSON error body."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in
+               (line.partition(":") for line in header_lines)}
+    return int(status_line.split()[1]), headers, json.loads(body)["error"]
+
+
+def test_slow_heads_slow_bodies_idle_and_surplus_connections_are_bounded(
+    run_dir: Path, qwen_dir: Path
+) -> None:
+    """Slowloris heads and bodies get a 408 and are closed, a connection over the bound a 503
+    with Retry-After, an idle keep-alive connection is closed; none of it reaches the engine,
+    and the frontend serves on."""
+    with frontend_with_silent_engine(
+        run_dir, qwen_dir, "--http-header-timeout", "1", "--http-body-timeout", "1",
+        "--http-keepalive-timeout", "1", "--http-max-connections", "3",
+    ) as (_, base_url, engine):
+        port = int(base_url.split(":")[2].split("/")[0])
+        trickler = socket.create_connection(("127.0.0.1", port))
+        trickler.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        trickler.settimeout(0.25)
+        cut_off = False
+        for byte in b"X-Slow: " + b"a" * 200:  # one byte every 0.25 s: 50 s for the whole head
+            try:
+                trickler.sendall(bytes([byte]))
+                if trickler.recv(65536, socket.MSG_PEEK):
+                    cut_off = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:  # closed under the write
+                cut_off = True
+                break
+        assert cut_off, "a trickled request head was never cut off"
+        status, _, error = _raw_error(_raw_answer(trickler))
+        assert (status, error["code"]) == (408, "request_timeout"), error
+        assert "no whole request head within 1 s" in error["message"]
+
+        silent = socket.create_connection(("127.0.0.1", port))  # connects and sends nothing
+        assert _raw_error(_raw_answer(silent))[0] == 408
+
+        body = socket.create_connection(("127.0.0.1", port))
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+        status, _, error = _raw_error(_raw_answer(body))  # then closed: the body is half read
+        assert (status, error["code"]) == (408, "request_timeout"), error
+        assert "the request body stalled: nothing for 1 s" in error["message"]
+
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        time.sleep(0.2)  # all three accepted
+        surplus = socket.create_connection(("127.0.0.1", port))
+        status, headers, error = _raw_error(_raw_answer(surplus))
+        assert (status, error["code"], headers["retry-after"]) == (503, "overloaded", "1")
+        assert "holds the most connections it takes (3)" in error["message"]
+        for sock in held:
+            sock.close()
+
+        keepalive = socket.create_connection(("127.0.0.1", port))
+        keepalive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        keepalive.settimeout(20)
+        assert keepalive.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _raw_answer(keepalive) == b""  # idle for its keep-alive timeout: closed
+
+        counters = wait_for_stats(
+            run_dir, lambda s: s.role == "frontend" and s.counters.get("http_slow_bodies", 0)
+            and s.counters.get("http_connections_refused", 0), "the frontend's stats").counters
+        assert counters["http_slow_heads"] >= 2  # the trickler and the silent one (held ones too)
+        assert counters["http_slow_bodies"] == 1 and counters["http_connections_refused"] == 1
+        engine.assert_quiet(500)  # nothing reached the engine
+        with urllib.request.urlopen(f"{base_url}/models", timeout=30) as reply:
+            assert reply.status == 200  # serving on
+        for sock in (trickler, silent, body, surplus, keepalive):
+            sock.close()
+
+
+def test_the_rate_limit_answers_429_with_retry_after_per_key(
+    run_dir: Path, qwen_dir: Path
+) -> None:
+    with frontend_with_silent_engine(
+        run_dir, qwen_dir, "--http-rate-limit", "0.5", "--http-rate-burst", "2",
+        "--api-key", "alpha", "--api-key", "beta",
+    ) as (_, base_url, _engine):
+        def models(key: str) -> tuple[int, dict[str, str], dict[str, Any]]:
+            request = urllib.request.Request(f"{base_url}/models",
+                                             headers={"Authorization": f"Bearer {key}"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    return reply.status, dict(reply.headers), json.load(reply)
+            except urllib.error.HTTPError as error:
+                return error.code, dict(error.headers), json.load(error)
+
+        assert [models("alpha")[0] for _ in range(2)] == [200, 200]  # the burst
+        status, headers, body = models("alpha")
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+        assert body["error"]["type"] == "requests"  # as OpenAI's
+        assert int(headers["Retry-After"]) in (1, 2)  # a token every 2 s
+        assert "over the rate limit of 0.5 requests a second (bursts of 2)" in \
+            body["error"]["message"]
+        assert models("beta")[0] == 200  # another key has its own bucket
+        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health",
+                                    timeout=30) as reply:
+            assert reply.status == 200  # outside /v1: no limit
+        refused = wait_for_stats(
+            run_dir, lambda s: s.role == "frontend" and "rate_limit_exceeded" in s.http_refused,
+            "the frontend's count of the 429").http_refused
+        assert refused["rate_limit_exceeded"] == 1
+
+
 # ---------------------------------------------------------------- each kind of error, over HTTP
 
 

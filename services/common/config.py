@@ -224,6 +224,21 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_stream_write_timeout_s: float = 30.0
     """A streaming HTTP client that takes none of its stream for this long (its connection's
     buffers full) is disconnected and its request cancelled: a stalled reader holds nothing."""
+    http_header_timeout_s: float = 10.0
+    """A request's head (from a connection's opening, or the first byte sent to an idle one)
+    must arrive within this many seconds, else a 408 and the connection is closed (slowloris)."""
+    http_body_timeout_s: float = 30.0
+    """Most seconds between two reads of a request's body, else a 408 and the connection is
+    closed (nginx's client_body_timeout)."""
+    http_keepalive_timeout_s: float = 5.0
+    """An idle keep-alive HTTP connection is closed after this many seconds (vLLM's default)."""
+    http_max_connections: int = 1024
+    """Open HTTP connections at once; one more is answered 503 with Retry-After and closed."""
+    http_rate_limit: float = 0.0
+    """Requests a second each API key (without keys: each client address) may send to /v1;
+    one over it gets a 429 with Retry-After. 0: no limit."""
+    http_rate_burst: int = 10
+    """With --http-rate-limit, requests a key may send at once before the rate applies."""
     api_key: list[str] = []
     """API keys a client must send (`Authorization: Bearer KEY`) on every /v1 route; with none
     (nor api_key_file) the HTTP API is open."""
@@ -234,7 +249,12 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be 0 (off) or a port number, got {self.http_port}")
-        _positive(self, "http_max_body_bytes", "http_stream_write_timeout_s")
+        _positive(self, "http_max_body_bytes", "http_stream_write_timeout_s",
+                  "http_header_timeout_s", "http_body_timeout_s", "http_keepalive_timeout_s",
+                  "http_max_connections", "http_rate_burst")
+        if not self.http_rate_limit >= 0:
+            raise ValueError(f"http_rate_limit must be 0 (off) or more, got "
+                             f"{self.http_rate_limit}")
         self.ops = self.ops.named(process_name("frontend", self.client_endpoint))
         self.output_endpoint = self.output_endpoint or ipc(f"reply-{self.ops.name}")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
@@ -287,5 +307,5 @@ def handed_config(config_type: type[C], config_json: str) -> C:
 
 def _positive(config: msgspec.Struct, *names: str) -> None:
     for name in names:
-        if getattr(config, name) <= 0:
+        if not getattr(config, name) > 0:  # NaN too
             raise ValueError(f"{name} must be positive, got {getattr(config, name)}")

@@ -15,6 +15,8 @@ A client that disconnects before its reply cancels the request (`CancelChat`), w
 frontend turns into an abort; so does a streaming client that reads nothing for
 `--http-stream-write-timeout` (its connection's buffers full): it is disconnected, counted
 (`http_stalled_streams`), and holds no request.
+Slow heads and bodies, idle and surplus connections, and per-key request rates are bounded
+below the routes (http_limits.py; the body's bound is `_read_json`'s, as this module reads it).
 
 With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
@@ -85,6 +87,7 @@ from protocol.sampling import MAX_LOGPROBS
 from services.common.lifecycle import DRAINING_CODE
 from services.common.prometheus import OwnStatsCollector, registry_of
 from services.common.stats import Metrics
+from services.frontend.http_limits import Connections, HttpLimits, RateLimiter, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,8 @@ REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: not v,
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
+_AIOHTTP_KEEPALIVE_S = 7 * 24 * 3600.0
+"""aiohttp's own keep-alive timer, set out of the way: `Connections` keeps the connections'."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPENAI_SAMPLING = ("presence_penalty", "frequency_penalty")
 """OpenAI's sampling fields passed on as they are (null: the default)."""
@@ -111,10 +116,13 @@ class ApiError(Exception):
     """An error as this API answers it; the status is its code's, unless one is given."""
 
     def __init__(self, message: str, code: str, param: str | None = None, *,
-                 status: int | None = None) -> None:
+                 status: int | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message, self.code, self.param = message, code, param
         self.status = status or CODES[code].http_status
+        self.retry_after_s = RETRY_AFTER_S if retry_after_s is None and self.status == 503 \
+            else retry_after_s
+        """When `Retry-After` tells the client to try again (a 503's or a 429's)."""
 
 
 class _Stalled(Exception):
@@ -126,18 +134,20 @@ class HttpApi:
 
     def __init__(
         self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
-        max_body_bytes: int, alive: Callable[[], bool], draining: Callable[[], bool],
-        api_keys: list[str], max_n: int, metrics: Metrics, stream_write_timeout_s: float,
+        alive: Callable[[], bool], draining: Callable[[], bool],
+        api_keys: list[str], max_n: int, metrics: Metrics, limits: HttpLimits,
     ) -> None:
         self.model_id = model_id
-        self._stream_write_timeout_s = stream_write_timeout_s
+        self._limits = limits
+        self._stream_write_timeout_s = limits.stream_write_timeout_s
+        self._rates = RateLimiter(limits.rate_limit, limits.rate_burst) if limits.rate_limit \
+            else None
         self._max_n = max_n
         self._metrics = metrics
         self._prometheus = registry_of(OwnStatsCollector(metrics.snapshot))
         self._api_keys = [key.encode() for key in api_keys]
         self._client_endpoint = client_endpoint
         self._host, self._port = host, port
-        self._max_body_bytes = max_body_bytes
         self._alive = alive
         self._draining = draining
         self._ctx = zmq.asyncio.Context.shadow(ctx)  # inproc needs the frontend's context
@@ -187,21 +197,32 @@ class HttpApi:
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.connect(self._client_endpoint)
         self._reader = asyncio.create_task(self._read_replies(), name="frontend-http-replies")
-        app = web.Application(client_max_size=self._max_body_bytes,
-                              middlewares=[self._check_api_key])
+        app = web.Application(client_max_size=self._limits.max_body_bytes,
+                              middlewares=[self._guard, self._check_api_key, self._rate_limit])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._prometheus_metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=1.0)
+                                     shutdown_timeout=1.0,
+                                     keepalive_timeout=_AIOHTTP_KEEPALIVE_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        assert self._runner.server is not None
+        self._connections = Connections(
+            self._runner.server, max_connections=self._limits.max_connections,
+            header_timeout_s=self._limits.header_timeout_s,
+            keepalive_timeout_s=self._limits.keepalive_timeout_s, metrics=self._metrics,
+            error_body=lambda message, code: _error_body(ApiError(message, code)))
+        self._metrics.gauge("http_connections", lambda: len(self._connections.open))
+        # The listening socket is ours rather than a web.TCPSite's, so that every connection
+        # goes through `Connections`; the runner still closes the connections at its cleanup.
+        self._server = await asyncio.get_running_loop().create_server(
+            self._connections, self._host, self._port)
+        self.port = self._server.sockets[0].getsockname()[1]
 
     async def _shutdown(self) -> None:
+        self._server.close()
         await self._runner.cleanup()
         self._reader.cancel()
         self._dealer.close(linger=0)
@@ -248,6 +269,31 @@ class HttpApi:
     # ------------------------------------------------------------ routes
 
     @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A handler runs: its connection's request head has come (the head timer stops)."""
+        self._connections.handling(request.protocol)
+        try:
+            return await handler(request)
+        finally:
+            self._connections.handled(request.protocol)
+
+    @web.middleware
+    async def _rate_limit(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """With `--http-rate-limit`, each API key (or client address, without keys) gets that
+        many /v1 requests a second; a request over it gets a 429 with `Retry-After`."""
+        if self._rates is None or not request.path.startswith("/v1/"):
+            return await handler(request)
+        key = request.headers.get("Authorization", "") if self._api_keys else \
+            f"address {request.remote}"
+        wait = self._rates.wait_s(key)
+        if wait:
+            return self._refuse(ApiError(
+                f"over the rate limit of {self._limits.rate_limit:g} requests a second "
+                f"(bursts of {self._limits.rate_burst}); try again in {wait:.2f} s",
+                "rate_limit_exceeded", retry_after_s=wait))
+        return await handler(request)
+
+    @web.middleware
     async def _check_api_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every /v1 route needs one of the API keys, when there are any; /health stays open."""
         if not self._api_keys or not request.path.startswith("/v1/"):
@@ -260,6 +306,32 @@ class HttpApi:
         if not _known_key(key.strip().encode(), self._api_keys):
             return self._refuse(ApiError("the API key is not valid", "invalid_api_key"))
         return await handler(request)
+
+    async def _read_json(self, http: web.Request) -> Any:
+        """The body as JSON, read with `--http-body-timeout` as the longest wait between two of
+        its reads (a client that trickles its body is cut off with a 408) and no more than
+        `--http-max-body-bytes` in all (a 413)."""
+        limit, timeout = self._limits.max_body_bytes, self._limits.body_timeout_s
+        if http.content_length is not None and http.content_length > limit:
+            raise _too_large(limit)
+        body = bytearray()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(http.content.readany(), timeout)
+            except TimeoutError:
+                self._metrics.counters["http_slow_bodies"] += 1
+                raise ApiError(f"the request body stalled: nothing for {timeout:g} s "
+                               "(--http-body-timeout)", "request_timeout") from None
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(f"the request body is not valid JSON: {exc}",
+                           "invalid_request") from exc
 
     def _refuse(self, error: ApiError) -> web.Response:
         """The answer to a request refused here, before it reached the I/O thread: counted."""
@@ -289,7 +361,7 @@ class HttpApi:
 
     async def _answer(self, http: web.Request, route: _Route) -> web.StreamResponse:
         try:
-            body = await _read_json(http)
+            body = await self._read_json(http)
             request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}",
                                                              route)
             n = n_of(body, self._max_n)
@@ -625,16 +697,6 @@ def _known_key(key: bytes, keys: list[bytes]) -> bool:
     return any([hmac.compare_digest(key, known) for known in keys])
 
 
-async def _read_json(http: web.Request) -> Any:
-    try:
-        return json.loads(await http.read())
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(f"the request body is larger than {http.app._client_max_size} "
-                       "bytes", "request_too_large") from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the request body is not valid JSON: {exc}", "invalid_request") from exc
-
-
 # ---------------------------------------------------------------- the two routes
 
 
@@ -806,7 +868,9 @@ def _param_of(error: ErrorInfo) -> str | None:
 
 
 def _error_body(error: ApiError) -> dict[str, Any]:
-    if error.status < 500:
+    if error.status == 429:
+        kind = "requests"  # OpenAI's type for its rate limits
+    elif error.status < 500:
         kind = "invalid_request_error"
     else:
         kind = "overloaded_error" if error.status in (503, 504) else "server_error"
@@ -815,6 +879,16 @@ def _error_body(error: ApiError) -> dict[str, Any]:
 
 
 def _error_response(error: ApiError) -> web.Response:
-    # A 503 (overloaded, draining, a peer restarting) says when to try again, as HTTP has it.
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
-    return web.json_response(_error_body(error), status=error.status, headers=headers)
+    # A 503 (overloaded, draining, a peer restarting) and a 429 say when to try again, as HTTP
+    # has it. An answer before the whole body was read (408, 413) closes the connection: what is
+    # left of the body cannot be told from a next request.
+    headers = {"Retry-After": retry_after(error.retry_after_s)} \
+        if error.retry_after_s is not None else None
+    response = web.json_response(_error_body(error), status=error.status, headers=headers)
+    if error.status in (408, 413):
+        response.force_close()
+    return response
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(f"the request body is larger than {limit} bytes", "request_too_large")

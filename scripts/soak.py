@@ -1,0 +1,276 @@
+"""Soak: minutes of mixed load on `mmlane serve`, sampling each role's RSS and open fds.
+
+    python scripts/soak.py [--minutes 10] [--clients 4] [--sample-s 5] [--out soak]
+
+Runs `mmlane serve` on the embedded model with small caches (so that they are full early) and
+its HTTP API, and sends from `--clients` threads, until the time is up, a seeded mix of:
+text chats; chats with a new image (a new picture each time) and with a repeated one (one of a
+few: feature, encoder and prefix cache hits); streams abandoned after their first event;
+requests whose client gives up before the answer (a cancel downstream); bad input (a broken
+image, an unknown model, invalid JSON, a negative max_tokens); a slow client whose request
+head never completes (the frontend's --http-header-timeout cuts it off). Every request must get
+exactly its one expected answer: the counts of the unexpected ones are printed (and fail the
+run). Every `--sample-s`, it reads each role's RSS and open fds from /proc (the processes are
+found by their stats, as `mmlane top` finds them), and the caches' evictions (a cache that
+evicts is full) from the stats.
+
+Prints, per role, RSS and fds at the start of the second half (caches full by then) and at the
+end, and their growth over the second half; writes OUT.json (every sample) and OUT.png (the
+curves). Asserts nothing about the figures: read them (BENCHMARKS.md has a run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_common import serving
+
+from services.bench.images import jpeg_uri
+from services.common.sockets import free_tcp_port
+from services.ops.discovery import Targets
+from services.ops.feed import StatsFeed
+
+SERVE_ARGS = ["--mm-cache-gb", "0.05", "--encoder-cache-gb", "0.05", "--prefix-cache-gb", "0.05",
+              "--request-timeout", "120"]
+"""Caches of 50 MiB each, full within the first minutes of this load."""
+REPEATED = 4
+"""Images sent again and again (the rest are new each time)."""
+
+
+class Load:
+    """The clients: each picks its next action by a seeded draw, until the deadline."""
+
+    def __init__(self, http_port: int, model: str, seed: int) -> None:
+        self._port, self._model = http_port, model
+        self._seed = seed
+        self.outcomes: Counter[str] = Counter()
+        self.unexpected: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._repeated = [jpeg_uri(640, 480, 1000 + i) for i in range(REPEATED)]
+        self.actions: dict[str, tuple[float, Callable[[random.Random], str]]] = {
+            "text": (4, self._text),
+            "new image": (2, self._new_image),
+            "repeated image": (3, self._repeated_image),
+            "abandoned stream": (1, self._abandoned_stream),
+            "client gives up": (1, self._gives_up),
+            "bad input": (1, self._bad_input),
+            "slow head": (0.2, self._slow_head),
+        }
+
+    def run(self, clients: int, deadline: float) -> None:
+        threads = [threading.Thread(target=self._client, args=(i, deadline), name=f"client-{i}")
+                   for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def _client(self, index: int, deadline: float) -> None:
+        rng = random.Random(self._seed * 1000 + index)
+        names = list(self.actions)
+        weights = [self.actions[name][0] for name in names]
+        while time.monotonic() < deadline:
+            name = rng.choices(names, weights)[0]
+            try:
+                outcome = self.actions[name][1](rng)
+            except Exception as exc:  # an answer we did not expect, or none
+                outcome = f"UNEXPECTED {type(exc).__name__}: {exc}"
+            with self._lock:
+                self.outcomes[f"{name}: {outcome}"] += 1
+                if outcome.startswith("UNEXPECTED"):
+                    self.unexpected[f"{name}: {outcome}"] += 1
+
+    # ------------------------------------------------------------ the actions
+
+    def _post(self, body: dict[str, Any] | bytes, timeout_s: float = 120) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=timeout_s)
+        try:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            connection.request("POST", "/v1/chat/completions", data,
+                               {"Content-Type": "application/json"})
+            reply = connection.getresponse()
+            return reply.status, reply.read()
+        finally:
+            connection.close()
+
+    def _chat(self, content: Any, max_tokens: int = 4) -> dict[str, Any]:
+        return {"model": self._model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": content}]}
+
+    def _expect(self, status: int, reply: bytes, wanted: int) -> str:
+        if status != wanted:
+            raise AssertionError(f"HTTP {status}, not {wanted}: {reply[:200]!r}")
+        return str(status)
+
+    def _image(self, url: str) -> list[dict[str, Any]]:
+        return [{"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "what is in it?"}]
+
+    def _text(self, rng: random.Random) -> str:
+        return self._expect(*self._post(self._chat(f"question {rng.random()}")), 200)
+
+    def _new_image(self, rng: random.Random) -> str:
+        width, height = rng.choice([(320, 240), (640, 480), (1024, 768), (200, 900)])
+        url = jpeg_uri(width, height, rng.randrange(1 << 30))
+        return self._expect(*self._post(self._chat(self._image(url))), 200)
+
+    def _repeated_image(self, rng: random.Random) -> str:
+        return self._expect(*self._post(self._chat(self._image(rng.choice(self._repeated)))),
+                            200)
+
+    def _abandoned_stream(self, rng: random.Random) -> str:
+        connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=120)
+        try:
+            body = {**self._chat(f"tell me a story {rng.random()}", 64), "stream": True}
+            connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+            reply = connection.getresponse()
+            first = reply.readline()
+            if reply.status != 200 or not first.startswith(b"data: "):
+                raise AssertionError(f"HTTP {reply.status}: {first[:200]!r}")
+            return "first event, then closed"
+        finally:
+            connection.close()
+
+    def _gives_up(self, rng: random.Random) -> str:
+        try:
+            status, reply = self._post(self._chat(f"a long answer {rng.random()}", 64),
+                                       timeout_s=rng.uniform(0.01, 0.3))
+        except (TimeoutError, OSError):
+            return "gave up"
+        return self._expect(status, reply, 200)  # answered before the client gave up
+
+    def _bad_input(self, rng: random.Random) -> str:
+        bad: list[tuple[Any, int]] = [
+            (self._chat(self._image("data:image/png;base64,bm90IGFuIGltYWdl")), 400),
+            ({**self._chat("hi"), "model": "no-such-model"}, 404),
+            (b"{not json", 400),
+            ({**self._chat("hi"), "max_tokens": -1}, 400),
+        ]
+        body, wanted = rng.choice(bad)
+        return self._expect(*self._post(body), wanted)
+
+    def _slow_head(self, rng: random.Random) -> str:
+        with socket.create_connection(("127.0.0.1", self._port), timeout=60) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\n")
+            answer = sock.recv(65536)  # the 408, when the header timeout has passed
+        return self._expect(int(answer.split()[1]), answer, 408)
+
+
+def _proc(pid: int) -> tuple[float, int]:
+    """A process's RSS in MiB and its open fds, from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def sample(feed: StatsFeed, started: float) -> dict[str, Any]:
+    """One sample of every role: RSS, fds, and the counters that say its caches are full."""
+    feed.receive_for(0.5)
+    roles: dict[str, Any] = {}
+    for process in feed.ordered():
+        if process.latest is None:
+            continue
+        rss, fds = _proc(process.latest.pid)
+        roles[process.name] = {"rss_mib": round(rss, 1), "fds": fds, "caches": {
+            name: value for name, value in process.latest.counters.items()
+            if "cache" in name and (name.endswith("_bytes") or name.endswith("evictions"))}}
+    return {"t_s": round(time.monotonic() - started, 1), "roles": roles}
+
+
+def report(samples: list[dict[str, Any]], load: Load, out: Path) -> None:
+    half = samples[len(samples) // 2]
+    last = samples[-1]
+    print(f"\n{'role':<24} {'RSS MiB half':>12} {'end':>8} {'growth':>8}   "
+          f"{'fds half':>8} {'end':>5} {'max':>5}")
+    for name, end in last["roles"].items():
+        mid = half["roles"].get(name, end)
+        peak = max(s["roles"][name]["fds"] for s in samples if name in s["roles"])
+        print(f"{name:<24} {mid['rss_mib']:>12.1f} {end['rss_mib']:>8.1f} "
+              f"{end['rss_mib'] - mid['rss_mib']:>+8.1f}   {mid['fds']:>8} {end['fds']:>5} "
+              f"{peak:>5}")
+        for counter, value in end["caches"].items():
+            print(f"    {counter}: {value / 2**20:.1f} MiB" if counter.endswith("_bytes")
+                  else f"    {counter}: {value} (half: {mid['caches'].get(counter, 0)})")
+    print("\nrequests:")
+    for outcome, count in sorted(load.outcomes.items()):
+        print(f"  {count:6d}  {outcome}")
+    out.with_suffix(".json").write_text(json.dumps(
+        {"samples": samples, "outcomes": dict(load.outcomes)}, indent=1))
+    chart(samples, out.with_suffix(".png"))
+    print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def chart(samples: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(samples[-1]["roles"])
+    figure, (rss, fds) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name in names:
+        points = [(s["t_s"] / 60, s["roles"][name]) for s in samples if name in s["roles"]]
+        rss.plot([t for t, _ in points], [r["rss_mib"] for _, r in points], label=name)
+        fds.plot([t for t, _ in points], [r["fds"] for _, r in points], label=name)
+    rss.set_ylabel("RSS (MiB)")
+    fds.set_ylabel("open fds")
+    fds.set_xlabel("minutes of mixed load")
+    rss.legend(loc="center right", fontsize="small")
+    rss.set_title("mmlane serve under mixed load (scripts/soak.py)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
+    parser.add_argument("--clients", type=int, default=4, help="client threads")
+    parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the mix of actions")
+    parser.add_argument("--out", type=Path, default=Path("soak"),
+                        help="OUT.json and OUT.png are written")
+    args = parser.parse_args()
+    http_port = free_tcp_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        with serving(run_dir, "--http-port", str(http_port), *SERVE_ARGS,
+                     log_dir=run_dir / "logs"), StatsFeed(Targets("stats", (), run_dir)) as feed:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models") as reply:
+                model = json.load(reply)["data"][0]["id"]
+            load = Load(http_port, model, args.seed)
+            started = time.monotonic()
+            deadline = started + args.minutes * 60
+            loader = threading.Thread(target=load.run, args=(args.clients, deadline))
+            loader.start()
+            samples = [sample(feed, started)]
+            while loader.is_alive():
+                loader.join(args.sample_s)
+                samples.append(sample(feed, started))
+                print(f"{samples[-1]['t_s']:7.1f} s  " + "  ".join(
+                    f"{name} {r['rss_mib']:.0f} MiB {r['fds']} fds"
+                    for name, r in samples[-1]["roles"].items()), flush=True)
+    report(samples, load, args.out)
+    if load.unexpected:
+        print(f"\n{sum(load.unexpected.values())} unexpected answers:", file=sys.stderr)
+        for outcome, count in load.unexpected.most_common():
+            print(f"  {count:6d}  {outcome}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

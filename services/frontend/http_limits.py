@@ -1,0 +1,221 @@
+"""The HTTP API's bounds on its clients: connections, slow request heads, request rates.
+
+aiohttp bounds a body's size, but not how long a client may take to send a request's head, nor
+how many connections it may hold open, and it has no rate limit. Those are here, so that slow or
+abusive clients (slowloris, floods of idle connections, one key's burst) cannot take what the
+other clients need:
+
+- `Connections` is the listening socket's protocol factory. Each connection gets a
+  `_Guarded` protocol that hands everything to aiohttp's own, and refuses a connection over
+  `max_connections` with a 503 (and `Retry-After`) before aiohttp sees it. A request head (from
+  the connection's opening, or from the first byte sent to an idle connection, to aiohttp
+  calling a handler) must arrive within `header_timeout_s`, else a 408 and the connection is
+  closed; a connection idle after its answer is closed after `keepalive_timeout_s`. (aiohttp's
+  own keep-alive timer is set out of the way: it runs from a connection's opening or last
+  answer, so it would cut a head in progress without a word.) The body's own bound (between
+  two reads) is the API's: it reads the body.
+- `RateLimiter` keeps a token bucket per key (API key, or client address without keys):
+  `rate` requests a second with bursts of `burst`; a request over it waits for nothing but gets
+  a 429 saying, in `Retry-After`, when a token is back.
+
+Everything here runs on the HTTP API's event loop, the only thread that touches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.stats import Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_RATE_KEYS = 65536
+"""Keys whose buckets are kept; the least recently seen is forgotten first (a forgotten key
+starts again with a full bucket, so forgetting is only ever lenient)."""
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The frontend's `--http-*` bounds (their meanings are the settings' docstrings)."""
+
+    max_body_bytes: int
+    stream_write_timeout_s: float
+    header_timeout_s: float
+    body_timeout_s: float
+    keepalive_timeout_s: float
+    max_connections: int
+    rate_limit: float
+    rate_burst: int
+
+
+def raw_response(status: int, reason: str, body: dict[str, Any],
+                 headers: dict[str, str] | None = None) -> bytes:
+    """A whole HTTP/1.1 response that closes its connection, for answers given below aiohttp."""
+    payload = json.dumps(body).encode()
+    lines = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json",
+             f"Content-Length: {len(payload)}", "Connection: close",
+             *(f"{name}: {value}" for name, value in (headers or {}).items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+
+
+class Connections:
+    """The protocol factory of the HTTP API's listening socket (see the module's docstring)."""
+
+    def __init__(self, inner: Callable[[], asyncio.Protocol], *, max_connections: int,
+                 header_timeout_s: float, keepalive_timeout_s: float, metrics: Metrics,
+                 error_body: Callable[[str, str], dict[str, Any]]) -> None:
+        self._inner = inner
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.metrics = metrics
+        self.error_body = error_body
+        self.open: dict[asyncio.Protocol, _Guarded] = {}
+        """Each open connection's guard, by the aiohttp protocol it wraps."""
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Guarded(self, self._inner)
+
+    def handling(self, protocol: Any) -> None:
+        """aiohttp calls a handler on this connection: its request head has arrived."""
+        guard = self.open.get(protocol)
+        if guard is not None:
+            guard.handling(True)
+
+    def handled(self, protocol: Any) -> None:
+        """The handler returned: the connection is idle until the client's next byte."""
+        guard = self.open.get(protocol)
+        if guard is not None:
+            guard.handling(False)
+
+
+class _Guarded(asyncio.Protocol):
+    """One connection: aiohttp's protocol inside, the connection bound, and one timer: the
+    head's (a request is on its way) or the keep-alive's (idle after an answer)."""
+
+    def __init__(self, connections: Connections, inner: Callable[[], asyncio.Protocol]) -> None:
+        self._connections = connections
+        self._make_inner = inner
+        self._inner: asyncio.Protocol | None = None
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_for = ""
+        """"head" or "idle": what the timer bounds ("": none is armed)."""
+        self._busy = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        connections = self._connections
+        if len(connections.open) >= connections.max_connections:
+            connections.metrics.counters["http_connections_refused"] += 1
+            log.warning("HTTP connection from %s refused: %d are open, the most allowed "
+                        "(--http-max-connections)", transport.get_extra_info("peername"),
+                        len(connections.open))
+            transport.write(raw_response(503, "Service Unavailable", connections.error_body(
+                f"the HTTP API holds the most connections it takes "
+                f"({connections.max_connections}); try again", "overloaded"),
+                {"Retry-After": "1"}))
+            transport.close()
+            return
+        self._inner = self._make_inner()
+        connections.open[self._inner] = self
+        self._arm("head")
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is None:
+            return
+        if not self._busy and self._timer_for != "head":  # a request's first byte, when idle
+            self._arm("head")
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._inner is not None:
+            self._connections.open.pop(self._inner, None)
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def handling(self, busy: bool) -> None:
+        self._busy = busy
+        self._disarm()
+        if not busy:
+            self._arm("idle")
+
+    def _arm(self, what: str) -> None:
+        self._disarm()
+        connections = self._connections
+        seconds, then = (connections.header_timeout_s, self._too_slow) if what == "head" \
+            else (connections.keepalive_timeout_s, self._idle_too_long)
+        self._timer = asyncio.get_running_loop().call_later(seconds, then)
+        self._timer_for = what
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_for = ""
+
+    def _idle_too_long(self) -> None:
+        self._timer, self._timer_for = None, ""
+        if self._transport is not None:
+            self._transport.close()
+
+    def _too_slow(self) -> None:
+        self._timer, self._timer_for = None, ""
+        transport, connections = self._transport, self._connections
+        if transport is None or transport.is_closing():
+            return
+        connections.metrics.counters["http_slow_heads"] += 1
+        log.warning("HTTP connection from %s sent no whole request head in %g s "
+                    "(--http-header-timeout): 408, closed", transport.get_extra_info("peername"),
+                    connections.header_timeout_s)
+        transport.write(raw_response(408, "Request Timeout", connections.error_body(
+            f"no whole request head within {connections.header_timeout_s:g} s",
+            "request_timeout")))
+        transport.close()
+
+
+class RateLimiter:
+    """Token buckets by key: `rate` requests a second, `burst` at once (module docstring)."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self._rate, self._burst = rate, burst
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        """key -> (tokens, when they were counted)."""
+
+    def wait_s(self, key: str) -> float:
+        """Take a token for `key`: 0.0 if there was one, else the seconds until there is one
+        (and nothing is taken)."""
+        now = time.monotonic()
+        tokens, then = self._buckets.pop(key, (float(self._burst), now))
+        tokens = min(float(self._burst), tokens + (now - then) * self._rate)
+        wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / self._rate
+        self._buckets[key] = (tokens - 1.0 if wait == 0.0 else tokens, now)
+        if len(self._buckets) > MAX_RATE_KEYS:
+            self._buckets.popitem(last=False)
+        return wait
+
+
+def retry_after(wait_s: float) -> str:
+    """`Retry-After` in whole seconds, rounded up: a client that waits that long gets through."""
+    return str(max(1, math.ceil(wait_s)))

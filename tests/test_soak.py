@@ -1,0 +1,35 @@
+"""scripts/soak.py, briefly: a mixed load where every request gets the answer it should, and
+samples of every role's RSS and fds (the ten-minute run's figures are in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytest.importorskip("matplotlib", reason="the soak's chart needs the 'bench' extra")
+
+
+def test_a_short_soak_answers_every_request_as_expected(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    run = subprocess.run(
+        [sys.executable, "scripts/soak.py", "--minutes", "0.4", "--sample-s", "2",
+         "--clients", "3", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    samples = result["samples"]
+    assert len(samples) >= 3
+    roles = samples[-1]["roles"]
+    assert {name.split("-")[0] for name in roles} >= {"frontend", "mm", "engine"}, roles
+    assert all(role["rss_mib"] > 0 and role["fds"] > 0 for role in roles.values())
+    actions = {outcome.split(":")[0] for outcome in result["outcomes"]}
+    assert actions >= {"text", "new image", "repeated image", "bad input"}, actions
+    assert not any("UNEXPECTED" in outcome for outcome in result["outcomes"])
