@@ -21,6 +21,7 @@ machine's load shows in all of them alike; each figure is the median of its roun
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -139,13 +140,8 @@ def _work(pre: Preprocessor, pixels: str, max_pixels: int) -> Callable[[bytes], 
     return float_path if pixels == "float" else uint8_path
 
 
-def _worker(model_dir: Path, url: str, images: int, processes: int, run_dir: Path) -> float:
-    return worker_images_per_s(run_dir, model_dir, url, images, processes)
-
-
-def _inprocess(work: Callable[[bytes], object], data: bytes, images: int, threads: int,
-               run_dir: Path) -> float:
-    """Images/s of `work` on a pool of `threads` threads of this process (`run_dir` unused)."""
+def _inprocess(work: Callable[[bytes], object], data: bytes, images: int, threads: int) -> float:
+    """Images/s of `work` on a pool of `threads` threads of this process."""
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(work, [data] * threads))  # warm
         started = time.perf_counter()
@@ -166,19 +162,23 @@ def run_throughput(config: BenchConfig, run_dir: Path,
     pre = load_preprocessor(model_dir)
     load_avg = list(os.getloadavg())
     images, url = config.throughput_images, data_uri(data)
-    runs: dict[tuple[str, str], Callable[[Path], float]] = {}
+    runs: dict[tuple[str, str], Callable[[], float]] = {}
+    dirs = (run_dir / f"throughput-{index}" for index in itertools.count())  # a worker's each
+
+    def worker(processes: int) -> Callable[[], float]:
+        return lambda: worker_images_per_s(next(dirs), model_dir, url, images, processes)
+
     for threads in (1, 2):
         for pixels in ("float", "uint8"):
             work = _work(pre, pixels, config.max_image_pixels)
             name = f"in-process, {threads} thread{'s' if threads > 1 else ''}"
             runs[(name, pixels)] = partial(_inprocess, work, data, images, threads)
     for n in worker_processes(config):
-        runs[(f"mm-worker, {n} proc{'s' if n > 1 else ''}", "uint8")] = partial(
-            _worker, model_dir, url, images, n)
+        runs[(f"mm-worker, {n} proc{'s' if n > 1 else ''}", "uint8")] = worker(n)
     figures: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
     for round_ in range(config.throughput_rounds):
-        for index, ((design, pixels), run) in enumerate(runs.items()):
-            figures[(design, pixels)].append(run(run_dir / f"throughput-{round_}-{index}"))
+        for (design, pixels), run in runs.items():
+            figures[(design, pixels)].append(run())
             progress(f"round {round_ + 1}: {design} ({pixels}): "
                      f"{figures[(design, pixels)][-1]:.2f} images/s")
     return ThroughputResult(
