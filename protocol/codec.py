@@ -44,7 +44,7 @@ class TensorHeader(msgspec.Struct, array_like=True, frozen=True):
 class Codec(Generic[T]):
     """Encoder for any message, typed decoder for one union (the messages of one socket)."""
 
-    def __init__(self, decode_type: Any, *, shm_writer: shm.ShmWriter | None = None,
+    def __init__(self, decode_type: Any, *, shm_writer: shm.ShmSender | None = None,
                  accept_shm: bool = False) -> None:
         self._out_frames: list[memoryview] = []
         self._in_frames: Sequence[Any] = ()

@@ -7,7 +7,7 @@
     │            image_too_large, request_too_large, invalid_api_key
     ├── RetryableError               not the request's fault; the same request may succeed later
     │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss, backend_died,
-    │     │        tensors_lost
+    │     │        tensors_lost, request_timeout, rate_limit_exceeded
     │     ├── CacheMissError         the engine lacks cached items a request refers to (`mm_hashes`)
     │     └── TensorsLost            a message's shared-memory tensors were gone (protocol/shm.py)
     ├── InternalError                our fault, in one request: it fails, the process serves on

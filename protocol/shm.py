@@ -26,7 +26,16 @@ Bounded, and cleaned up when a peer dies:
 - A sender unlinks its empty slots when it closes and marks the others closed: their receiver,
   which may still be on its way to them (an engine reading behind a worker that drained and
   stopped), unlinks each once it has emptied it. A restarted sender unlinks what its killed
-  predecessor under the same tag left (`reap_predecessors`).
+  predecessor under the same tag left (`reap`).
+A pool process of the MM worker (services/mm_worker/pool.py) has a `ShmWriter` of its own and
+puts its results into its slots; the worker takes them as views (`ShmViews.adopt`, no copy) and
+its codec sends a view's slot on to the engine as it is (`ShmViews.put`): the pixels are copied
+once into a slot where they are made, and once out of it in the engine. A view the worker drops
+unsent (its job failed or was cancelled) frees its slot; for an engine that takes no shared
+memory (tcp), or a tensor too small to be worth a slot, the worker copies the view out at once
+and frees the slot. The slots of a pool process that died are released as its close would
+(`abandon`).
+
 A receiver that finds a slot gone or reused (its sender restarted meanwhile, or took the slot
 back) makes the codec raise `TensorsLost` (protocol/errors.py) with the rest of the message
 decoded, so that the request it belongs to still gets its one reply (a retryable error; the
@@ -35,6 +44,7 @@ receiver cache, which missed the request's commit, falls out of sync and starts 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import mmap
@@ -42,9 +52,11 @@ import os
 import re
 import struct
 import time
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -54,12 +66,51 @@ HEADER = 64
 _GROW = 1 << 20  # slots are sized in whole MiB, so that a slightly larger tensor still fits
 _PREFIX = "mmlane-"
 _REF = re.compile(r"(mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,9})\.([0-9]{1,20})")
+_STEM = re.compile(r"mmlane-[0-9a-f]{12}-[0-9]{1,20}-")
 _USE = struct.Struct("<QQ")  # generation, nbytes: at offset 8
 
 
 def available() -> bool:
     """Whether this host has the shared-memory filesystem the transport uses (Linux)."""
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+class ShmSender(Protocol):
+    """What a codec that sends through shared memory needs: a slot's reference for an array,
+    or None to send it as a frame."""
+
+    def put(self, array: np.ndarray) -> str | None: ...
+
+
+def reap(tag: str, keep: str = "") -> int:
+    """Unlink every slot under `tag` but those whose name starts with `keep`: what a killed
+    predecessor under the same tag left. How many there were."""
+    reaped = 0
+    for path in SHM_DIR.glob(f"{_PREFIX}{tag}-*"):
+        if not keep or not path.name.startswith(keep):
+            path.unlink(missing_ok=True)
+            reaped += 1
+    return reaped
+
+
+def abandon(stem: str) -> None:
+    """Release the slots of a writer that is gone without closing them (a killed pool process),
+    as its `close` would have. A stem that is not a writer's (a process that died before it
+    said its own) names nothing."""
+    if not _STEM.fullmatch(stem):
+        return
+    for path in SHM_DIR.glob(f"{stem}*"):
+        mapping = _open(path.name)
+        if mapping is not None:
+            _close_slot(path, mapping)
+
+
+def _close_slot(path: Path, mapping: mmap.mmap) -> None:
+    """A writer lets go of a slot: unlinked if empty, else marked closed for its receiver."""
+    mapping[1] = 1  # closed: before looking whether it is empty (see `ShmReader.take`)
+    if mapping[0] == 0:
+        path.unlink(missing_ok=True)
+    mapping.close()
 
 
 def sender_tag(identity: str) -> str:
@@ -87,21 +138,12 @@ class ShmWriter:
         self.threshold = threshold
         self.capacity = capacity
         self.max_age_s = max_age_s
-        self._stem = f"{_PREFIX}{tag}-{time.time_ns()}-"
+        self.stem = f"{_PREFIX}{tag}-{time.time_ns()}-"
+        """The start of every slot name of this writer's."""
         self._slots: list[_Slot] = []
         self.counters: Counter[str] = Counter()
         """shm_tensors and shm_bytes (put into slots), shm_fallbacks (sent as frames instead,
-        no slot free and no room), shm_reaped (slots taken back untaken, or a predecessor's)."""
-
-    def reap_predecessors(self) -> int:
-        """Unlink the slots an earlier process under the same tag left; how many there were."""
-        reaped = 0
-        for path in SHM_DIR.glob(f"{_PREFIX}{self.tag}-*"):
-            if not path.name.startswith(self._stem):
-                path.unlink(missing_ok=True)
-                reaped += 1
-        self.counters["shm_reaped"] += reaped
-        return reaped
+        no slot free and no room), shm_reaped (full slots taken back untaken)."""
 
     def put(self, array: np.ndarray) -> str | None:
         """The reference of a slot now holding `array`'s bytes, or None: send it as a frame."""
@@ -127,10 +169,7 @@ class ShmWriter:
         """Unlink the empty slots; mark the full ones closed, for their receiver to unlink once
         it has taken them (a message sent just before a stop may still be on its way)."""
         for slot in self._slots:
-            slot.mapping[1] = 1  # closed: before looking whether it is empty (see `take`)
-            if slot.is_free():
-                slot.path.unlink(missing_ok=True)
-            slot.mapping.close()
+            _close_slot(slot.path, slot.mapping)
         self._slots = []
 
     def _free_slot(self, nbytes: int) -> _Slot | None:
@@ -147,7 +186,7 @@ class ShmWriter:
         size = HEADER + -(-nbytes // _GROW) * _GROW
         if sum(s.size for s in self._slots) + size > self.capacity:
             return None
-        path = SHM_DIR / f"{self._stem}{len(self._slots)}"
+        path = SHM_DIR / f"{self.stem}{len(self._slots)}"
         try:
             mapping = _create(path, size)
         except OSError:  # no room in /dev/shm (or none at all): frames still work
@@ -182,27 +221,14 @@ class ShmReader:
         after it), or None when the slot is gone or holds another use by now. Raises ValueError
         for a reference that names no slot, or bytes of another size than `dtype` and `shape`
         need."""
-        match = _REF.fullmatch(ref)
-        if match is None:
-            raise ValueError(f"{ref!r} is not a shared-memory tensor reference")
-        if any(d < 0 for d in shape):
-            raise ValueError(f"shared-memory tensor {ref} has a negative shape {shape}")
-        nbytes = dtype.itemsize * math.prod(shape)  # Python ints: no overflow
-        slot = self._mapping(match[1])
-        if slot is None:
+        name, generation, nbytes = _parse(ref, dtype, shape)
+        slot = self._mapping(name)
+        if slot is None or not _holds(slot, ref, generation, dtype, shape):
             return None
-        generation, put = _USE.unpack_from(slot, 8)
-        if slot[0] != 1 or generation != int(match[2]):
-            return None
-        if put != nbytes or HEADER + nbytes > len(slot):
-            raise ValueError(f"shared-memory tensor {ref} holds {put} bytes, shape {shape} of "
-                             f"{dtype} needs {nbytes}")
         view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize, offset=HEADER)
         array = view.reshape(shape).copy()
         del view
-        slot[0] = 0  # free: the sender may reuse it
-        if slot[1]:  # its sender has closed (it set this before looking whether slots were free)
-            (SHM_DIR / match[1]).unlink(missing_ok=True)
+        _free(slot, name)
         return array
 
     def _mapping(self, name: str) -> mmap.mmap | None:
@@ -212,18 +238,126 @@ class ShmReader:
             return slot
         for known in [n for n in self._mappings if not (SHM_DIR / n).exists()]:
             self._mappings.pop(known).close()
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
-        except FileNotFoundError:
+        slot = _open(name)
+        if slot is None:
             return None
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER:
-                raise ValueError(f"shared-memory slot {name} is {size} bytes, no slot's size")
-            slot = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
         self._mappings[name] = slot
         if len(self._mappings) > self.MAPPINGS:
             self._mappings.popitem(last=False)[1].close()
         return slot
+
+
+def _open(name: str) -> mmap.mmap | None:
+    """Slot `name` mapped, or None when it is gone."""
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER:
+            raise ValueError(f"shared-memory slot {name} is {size} bytes, no slot's size")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _parse(ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int, int]:
+    """A reference's slot name and generation, and the bytes `dtype` and `shape` need; raises
+    ValueError for a reference that names no slot, or a negative shape."""
+    match = _REF.fullmatch(ref)
+    if match is None:
+        raise ValueError(f"{ref!r} is not a shared-memory tensor reference")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shared-memory tensor {ref} has a negative shape {shape}")
+    return match[1], int(match[2]), dtype.itemsize * math.prod(shape)  # Python ints
+
+
+def _holds(slot: mmap.mmap, ref: str, generation: int, dtype: np.dtype,
+           shape: tuple[int, ...]) -> bool:
+    """Whether `slot` still holds the use `ref` names (False: taken back, or reused); raises
+    ValueError when that use's bytes are not what `dtype` and `shape` need."""
+    used, put = _USE.unpack_from(slot, 8)
+    if slot[0] != 1 or used != generation:
+        return False
+    nbytes = dtype.itemsize * math.prod(shape)
+    if put != nbytes or HEADER + nbytes > len(slot):
+        raise ValueError(f"shared-memory tensor {ref} holds {put} bytes, shape {shape} of "
+                         f"{dtype} needs {nbytes}")
+    return True
+
+
+class ShmViews:
+    """The MM worker's side of its pool processes' slots: each tensor a pool process put is
+    taken as a view of its slot (`adopt`), and handed on to the engine as that slot (`put`, the
+    codec's), or released when it is dropped unsent. With `keep_from` None (no engine takes
+    shared memory) or a tensor under `keep_from` bytes, it is copied out and its slot freed at
+    once. Slots stay mapped while views of them live; a mapping whose file is gone is closed
+    once no view is left."""
+
+    def __init__(self, keep_from: int | None) -> None:
+        self.keep_from = keep_from
+        self._mappings: dict[str, mmap.mmap] = {}
+        self._views: dict[int, tuple[weakref.ref[np.ndarray], str, weakref.finalize]] = {}
+        self.counters: Counter[str] = Counter()
+        """shm_tensors, shm_bytes: handed on to the engine in their slots (no copy);
+        shm_fallbacks: a pool process found no slot and sent its tensor in its message."""
+
+    def adopt(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+        """The array a pool process put into slot `ref`: a view of the slot, or a copy (slot
+        freed); None when the slot is gone or reused. Raises ValueError as `ShmReader.take`."""
+        name, generation, nbytes = _parse(ref, dtype, shape)
+        slot = self._mapping(name)
+        if slot is None or not _holds(slot, ref, generation, dtype, shape):
+            return None
+        view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
+                             offset=HEADER).reshape(shape)
+        if self.keep_from is None or nbytes < self.keep_from:
+            array = view.copy()
+            del view
+            _free(slot, name)
+            return array
+        key = id(view)
+        release = weakref.finalize(view, self._release, key, name, generation)
+        self._views[key] = (weakref.ref(view), ref, release)
+        return view
+
+    def put(self, array: np.ndarray) -> str | None:
+        """The codec's side: the slot reference of an adopted view, which is the engine's to
+        free from now on; None for any other array."""
+        entry = self._views.get(id(array))
+        if entry is None or entry[0]() is not array:
+            return None
+        del self._views[id(array)]
+        entry[2].detach()
+        self.counters["shm_tensors"] += 1
+        self.counters["shm_bytes"] += array.nbytes
+        return entry[1]
+
+    def _release(self, key: int, name: str, generation: int) -> None:
+        """A view dropped unsent: free its slot, unless it holds another use by now."""
+        self._views.pop(key, None)
+        slot = self._mappings.get(name)
+        if slot is not None and slot[0] == 1 and _USE.unpack_from(slot, 8)[0] == generation:
+            _free(slot, name)
+
+    def _mapping(self, name: str) -> mmap.mmap | None:
+        slot = self._mappings.get(name)
+        if slot is not None:
+            return slot
+        for known in [n for n in self._mappings if not (SHM_DIR / n).exists()]:
+            with contextlib.suppress(BufferError):  # views of it live on: kept until later
+                self._mappings[known].close()
+                del self._mappings[known]
+        slot = _open(name)
+        if slot is not None:
+            self._mappings[name] = slot
+        return slot
+
+
+def _free(slot: mmap.mmap, name: str) -> None:
+    """A receiver is done with a slot's bytes: free for its writer, or unlinked when that writer
+    has closed (it set the flag before looking whether its slots were free)."""
+    slot[0] = 0
+    if slot[1]:
+        (SHM_DIR / name).unlink(missing_ok=True)

@@ -3,13 +3,18 @@ plain memcpy of the same bytes, in one run.
 
     python scripts/bench_transport.py [--messages 40] [--rounds 3] [--mb 5.79]
 
-Each message is an EngineRequest with one image's uint8 pixel_values (5.79 MB: a 12 MP photo
-for the embedded tiny Qwen2-VL), encoded by the real codec and sent over a real ipc PUSH/PULL
-pair to a second process, which decodes it and reads one byte of every page of the pixels (so
-that a mapping's pages are in, as whoever uses the tensor would fault them in). `frames` is the
-codec as over tcp; `shm` gives the sender's codec a ShmWriter (protocol/shm.py), as the MM
-worker does for an ipc engine. `memcpy` copies the same bytes into a new array in one process
-(`np.copyto`), the bound the issue measures against. Per round the three alternate. The sender
+Each message is an EngineRequest with one image's uint8 pixel_values (5.79 MB: a 12 MP photo for
+the embedded tiny Qwen2-VL), encoded by the real codec and sent over a real ipc PUSH/PULL pair to a
+second process, which decodes it and reads one byte of every page of the pixels (so that a
+mapping's pages are in, as whoever uses the tensor would fault them in). `frames` is the codec as
+over tcp; `shm` gives the sender's codec a ShmWriter (protocol/shm.py), as the MM worker does for
+an ipc engine without a pool. `pool slot` is the way of an MM worker with a pool (`--mm-processes`
+2 or more): the pixels already lie in a slot of a pool process's own writer, where the process put
+them as it made them (that copy replaced the pool's earlier copy into a block of its own, and is
+not timed: before each pass, every message's pixels are put into a slot of their own); the sender
+takes each as a view (`ShmViews.adopt`) and its codec hands the slot on, so the transport copies
+once, in the receiver. `memcpy` copies the same bytes into a new array in one process
+(`np.copyto`), the bound the issue measures against. Per round the four alternate. The sender
 sends its messages back to back, at most WINDOW (4) not yet read by the receiver, a first pass to
 warm up (the sockets; the slots, which an MM worker reuses), then the timed one; throughput is the
 bytes of all over the time from the first encode to the receiver's last read (CLOCK_MONOTONIC is
@@ -79,15 +84,22 @@ def transport(mode: str, pixels: np.ndarray, count: int,
     push = ctx.socket(zmq.PUSH)
     push.connect(endpoint)
     writer = (shm.ShmWriter(shm.sender_tag(f"bench-{time.time_ns()}"), threshold=1 << 20,
-                            capacity=1 << 30, max_age_s=60) if mode == "shm" else None)
-    codec: Codec = Codec(EngineInput, shm_writer=writer)
+                            capacity=2 << 30, max_age_s=60) if mode != "frames" else None)
+    views = shm.ShmViews(keep_from=1 << 20)
+    codec: Codec = Codec(EngineInput, shm_writer=views if mode == "pool slot" else writer)
     for _ in range(2):  # the first pass warms the sockets and the slots up
         in_flight = 0
-        for _ in range(count):
+        made = [str(writer.put(pixels)) for _ in range(count)] \
+            if writer is not None and mode == "pool slot" else []
+        for index in range(count):
             if in_flight == WINDOW:
                 back.recv()
                 in_flight -= 1
-            push.send_multipart(codec.encode(request(pixels, time.monotonic())), copy=False)
+            sent_at = time.monotonic()
+            tensor = views.adopt(made[index], pixels.dtype, pixels.shape) if made else pixels
+            assert tensor is not None  # its slot is ours until the receiver frees it
+            push.send_multipart(codec.encode(request(tensor, sent_at)), copy=False)
+            del tensor
             in_flight += 1
         for _ in range(in_flight):
             back.recv()
@@ -118,7 +130,7 @@ def main() -> None:
                         "(5.79: a 12 MP photo's uint8 pixels for the tiny Qwen2-VL)")
     args = parser.parse_args()
     pixels = np.random.default_rng(0).integers(0, 256, int(args.mb * 1e6), np.uint8)
-    latencies: dict[str, list[float]] = {"memcpy": [], "frames": [], "shm": []}
+    latencies: dict[str, list[float]] = {"memcpy": [], "frames": [], "shm": [], "pool slot": []}
     totals = dict.fromkeys(latencies, 0.0)
     with tempfile.TemporaryDirectory(prefix="mml-bench-") as tmp:
         for _ in range(args.rounds):
@@ -129,9 +141,9 @@ def main() -> None:
                 totals[mode] += total
     sent = pixels.nbytes * args.messages * args.rounds
     print(f"{pixels.nbytes:,} bytes per message, {args.rounds} rounds x {args.messages}")
-    print(f"{'mode':8} {'latency p50 ms':>15} {'GB/s':>6} {'of memcpy':>10}")
+    print(f"{'mode':9} {'latency p50 ms':>15} {'GB/s':>6} {'of memcpy':>10}")
     for mode, times in latencies.items():
-        print(f"{mode:8} {statistics.median(times) * 1e3:15.2f} {sent / totals[mode] / 1e9:6.2f} "
+        print(f"{mode:9} {statistics.median(times) * 1e3:15.2f} {sent / totals[mode] / 1e9:6.2f} "
               f"{totals['memcpy'] / totals[mode]:9.0%}")
 
 

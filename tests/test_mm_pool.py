@@ -30,8 +30,9 @@ import zmq
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from test_mm_worker import shm_slots
 
-from conftest import start_role, stop_role
+from conftest import role_log, start_role, stop_role
 from peers import Inbox, StandInEngine, push, send, wait_until
 from protocol.errors import RequestError, RetryableError
 from protocol.messages import (
@@ -360,9 +361,11 @@ class TestRealPool:
             yield worker, engine, replies, jobs
         finally:
             jobs.close()
-            stop_role(worker)
+            assert stop_role(worker) == 0
             engine.close()
             replies.close()
+        # Its processes closed their slots (the engine emptied every one): none is left.
+        assert shm_slots(worker.endpoint) == {}, role_log(worker)
 
     def job(self, request_id: str, reply_to: str, *urls: str) -> MMJob:
         pre = preprocessor_of_default()
@@ -388,11 +391,25 @@ class TestRealPool:
             for name, tensor in expected.tensors.items():
                 assert np.array_equal(item.tensors[name], tensor), name
             assert item.length == expected.num_tokens
+        # The big images' pixels came in the pool processes' own slots, taken by the engine.
+        assert shm_slots(worker.endpoint) and not any(shm_slots(worker.endpoint).values())
 
+    def test_a_failed_jobs_pixels_free_their_slot(self, setup: Any) -> None:
+        worker, engine, replies, jobs = setup
+        big = data_uri(encode(noise_image(1600, 1200, seed=30), "JPEG"))
+        send(jobs, self.job("half-bad", replies.endpoint, big, "data:image/png;base64,AAAA"))
+        failure = replies.take()
+        assert isinstance(failure, RequestFailed) and failure.error.code == "invalid_image"
+        # The first image was processed into a slot, then dropped unsent with its job.
+        wait_until(lambda: not any(shm_slots(worker.endpoint).values()),
+                   "the dropped pixels' slot freed")
+        engine.assert_quiet()
     def test_a_dead_process_fails_its_job_alone_and_is_replaced(self, setup: Any) -> None:
         worker, engine, replies, jobs = setup
         before = pool_pids(worker.process.pid)
         assert len(before) == 2
+        stems_before = _stems(shm_slots(worker.endpoint))
+        assert stems_before  # each process that processed a big image made a slot
         for pid in before:  # frozen, so the job's image waits inside one of them
             os.kill(pid, signal.SIGSTOP)
         image = data_uri(encode(noise_image(48, 32, seed=7), "PNG"))  # fits in a pipe
@@ -411,6 +428,13 @@ class TestRealPool:
         request = engine.take()
         assert request.request_id == "after" and request.mm_items[0].tensors
         engine.assert_quiet()
+        # The killed processes' slots (all empty) were unlinked for them.
+        assert not _stems(shm_slots(worker.endpoint)) & stems_before
+
+
+def _stems(slots: dict[str, bool]) -> set[str]:
+    """The writers (one per pool process) the slot names say: mmlane-TAG-STARTED-SLOT."""
+    return {name.rsplit("-", 1)[0] for name in slots}
 
 
 @cache

@@ -263,7 +263,7 @@ def test_a_successor_unlinks_its_predecessors_slots_and_a_message_of_them_is_los
 ) -> None:
     frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
     successor = ShmWriter(writer.tag, threshold=1024, capacity=SLOT, max_age_s=60)
-    assert successor.reap_predecessors() == 1
+    assert shm.reap(successor.tag, keep=successor.stem) == 1
     assert _slots(writer) == {}
     with pytest.raises(TensorsLost, match="gone on arrival") as lost:
         Codec(EngineInput, accept_shm=True).decode(frames)
@@ -298,6 +298,51 @@ def test_a_slot_holding_another_size_is_refused(writer) -> None:
     header = ["<f4", [2, 2], 0, f"{name}.1"]  # 16 bytes, where the slot holds 301 KB
     with pytest.raises(RequestError, match="needs 16"):
         Codec(EngineInput, accept_shm=True).decode(_tensor_request(header, []))
+
+
+def test_a_pool_processs_slot_goes_on_as_it_is_and_a_dropped_view_frees_it(writer) -> None:
+    """The MM worker's side of its pool processes' slots (ShmViews): a view goes to the engine
+    as its slot, with no copy; a view dropped unsent frees its slot; a small tensor, or any
+    without a shared-memory engine, is copied out and its slot freed at once."""
+    pixels = np.arange(80_000, dtype=np.float32).reshape(100, 800)  # 320 KB
+    views = shm.ShmViews(keep_from=1024)
+    view = views.adopt(str(writer.put(pixels)), pixels.dtype, pixels.shape)
+    assert view is not None and np.array_equal(view, pixels)
+    request = EngineRequest(request_id="r", reply_to="x", prompt_token_ids=[1],
+                            sampling=SAMPLING, mm_items=[MMItem(
+                                offset=0, length=1, tensors={"pixel_values": view})])
+    frames = Codec(EngineInput, shm_writer=views).encode(request)
+    assert len(frames) == 1 and views.counters["shm_tensors"] == 1  # handed on: no frame
+    del view, request
+    assert list(_slots(writer).values()) == [True]  # the engine's to empty now
+    got = Codec(EngineInput, accept_shm=True).decode(frames)
+    assert np.array_equal(got.mm_items[0].tensors["pixel_values"], pixels)
+    assert list(_slots(writer).values()) == [False]
+
+    dropped = views.adopt(str(writer.put(pixels)), pixels.dtype, pixels.shape)
+    assert list(_slots(writer).values()) == [True]
+    del dropped  # its job failed: nobody sends it
+    assert list(_slots(writer).values()) == [False]
+
+    for copying in (shm.ShmViews(keep_from=None), shm.ShmViews(keep_from=1 << 20)):
+        copy = copying.adopt(str(writer.put(pixels)), pixels.dtype, pixels.shape)
+        assert copy is not None and np.array_equal(copy, pixels)
+        assert list(_slots(writer).values()) == [False]  # copied out, freed at once
+        assert copying.put(copy) is None  # not a slot's: it would go as a frame
+
+
+def test_a_dead_writers_slots_are_released_as_its_close_would(writer) -> None:
+    full = writer.put(np.ones(1 << 18, np.float32))  # 1 MiB: a slot of its own, left full
+    empty_ref = writer.put(np.ones(1 << 10, np.float32))
+    assert full and empty_ref
+    shm.ShmReader().take(empty_ref, np.dtype(np.float32), (1 << 10,))  # emptied
+    shm.abandon("")  # a process that died before it said its stem names nothing
+    shm.abandon("mmlane-../")
+    assert len(_slots(writer)) == 2
+    shm.abandon(writer.stem)  # as if it were killed
+    assert list(_slots(writer).values()) == [True]  # the empty one unlinked
+    shm.ShmReader().take(full, np.dtype(np.float32), (1 << 18,))  # the receiver unlinks it
+    assert _slots(writer) == {}
 
 
 KINDS = [RequestError, RetryableError, InternalError, FatalError]

@@ -57,9 +57,18 @@ class StartedJob:
     def ready(self) -> bool:
         return all(future.done() for future in self.work.values())
 
-    def cancel(self) -> None:
+    def drop(self) -> None:
+        """The job ends unsent: cancel its image work not yet running, and let go of the
+        pixels of the rest as soon as each is done (a pool process's slot is freed then, not
+        whenever a garbage collection reaches a traceback that holds the job)."""
         for future in self.work.values():
             future.cancel()
+            future.add_done_callback(_let_go)
+
+
+def _let_go(future: concurrent.futures.Future[ImageItem]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().tensors.clear()
 
 
 class JobRenderer:

@@ -11,10 +11,14 @@ worker's FIFO thread, which submits the images of the jobs it has started and fi
 in arrival order (services/mm_worker/worker.py).
 
 Each process takes one task at a time, so the pool knows which task each one holds. A result's
-tensors come back through a shared-memory block that the process writes and the pool copies out
-once, then unlinks (no pickling of pixels); errors come back as `ErrorInfo`. A process that dies
-(a decoder fault on a hostile image, an out-of-memory kill) fails the one task it held with a
-retryable error and is replaced; the other tasks are not touched.
+tensors come back through the slots of the process's own `ShmWriter` (protocol/shm.py; reused
+slots, no pickling of pixels), which the worker takes as views (`ShmViews`) and sends to an
+engine on the same host as they are: the pixels are copied once where they are made, and once
+in the engine. Tensors under `IN_MESSAGE_BYTES`, and any that find no slot free (every slot
+waiting for the engine), come in the result message itself. Errors come back as `ErrorInfo`.
+A process that dies (a decoder fault on a hostile image, an out-of-memory kill) fails the one
+task it held with a retryable error and is replaced, its slots released (`shm.abandon`); the
+other tasks are not touched.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from protocol import shm
 from protocol.errors import (
     ErrorInfo,
     FatalError,
@@ -51,7 +55,20 @@ START_TIMEOUT_S = 120.0
 """How long the pool's processes may take to load the preprocessor at startup."""
 RESTART_BACKOFF_S = 1.0
 """The wait before replacing a process that died before it was ready (no tight crash loop)."""
-_ALIGN = 64
+IN_MESSAGE_BYTES = 1 << 16
+"""Tensors smaller than this come back in the result message (a grid, a tiny image's pixels):
+a slot is not worth it for them."""
+
+
+@dataclass(frozen=True)
+class PoolSlots:
+    """Where the pool's processes put their results: slots under `tag` (the worker's), at most
+    `capacity` bytes per process, taken back after `max_age_s` full; the worker's `views`."""
+
+    tag: str
+    capacity: int
+    max_age_s: float
+    views: shm.ShmViews
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,8 @@ class _Member:
         task_reader.close()  # the child's ends: closed here, so a dead child reads as EOF
         result_writer.close()
         self.ready = False
+        self.stem = ""
+        """Its slots' names start with this (it says so when ready)."""
         self.task: _Task | None = None
 
     def close(self) -> None:
@@ -115,9 +134,11 @@ class ProcessPool:
     """`processes` pool processes for `model_dir`'s image processor, fed by `submit`."""
 
     def __init__(self, model_dir: Path, image_backend: str, media: MediaPolicy,
-                 processes: int) -> None:
+                 processes: int, slots: PoolSlots) -> None:
         self._ctx = multiprocessing.get_context("spawn")  # no fork of a threaded process
-        self._args = (str(model_dir), image_backend, media)
+        self._views = slots.views
+        self._args = (str(model_dir), image_backend, media, slots.tag, slots.capacity,
+                      slots.max_age_s)
         self._waiting: deque[_Task] = deque()
         self._lock = threading.Lock()
         self._wake_reader, self._wake_writer = self._ctx.Pipe(duplex=False)
@@ -151,6 +172,7 @@ class ProcessPool:
             if member.process.is_alive():
                 member.process.kill()
                 member.process.join()
+            shm.abandon(member.stem)  # had it no time to close its slots itself
         self._wake_reader.close()
         self._wake_writer.close()
 
@@ -167,12 +189,11 @@ class ProcessPool:
                 raise FatalError(f"image process {member.process.name} did not start within "
                                  f"{START_TIMEOUT_S:.0f} s", code="cannot_serve")
             try:
-                member.result_reader.recv()
+                self._take_result(member, member.result_reader.recv())
             except EOFError:
                 raise FatalError(f"image process {member.process.name} exited at startup "
                                  f"(status {member.process.exitcode})",
                                  code="cannot_serve") from None
-            member.ready = True
 
     def _run(self) -> None:
         while not self._closing:
@@ -202,6 +223,7 @@ class ProcessPool:
         member.process.join()
         self._members.remove(member)
         member.close()
+        shm.abandon(member.stem)
         log.error("image process %s (pid %s) died with status %s%s; replacing it",
                   member.process.name, member.process.pid, member.process.exitcode,
                   f" while processing image {member.task.index}" if member.task else "")
@@ -224,16 +246,38 @@ class ProcessPool:
     def _take_result(self, member: _Member, message: tuple[Any, ...]) -> None:
         kind, *body = message
         if kind == "ready":
-            member.ready = True
+            member.ready, member.stem = True, body[0]
             return
         task, member.task = member.task, None
         assert task is not None, "a result from a process that holds no task"
         if kind == "ok":
-            name, layout, num_tokens, decode_s, process_s = body
-            item = ImageItem(tensors=_copy_out(name, layout), num_tokens=num_tokens)
+            tensors, num_tokens, decode_s, process_s = body
+            try:
+                item = ImageItem(tensors=self._adopt(tensors), num_tokens=num_tokens)
+            except RetryableError as exc:
+                task.future.set_exception(exc)
+                return
             task.future.set_result(Processed(item, decode_s, process_s))
         else:
             task.future.set_exception(from_info(body[0]))
+
+    def _adopt(self, tensors: list[tuple[str, Any]]) -> dict[str, np.ndarray]:
+        """A result's tensors: those in slots as the worker's views of them, the others as they
+        came in the message."""
+        adopted = {}
+        for key, tensor in tensors:
+            if isinstance(tensor, np.ndarray):
+                adopted[key] = tensor
+                if tensor.nbytes >= IN_MESSAGE_BYTES:
+                    self._views.counters["shm_fallbacks"] += 1
+                continue
+            ref, dtype, shape = tensor
+            view = self._views.adopt(ref, np.dtype(dtype), tuple(shape))
+            if view is None:  # taken back already: the result waited past SHM_MAX_AGE_S
+                raise RetryableError(f"the pixels of {ref} were taken back before the worker "
+                                     "read them", code="tensors_lost")
+            adopted[key] = view
+        return adopted
 
     def _dispatch(self) -> None:
         for member in self._members:
@@ -261,62 +305,44 @@ class ProcessPool:
                 task.future.set_exception(error)
 
 
-def _copy_out(name: str, layout: list[tuple[str, str, tuple[int, ...], int]]) -> dict[str, Any]:
-    """The tensors a process left in shared memory block `name`, copied out; the block is
-    unlinked."""
-    block = SharedMemory(name)
-    try:
-        tensors, buf = {}, block.buf
-        assert buf is not None  # None only once closed
-        for key, dtype, shape, offset in layout:
-            count = int(np.prod(shape))
-            view = np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
-            tensors[key] = view.reshape(shape).copy()
-            del view
-        return tensors
-    finally:
-        block.close()
-        block.unlink()
-
-
 # ---------------------------------------------------------------- a pool process
 
 
-def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str,
-           media: MediaPolicy) -> None:
+def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str, media: MediaPolicy,
+           tag: str, capacity: int, max_age_s: float) -> None:
     """A pool process: load the preprocessor, then process tasks until the pipe closes."""
     import torch
 
     torch.set_num_threads(1)  # one core per process: the pool is the parallelism
     configure_pillow(media.max_image_pixels)
     preprocessor = load_preprocessor(model_dir, image_backend)  # type: ignore[arg-type]
-    results.send(("ready",))
-    while True:
-        try:
-            index, data = tasks.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            done = process_image(preprocessor, index, data, media)
-        except Exception as exc:
-            info: ErrorInfo = translate(exc, f"image {index}").to_info()
-            results.send(("err", info))
-            continue
-        name, layout = _copy_in(done.item.tensors)
-        results.send(("ok", name, layout, done.item.num_tokens, done.decode_s, done.process_s))
+    slots = shm.ShmWriter(tag, threshold=IN_MESSAGE_BYTES, capacity=capacity,
+                          max_age_s=max_age_s)
+    results.send(("ready", slots.stem))
+    try:
+        while True:
+            try:
+                index, data = tasks.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                done = process_image(preprocessor, index, data, media)
+            except Exception as exc:
+                info: ErrorInfo = translate(exc, f"image {index}").to_info()
+                results.send(("err", info))
+                continue
+            results.send(("ok", _put(slots, done.item.tensors), done.item.num_tokens,
+                          done.decode_s, done.process_s))
+    finally:
+        slots.close()
 
 
-def _copy_in(tensors: dict[str, np.ndarray]) -> tuple[str, list[tuple[str, str, tuple, int]]]:
-    """Write `tensors` into a new shared memory block; its name and where each tensor lies."""
-    layout, offset = [], 0
+def _put(slots: shm.ShmWriter, tensors: dict[str, np.ndarray]) -> list[tuple[str, Any]]:
+    """Each tensor as it goes back: (key, (slot reference, dtype, shape)) once put into a slot,
+    else (key, the array itself)."""
+    sent: list[tuple[str, Any]] = []
     for key, array in tensors.items():
-        layout.append((key, array.dtype.str, array.shape, offset))
-        offset += -(-array.nbytes // _ALIGN) * _ALIGN
-    block = SharedMemory(create=True, size=max(offset, 1))
-    for (_, _, _, start), array in zip(layout, tensors.values(), strict=True):
-        target = np.ndarray(array.shape, array.dtype, buffer=block.buf, offset=start)
-        target[...] = array
-        del target
-    name = block.name
-    block.close()  # the pool unlinks it once it has copied the tensors out
-    return name, layout
+        array = np.ascontiguousarray(array)
+        ref = slots.put(array)
+        sent.append((key, array if ref is None else (ref, array.dtype.str, array.shape)))
+    return sent

@@ -82,7 +82,7 @@ from services.mm_worker.cache import ImageHasher, SenderCache
 from services.mm_worker.fetch import FetchPolicy, MediaFetcher
 from services.mm_worker.jobs import JobRenderer, StartedJob
 from services.mm_worker.media import MediaPolicy, configure_pillow, is_fetched
-from services.mm_worker.pool import ProcessPool
+from services.mm_worker.pool import PoolSlots, ProcessPool
 from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,9 @@ SLOW_ENGINE_WARNING_S = 5.0
 SHM_MIN_BYTES = 1 << 20
 """Tensors this large go through shared memory to an engine on this host (`shm_transport_mb`):
 above it two copies through a slot cost less than a ZMQ frame's way through the kernel."""
+POOL_SLOTS_BYTES = 256 << 20
+"""The pool's slots in all when no engine takes shared memory (its processes' results only
+wait there for the worker to copy them out)."""
 SHM_MAX_AGE_S = 60.0
 """A shared-memory slot the engine has not emptied by then is taken back: the engine is gone (a
 live one empties it as the message arrives)."""
@@ -143,15 +146,32 @@ class MMWorker:
         bound = self._jobs.getsockopt_string(zmq.LAST_ENDPOINT)
         self.cache = SenderCache(f"{socket.gethostname()}/{bound}",
                                  capacity_bytes(config.mm_cache_gb))
-        self.shm = shm_writer(config, self.cache.sender)
-        self._engine_codec: Codec[Any] = Codec(EngineInput, shm_writer=self.shm)
+        transport = shm_transport(config)
+        tag = shm.sender_tag(self.cache.sender)
+        reaped = shm.reap(tag)
+        if reaped:
+            log.info("unlinked %d shared-memory slot(s) a previous MM worker left", reaped)
+        capacity = int(config.shm_transport_mb * 2**20) if transport else POOL_SLOTS_BYTES
+        # With a pool, its processes hold the slots and the worker hands their views on;
+        # without, the worker puts its own tensors into slots of its own.
+        self.shm: shm.ShmWriter | None = None
+        self._shm_views: shm.ShmViews | None = None
+        if config.mm_processes > 1:
+            self._shm_views = shm.ShmViews(SHM_MIN_BYTES if transport else None)
+        elif transport:
+            self.shm = shm.ShmWriter(tag, threshold=SHM_MIN_BYTES, capacity=capacity,
+                                     max_age_s=SHM_MAX_AGE_S)
+        sender: shm.ShmSender | None = self._shm_views if transport else None
+        self._engine_codec: Codec[Any] = Codec(EngineInput, shm_writer=sender or self.shm)
         # What the hash stands for: the tensors, so every setting that changes them is in it.
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              {**self.preprocessor.image_processor.to_dict(),
                               "mmlane_jpeg_draft": config.jpeg_draft})
         self.pool = (ProcessPool(model_dir, self.preprocessor.image_backend, self.media,
-                                 config.mm_processes)
-                     if config.mm_processes > 1 else None)
+                                 config.mm_processes, PoolSlots(
+                                     tag, capacity // config.mm_processes, SHM_MAX_AGE_S,
+                                     self._shm_views))
+                     if self._shm_views is not None else None)
         self.renderer = JobRenderer(self.preprocessor, self.media, self.cache, hasher,
                                     self.metrics, self.pool)
         self.fetcher = MediaFetcher(fetch_policy(config))
@@ -176,8 +196,9 @@ class MMWorker:
         self._input_done = threading.Event()
         self._input: threading.Thread | None = None
         self.metrics.add_counters(self.cache.counters)
-        if self.shm is not None:
-            self.metrics.add_counters(self.shm.counters)
+        for counters in (self.shm, self._shm_views):
+            if counters is not None:
+                self.metrics.add_counters(counters.counters)
         self.metrics.epoch = lambda: self.cache.epoch
         self.metrics.gauge("jobs_queued", lambda: len(self._queue))
         self.metrics.in_flight = lambda: len(self._queue) + len(self._started) + self._turning
@@ -254,6 +275,7 @@ class MMWorker:
         try:
             request = self.renderer.finish(item)
         except Exception as exc:
+            item.drop()
             self._fail(job, exc)
             return
         if self._send(job, request):  # 2. send one EngineRequest to the engine
@@ -315,7 +337,7 @@ class MMWorker:
             self._started, self._queue = collections.deque(), collections.deque()
         for item in left:
             if isinstance(item, StartedJob):
-                item.cancel()
+                item.drop()
                 self._fail(item.job, error)
             elif isinstance(item, PendingJob):
                 for fetch in item.fetches.values():
@@ -480,22 +502,15 @@ class FrontendReplies:
         self._sockets.close()
 
 
-def shm_writer(config: MMWorkerConfig, sender: str) -> shm.ShmWriter | None:
-    """The shared-memory transport to an engine on this host (`shm_transport_mb`), or None:
-    the engine is reached over tcp, the setting is 0, or the host has no /dev/shm. Slots a
-    killed predecessor under the same name left are unlinked here."""
+def shm_transport(config: MMWorkerConfig) -> bool:
+    """Whether tensors go to the engine through shared memory (`shm_transport_mb`): not when the
+    engine is reached over tcp, the setting is 0, or the host has no /dev/shm."""
     if not config.engine_endpoint.startswith("ipc://") or config.shm_transport_mb == 0:
-        return None
+        return False
     if not shm.available():
         log.warning("no writable %s: tensors go to the engine as ZMQ frames", shm.SHM_DIR)
-        return None
-    writer = shm.ShmWriter(shm.sender_tag(sender), threshold=SHM_MIN_BYTES,
-                           capacity=int(config.shm_transport_mb * 2**20),
-                           max_age_s=SHM_MAX_AGE_S)
-    reaped = writer.reap_predecessors()
-    if reaped:
-        log.info("unlinked %d shared-memory slot(s) a previous MM worker left", reaped)
-    return writer
+        return False
+    return True
 
 
 def fetch_policy(config: MMWorkerConfig) -> FetchPolicy:
