@@ -8,7 +8,6 @@ engine, whose `curve_refused` counts it); plain tcp on a non-loopback address is
 
 from __future__ import annotations
 
-import shutil
 import stat
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, start_role
+from conftest import REPO, ROLES, free_port, keys_folder, make_keys, start_role
 from peers import wait_for_stats
 from protocol.errors import FatalError, RetryableError
 from protocol.messages import Stats
@@ -26,26 +25,6 @@ from services.bench.images import jpeg_uri
 from services.client import Client, user_message
 from services.common.sockets import CURVE_REFUSED
 from services.launcher import Child, stop_all
-
-ROLES = ("engine", "mm-worker", "frontend")
-
-
-def make_keys(folder: Path, *roles: str) -> None:
-    """`mmlane keys --out FOLDER --name ROLE` for each role."""
-    for role in roles:
-        subprocess.run([sys.executable, "-m", "services.cli", "keys", "--out", str(folder),
-                        "--name", role], cwd=REPO, check=True, capture_output=True)
-
-
-def keys_folder(pairs: Path, role: str, into: Path, own: Path | None = None) -> Path:
-    """A role's keys folder as deploy/ hands it out: its own pair (from `own`, else `pairs`) and
-    every role's public key from `pairs`."""
-    into.mkdir(mode=0o700)
-    for name in ROLES:
-        shutil.copy(pairs / f"{name}.key", into)
-    shutil.copy((own or pairs) / f"{role}.key_secret", into)
-    shutil.copy((own or pairs) / f"{role}.key", into)
-    return into
 
 
 @dataclass
