@@ -1,4 +1,5 @@
 """ZMQ CURVE between roles: real role processes on tcp://127.0.0.1, each with its keys folder.
+(tests/test_netns.py runs them on three hosts.)
 
 A chat with an image goes frontend -> MM worker -> engine -> frontend over CURVE; a frontend
 whose key the others do not accept is refused at the handshake (nothing of it reaches the
@@ -25,6 +26,7 @@ from services.bench.images import jpeg_uri
 from services.client import Client, user_message
 from services.common.sockets import CURVE_REFUSED
 from services.launcher import Child, stop_all
+from test_serve_heals import serving
 
 
 @dataclass
@@ -136,3 +138,17 @@ def test_keys_writes_a_pair_with_a_0600_secret(run_dir: Path) -> None:
                             str(run_dir / "k"), "--name", "engine"], cwd=REPO,
                            capture_output=True, text=True)
     assert again.returncode == 1 and "exists" in again.stderr
+
+
+def test_serve_gives_its_children_throwaway_keys(run_dir: Path, qwen_dir: Path) -> None:
+    with serving(run_dir, qwen_dir, "--throwaway-keys",
+                 "--engine-endpoint", f"tcp://127.0.0.1:{free_port()}",
+                 "--mm-worker-endpoint", f"tcp://127.0.0.1:{free_port()}") as served, \
+            Client(served.endpoint, timeout_s=60) as client:
+        result = client.chat([user_message("What is this?", [jpeg_uri(64, 48, seed=2)])],
+                             max_tokens=4)
+        assert result.finish_reason in ("length", "stop")
+        keys = served.run_dir / "keys"
+        for role in ROLES:
+            assert stat.S_IMODE((keys / f"{role}.key_secret").stat().st_mode) == 0o600
+    assert not keys.exists()  # removed when serve stopped
