@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_serve_heals import serving
 
 from conftest import REPO, ROLES, free_port, keys_folder, make_keys, start_role
 from peers import wait_for_stats
@@ -26,7 +27,6 @@ from services.bench.images import jpeg_uri
 from services.client import Client, user_message
 from services.common.sockets import CURVE_REFUSED
 from services.launcher import Child, stop_all
-from test_serve_heals import serving
 
 
 @dataclass
