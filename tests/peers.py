@@ -324,3 +324,16 @@ def mixed_load(client: Client, seed: int) -> list[str]:
 def all_ok(client: Client, *request_ids: str) -> None:
     for rid, result in client.collect(list(request_ids)).items():
         assert result.error is None and result.finish_reason, f"{rid}: {result}"
+
+
+def serves_again_with_its_cache(client: Client, run_dir: Path) -> None:
+    """After a role's restart: a mixed load is answered, and a repeated image hits the MM
+    worker's sender cache (and so the engine's mirror of it) again."""
+    all_ok(client, *mixed_load(client, seed=200))
+    all_ok(client, image_request(client, 7))
+    since = time.time()
+    before = wait_for_stats(run_dir, lambda s: s.role == "mm-worker" and s.time > since,
+                            "a fresh MM worker snapshot").counters.get("cache_hits", 0)
+    all_ok(client, image_request(client, 7))  # the same image: a hit on both sides again
+    wait_for_stats(run_dir, lambda s: s.role == "mm-worker"
+                   and s.counters.get("cache_hits", 0) > before, "the repeated image hit the cache")

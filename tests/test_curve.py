@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import zmq
 from test_serve_heals import serving
 
 from conftest import REPO, ROLES, free_port, keys_folder, make_keys, start_role
-from peers import wait_for_stats
+from peers import StandInFrontend, wait_for_stats
 from protocol.errors import FatalError, RetryableError
-from protocol.messages import Stats
+from protocol.messages import EngineRequest, SamplingParams, Stats
 from services.bench.images import jpeg_uri
 from services.client import Client, user_message
-from services.common.sockets import CURVE_REFUSED
+from services.common.sockets import CURVE_REFUSED, make_socket
 from services.launcher import Child, stop_all
 
 
@@ -116,6 +117,23 @@ def test_a_peer_with_an_unaccepted_key_is_refused_at_the_handshake(
     assert "refused a peer at the CURVE handshake" in log
 
 
+def test_a_plain_peer_is_refused_and_counted_too(site: Site, module_run_dir: Path) -> None:
+    before = engine_stats(site.run_dir)
+    with zmq.Context() as ctx, StandInFrontend(ctx, site.engine_endpoint,
+                                               f"ipc://{module_run_dir}/plain.sock") as plain:
+        plain.send(EngineRequest(request_id="plain", reply_to=plain.reply_to,
+                                 prompt_token_ids=[1], sampling=SamplingParams(max_tokens=1)))
+        refused = wait_for_stats(
+            site.run_dir, lambda s: s.role == "engine"
+            and s.counters.get(CURVE_REFUSED, 0) > before.counters.get(CURVE_REFUSED, 0),
+            "the engine counting the plain peer")
+        plain.replies.assert_quiet()
+    for counter in ("requests", "bytes_in"):
+        assert refused.counters.get(counter, 0) == before.counters.get(counter, 0), counter
+    log = (module_run_dir / "logs" / "engine.log").read_text()
+    assert "its handshake failed (a plain tcp peer" in log
+
+
 @pytest.mark.parametrize("extra, refused", [([], True), (["--insecure-tcp"], False)])
 def test_plain_tcp_on_a_non_loopback_address_needs_insecure_tcp(
     run_dir: Path, qwen_dir: Path, extra: list[str], refused: bool
@@ -152,3 +170,11 @@ def test_serve_gives_its_children_throwaway_keys(run_dir: Path, qwen_dir: Path) 
         for role in ROLES:
             assert stat.S_IMODE((keys / f"{role}.key_secret").stat().st_mode) == 0o600
     assert not keys.exists()  # removed when serve stopped
+
+
+def test_an_ipc_socket_is_made_0600_in_a_new_0700_folder(run_dir: Path) -> None:
+    path = run_dir / "new" / "engine.sock"
+    with zmq.Context() as ctx, make_socket(ctx, zmq.PULL, f"ipc://{path}", bind=True,
+                                           linger_ms=0):
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600

@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from peers import (
     image_request,
     mixed_load,
     one_reply_each,
+    serves_again_with_its_cache,
     wait_for_stats,
 )
 from protocol.errors import RetryableError
@@ -220,10 +220,4 @@ def test_the_mm_worker_killed_under_load_leaves_one_reply_each_and_heals(site: S
             error = reply if isinstance(reply, Exception) else reply.error
             assert error is None or (isinstance(error, RetryableError)
                                      and error.code == "peer_restarted"), f"{rid}: {reply!r}"
-        all_ok(client, *mixed_load(client, seed=200))
-        all_ok(client, image_request(client, 7))
-        since = time.time()
-        before = site.stats("mm-worker", lambda s: s.time > since).counters.get("cache_hits", 0)
-        all_ok(client, image_request(client, 7))  # the same image: a hit on both sides again
-        site.stats("mm-worker", lambda s: s.counters.get("cache_hits", 0) > before,
-                   "the repeated image hit the healed cache")
+        serves_again_with_its_cache(client, site.run_dir)

@@ -35,6 +35,7 @@ from peers import (
     image_request,
     mixed_load,
     one_reply_each,
+    serves_again_with_its_cache,
     wait_for_stats,
     wait_until,
 )
@@ -129,13 +130,7 @@ def test_a_role_killed_under_load_is_restarted_and_serves_again(served: Served, 
         restarted = served.stats(role, lambda s: s.restarts == 1 and s.state == "serving",
                                  f"the {role} restarted once, and serving")
         assert restarted.pid != pid
-        all_ok(client, *mixed_load(client, seed=200))
-        all_ok(client, image_request(client, 7))
-        since = time.time()
-        before = served.stats("mm-worker", lambda s: s.time > since).counters.get("cache_hits", 0)
-        all_ok(client, image_request(client, 7))  # the same image: a hit on both sides again
-        served.stats("mm-worker", lambda s: s.counters.get("cache_hits", 0) > before,
-                     "the repeated image hit the cache")
+        serves_again_with_its_cache(client, served.run_dir)
     assert served.process.poll() is None, served.log.read_text()
 
 

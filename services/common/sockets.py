@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,11 @@ class Security:
     """A role's rules for its sockets to other roles (`SecurityConfig`): with `curve_keys`, a
     bound tcp socket is a CURVE server whose ZAP handler (one per context, started at the first
     such bind) admits only the folder's public keys, counting each refused key in `refused`
-    (`curve_refused`); a connecting tcp socket is a CURVE client expecting the server key of
-    the role it connects to. Without keys, plain tcp may bind only loopback addresses unless
-    `insecure_tcp`. `close` stops the ZAP handler; call it before the context ends."""
+    (`curve_refused`), as are the peers that fail the handshake before ZAP is asked (a plain
+    tcp peer, a client expecting another server key: a `ROLE-handshakes` thread per bound
+    socket reads its monitor); a connecting tcp socket is a CURVE client expecting the server
+    key of the role it connects to. Without keys, plain tcp may bind only loopback addresses
+    unless `insecure_tcp`. `close` stops those threads; call it before the context ends."""
 
     def __init__(self, role: str, *, curve_keys: str = "", insecure_tcp: bool = False,
                  refused: Counter[str] | None = None) -> None:
@@ -53,6 +57,8 @@ class Security:
         self._refused = refused if refused is not None else Counter()
         self._auth: ThreadAuthenticator | None = None
         self._refusals_logged: dict[bytes, float] = {}
+        self._watchers: list[threading.Thread] = []
+        self._closing = threading.Event()
         self._public, self._secret = self._own_keys() if self._folder else (b"", b"")
         self._accepted = (frozenset(zmq.auth.load_certificates(self._folder))
                           if self._folder else frozenset())
@@ -85,6 +91,7 @@ class Security:
             self._start_zap(ctx)
             sock.zap_domain = ZAP_DOMAIN.encode()
             sock.curve_server = True
+            self._watch_handshakes(sock, endpoint)
         else:
             sock.curve_serverkey = self._server_key(peer)
 
@@ -104,9 +111,40 @@ class Security:
         return False
 
     def close(self) -> None:
+        self._closing.set()
+        for watcher in self._watchers:
+            watcher.join()
+        self._watchers.clear()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+
+    def _watch_handshakes(self, sock: zmq.Socket, endpoint: str) -> None:
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        watcher = threading.Thread(target=self._count_failed_handshakes, args=(monitor, endpoint),
+                                   name=f"{self.role}-handshakes", daemon=True)
+        watcher.start()
+        self._watchers.append(watcher)
+
+    def _count_failed_handshakes(self, monitor: zmq.Socket, endpoint: str) -> None:
+        """Until `close`: count each peer of `endpoint` whose handshake failed before ZAP (its
+        socket's monitor is this thread's alone), logging the first of each minute."""
+        logged_at = -REFUSAL_LOG_EVERY_S
+        try:
+            while not self._closing.is_set():
+                if not monitor.poll(200):
+                    continue
+                event = recv_monitor_message(monitor)
+                if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                    continue  # EVENT_MONITOR_STOPPED: the socket closed
+                self._refused[CURVE_REFUSED] += 1
+                if time.monotonic() - logged_at >= REFUSAL_LOG_EVERY_S:
+                    logged_at = time.monotonic()
+                    log.warning("[%s] refused a peer at %s: its handshake failed (a plain tcp "
+                                "peer, or one expecting another server key; %d refusals so far)",
+                                self.role, endpoint, self._refused[CURVE_REFUSED])
+        finally:
+            monitor.close(linger=0)
 
     def _own_keys(self) -> tuple[bytes, bytes]:
         assert self._folder is not None
