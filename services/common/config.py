@@ -97,7 +97,7 @@ class OpsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How this role's sockets to the other roles are secured: ZMQ CURVE on tcp (README,
-    "Keys"), file permissions on ipc."""
+    "Across hosts"), file permissions on ipc."""
 
     curve_keys: str = ""
     """Folder of CURVE keys (`mmlane keys`): this role's own pair (ROLE.key, ROLE.key_secret)
