@@ -1,5 +1,5 @@
 """Pixels from one process to another on one host: ZMQ frames against shared memory, against a
-plain memcpy of the same bytes, in one run.
+plain memcpy of the same bytes, and over loopback tcp plain and with CURVE, in one run.
 
     python scripts/bench_transport.py [--messages 40] [--rounds 3] [--mb 5.79]
 
@@ -13,13 +13,16 @@ an ipc engine without a pool. `pool slot` is the way of an MM worker with a pool
 them as it made them (that copy replaced the pool's earlier copy into a block of its own, and is
 not timed: before each pass, every message's pixels are put into a slot of their own); the sender
 takes each as a view (`ShmViews.adopt`) and its codec hands the slot on, so the transport copies
-once, in the receiver. `memcpy` copies the same bytes into a new array in one process
-(`np.copyto`), the bound the issue measures against. Per round the four alternate. The sender
-sends its messages back to back, at most WINDOW (4) not yet read by the receiver, a first pass to
-warm up (the sockets; the slots, which an MM worker reuses), then the timed one; throughput is the
-bytes of all over the time from the first encode to the receiver's last read (CLOCK_MONOTONIC is
-one clock for both processes); latency is one message's encode-to-read time. Prints, per mode,
-median latency, GB/s, and the throughput as a share of memcpy's; asserts nothing.
+once, in the receiver. `tcp` is frames over tcp://127.0.0.1, `curve` the same with the roles'
+CURVE (services/common/sockets.py `Security`, keys made by `write_keys`): what the encryption
+between hosts costs per image, without a network's own limits. `memcpy` copies the same bytes
+into a new array in one process (`np.copyto`), the bound the issue measures against. Per round
+the six alternate. The sender sends its messages back to back, at most WINDOW (4) not yet read by
+the receiver, a first pass to warm up (the sockets; the slots, which an MM worker reuses), then
+the timed one; throughput is the bytes of all over the time from the first encode to the
+receiver's last read (CLOCK_MONOTONIC is one clock for both processes); latency is one message's
+encode-to-read time. Prints, per mode, median latency, GB/s, and the throughput as a share of
+memcpy's; asserts nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import zmq
 from protocol import shm
 from protocol.codec import Codec
 from protocol.messages import EngineInput, EngineRequest, MMItem, SamplingParams
+from services.common.sockets import Security, free_tcp_port, make_socket, write_keys
 
 PAGE = 4096
 WINDOW = 4
@@ -50,11 +54,12 @@ def request(pixels: np.ndarray, sent_at: float) -> EngineRequest:
                          mm_items=[MMItem(offset=0, length=1, tensors={"pixel_values": pixels})])
 
 
-def receive(endpoint: str, done: str, count: int) -> None:
+def receive(endpoint: str, done: str, count: int, keys: str) -> None:
     """The receiving process: decode each message, read a byte per page, report when done."""
     ctx = zmq.Context()
-    pull, back = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind(endpoint)
+    security = Security("engine", curve_keys=keys)
+    pull = make_socket(ctx, zmq.PULL, endpoint, bind=True, security=security)
+    back = ctx.socket(zmq.PUSH)
     back.connect(done)
     codec: Codec = Codec(EngineInput, accept_shm=True)
     back.send(b"ready")
@@ -67,24 +72,29 @@ def receive(endpoint: str, done: str, count: int) -> None:
             times.append((message.deadline, time.monotonic()))
             back.send(b"")  # taken: the sender may send one more
         back.send_pyobj(times)
+    security.close()
     ctx.destroy(linger=0)
 
 
 def transport(mode: str, pixels: np.ndarray, count: int,
               run_dir: Path) -> tuple[list[float], float]:
     """Seconds per message, sender's encode to receiver's read; and for all of them."""
-    endpoint, done = f"ipc://{run_dir}/{mode}.sock", f"ipc://{run_dir}/{mode}-done.sock"
+    endpoint = (f"tcp://127.0.0.1:{free_tcp_port()}" if mode in ("tcp", "curve")
+                else f"ipc://{run_dir}/{mode}.sock")
+    done = f"ipc://{run_dir}/{mode}-done.sock"
+    keys = str(run_dir / "keys") if mode == "curve" else ""
     ctx = zmq.Context()
     back = ctx.socket(zmq.PULL)
     back.bind(done)
     child = multiprocessing.get_context("spawn").Process(
-        target=receive, args=(endpoint, done, count))
+        target=receive, args=(endpoint, done, count, keys))
     child.start()
     back.recv()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(endpoint)
+    security = Security("mm-worker", curve_keys=keys)
+    push = make_socket(ctx, zmq.PUSH, endpoint, bind=False, security=security, peer="engine")
     writer = (shm.ShmWriter(shm.sender_tag(f"bench-{time.time_ns()}"), threshold=1 << 20,
-                            capacity=2 << 30, max_age_s=60) if mode != "frames" else None)
+                            capacity=2 << 30, max_age_s=60)
+              if mode in ("shm", "pool slot") else None)
     views = shm.ShmViews(keep_from=1 << 20)
     codec: Codec = Codec(EngineInput, shm_writer=views if mode == "pool slot" else writer)
     for _ in range(2):  # the first pass warms the sockets and the slots up
@@ -105,6 +115,7 @@ def transport(mode: str, pixels: np.ndarray, count: int,
             back.recv()
         times = back.recv_pyobj()
     child.join()
+    push.close(linger=0)
     ctx.destroy(linger=0)
     if writer is not None:
         writer.close()
@@ -130,9 +141,12 @@ def main() -> None:
                         "(5.79: a 12 MP photo's uint8 pixels for the tiny Qwen2-VL)")
     args = parser.parse_args()
     pixels = np.random.default_rng(0).integers(0, 256, int(args.mb * 1e6), np.uint8)
-    latencies: dict[str, list[float]] = {"memcpy": [], "frames": [], "shm": [], "pool slot": []}
+    latencies: dict[str, list[float]] = {"memcpy": [], "frames": [], "shm": [], "pool slot": [],
+                                         "tcp": [], "curve": []}
     totals = dict.fromkeys(latencies, 0.0)
     with tempfile.TemporaryDirectory(prefix="mml-bench-") as tmp:
+        for role in ("engine", "mm-worker"):
+            write_keys(Path(tmp) / "keys", role)
         for _ in range(args.rounds):
             for mode in latencies:
                 times, total = (memcpy(pixels, args.messages) if mode == "memcpy" else

@@ -109,6 +109,18 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from services.common.sockets import write_keys
+
+    try:
+        for path in write_keys(Path(args.out), args.name):
+            print(path)
+    except OSError as exc:  # an existing pair, an unwritable folder
+        print(f"mmlane keys: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The `mmlane` parser. The bench's flags come from services.bench, imported only when
     `argv` is a bench command: every other command starts without it."""
@@ -239,6 +251,19 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="model architecture (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights (default %(default)s)")
+
+    p = add("keys", _cmd_keys, "write a role's CURVE key pair (for --curve-keys)")
+    p.description = (
+        "Write a new ZMQ CURVE key pair for role NAME into DIR: NAME.key (the public key, for "
+        "the peers that accept it) and NAME.key_secret (0600; only this role's hosts). A role "
+        "given --curve-keys DIR uses DIR/ROLE.key_secret as its own key, accepts every *.key "
+        "in DIR, and connects to a role R expecting R.key. An existing pair is never "
+        "overwritten."
+    )
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the folder (made 0700 if new)")
+    p.add_argument("--name", required=True, metavar="ROLE",
+                   help="the role: engine, mm-worker or frontend (the file names' stem)")
 
     p = add("bench", "services.bench.cli:run_bench",
             "measure mmlane against in-process preprocessing designs "

@@ -58,7 +58,7 @@ from services.common.config import (
 )
 from services.common.lifecycle import RESTARTS_ENV, setup_logging
 from services.common.settings import Settings
-from services.common.sockets import make_socket
+from services.common.sockets import make_socket, write_keys
 from services.common.stats import Metrics, StatsServer
 from services.engine.config import EngineConfig
 
@@ -98,6 +98,10 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     being restarted again (1: any exit stops serve)."""
     crash_loop_window_s: float = 60.0
     """The window, in seconds, over which a role's exits are counted (`crash_loop_limit`)."""
+    throwaway_keys: bool = False
+    """Make a new CURVE key pair for each role in RUN_DIR/keys (removed at exit) and give it to
+    the children, as --curve-keys would: CURVE between serve's own roles
+    on tcp, with no keys to distribute."""
 
     def __post_init__(self) -> None:
         self.frontend.mm_worker_endpoint = [self.mm_worker.mm_worker_endpoint]
@@ -106,6 +110,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.restart_backoff_s < 0:
             raise ValueError(f"restart_backoff_s must be 0 or more, got {self.restart_backoff_s}")
+        if self.throwaway_keys and self.engine.security.curve_keys:
+            raise ValueError("throwaway_keys and curve_keys: give one of them")
 
     def roles(self) -> dict[str, msgspec.Struct]:
         """Each child's config, by role."""
@@ -274,6 +280,15 @@ def _popen(argv: list[str], env: dict[str, str], stderr: Any) -> subprocess.Pope
                             start_new_session=True)
 
 
+def _give_throwaway_keys(config: ServeConfig, folder: Path) -> None:
+    """A new key pair per role in `folder` (a killed serve's old ones removed first), and every
+    child's curve_keys pointing to it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    for role, role_config in config.roles().items():
+        write_keys(folder, role)
+        role_config.security.curve_keys = str(folder)  # type: ignore[attr-defined]
+
+
 def serve(args: argparse.Namespace) -> int:
     from services.model import resolve_model_dir  # heavy (transformers): not for --help
 
@@ -284,12 +299,16 @@ def serve(args: argparse.Namespace) -> int:
     children: list[Child] = []
     values = SERVE_SETTINGS.values(args)
     run_dir: Path | None = None
+    keys: Path | None = None
     try:
         config = serve_config(values)
         run_dir = Path(str(config.run_dir))
         model_dir = resolve_model_dir(config.engine.model)  # build the default model once
         for role_config in config.roles().values():
             role_config.model = str(model_dir)  # type: ignore[attr-defined]
+        if config.throwaway_keys:
+            keys = run_dir / "keys"
+            _give_throwaway_keys(config, keys)
         children = start_roles(config.roles(), run_dir, config.startup_timeout_s, stop)
         if stop.is_set():
             return 0
@@ -304,6 +323,8 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_all(children)
+        if keys is not None:
+            shutil.rmtree(keys, ignore_errors=True)
         if run_dir is not None and not values.get("run_dir"):  # a folder made for this run only
             shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,6 +166,27 @@ def start_role(
             raise
         pytest.fail(f"{exc}\n{(log_dir / f'{role}.log').read_text(errors='replace')}")
     return child
+
+
+ROLES = ("engine", "mm-worker", "frontend")
+
+
+def make_keys(folder: Path, *roles: str) -> None:
+    """`mmlane keys --out FOLDER --name ROLE` for each role."""
+    for role in roles:
+        subprocess.run([sys.executable, "-m", "services.cli", "keys", "--out", str(folder),
+                        "--name", role], cwd=REPO, check=True, capture_output=True)
+
+
+def keys_folder(pairs: Path, role: str, into: Path, own: Path | None = None) -> Path:
+    """A role's --curve-keys folder as deploy/ hands it out: its own pair (from `own`, else
+    `pairs`) and every role's public key from `pairs`."""
+    into.mkdir(mode=0o700)
+    for name in ROLES:
+        shutil.copy(pairs / f"{name}.key", into)
+    shutil.copy((own or pairs) / f"{role}.key_secret", into)
+    shutil.copy((own or pairs) / f"{role}.key", into)
+    return into
 
 
 def role_log(child: Child) -> str:

@@ -9,6 +9,8 @@
     push, send       a PUSH socket to a role, and sending messages on any socket
     wait_for_stats   waits for a role's published Stats to show something (requests held)
     wait_until       polls for what no socket tells us (a log line, a process's state)
+    mixed_load, image_request, all_ok, one_reply_each
+                     a native client's load on a whole pipeline, and its replies checked
 
 Sockets have linger 0 (but a StandInEngine's answers, which flush on close) and are closed by
 their owner's `close()` or `with` block. An Inbox bound to `tcp://127.0.0.1:0` gets a free port
@@ -43,7 +45,8 @@ from protocol.messages import (
     RequestFailed,
     Stats,
 )
-from services.client import ChatResult, Client
+from services.bench.images import jpeg_uri
+from services.client import ChatResult, Client, user_message
 from services.common.sockets import ReplySockets, bound_endpoint, make_socket
 from services.launcher import Child
 from services.mm_worker.worker import SHM_MIN_BYTES
@@ -305,3 +308,32 @@ def one_reply_each(
         extra = client.next_finished(time.monotonic() + 0.5)
         pytest.fail(f"a reply after every request had one: {extra}")
     return results
+
+
+def image_request(client: Client, seed: int) -> str:
+    return client.submit([user_message("what is it?", [jpeg_uri(800, 600, seed)])],
+                         max_tokens=4)
+
+
+def mixed_load(client: Client, seed: int) -> list[str]:
+    """Four text and four image requests, in flight at once."""
+    text = [client.submit([user_message(f"hello {i}")], max_tokens=8) for i in range(4)]
+    return text + [image_request(client, seed + i) for i in range(4)]
+
+
+def all_ok(client: Client, *request_ids: str) -> None:
+    for rid, result in client.collect(list(request_ids)).items():
+        assert result.error is None and result.finish_reason, f"{rid}: {result}"
+
+
+def serves_again_with_its_cache(client: Client, run_dir: Path) -> None:
+    """After a role's restart: a mixed load is answered, and a repeated image hits the MM
+    worker's sender cache (and so the engine's mirror of it) again."""
+    all_ok(client, *mixed_load(client, seed=200))
+    all_ok(client, image_request(client, 7))
+    since = time.time()
+    before = wait_for_stats(run_dir, lambda s: s.role == "mm-worker" and s.time > since,
+                            "a fresh MM worker snapshot").counters.get("cache_hits", 0)
+    all_ok(client, image_request(client, 7))  # the same image: a hit on both sides again
+    wait_for_stats(run_dir, lambda s: s.role == "mm-worker"
+                   and s.counters.get("cache_hits", 0) > before, "the repeated image hit the cache")

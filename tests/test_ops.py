@@ -35,6 +35,7 @@ from services.client import Client, user_message
 from services.common.config import ipc
 from services.common.lifecycle import RESTARTS_ENV
 from services.common.prometheus import metric_name
+from services.common.sockets import CURVE_REFUSED
 from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.ops.discovery import Targets, endpoint_label
 from services.ops.feed import ProcessSnapshots, StatsFeed
@@ -400,18 +401,20 @@ def test_a_process_that_stops_publishing_goes_stale() -> None:
     assert not process.fresh(now=150.0)
 
 
-@pytest.mark.parametrize(("errors", "refused", "text"), [
-    ({}, {}, "-"),
-    ({"timeout": 1}, {}, "timeout 1"),
-    ({}, {"model_not_found": 2}, "http refused model_not_found 2"),
-    ({"timeout": 1}, {"invalid_request": 3, "invalid_api_key": 1},
+@pytest.mark.parametrize(("errors", "refused", "curve", "text"), [
+    ({}, {}, 0, "-"),
+    ({"timeout": 1}, {}, 0, "timeout 1"),
+    ({}, {"model_not_found": 2}, 0, "http refused model_not_found 2"),
+    ({"timeout": 1}, {"invalid_request": 3, "invalid_api_key": 1}, 0,
      "timeout 1; http refused invalid_api_key 1, invalid_request 3"),
+    ({}, {}, 5, "curve refused 5"),
+    ({"timeout": 1}, {}, 2, "timeout 1; curve refused 2"),
 ])
-def test_top_and_stats_show_the_http_refusals_after_the_errors(
-    errors: dict[str, int], refused: dict[str, int], text: str
+def test_top_and_stats_show_the_refusals_after_the_errors(
+    errors: dict[str, int], refused: dict[str, int], curve: int, text: str
 ) -> None:
     stats = replace(_stats(7, 10.0, [1, 0, 0]), role="frontend", errors=errors,
-                    http_refused=refused)
+                    http_refused=refused, counters={CURVE_REFUSED: curve} if curve else {})
     assert errors_text(stats) == text
     assert f"  errors    {text}" in snapshot_text(stats).splitlines()
 

@@ -28,10 +28,19 @@ import zmq
 
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
-from peers import PATIENCE_S, StandInEngine, one_reply_each, wait_for_stats, wait_until
+from peers import (
+    PATIENCE_S,
+    StandInEngine,
+    all_ok,
+    image_request,
+    mixed_load,
+    one_reply_each,
+    serves_again_with_its_cache,
+    wait_for_stats,
+    wait_until,
+)
 from protocol.errors import RetryableError
 from protocol.messages import AbortRequests, EngineRequest, Stats
-from services.bench.images import jpeg_uri
 from services.client import Client, user_message
 from services.launcher import ServeConfig
 
@@ -94,22 +103,6 @@ def served(module_run_dir: Path, qwen_dir: Path) -> Iterator[Served]:
         yield served
 
 
-def _image_request(client: Client, seed: int) -> str:
-    return client.submit([user_message("what is it?", [jpeg_uri(800, 600, seed)])],
-                         max_tokens=4)
-
-
-def _mixed_load(client: Client, seed: int) -> list[str]:
-    """Four text and four image requests, in flight at once."""
-    text = [client.submit([user_message(f"hello {i}")], max_tokens=8) for i in range(4)]
-    return text + [_image_request(client, seed + i) for i in range(4)]
-
-
-def _ok(client: Client, *request_ids: str) -> None:
-    for rid, result in client.collect(list(request_ids)).items():
-        assert result.error is None and result.finish_reason, f"{rid}: {result}"
-
-
 @pytest.mark.parametrize(("setting", "value"), [
     ("crash_loop_limit", 0), ("crash_loop_window_s", 0.0), ("restart_backoff_s", -1.0),
 ])
@@ -121,9 +114,9 @@ def test_restart_settings_are_validated(setting: str, value: float) -> None:
 @pytest.mark.parametrize("role", ["mm-worker", "engine", "frontend"])
 def test_a_role_killed_under_load_is_restarted_and_serves_again(served: Served, role: str) -> None:
     with Client(served.endpoint, timeout_s=60) as client:
-        _ok(client, _image_request(client, 0))  # every role is up before the kill
+        all_ok(client, image_request(client, 0))  # every role is up before the kill
         pid = served.stats(role).pid
-        load = _mixed_load(client, seed=100)
+        load = mixed_load(client, seed=100)
         os.kill(pid, signal.SIGKILL)
         replies = one_reply_each(client, load,
                                  LOST_WITH_A_FRONTEND_S if role == "frontend" else PATIENCE_S,
@@ -137,13 +130,7 @@ def test_a_role_killed_under_load_is_restarted_and_serves_again(served: Served, 
         restarted = served.stats(role, lambda s: s.restarts == 1 and s.state == "serving",
                                  f"the {role} restarted once, and serving")
         assert restarted.pid != pid
-        _ok(client, *_mixed_load(client, seed=200))
-        _ok(client, _image_request(client, 7))
-        since = time.time()
-        before = served.stats("mm-worker", lambda s: s.time > since).counters.get("cache_hits", 0)
-        _ok(client, _image_request(client, 7))  # the same image: a hit on both sides again
-        served.stats("mm-worker", lambda s: s.counters.get("cache_hits", 0) > before,
-                     "the repeated image hit the cache")
+        serves_again_with_its_cache(client, served.run_dir)
     assert served.process.poll() is None, served.log.read_text()
 
 
@@ -196,7 +183,7 @@ def test_what_a_killed_role_held_fails_as_soon_as_it_is_back(
         after = served.stats(role, lambda s: s.restarts == before.restarts + 1
                              and s.state == "serving", f"the {role} restarted, and serving")
         assert after.pid != before.pid
-        _ok(client, *_mixed_load(client, seed=300))
+        all_ok(client, *mixed_load(client, seed=300))
 
 
 def test_a_restart_fails_only_what_the_old_process_held(run_dir: Path, qwen_dir: Path) -> None:

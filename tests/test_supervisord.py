@@ -304,6 +304,22 @@ def test_k8s_vllm_patch_runs_the_engine_on_vllm_beside_the_same_roles() -> None:
     assert "nvidia.com/gpu" in patched["engine"]["resources"]["limits"]
 
 
+def test_k8s_curve_patch_gives_each_role_its_keys_folder() -> None:
+    """deploy/k8s/curve/ gives every container of the base Pod MMLANE_CURVE_KEYS naming a
+    mounted folder of its own role's Secret and the public keys."""
+    base = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())["spec"]["containers"]
+    patch = yaml.safe_load((DEPLOY / "k8s" / "curve" / "keys.yaml").read_text())["spec"]
+    volumes = {volume["name"]: volume["projected"]["sources"] for volume in patch["volumes"]}
+    for container in patch["containers"]:
+        role = container["name"]
+        env = {variable["name"]: variable["value"] for variable in container["env"]}
+        (mount,) = container["volumeMounts"]
+        assert env["MMLANE_CURVE_KEYS"] == mount["mountPath"], role
+        assert {"secret": {"name": f"mmlane-{role}-key"}} in volumes[mount["name"]], role
+        assert {"configMap": {"name": "mmlane-public-keys"}} in volumes[mount["name"]], role
+    assert {c["name"] for c in patch["containers"]} == {c["name"] for c in base}
+
+
 def _assert_ended(load: Load, doomed: list[str], racing: list[str]) -> None:
     """What the killed role held ended with its result or the restart's error, not the timeout;
     what was sent as it died, with either, or with the timeout."""

@@ -95,6 +95,24 @@ class OpsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
 
 
+class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How this role's sockets to the other roles are secured: ZMQ CURVE on tcp (README,
+    "Across hosts"), file permissions on ipc."""
+
+    curve_keys: str = ""
+    """Folder of CURVE keys (`mmlane keys`): this role's own pair (ROLE.key, ROLE.key_secret)
+    and the public key of each role it accepts (engine.key, mm-worker.key, frontend.key). Its
+    tcp sockets to other roles are then encrypted, and only peers holding an accepted key are
+    served; "": plain tcp, allowed on loopback addresses only (unless insecure_tcp)."""
+    insecure_tcp: bool = False
+    """Allow binding plain tcp (no curve_keys) on a non-loopback address: anyone who can reach
+    the port can submit work and read replies. For a network that is private by other means."""
+
+    def __post_init__(self) -> None:
+        if self.curve_keys and not Path(self.curve_keys).is_dir():
+            raise ValueError(f"curve_keys {self.curve_keys!r} is not a directory")
+
+
 ImageBackend = Literal["auto", "pil", "torchvision"]
 """Which of transformers' image-processor backends renders images. 'pil' is the reference and
 needs no torchvision; 'torchvision' is what vLLM's renderer uses, so pixels made with it equal
@@ -158,6 +176,7 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     most this many MiB of slots; a tensor that finds none free and no room goes as a frame.
     0: frames only."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         capacity_bytes(self.mm_cache_gb)
@@ -245,6 +264,7 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_key_file: str = ""
     """A file of more API keys, one per line (blank lines ignored)."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:

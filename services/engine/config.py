@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-from services.common.config import OpsConfig, _positive, ipc, process_name
+from services.common.config import OpsConfig, SecurityConfig, _positive, ipc, process_name
 from services.common.feature_cache import capacity_bytes
 from services.engine.hf.config import HFConfig
 from services.engine.vllm.config import VLLMConfig
@@ -37,6 +37,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
     """The 'vllm' backend's settings."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         self.engine_endpoint = self.engine_endpoint or ipc("engine")

@@ -69,7 +69,7 @@ from services.common.lifecycle import (
     refused_while_draining,
     unfinished_at_drain_timeout,
 )
-from services.common.sockets import ReplySockets, make_socket
+from services.common.sockets import ReplySockets, Security, make_socket
 from services.common.stats import Metrics, log_totals
 from services.engine.cache import ReceiverCaches
 from services.engine.config import EngineConfig
@@ -110,8 +110,15 @@ class Engine:
         self.metrics = Metrics("engine", config.ops.name)
         self._started_ns = time.time_ns()  # tells a frontend's `Hello` which process answers
         self._ctx = zmq.Context()
+        self._security = Security.of("engine", config, self.metrics.counters)
         # Bind before loading the model: a taken address fails in a second, not after the load.
-        self._input = make_socket(self._ctx, zmq.PULL, self.endpoint, bind=True)
+        try:
+            self._input = make_socket(self._ctx, zmq.PULL, self.endpoint, bind=True,
+                                      security=self._security)
+        except BaseException:
+            self._security.close()
+            self._ctx.term()
+            raise
         try:
             make_runner = make_runner or backend_factory(config.backend)
             self.runner = make_runner(config, self.metrics)
@@ -406,7 +413,7 @@ class Engine:
 
     def _send_loop(self) -> None:
         codec: Codec[Any] = Codec(FrontendInput)
-        replies = ReplySockets(self._ctx)
+        replies = ReplySockets(self._ctx, security=self._security)
         try:
             while (item := self._replies.get()) is not None:
                 reply_to, message = item
@@ -424,6 +431,7 @@ class Engine:
 
     def _close_sockets(self) -> None:
         self._input.close(linger=0)
+        self._security.close()
         self._ctx.term()
 
 

@@ -99,7 +99,7 @@ from services.common.lifecycle import (
     refused_while_draining,
     unfinished_at_drain_timeout,
 )
-from services.common.sockets import bound_endpoint, make_socket
+from services.common.sockets import Security, bound_endpoint, make_socket
 from services.common.stats import Metrics, log_totals
 from services.frontend.detokenize import OutputText, TokenTexts, space_marker
 from services.frontend.http_api import HttpApi
@@ -194,6 +194,7 @@ class Frontend:
         self.metrics.epoch = lambda: self._engine_epoch
         self.metrics.in_flight = lambda: len(self._inflight)
         self.metrics.gauge("tokenizing", lambda: self._tokenizing)
+        self._security = Security.of("frontend", config, self.metrics.counters)
         self._engine_epoch = 0  # the newest engine cache epoch seen; MM workers follow it
         self._tokenized: queue.SimpleQueue[Tokenized] = queue.SimpleQueue()
         self._wake_endpoint = f"inproc://frontend-wake-{self._prefix}"
@@ -229,19 +230,23 @@ class Frontend:
                 self.http.start()
             except Exception:
                 self._pool.shutdown(wait=False)
+                self._security.close()
                 self._ctx.destroy(linger=0)
                 raise
 
     def _open_sockets(self) -> None:
         c = self.config
         self._wake = make_socket(self._ctx, zmq.PULL, self._wake_endpoint, bind=True)
-        self._output = make_socket(self._ctx, zmq.PULL, c.output_endpoint, bind=True)
+        self._output = make_socket(self._ctx, zmq.PULL, c.output_endpoint, bind=True,
+                                   security=self._security)
         self._engine = make_socket(self._ctx, zmq.PUSH, c.engine_endpoint, bind=False,
-                                   monitor_events=_PEER_EVENTS)
+                                   monitor_events=_PEER_EVENTS, security=self._security,
+                                   peer="engine")
         # One socket per MM worker: a resend after a cache miss must reach the same worker,
         # whose sender cache the engine's receiver cache mirrors.
         self._mm_workers = [
-            make_socket(self._ctx, zmq.PUSH, endpoint, bind=False, monitor_events=_PEER_EVENTS)
+            make_socket(self._ctx, zmq.PUSH, endpoint, bind=False, monitor_events=_PEER_EVENTS,
+                        security=self._security, peer="mm-worker")
             for endpoint in c.mm_worker_endpoint
         ]
         self._worker_peers = [Peer(f"mm-worker-{i}", sock)
@@ -713,6 +718,7 @@ class Frontend:
         if self.http is not None:
             self.http.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._security.close()
         self._ctx.destroy(linger=500)
 
 

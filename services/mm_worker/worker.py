@@ -76,7 +76,7 @@ from services.common.lifecycle import (
     refused_while_draining,
     unfinished_at_drain_timeout,
 )
-from services.common.sockets import ReplySockets, make_socket
+from services.common.sockets import ReplySockets, Security, make_socket
 from services.common.stats import Metrics, log_totals
 from services.mm_worker.cache import ImageHasher, SenderCache
 from services.mm_worker.fetch import FetchPolicy, MediaFetcher
@@ -132,15 +132,20 @@ class MMWorker:
         self._job_codec: Codec[MMJob | EngineEpoch | CancelJobs | Hello] = Codec(MMWorkerInput)
         self._started_ns = time.time_ns()  # tells a frontend's `Hello` which process answers
         self._ctx = zmq.Context()
+        self._security = Security.of("mm-worker", config, self.metrics.counters)
         with ExitStack() as undo:  # a failed bind or connect closes what was opened
             undo.callback(self._ctx.term)
-            self._jobs = make_socket(self._ctx, zmq.PULL, config.mm_worker_endpoint, bind=True)
+            undo.callback(self._security.close)
+            self._jobs = make_socket(self._ctx, zmq.PULL, config.mm_worker_endpoint, bind=True,
+                                     security=self._security)
             undo.callback(self._jobs.close)
             self._engine = make_socket(
-                self._ctx, zmq.PUSH, config.engine_endpoint, bind=False, hwm=ENGINE_SEND_HWM
+                self._ctx, zmq.PUSH, config.engine_endpoint, bind=False, hwm=ENGINE_SEND_HWM,
+                security=self._security, peer="engine",
             )
             undo.pop_all()
-        self._failures = FrontendReplies(self._ctx)  # the loop's; the input thread has its own
+        # The loop's; the input thread has its own.
+        self._failures = FrontendReplies(self._ctx, self._security)
         # The engine keeps one receiver cache per sender: name ours by host and bound address
         # (resolved, so two workers bound to 'tcp://host:*' get different names).
         bound = self._jobs.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -294,6 +299,7 @@ class MMWorker:
         if self.shm is not None:
             self.shm.close()
         self._jobs.close()
+        self._security.close()
         self._ctx.term()
 
     # ------------------------------------------------------------ the FIFO loop's side
@@ -350,7 +356,7 @@ class MMWorker:
         """The mm-worker-input thread: reads the job socket, which it alone uses, into the queue
         while there is room (always, once draining: new jobs are refused, not queued); ends at
         `_stop_input`, after reading what has arrived by then."""
-        replies = FrontendReplies(self._ctx)
+        replies = FrontendReplies(self._ctx, self._security)
         try:
             while not self._input_done.is_set():
                 if self._wait_for_room() and self._jobs.poll(POLL_MS):
@@ -488,9 +494,9 @@ class FrontendReplies:
     """Sends replies to frontends: jobs' RequestFailed, and HelloReply. Sockets and codecs are
     not thread-safe: each thread that replies has its own."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, security: Security) -> None:
         self._codec: Codec[Any] = Codec(FrontendInput)
-        self._sockets = ReplySockets(ctx)
+        self._sockets = ReplySockets(ctx, security=security)
 
     def send(self, reply_to: str, reply: RequestFailed | HelloReply) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from protocol.messages import Stats
+from services.common.sockets import CURVE_REFUSED
 
 
 def latency_text(seconds: float) -> str:
@@ -43,11 +44,14 @@ def counts_text(counts: Mapping[str, int]) -> str:
 
 
 def errors_text(stats: Stats) -> str:
-    """The errors by code, then the HTTP API's refusals: 'timeout 1; http refused
-    model_not_found 2'; '-' when there are none."""
+    """The errors by code, then the HTTP API's refusals, then the peers refused at the CURVE
+    handshake: 'timeout 1; http refused model_not_found 2; curve refused 5'; '-' when there
+    are none."""
     parts = [counts_text(stats.errors)] if stats.errors else []
     if stats.http_refused:
         parts.append(f"http refused {counts_text(stats.http_refused)}")
+    if stats.counters.get(CURVE_REFUSED):
+        parts.append(f"curve refused {stats.counters[CURVE_REFUSED]}")
     return "; ".join(parts) or "-"
 
 
