@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from transformers import (
     LlavaProcessor,
     Qwen2VLProcessor,
 )
+from transformers.models.pixtral import image_processing_pil_pixtral
 
 from image_server import ImageServer
 from protocol.errors import FatalError
@@ -75,12 +78,36 @@ class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
                          vision_aspect_ratio, **kwargs)
 
 
+def _pixtral_processor() -> type:
+    """PixtralProcessor, whose module imports the torchvision image processor only for a
+    resize helper that the PIL one has too (`get_resize_output_image_size`): the module is
+    imported with the PIL one's helper in the torchvision one's place."""
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    stand_in = types.ModuleType(name)
+    stand_in.get_resize_output_image_size = (  # type: ignore[attr-defined]
+        image_processing_pil_pixtral.get_resize_output_image_size
+    )
+    sys.modules.setdefault(name, stand_in)
+    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+    return PixtralProcessor
+
+
+def hf_processor_call(processor, prompt: str, images: list | None = None) -> dict:
+    """`processor(text, images)` as the processor's own `apply_chat_template(tokenize=True)`
+    calls it: without the tokenizer's special tokens when the template wrote the BOS itself."""
+    bos = processor.tokenizer.bos_token
+    special = {"add_special_tokens": False} if bos is not None and prompt.startswith(bos) else {}
+    return processor(text=[prompt], images=images or None, return_tensors="np", **special)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, Path]:
     """Each tiny model by the name of its builder (`mmlane tiny-model --family NAME`)."""
     return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
             "llava_next": _tiny_model("llava_next"),
-            "llava_onevision": _tiny_model("llava_onevision")}
+            "llava_onevision": _tiny_model("llava_onevision"),
+            "mistral3": _tiny_model("mistral3")}
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +126,9 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
             "llava_next": LlavaNextProcessor.from_pretrained(model_dirs["llava_next"]),
             "llava_onevision": ImageOnlyLlavaOnevisionProcessor.from_pretrained(
                 model_dirs["llava_onevision"]
-            )}
+            ),
+            "mistral3": _pixtral_processor().from_pretrained(model_dirs["mistral3"],
+                                                             backend="pil")}
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:

@@ -7,12 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from msgspec.structs import replace
 from transformers import AutoConfig
 
-from conftest import as_processor_output
+from conftest import as_processor_output, hf_processor_call
 from protocol.errors import RequestError
 from protocol.messages import MMItem
 from services.bench.images import noise_image
+from services.engine.runner import ModelSpec
+from services.engine.validation import validate_request
 from services.mm_worker.media import jpeg_draft_scale
 from services.model import (
     ImageError,
@@ -27,7 +30,7 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3"]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -98,7 +101,7 @@ class TestParity:
         expected_prompt = processor.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        expected = processor(text=expected_prompt, images=images or None, return_tensors="np")
+        expected = hf_processor_call(processor, expected_prompt, images)
 
         prompt = preprocessor.render_prompt(messages)
         [token_ids] = preprocessor.tokenize_batch([prompt])
@@ -153,6 +156,9 @@ class TestPreprocessor:
             ("llava_onevision", (56, 56), 1485),  # one grid tile: 729 + 27 rows of 27 + 27 newlines
             ("llava_onevision", (1024, 768), 4725),  # 2x3 tiles, unpadded to 54x73
             ("llava_onevision", (4032, 3024), 7309),  # 5x6 tiles, pooled to about 9 tiles' worth
+            ("mistral3", (56, 56), 6),  # 2 rows of 2 [IMG] cells, each row's break or end
+            ("mistral3", (1024, 768), 1064),  # 28 rows of 37 cells (rounded up to whole cells)
+            ("mistral3", (4032, 3024), 2352),  # reduced to 1540x1155, 42 rows of 55 cells
         ],
     )
     def test_num_tokens(self, preprocessors, family, size, num_tokens):
@@ -242,6 +248,50 @@ class TestErrors:
         changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
         with pytest.raises(RequestError, match=message):
             check([MMItem(offset=0, length=1, tensors=changed)])
+
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            ({"image_sizes": lambda t: np.array([[28, 56]])},
+             r"image_sizes must be the pixels' \(height, width\), \(84, 112\), "
+             r"got \[\[28, 56\]\]"),
+            ({"pixel_values": lambda t: t[:, :, :70],
+              "image_sizes": lambda t: np.array([[70, 112]])},
+             "is 70x112 pixels; the model takes sides that are multiples of 28, at most 1540"),
+            ({"pixel_values": lambda t: np.zeros((1, 3, 1568, 28), np.uint8),
+              "image_sizes": lambda t: np.array([[1568, 28]])}, "is 1568x28 pixels"),
+            ({"pixel_values": lambda t: t.astype("f4")},
+             "pixel_values must be a 4-D array of kind 'u', got 4-D float32"),
+        ],
+        ids=["sizes-not-the-pixels", "not-whole-cells", "beyond-the-rope", "float-pixels"],
+    )
+    def test_mistral3_pixels_must_be_whole_cells_of_their_size(
+        self, model_dirs, preprocessors, change, message
+    ):
+        preprocessor = preprocessors["mistral3"]
+        check = preprocessor.family.item_checker(AutoConfig.from_pretrained(model_dirs["mistral3"]))
+        tensors = preprocessor.process_image(noise_image(100, 60, seed=0)).tensors
+        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
+        changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
+        with pytest.raises(RequestError, match=message):
+            check([MMItem(offset=0, length=1, tensors=changed)])
+
+    def test_mistral3_span_must_be_the_layout_of_its_tensors(self, model_dirs, preprocessors):
+        """The engine checks the [IMG] rows, [IMG_BREAK]s and [IMG_END] of each image."""
+        from test_engine import make_request
+
+        preprocessor = preprocessors["mistral3"]
+        spec = ModelSpec.of(
+            preprocessor, AutoConfig.from_pretrained(model_dirs["mistral3"]),
+            vocab_size=len(preprocessor.tokenizer), max_context=preprocessor.max_context,
+        )
+        request = make_request(preprocessor, "hi", ((100, 60),))
+        validate_request(request, spec)
+        ids = list(request.prompt_token_ids)
+        row_break = ids.index(preprocessor.tokenizer.convert_tokens_to_ids("[IMG_BREAK]"))
+        ids[row_break - 1], ids[row_break] = ids[row_break], ids[row_break - 1]
+        with pytest.raises(RequestError, match=r"mm_items\[0\] covers tokens that are not its"):
+            validate_request(replace(request, prompt_token_ids=ids), spec)
 
     def test_unsupported_model_type_names_path_and_type(self, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))

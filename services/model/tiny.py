@@ -26,7 +26,10 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     LlavaOnevisionConfig,
     LlavaOnevisionForConditionalGeneration,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     MistralConfig,
+    PixtralVisionConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -132,6 +135,46 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Mistral-Small-3.1-Instruct's format: BOS, the system prompt, then [INST]...[/INST] turns with
+# each image's [IMG] where its block stands (before or after the text); plain-string content
+# too. Its default system prompt is shortened (the published one names today's date).
+MISTRAL3_CHAT_TEMPLATE = (
+    "{%- set default_system_message = 'You are Mistral Small 3, a Large Language Model (LLM) "
+    "created by Mistral AI.' %}"
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}"
+    "{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}"
+    "{%- set system_message = default_system_message %}{%- set loop_messages = messages %}"
+    "{%- endif %}"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' }}"
+    "{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}"
+    "{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}"
+    "{%- else %}"
+    "{{- raise_exception('Only text and image blocks are supported in message content!') }}"
+    "{%- endif %}{%- endfor %}{{- '[/INST]' }}"
+    "{%- endif %}"
+    "{%- elif message['role'] == 'system' %}"
+    "{%- if message['content'] is string %}"
+    "{{- '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- else %}"
+    "{{- '[SYSTEM_PROMPT]' + message['content'][0]['text'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- if message['content'] is string %}{{- message['content'] + eos_token }}"
+    "{%- else %}{{- message['content'][0]['text'] + eos_token }}{%- endif %}"
+    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}"
+    "{%- endif %}{%- endfor %}"
+)
+
 BUILDER_VERSION = 3  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
@@ -212,6 +255,35 @@ LLAVA_ONEVISION_PROCESSOR = {
     "video_token": "<video>",
     "vision_aspect_ratio": "anyres_max_9",
     "vision_feature_select_strategy": "full",
+}
+
+
+# Stock mistralai/Mistral-Small-3.1-24B-Instruct-2503 preprocessor_config.json and
+# processor_config.json: Pixtral's resize of the longest edge to at most 1540 pixels, each side
+# then rounded up to whole 28-pixel cells (patch 14 x spatial merge 2, which the processor
+# passes to its image processor as the patch size); each cell is one [IMG] token, a row of
+# them ends with [IMG_BREAK], the last row with [IMG_END].
+MISTRAL3_IMAGE_PROCESSOR = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": CLIP_MEAN,
+    "image_processor_type": "PixtralImageProcessor",
+    "image_std": CLIP_STD,
+    "patch_size": 14,
+    "processor_class": "PixtralProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"longest_edge": 1540},
+}
+MISTRAL3_PROCESSOR = {
+    "image_break_token": "[IMG_BREAK]",
+    "image_end_token": "[IMG_END]",
+    "image_token": "[IMG]",
+    "patch_size": 14,
+    "processor_class": "PixtralProcessor",
+    "spatial_merge_size": 2,
 }
 
 
@@ -355,6 +427,12 @@ QWEN_LLAVA_TOKENS = _Tokens(
     named={"image_token": "<image>", "video_token": "<video>"},
 )
 
+MISTRAL_TOKENS = _Tokens(
+    special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]",
+             "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+    eos="</s>", pad="<pad>", bos="<s>", unk="<unk>", named={"image_token": "[IMG]"},
+)
+
 # A tiny tower's size; its image and patch size are the processor's (the caller's).
 TINY_VISION: dict[str, Any] = {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -414,6 +492,26 @@ def _build_llava_onevision(out_dir: Path, seed: int) -> None:
     )
 
 
+def _build_mistral3(out_dir: Path, seed: int) -> None:
+    # Mistral 3.1: a Pixtral tower (2-D RoPE over patch rows and columns, up to the 1540-pixel
+    # images of the processor), a patch merger of 2x2 patches, a Mistral language model.
+    _build_llava_like(
+        out_dir, seed, Mistral3Config, Mistral3ForConditionalGeneration, MISTRAL_TOKENS,
+        vision_config=PixtralVisionConfig(
+            image_size=1540, patch_size=14, hidden_act="silu", **TINY_VISION
+        ),
+        text_config_class=MistralConfig, chat_template=MISTRAL3_CHAT_TEMPLATE,
+        image_processor=MISTRAL3_IMAGE_PROCESSOR, processor=MISTRAL3_PROCESSOR,
+        # As Mistral-Small-3.1: full attention; 32k positions are room for a few images of up
+        # to 3,080 tokens each. vLLM's CPU attention takes heads of QWEN_HEAD_DIM.
+        max_positions=32768,
+        text_fields={"sliding_window": None, "hidden_size": 4 * QWEN_HEAD_DIM,
+                     "head_dim": QWEN_HEAD_DIM},
+        spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=False,
+        tie_word_embeddings=False,
+    )
+
+
 def _build_llava_like(
     out_dir: Path, seed: int, config_class: Callable[..., PretrainedConfig],
     model_class: type[PreTrainedModel], tokens: _Tokens, *, vision_config: PretrainedConfig,
@@ -421,8 +519,8 @@ def _build_llava_like(
     processor: dict, max_positions: int = MAX_POSITIONS, text_fields: dict | None = None,
     **config_fields: Any,
 ) -> None:
-    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision): the family's
-    tokenizer and template, a small vision tower, a small language model, and the family's own
+    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Mistral 3): the
+    family's tokenizer and template, a small vision tower, a small language model, and its own
     settings on top (`text_fields` of its language model, `config_fields` of the whole)."""
     bpe = _train_bpe(tokens.special)
     named: dict[str, str | dict] = {"eos_token": tokens.eos, "pad_token": tokens.pad}
@@ -445,19 +543,19 @@ def _build_llava_like(
     first = ids[tokens.bos or tokens.pad]
     config = config_class(
         vision_config=vision_config,
-        text_config=text_config_class(
-            vocab_size=bpe.get_vocab_size(with_added_tokens=True),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=max_positions,
-            bos_token_id=first,
-            eos_token_id=ids[tokens.eos],
-            pad_token_id=ids[tokens.pad],
+        text_config=text_config_class(**{
+            "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": max_positions,
+            "bos_token_id": first,
+            "eos_token_id": ids[tokens.eos],
+            "pad_token_id": ids[tokens.pad],
             **(text_fields or {}),
-        ),
+        }),
         # image_token_index (and video_token_index): the ids of the processor's named tokens
         **{f"{name}_index": ids[token] for name, token in tokens.named.items()},
         **config_fields,
@@ -524,4 +622,5 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "llava": _build_llava,
     "llava_next": _build_llava_next,
     "llava_onevision": _build_llava_onevision,
+    "mistral3": _build_mistral3,
 }
