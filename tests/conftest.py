@@ -22,6 +22,7 @@ import torch
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
+    InternVLProcessor,
     LlavaNextProcessor,
     LlavaOnevisionProcessor,
     LlavaProcessor,
@@ -93,12 +94,28 @@ def _pixtral_processor() -> type:
     return PixtralProcessor
 
 
+class ImageOnlyInternVLProcessor(InternVLProcessor):
+    """InternVLProcessor without its video processor, which needs torchvision."""
+
+    def __init__(self, image_processor=None, tokenizer=None, image_seq_length=256,
+                 chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, image_seq_length, chat_template,
+                         **kwargs)
+
+
 def hf_processor_call(processor, prompt: str, images: list | None = None) -> dict:
     """`processor(text, images)` as the processor's own `apply_chat_template(tokenize=True)`
-    calls it: without the tokenizer's special tokens when the template wrote the BOS itself."""
+    calls it: without the tokenizer's special tokens when the template wrote the BOS itself.
+    InternVL's processor drops its images' tile counts once it has expanded them: they are
+    put back (its image processor's count, with the processor's settings) so that the batch
+    splits by image."""
     bos = processor.tokenizer.bos_token
     special = {"add_special_tokens": False} if bos is not None and prompt.startswith(bos) else {}
-    return processor(text=[prompt], images=images or None, return_tensors="np", **special)
+    out = dict(processor(text=[prompt], images=images or None, return_tensors="np", **special))
+    if isinstance(processor, InternVLProcessor) and images:
+        out["num_patches"] = np.array([processor.image_processor.get_number_of_image_patches(
+            image.height, image.width, processor.images_kwargs) for image in images])
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +124,7 @@ def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, 
     return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
             "llava_next": _tiny_model("llava_next"),
             "llava_onevision": _tiny_model("llava_onevision"),
-            "mistral3": _tiny_model("mistral3")}
+            "mistral3": _tiny_model("mistral3"), "internvl": _tiny_model("internvl")}
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +145,9 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
                 model_dirs["llava_onevision"]
             ),
             "mistral3": _pixtral_processor().from_pretrained(model_dirs["mistral3"],
-                                                             backend="pil")}
+                                                             backend="pil"),
+            "internvl": ImageOnlyInternVLProcessor.from_pretrained(model_dirs["internvl"],
+                                                                   backend="pil")}
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:

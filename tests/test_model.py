@@ -30,7 +30,8 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3",
+            "internvl"]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -159,6 +160,9 @@ class TestPreprocessor:
             ("mistral3", (56, 56), 6),  # 2 rows of 2 [IMG] cells, each row's break or end
             ("mistral3", (1024, 768), 1064),  # 28 rows of 37 cells (rounded up to whole cells)
             ("mistral3", (4032, 3024), 2352),  # reduced to 1540x1155, 42 rows of 55 cells
+            ("internvl", (56, 56), 258),  # one tile, no thumbnail: <img>, 256, </img>
+            ("internvl", (1024, 768), 3330),  # a 4x3 grid and the thumbnail
+            ("internvl", (1200, 90), 3330),  # a 12x1 grid and the thumbnail
         ],
     )
     def test_num_tokens(self, preprocessors, family, size, num_tokens):
@@ -275,6 +279,24 @@ class TestErrors:
         changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
         with pytest.raises(RequestError, match=message):
             check([MMItem(offset=0, length=1, tensors=changed)])
+
+    @pytest.mark.parametrize(
+        ("pixels", "message"),
+        [
+            (np.zeros((0, 3, 448, 448), np.uint8), r"shape \(0, 3, 448, 448\), expected \(tiles, "
+             r"3, 448, 448\) with at least one tile"),
+            (np.zeros((1, 3, 448, 224), np.uint8), r"shape \(1, 3, 448, 224\)"),
+            (np.zeros((1, 3, 448, 448), np.float32), "must be a 4-D array of kind 'u'"),
+        ],
+        ids=["no-tile", "half-a-tile", "float-pixels"],
+    )
+    def test_internvl_pixels_must_be_whole_tiles(self, model_dirs, preprocessors, pixels, message):
+        preprocessor = preprocessors["internvl"]
+        check = preprocessor.family.item_checker(AutoConfig.from_pretrained(model_dirs["internvl"]))
+        tensors = preprocessor.process_image(noise_image(100, 60, seed=0)).tensors
+        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
+        with pytest.raises(RequestError, match=message):
+            check([MMItem(offset=0, length=1, tensors={"pixel_values": pixels})])
 
     def test_mistral3_span_must_be_the_layout_of_its_tensors(self, model_dirs, preprocessors):
         """The engine checks the [IMG] rows, [IMG_BREAK]s and [IMG_END] of each image."""

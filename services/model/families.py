@@ -457,6 +457,49 @@ def _mistral3_item_checker(config: Any) -> ItemChecker:
     return lambda items: _check_each(items, check_tensors)
 
 
+def _split_internvl(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
+    # Tiles of all images are stacked on axis 0; each image owns num_patches of them.
+    ends = np.cumsum(batch["num_patches"])
+    return [{"pixel_values": batch["pixel_values"][end - tiles : end]}
+            for tiles, end in zip(batch["num_patches"], ends, strict=True)]
+
+
+def _internvl_tile_tokens(model_dir: Path, config: Any) -> int:
+    """The <IMG_CONTEXT> tokens of one tile (its features after the pixel shuffle)."""
+    return _read_processor_config(model_dir).get("image_seq_length") or config.image_seq_length
+
+
+def _internvl_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
+    """InternVLProcessor's count: <img>, each tile's <IMG_CONTEXT> tokens, </img>."""
+    per_tile = _internvl_tile_tokens(model_dir, config)
+    return lambda item: 2 + per_tile * len(item["pixel_values"])
+
+
+def _internvl_image_span(
+    model_dir: Path, config: Any, image_processor: Any, token_id: TokenIds
+) -> SpanRule:
+    """InternVLProcessor's expansion: <img>, <IMG_CONTEXT> for each feature of each tile,
+    </img> (the tokenizer's start_image_token and end_image_token, as published)."""
+    per_tile = _internvl_tile_tokens(model_dir, config)
+    start, context, end = (token_id(token) for token in ("<img>", "<IMG_CONTEXT>", "</img>"))
+    return lambda item: [start, *[context] * (per_tile * len(item["pixel_values"])), end]
+
+
+def _internvl_item_checker(config: Any) -> ItemChecker:
+    vision = config.vision_config
+    tile_shape = (vision.num_channels, *vision.image_size)
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
+        if pixels.shape[1:] != tile_shape or not len(pixels):
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, expected (tiles, "
+                f"{', '.join(map(str, tile_shape))}) with at least one tile"
+            )
+
+    return lambda items: _check_each(items, check_tensors)
+
+
 def _image_own_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
     """No reduced decode: the family's token count reads the image's own size."""
     return width, height
@@ -548,7 +591,25 @@ MISTRAL3 = Family(
     image_processor_settings=_mistral3_image_processor_settings,
 )
 
-FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, MISTRAL3)
+# GotOcr2's tiles: resize to the grid (in uint8), cut, a thumbnail beside them; then rescale and
+# normalise, so one image's uint8 tiles are the processor's. The grid follows the image's own
+# aspect ratio and area, so a JPEG is never decoded reduced (as LLaVA-NeXT).
+INTERNVL = Family(
+    name="internvl",
+    model_types=("internvl",),
+    image_token="<IMG_CONTEXT>",
+    item_fields=("pixel_values",),
+    split_items=_split_internvl,
+    token_counter=_internvl_token_counter,
+    item_checker=_internvl_item_checker,
+    uint8_pixels=processor_uint8,
+    resized_size=_image_own_size,
+    image_span=_internvl_image_span,
+    # InternVLProcessor's own images_kwargs: the stock image processor file leaves it off.
+    image_processor_settings=lambda model_dir, config: {"crop_to_patches": True},
+)
+
+FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, MISTRAL3, INTERNVL)
 
 
 def family_for(model_type: str) -> Family:

@@ -19,6 +19,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import (
     CLIPVisionConfig,
     GenerationConfig,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLVisionConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -175,6 +178,19 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
 )
 
+# InternVL3-hf's ChatML (a Qwen2 language model): each image's <IMG_CONTEXT> and a newline
+# where its block stands; plain-string content too.
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 BUILDER_VERSION = 3  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
@@ -285,6 +301,28 @@ MISTRAL3_PROCESSOR = {
     "processor_class": "PixtralProcessor",
     "spatial_merge_size": 2,
 }
+
+
+# Stock OpenGVLab/InternVL3-1B-hf preprocessor_config.json and processor_config.json: GotOcr2's
+# 448-pixel tiles (the processor turns crop_to_patches on: a grid of up to 12 tiles, and the
+# whole image as a thumbnail beside them), 256 <IMG_CONTEXT> tokens a tile.
+INTERNVL_IMAGE_PROCESSOR = {
+    "crop_to_patches": False,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_processor_type": "GotOcr2ImageProcessor",
+    "image_std": [0.229, 0.224, 0.225],
+    "max_patches": 12,
+    "min_patches": 1,
+    "processor_class": "InternVLProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"height": 448, "width": 448},
+}
+INTERNVL_PROCESSOR = {"image_seq_length": 256, "processor_class": "InternVLProcessor"}
 
 
 def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
@@ -413,7 +451,15 @@ class _Tokens:
     unk: str | None = None
     named: dict[str, str] = field(default_factory=dict)
     """The processor's tokens by their attribute name (`image_token`); the model config has
-    each one's id as NAME_index."""
+    each one's id as NAME_index, unless `config_ids` says otherwise."""
+    config_ids: dict[str, str] | None = None
+    """The model config's fields that hold a token's id, and their tokens."""
+
+    def ids_in_config(self, ids: dict[str, int]) -> dict[str, int]:
+        config_ids = self.config_ids
+        if config_ids is None:
+            config_ids = {f"{name}_index": token for name, token in self.named.items()}
+        return {name: ids[token] for name, token in config_ids.items()}
 
 
 LLAMA_TOKENS = _Tokens(
@@ -431,6 +477,15 @@ MISTRAL_TOKENS = _Tokens(
     special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]",
              "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
     eos="</s>", pad="<pad>", bos="<s>", unk="<unk>", named={"image_token": "[IMG]"},
+)
+
+INTERNVL_TOKENS = _Tokens(
+    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>",
+             "<video>"],
+    eos="<|im_end|>", pad="<|endoftext|>",
+    named={"start_image_token": "<img>", "end_image_token": "</img>",
+           "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+    config_ids={"image_token_id": "<IMG_CONTEXT>"},
 )
 
 # A tiny tower's size; its image and patch size are the processor's (the caller's).
@@ -512,6 +567,22 @@ def _build_mistral3(out_dir: Path, seed: int) -> None:
     )
 
 
+def _build_internvl(out_dir: Path, seed: int) -> None:
+    # InternVL3-hf: InternViT at 448 pixels (mean pooling, layer scale), a pixel shuffle of
+    # 2x2 features into one and an MLP projector, a Qwen2 language model.
+    _build_llava_like(
+        out_dir, seed, InternVLConfig, InternVLForConditionalGeneration, INTERNVL_TOKENS,
+        vision_config=InternVLVisionConfig(image_size=[448, 448], patch_size=[14, 14],
+                                           **TINY_VISION),
+        text_config_class=Qwen2Config, chat_template=INTERNVL_CHAT_TEMPLATE,
+        image_processor=INTERNVL_IMAGE_PROCESSOR, processor=INTERNVL_PROCESSOR,
+        # As Qwen2.5-0.5B: 32k positions, room for a few images of up to 3,330 tokens each.
+        max_positions=32768, text_fields={"hidden_size": 4 * QWEN_HEAD_DIM},
+        downsample_ratio=0.5, image_seq_length=256, vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+
+
 def _build_llava_like(
     out_dir: Path, seed: int, config_class: Callable[..., PretrainedConfig],
     model_class: type[PreTrainedModel], tokens: _Tokens, *, vision_config: PretrainedConfig,
@@ -556,8 +627,8 @@ def _build_llava_like(
             "pad_token_id": ids[tokens.pad],
             **(text_fields or {}),
         }),
-        # image_token_index (and video_token_index): the ids of the processor's named tokens
-        **{f"{name}_index": ids[token] for name, token in tokens.named.items()},
+        # e.g. image_token_index (and video_token_index): the ids of the processor's tokens
+        **tokens.ids_in_config(ids),
         **config_fields,
     )
     generation = GenerationConfig(
@@ -623,4 +694,5 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "llava_next": _build_llava_next,
     "llava_onevision": _build_llava_onevision,
     "mistral3": _build_mistral3,
+    "internvl": _build_internvl,
 }

@@ -228,6 +228,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "qwen2_vl": Qwen2VLAdapter, "llava": Adapter, "llava_next": Adapter,
     "llava_onevision": Adapter,
     "mistral3": Adapter,
+    "internvl": Adapter,
 }
 
 
