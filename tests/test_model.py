@@ -52,6 +52,18 @@ def chat(num_images: int) -> list[dict]:
     ]
 
 
+def assert_checker_refuses(model_dirs, preprocessors, family, size, change, message) -> None:
+    """The family's shape check takes an image's tensors as processed and refuses them with
+    `message` once `change` ({name: tensor -> tensor}) has been applied."""
+    preprocessor = preprocessors[family]
+    check = preprocessor.family.item_checker(AutoConfig.from_pretrained(model_dirs[family]))
+    tensors = preprocessor.process_image(noise_image(*size, seed=0)).tensors
+    check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
+    changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
+    with pytest.raises(RequestError, match=message):
+        check([MMItem(offset=0, length=1, tensors=changed)])
+
+
 class TestTinyModel:
     @pytest.mark.parametrize("family", FAMILIES)
     def test_same_seed_gives_identical_files(self, model_dirs, tmp_path, family):
@@ -244,14 +256,7 @@ class TestErrors:
     def test_llava_next_tiles_must_be_those_of_the_image_size(
         self, model_dirs, preprocessors, change, message
     ):
-        preprocessor = preprocessors["llava_next"]
-        config = AutoConfig.from_pretrained(model_dirs["llava_next"])
-        check = preprocessor.family.item_checker(config)
-        tensors = preprocessor.process_image(noise_image(333, 500, seed=0)).tensors
-        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
-        changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
-        with pytest.raises(RequestError, match=message):
-            check([MMItem(offset=0, length=1, tensors=changed)])
+        assert_checker_refuses(model_dirs, preprocessors, "llava_next", (333, 500), change, message)
 
     @pytest.mark.parametrize(
         ("change", "message"),
@@ -272,13 +277,7 @@ class TestErrors:
     def test_mistral3_pixels_must_be_whole_cells_of_their_size(
         self, model_dirs, preprocessors, change, message
     ):
-        preprocessor = preprocessors["mistral3"]
-        check = preprocessor.family.item_checker(AutoConfig.from_pretrained(model_dirs["mistral3"]))
-        tensors = preprocessor.process_image(noise_image(100, 60, seed=0)).tensors
-        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
-        changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
-        with pytest.raises(RequestError, match=message):
-            check([MMItem(offset=0, length=1, tensors=changed)])
+        assert_checker_refuses(model_dirs, preprocessors, "mistral3", (100, 60), change, message)
 
     @pytest.mark.parametrize(
         ("pixels", "message"),
@@ -291,12 +290,8 @@ class TestErrors:
         ids=["no-tile", "half-a-tile", "float-pixels"],
     )
     def test_internvl_pixels_must_be_whole_tiles(self, model_dirs, preprocessors, pixels, message):
-        preprocessor = preprocessors["internvl"]
-        check = preprocessor.family.item_checker(AutoConfig.from_pretrained(model_dirs["internvl"]))
-        tensors = preprocessor.process_image(noise_image(100, 60, seed=0)).tensors
-        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
-        with pytest.raises(RequestError, match=message):
-            check([MMItem(offset=0, length=1, tensors={"pixel_values": pixels})])
+        change = {"pixel_values": lambda t: pixels}
+        assert_checker_refuses(model_dirs, preprocessors, "internvl", (100, 60), change, message)
 
     def test_mistral3_span_must_be_the_layout_of_its_tensors(self, model_dirs, preprocessors):
         """The engine checks the [IMG] rows, [IMG_BREAK]s and [IMG_END] of each image."""
