@@ -182,7 +182,20 @@ class TestPreprocessor:
             preprocessors[family].process_image(noise_image(*size, seed=0)).num_tokens == num_tokens
         )
 
-    @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+    @pytest.mark.parametrize(
+        ("size", "resized"), [((4032, 3024), (1540, 1176)), ((1200, 90), (1204, 112))]
+    )
+    def test_mistral3_jpegs_are_drafted_to_no_less_than_its_resize(
+        self, preprocessors, size, resized
+    ):
+        """Pixtral's rule: the longest edge to at most 1540, each side up to whole 28-pixel
+        cells (so an image may grow a little)."""
+        image = noise_image(*size, seed=0)
+        assert preprocessors["mistral3"].resized_size(*size) == resized
+        pixels = preprocessors["mistral3"].process_image(image).tensors["pixel_values"]
+        assert pixels.shape[2:] == resized[::-1]
+
+    @pytest.mark.parametrize("family", ["llava_next", "llava_onevision", "internvl"])
     def test_anyres_jpegs_are_never_drafted(self, preprocessors, family):
         """Their tile grid and token count follow the image's own size (image_sizes)."""
         resized_size = preprocessors[family].resized_size
