@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,11 +23,13 @@ import torch
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
+    InternVLProcessor,
     LlavaNextProcessor,
     LlavaOnevisionProcessor,
     LlavaProcessor,
     Qwen2VLProcessor,
 )
+from transformers.models.pixtral import image_processing_pil_pixtral
 
 from image_server import ImageServer
 from protocol.errors import FatalError
@@ -77,12 +80,52 @@ class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
                          vision_aspect_ratio, **kwargs)
 
 
+def _pixtral_processor() -> type:
+    """PixtralProcessor, whose module imports the torchvision image processor only for a
+    resize helper that the PIL one has too (`get_resize_output_image_size`): the module is
+    imported with the PIL one's helper in the torchvision one's place."""
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    stand_in = types.ModuleType(name)
+    stand_in.get_resize_output_image_size = (  # type: ignore[attr-defined]
+        image_processing_pil_pixtral.get_resize_output_image_size
+    )
+    sys.modules.setdefault(name, stand_in)
+    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+    return PixtralProcessor
+
+
+class ImageOnlyInternVLProcessor(InternVLProcessor):
+    """InternVLProcessor without its video processor, which needs torchvision."""
+
+    def __init__(self, image_processor=None, tokenizer=None, image_seq_length=256,
+                 chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, image_seq_length, chat_template,
+                         **kwargs)
+
+
+def hf_processor_call(processor, prompt: str, images: list | None = None) -> dict:
+    """`processor(text, images)` as the processor's own `apply_chat_template(tokenize=True)`
+    calls it: without the tokenizer's special tokens when the template wrote the BOS itself.
+    InternVL's processor drops its images' tile counts once it has expanded them: they are
+    put back (its image processor's count, with the processor's settings) so that the batch
+    splits by image."""
+    bos = processor.tokenizer.bos_token
+    special = {"add_special_tokens": False} if bos is not None and prompt.startswith(bos) else {}
+    out = dict(processor(text=[prompt], images=images or None, return_tensors="np", **special))
+    if isinstance(processor, InternVLProcessor) and images:
+        out["num_patches"] = np.array([processor.image_processor.get_number_of_image_patches(
+            image.height, image.width, processor.images_kwargs) for image in images])
+    return out
+
+
 @pytest.fixture(scope="session")
 def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, Path]:
     """Each tiny model by the name of its builder (`mmlane tiny-model --family NAME`)."""
     return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
             "llava_next": _tiny_model("llava_next"),
-            "llava_onevision": _tiny_model("llava_onevision")}
+            "llava_onevision": _tiny_model("llava_onevision"),
+            "mistral3": _tiny_model("mistral3"), "internvl": _tiny_model("internvl")}
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +144,11 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
             "llava_next": LlavaNextProcessor.from_pretrained(model_dirs["llava_next"]),
             "llava_onevision": ImageOnlyLlavaOnevisionProcessor.from_pretrained(
                 model_dirs["llava_onevision"]
-            )}
+            ),
+            "mistral3": _pixtral_processor().from_pretrained(model_dirs["mistral3"],
+                                                             backend="pil"),
+            "internvl": ImageOnlyInternVLProcessor.from_pretrained(model_dirs["internvl"],
+                                                                   backend="pil")}
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:

@@ -260,9 +260,13 @@ class CountingRenderer(JobRenderer):
 class TestJobRenderer:
     @pytest.fixture
     def renderer(self, qwen_dir) -> CountingRenderer:
+        return self.renderer_of(qwen_dir)
+
+    @staticmethod
+    def renderer_of(model_dir) -> CountingRenderer:
         from services.model import load_preprocessor
 
-        pre = load_preprocessor(qwen_dir)
+        pre = load_preprocessor(model_dir)
         cache = SenderCache("w", 1 << 30)
         cache.see_engine_epoch(1)
         media = MediaPolicy(allowed_media_dir=None, max_image_bytes=1 << 24,
@@ -286,6 +290,18 @@ class TestJobRenderer:
         assert second.mm_items[0].mm_hash == first.mm_items[0].mm_hash
         assert (second.mm_items[0].nbytes, second.prompt_token_ids) == (
             first.mm_items[0].nbytes, first.prompt_token_ids)
+
+    def test_a_hit_places_the_images_own_span_again(self, model_dirs) -> None:
+        """Mistral 3's span (rows of [IMG], [IMG_BREAK], [IMG_END]) comes back from P0."""
+        renderer = self.renderer_of(model_dirs["mistral3"])
+        image = ImageUrl(url=png_uri(noise_image(100, 60)))
+        first = renderer.render(self.job(renderer, image))
+        renderer.cache.commit(first)
+        second = renderer.render(self.job(renderer, image))
+        assert renderer.processed == 1 and second.mm_items[0].tensors == {}
+        span = first.mm_items[0]
+        assert len(set(first.prompt_token_ids[span.offset : span.offset + span.length])) == 3
+        assert second.prompt_token_ids == first.prompt_token_ids
 
     def test_a_uuid_hit_does_not_even_read_the_image(self, renderer: CountingRenderer) -> None:
         good = ImageUrl(url=png_uri(noise_image(56, 56)), uuid="cat-1")

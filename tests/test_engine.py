@@ -41,6 +41,7 @@ from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
 from services.engine.validation import validate_request
 from services.launcher import Child
+from services.mm_worker.render import placeholder_offsets
 from services.model import Preprocessor, load_model, load_preprocessor
 
 # The engine and the in-process reference must run on the same device for greedy to match.
@@ -97,12 +98,12 @@ def make_request(
     prompt = prep.render_prompt(messages)
     items = [prep.process_image(make_image(w, h, seed=image_seed + i))
              for i, (w, h) in enumerate(images)]
-    ids = prep.expand_placeholders(prep.tokenize_batch([prompt])[0], items)
-    mm_items, start = [], 0
-    for item in items:
-        offset = ids.index(prep.image_token_id, start)
-        mm_items.append(MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors))
-        start = offset + item.num_tokens
+    [unexpanded] = prep.tokenize_batch([prompt])
+    ids = prep.expand_placeholders(unexpanded, items)
+    offsets = placeholder_offsets(unexpanded, prep.image_token_id,
+                                  [item.num_tokens for item in items])
+    mm_items = [MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors)
+                for offset, item in zip(offsets, items, strict=True)]
     params = SamplingParams(**{"max_tokens": 12, **sampling})  # type: ignore[arg-type]
     return EngineRequest(
         request_id=f"r{next(_ids)}", reply_to="", prompt_token_ids=ids, sampling=params,
@@ -415,7 +416,8 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
 
 @pytest.mark.parametrize("max_batch", [1, MAX_BATCH])
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision"]
+    "family",
+    ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl"],
 )
 def test_runner_chunked_prefill_and_interleaving_match_generate(
     family, max_batch, model_dirs

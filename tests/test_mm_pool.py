@@ -437,6 +437,34 @@ def _stems(slots: dict[str, bool]) -> set[str]:
     return {name.rsplit("-", 1)[0] for name in slots}
 
 
+def test_a_pool_process_sends_the_images_span(model_dirs: dict[str, Path], run_dir: Path) -> None:
+    """Mistral 3's span (rows of [IMG], [IMG_BREAK], [IMG_END]) crosses from a pool process
+    with its image: the request is the in-process one."""
+    ctx = zmq.Context.instance()
+    engine = StandInEngine.at(ctx, f"ipc://{run_dir}/engine.sock")
+    worker = start_role("mm-worker", [
+        "--mm-worker-endpoint", f"ipc://{run_dir}/worker.sock", "--engine-endpoint",
+        engine.endpoint, "--model", str(model_dirs["mistral3"]), "--mm-processes", "1",
+    ], run_dir)
+    assert worker.endpoint is not None
+    jobs = push(ctx, worker.endpoint)
+    try:
+        pre = preprocessor(str(model_dirs["mistral3"]))
+        image = noise_image(100, 60, seed=1)
+        prompt = pre.tokenize_batch([pre.render_prompt(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+        )])[0]
+        send(jobs, MMJob(request_id="span", reply_to="ipc://nowhere", prompt_token_ids=prompt,
+                         images=[ImageUrl(url=data_uri(encode(image, "PNG")))],
+                         sampling=SamplingParams(max_tokens=1)))
+        expected = pre.expand_placeholders(prompt, [pre.process_image(image)])
+        assert engine.take().prompt_token_ids == expected
+    finally:
+        jobs.close()
+        stop_role(worker)
+        engine.close()
+
+
 @cache
 def preprocessor_of_default() -> Preprocessor:
     from services.model import resolve_model_dir

@@ -7,12 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from msgspec.structs import replace
 from transformers import AutoConfig
 
-from conftest import as_processor_output
+from conftest import as_processor_output, hf_processor_call
 from protocol.errors import RequestError
 from protocol.messages import MMItem
 from services.bench.images import noise_image
+from services.engine.runner import ModelSpec
+from services.engine.validation import validate_request
 from services.mm_worker.media import jpeg_draft_scale
 from services.model import (
     ImageError,
@@ -27,7 +30,8 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3",
+            "internvl"]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -46,6 +50,18 @@ def chat(num_images: int) -> list[dict]:
         {"role": "assistant", "content": "Hi. What can I do for you?"},
         {"role": "user", "content": content},
     ]
+
+
+def assert_checker_refuses(model_dirs, preprocessors, family, size, change, message) -> None:
+    """The family's shape check takes an image's tensors as processed and refuses them with
+    `message` once `change` ({name: tensor -> tensor}) has been applied."""
+    preprocessor = preprocessors[family]
+    check = preprocessor.family.item_checker(AutoConfig.from_pretrained(model_dirs[family]))
+    tensors = preprocessor.process_image(noise_image(*size, seed=0)).tensors
+    check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
+    changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
+    with pytest.raises(RequestError, match=message):
+        check([MMItem(offset=0, length=1, tensors=changed)])
 
 
 class TestTinyModel:
@@ -98,7 +114,7 @@ class TestParity:
         expected_prompt = processor.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        expected = processor(text=expected_prompt, images=images or None, return_tensors="np")
+        expected = hf_processor_call(processor, expected_prompt, images)
 
         prompt = preprocessor.render_prompt(messages)
         [token_ids] = preprocessor.tokenize_batch([prompt])
@@ -153,6 +169,12 @@ class TestPreprocessor:
             ("llava_onevision", (56, 56), 1485),  # one grid tile: 729 + 27 rows of 27 + 27 newlines
             ("llava_onevision", (1024, 768), 4725),  # 2x3 tiles, unpadded to 54x73
             ("llava_onevision", (4032, 3024), 7309),  # 5x6 tiles, pooled to about 9 tiles' worth
+            ("mistral3", (56, 56), 6),  # 2 rows of 2 [IMG] cells, each row's break or end
+            ("mistral3", (1024, 768), 1064),  # 28 rows of 37 cells (rounded up to whole cells)
+            ("mistral3", (4032, 3024), 2352),  # reduced to 1540x1155, 42 rows of 55 cells
+            ("internvl", (56, 56), 258),  # one tile, no thumbnail: <img>, 256, </img>
+            ("internvl", (1024, 768), 3330),  # a 4x3 grid and the thumbnail
+            ("internvl", (1200, 90), 3330),  # a 12x1 grid and the thumbnail
         ],
     )
     def test_num_tokens(self, preprocessors, family, size, num_tokens):
@@ -160,7 +182,20 @@ class TestPreprocessor:
             preprocessors[family].process_image(noise_image(*size, seed=0)).num_tokens == num_tokens
         )
 
-    @pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+    @pytest.mark.parametrize(
+        ("size", "resized"), [((4032, 3024), (1540, 1176)), ((1200, 90), (1204, 112))]
+    )
+    def test_mistral3_jpegs_are_drafted_to_no_less_than_its_resize(
+        self, preprocessors, size, resized
+    ):
+        """Pixtral's rule: the longest edge to at most 1540, each side up to whole 28-pixel
+        cells (so an image may grow a little)."""
+        image = noise_image(*size, seed=0)
+        assert preprocessors["mistral3"].resized_size(*size) == resized
+        pixels = preprocessors["mistral3"].process_image(image).tensors["pixel_values"]
+        assert pixels.shape[2:] == resized[::-1]
+
+    @pytest.mark.parametrize("family", ["llava_next", "llava_onevision", "internvl"])
     def test_anyres_jpegs_are_never_drafted(self, preprocessors, family):
         """Their tile grid and token count follow the image's own size (image_sizes)."""
         resized_size = preprocessors[family].resized_size
@@ -234,14 +269,59 @@ class TestErrors:
     def test_llava_next_tiles_must_be_those_of_the_image_size(
         self, model_dirs, preprocessors, change, message
     ):
-        preprocessor = preprocessors["llava_next"]
-        config = AutoConfig.from_pretrained(model_dirs["llava_next"])
-        check = preprocessor.family.item_checker(config)
-        tensors = preprocessor.process_image(noise_image(333, 500, seed=0)).tensors
-        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
-        changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
-        with pytest.raises(RequestError, match=message):
-            check([MMItem(offset=0, length=1, tensors=changed)])
+        assert_checker_refuses(model_dirs, preprocessors, "llava_next", (333, 500), change, message)
+
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            ({"image_sizes": lambda t: np.array([[28, 56]])},
+             r"image_sizes must be the pixels' \(height, width\), \(84, 112\), "
+             r"got \[\[28, 56\]\]"),
+            ({"pixel_values": lambda t: t[:, :, :70],
+              "image_sizes": lambda t: np.array([[70, 112]])},
+             "is 70x112 pixels; the model takes sides that are multiples of 28, at most 1540"),
+            ({"pixel_values": lambda t: np.zeros((1, 3, 1568, 28), np.uint8),
+              "image_sizes": lambda t: np.array([[1568, 28]])}, "is 1568x28 pixels"),
+            ({"pixel_values": lambda t: t.astype("f4")},
+             "pixel_values must be a 4-D array of kind 'u', got 4-D float32"),
+        ],
+        ids=["sizes-not-the-pixels", "not-whole-cells", "beyond-the-rope", "float-pixels"],
+    )
+    def test_mistral3_pixels_must_be_whole_cells_of_their_size(
+        self, model_dirs, preprocessors, change, message
+    ):
+        assert_checker_refuses(model_dirs, preprocessors, "mistral3", (100, 60), change, message)
+
+    @pytest.mark.parametrize(
+        ("pixels", "message"),
+        [
+            (np.zeros((0, 3, 448, 448), np.uint8), r"shape \(0, 3, 448, 448\), expected \(tiles, "
+             r"3, 448, 448\) with at least one tile"),
+            (np.zeros((1, 3, 448, 224), np.uint8), r"shape \(1, 3, 448, 224\)"),
+            (np.zeros((1, 3, 448, 448), np.float32), "must be a 4-D array of kind 'u'"),
+        ],
+        ids=["no-tile", "half-a-tile", "float-pixels"],
+    )
+    def test_internvl_pixels_must_be_whole_tiles(self, model_dirs, preprocessors, pixels, message):
+        change = {"pixel_values": lambda t: pixels}
+        assert_checker_refuses(model_dirs, preprocessors, "internvl", (100, 60), change, message)
+
+    def test_mistral3_span_must_be_the_layout_of_its_tensors(self, model_dirs, preprocessors):
+        """The engine checks the [IMG] rows, [IMG_BREAK]s and [IMG_END] of each image."""
+        from test_engine import make_request
+
+        preprocessor = preprocessors["mistral3"]
+        spec = ModelSpec.of(
+            preprocessor, AutoConfig.from_pretrained(model_dirs["mistral3"]),
+            vocab_size=len(preprocessor.tokenizer), max_context=preprocessor.max_context,
+        )
+        request = make_request(preprocessor, "hi", ((100, 60),))
+        validate_request(request, spec)
+        ids = list(request.prompt_token_ids)
+        row_break = ids.index(preprocessor.tokenizer.convert_tokens_to_ids("[IMG_BREAK]"))
+        ids[row_break - 1], ids[row_break] = ids[row_break], ids[row_break - 1]
+        with pytest.raises(RequestError, match=r"mm_items\[0\] covers tokens that are not its"):
+            validate_request(replace(request, prompt_token_ids=ids), spec)
 
     def test_unsupported_model_type_names_path_and_type(self, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))

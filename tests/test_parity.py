@@ -15,7 +15,7 @@ import pytest
 import zmq
 from msgspec.structs import replace
 
-from conftest import as_processor_output, start_role
+from conftest import as_processor_output, hf_processor_call, start_role
 from peers import StandInEngine, frames_for
 from protocol.messages import EngineRequest
 from services.bench.images import jpeg_uri, make_image, png_uri
@@ -36,7 +36,7 @@ class Lane:
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next",
-                                                "llava_onevision"])
+                                                "llava_onevision", "mistral3", "internvl"])
 def lane(request, module_run_dir: Path, model_dirs: dict[str, Path]) -> Iterator[Lane]:
     family = request.param
     run = module_run_dir / family
@@ -90,7 +90,7 @@ def test_engine_receives_what_the_hf_processor_makes(
     prompt = processor.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
-    expected = processor(text=[prompt], images=images, return_tensors="np")
+    expected = hf_processor_call(processor, prompt, images)
     assert got.prompt_token_ids == expected["input_ids"][0].tolist()
     # Image by image: a batch may pad its images to one shape (LLaVA-NeXT's tiles).
     wanted = family_for(family).split_items(processor.image_processor, expected)
@@ -113,14 +113,19 @@ def test_text_only_request_goes_straight_to_the_engine(lane: Lane, hf_processors
         tokenize=False, add_generation_prompt=True,
     )
     assert got.mm_items == []
-    assert got.prompt_token_ids == processor(text=[prompt])["input_ids"][0]
+    assert got.prompt_token_ids == hf_processor_call(processor, prompt)["input_ids"][0].tolist()
 
 
-def test_jpeg_items_carry_offsets_into_the_expanded_prompt(lane: Lane) -> None:
+def test_jpeg_items_carry_offsets_into_the_expanded_prompt(
+    lane: Lane, preprocessors: dict, request: pytest.FixtureRequest
+) -> None:
+    preprocessor = preprocessors[request.node.callspec.params["lane"]]
     lane.client.submit([user_message("Two.", [jpeg_uri(100, 80), jpeg_uri(80, 100)])])
     got = lane.received()
     ids = got.prompt_token_ids
     for item in got.mm_items:
         span = ids[item.offset: item.offset + item.length]
-        assert len(set(span)) == 1 and item.length > 0
+        expected = preprocessor.span_ids(item.tensors)
+        assert item.length > 0
+        assert span == list(expected or [preprocessor.image_token_id] * item.length)
     assert got.mm_items[0].offset + got.mm_items[0].length <= got.mm_items[1].offset

@@ -17,7 +17,7 @@ from PIL import Image
 
 from conftest import REPO, free_port
 from protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
-from services.bench.images import data_uri, encode, jpeg_uri, make_image
+from services.bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 
 
@@ -271,3 +271,32 @@ def test_serve_stops_all_children_on_sigterm(qwen_dir: Path, run_dir: Path) -> N
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("family", ["mistral3", "internvl"])
+def test_a_model_dir_whose_images_have_spans_serves_as_hf_generates(
+    family: str, model_dirs: dict[str, Path], run_dir: Path
+) -> None:
+    """`mmlane serve --model DIR` of a family whose images become structured spans (rows and
+    breaks, start and end tokens): the prompt is the processor's and the greedy reply HF
+    generate's; the same image again (a cache hit, its span placed from P0) gets the same."""
+    from test_engine import generate_greedy, make_request
+
+    from services.model import load_model, load_preprocessor
+
+    model_dir = model_dirs[family]
+    port = free_port()
+    process, lines = start_serve(["--model", str(model_dir)], run_dir, port)
+    assert any("ready" in line for line in lines), f"serve did not start: {lines}"
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=120) as client:
+            image = png_uri(make_image(100, 60, seed=0))
+            first, second = (ask(client, "What is it?", [image], max_tokens=6) for _ in range(2))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    prep = load_preprocessor(model_dir)
+    request = make_request(prep, "What is it?", ((100, 60),), max_tokens=6)
+    assert first.prompt_token_ids == second.prompt_token_ids == request.prompt_token_ids
+    expected = generate_greedy(load_model(model_dir, "cpu"), prep, request)
+    assert first.token_ids == second.token_ids == expected

@@ -56,6 +56,9 @@ class ModelSpec:
     check_items: Callable[[list[MMItem]], None]
     """Raises RequestError when the images' tensors have shapes the model cannot take (the
     family's check, services/model/families.py)."""
+    image_span: Callable[[Mapping[str, np.ndarray]], list[int]] | None = None
+    """The token ids an image with these (shape-checked) tensors puts in the prompt, where
+    they are more than image tokens (the family's `image_span`); None: image tokens only."""
 
     @classmethod
     def of(cls, preprocessor: Any, model_config: Any, *, vocab_size: int,
@@ -73,6 +76,7 @@ class ModelSpec:
             vocab_size=vocab_size,
             image_fields=family.item_fields,
             count_image_tokens=preprocessor.count_image_tokens,
+            image_span=preprocessor.image_span,
             check_items=family.item_checker(model_config),
         )
 

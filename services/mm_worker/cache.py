@@ -20,7 +20,7 @@ from typing import Any
 
 import blake3
 
-from protocol.messages import EngineRequest, MMCacheHeader
+from protocol.messages import EngineRequest, MMCacheHeader, MMItem
 from services.common.feature_cache import FeatureCache, commit, is_epoch, new_epoch
 
 HASH_FORMAT = "mmlane-mm-hash-1"
@@ -67,6 +67,8 @@ class ItemInfo:
 
     nbytes: int
     num_tokens: int
+    span_ids: tuple[int, ...] | None = None
+    """Its tokens where they are not `num_tokens` image tokens (ImageItem.span_ids)."""
 
 
 class SenderCache:
@@ -144,6 +146,14 @@ class SenderCache:
         if header is None or header.sender_epoch != self.epoch or header.seq != self.seq:
             return  # rendered before P0 started over: the engine will not mirror it either
         evicted = self.cache.evictions
-        commit(self.cache, request, lambda item: ItemInfo(item.nbytes, item.length))
+        commit(self.cache, request,
+               lambda item: ItemInfo(item.nbytes, item.length, _span_ids(request, item)))
         self.counters["cache_evictions"] += self.cache.evictions - evicted
         self.seq += 1
+
+
+def _span_ids(request: EngineRequest, item: MMItem) -> tuple[int, ...] | None:
+    """The item's tokens in the request, kept where they are not all one token (the image
+    token): a hit places them again without the tensors they were made from."""
+    ids = request.prompt_token_ids[item.offset : item.offset + item.length]
+    return None if ids.count(ids[0]) == len(ids) else tuple(ids)

@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from transformers.image_processing_utils import select_best_resolution
+from transformers.image_processing_utils import get_size_dict, select_best_resolution
 from transformers.image_transforms import get_resize_output_image_size
 from transformers.image_utils import ChannelDimension
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+from transformers.models.pixtral import image_processing_pil_pixtral as pixtral
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from protocol.errors import RequestError
@@ -32,6 +33,10 @@ Uint8Processor = Callable[[Any, Image.Image], dict[str, np.ndarray]]
 ResizeRule = Callable[[Any, int, int], tuple[int, int]]
 """`(image_processor, width, height) -> (width, height)`: the size the processor resizes an
 upright image of that size to."""
+SpanRule = Callable[[Tensors], list[int]]
+"""`span(item) -> token ids`: what one image's placeholder becomes in the prompt."""
+TokenIds = Callable[[str], int]
+"""A special token's id in the model's tokenizer."""
 
 
 class UnsupportedModelError(ValueError):
@@ -58,12 +63,31 @@ class Family:
     # The processor's own resize rule: what decoding may reduce a JPEG to and no further
     # (services/mm_worker/media.py, `--jpeg-draft`).
     resized_size: ResizeRule
+    # Reads the model's settings once and returns the rule for the tokens an image's
+    # placeholder becomes where they are more than `num_image_tokens(item)` image tokens (image
+    # start/end tokens, row breaks): the image's span. The model's image features replace its
+    # image tokens; the other tokens of the span keep their own embeddings.
+    image_span: Callable[[Path, Any, Any, TokenIds], SpanRule] | None = None
+    # Settings the model's processor gives its image processor on top of the image processor's
+    # own file (`(model_dir, config) -> kwargs`), so that the image processor alone makes what
+    # the processor makes.
+    image_processor_settings: Callable[[Path, Any], dict[str, Any]] = lambda model_dir, config: {}
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
-        """The inverse of `split_items`: the batched tensors the model takes for these images."""
-        return {
-            field: np.concatenate([item[field] for item in items]) for field in self.item_fields
-        }
+        """The inverse of `split_items`: the batched tensors the model takes for these images,
+        each padded at the end with zeros to the largest of them (Pixtral's images of several
+        sizes: the model reads each one's own from image_sizes)."""
+        return {field: _join_padded([item[field] for item in items]) for field in self.item_fields}
+
+
+def _join_padded(arrays: list[np.ndarray]) -> np.ndarray:
+    shape = tuple(int(side) for side in np.max([array.shape[1:] for array in arrays], axis=0))
+    return np.concatenate([
+        array if array.shape[1:] == shape else np.pad(
+            array, [(0, 0), *((0, m - n) for m, n in zip(shape, array.shape[1:], strict=True))]
+        )
+        for array in arrays
+    ])
 
 
 def _split_qwen2_vl(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
@@ -336,6 +360,146 @@ def _llava_next_item_checker(config: Any) -> ItemChecker:
     return lambda items: _check_each(items, check_tensors)
 
 
+def _pixtral_cell(model_dir: Path, config: Any) -> int:
+    """The side in pixels of one [IMG] token's cell: the vision patch times the spatial merge,
+    which PixtralProcessor gives its image processor as the patch size to resize to."""
+    settings = _read_processor_config(model_dir)
+    patch = settings.get("patch_size") or config.vision_config.patch_size
+    return patch * (settings.get("spatial_merge_size") or config.spatial_merge_size)
+
+
+def _mistral3_image_processor_settings(model_dir: Path, config: Any) -> dict[str, Any]:
+    cell = _pixtral_cell(model_dir, config)
+    return {"patch_size": {"height": cell, "width": cell}}
+
+
+def _pixtral_resized_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """Pixtral's resize: the longest edge down to at most `size["longest_edge"]`, then each
+    side up to whole cells (the image processor's patch size)."""
+    longest = image_processor.size["longest_edge"]
+    patch = get_size_dict(image_processor.patch_size, default_to_square=True)
+    shape = np.broadcast_to(np.uint8(0), (height, width, 3))  # only its shape is read
+    height, width = pixtral.get_resize_output_image_size(
+        shape, size=(longest, longest), patch_size=(patch["height"], patch["width"]),
+        input_data_format=ChannelDimension.LAST,
+    )
+    return width, height
+
+
+def _split_pixtral(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
+    # The batch pads every image to the tallest height and widest width with float zeros
+    # (after normalising: no uint8 value gives them); each image keeps its own size.
+    return [
+        {"pixel_values": pixels[None, :, :height, :width], "image_sizes": size[None]}
+        for pixels, size in zip(batch["pixel_values"], batch["image_sizes"], strict=True)
+        for height, width in [(int(size[0]), int(size[1]))]
+    ]
+
+
+def _mistral3_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
+    """PixtralProcessor's count: a row of [IMG] tokens per row of cells, each row ended by one
+    more token ([IMG_BREAK], the last [IMG_END])."""
+    cell = _pixtral_cell(model_dir, config)
+
+    def num_image_tokens(item: Tensors) -> int:
+        height, width = (int(v) for v in item["image_sizes"][0])
+        return (height // cell) * (width // cell + 1)
+
+    return num_image_tokens
+
+
+def _mistral3_image_span(
+    model_dir: Path, config: Any, image_processor: Any, token_id: TokenIds
+) -> SpanRule:
+    """PixtralProcessor's expansion: [IMG] per cell, row by row, [IMG_BREAK] after each row but
+    the last, [IMG_END] after the last."""
+    settings = _read_processor_config(model_dir)
+    image = token_id(settings.get("image_token", "[IMG]"))
+    row_break = token_id(settings.get("image_break_token", "[IMG_BREAK]"))
+    end = token_id(settings.get("image_end_token", "[IMG_END]"))
+    cell = _pixtral_cell(model_dir, config)
+
+    def span(item: Tensors) -> list[int]:
+        height, width = (int(v) for v in item["image_sizes"][0])
+        ids = ([image] * (width // cell) + [row_break]) * (height // cell)
+        ids[-1] = end
+        return ids
+
+    return span
+
+
+def _mistral3_item_checker(config: Any) -> ItemChecker:
+    vision = config.vision_config
+    cell = vision.patch_size * config.spatial_merge_size
+    # Pixtral's 2-D RoPE has positions for this many patches a side.
+    most = vision.image_size // vision.patch_size * vision.patch_size
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
+        sizes = _tensor(tensors, where, "image_sizes", ndim=2, kind="iu")
+        if pixels.shape[:2] != (1, vision.num_channels):
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, expected one image of "
+                f"{vision.num_channels} channels"
+            )
+        height, width = pixels.shape[2:]
+        if sizes.tolist() != [[height, width]]:
+            raise RequestError(
+                f"{where}.image_sizes must be the pixels' (height, width), "
+                f"{(height, width)}, got {sizes.tolist()}"
+            )
+        if height % cell or width % cell or not (0 < height <= most and 0 < width <= most):
+            raise RequestError(
+                f"{where}.pixel_values is {height}x{width} pixels; the model takes sides that "
+                f"are multiples of {cell}, at most {most}"
+            )
+
+    return lambda items: _check_each(items, check_tensors)
+
+
+def _split_internvl(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
+    # Tiles of all images are stacked on axis 0; each image owns num_patches of them.
+    ends = np.cumsum(batch["num_patches"])
+    return [{"pixel_values": batch["pixel_values"][end - tiles : end]}
+            for tiles, end in zip(batch["num_patches"], ends, strict=True)]
+
+
+def _internvl_tile_tokens(model_dir: Path, config: Any) -> int:
+    """The <IMG_CONTEXT> tokens of one tile (its features after the pixel shuffle)."""
+    return _read_processor_config(model_dir).get("image_seq_length") or config.image_seq_length
+
+
+def _internvl_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
+    """InternVLProcessor's count: <img>, each tile's <IMG_CONTEXT> tokens, </img>."""
+    per_tile = _internvl_tile_tokens(model_dir, config)
+    return lambda item: 2 + per_tile * len(item["pixel_values"])
+
+
+def _internvl_image_span(
+    model_dir: Path, config: Any, image_processor: Any, token_id: TokenIds
+) -> SpanRule:
+    """InternVLProcessor's expansion: <img>, <IMG_CONTEXT> for each feature of each tile,
+    </img> (the tokenizer's start_image_token and end_image_token, as published)."""
+    per_tile = _internvl_tile_tokens(model_dir, config)
+    start, context, end = (token_id(token) for token in ("<img>", "<IMG_CONTEXT>", "</img>"))
+    return lambda item: [start, *[context] * (per_tile * len(item["pixel_values"])), end]
+
+
+def _internvl_item_checker(config: Any) -> ItemChecker:
+    vision = config.vision_config
+    tile_shape = (vision.num_channels, *vision.image_size)
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
+        if pixels.shape[1:] != tile_shape or not len(pixels):
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, expected (tiles, "
+                f"{', '.join(map(str, tile_shape))}) with at least one tile"
+            )
+
+    return lambda items: _check_each(items, check_tensors)
+
+
 def _image_own_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
     """No reduced decode: the family's token count reads the image's own size."""
     return width, height
@@ -411,7 +575,41 @@ LLAVA_ONEVISION = replace(
     token_counter=_llava_onevision_token_counter,
 )
 
-FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION)
+# Pixtral's resize rounds each side up to whole cells; the padding of a batch comes after the
+# normalise and is cut off again (image_sizes): one image's uint8 pixels are the processor's.
+MISTRAL3 = Family(
+    name="mistral3",
+    model_types=("mistral3",),
+    image_token="[IMG]",
+    item_fields=("pixel_values", "image_sizes"),
+    split_items=_split_pixtral,
+    token_counter=_mistral3_token_counter,
+    item_checker=_mistral3_item_checker,
+    uint8_pixels=processor_uint8,
+    resized_size=_pixtral_resized_size,
+    image_span=_mistral3_image_span,
+    image_processor_settings=_mistral3_image_processor_settings,
+)
+
+# GotOcr2's tiles: resize to the grid (in uint8), cut, a thumbnail beside them; then rescale and
+# normalise, so one image's uint8 tiles are the processor's. The grid follows the image's own
+# aspect ratio and area, so a JPEG is never decoded reduced (as LLaVA-NeXT).
+INTERNVL = Family(
+    name="internvl",
+    model_types=("internvl",),
+    image_token="<IMG_CONTEXT>",
+    item_fields=("pixel_values",),
+    split_items=_split_internvl,
+    token_counter=_internvl_token_counter,
+    item_checker=_internvl_item_checker,
+    uint8_pixels=processor_uint8,
+    resized_size=_image_own_size,
+    image_span=_internvl_image_span,
+    # InternVLProcessor's own images_kwargs: the stock image processor file leaves it off.
+    image_processor_settings=lambda model_dir, config: {"crop_to_patches": True},
+)
+
+FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, MISTRAL3, INTERNVL)
 
 
 def family_for(model_type: str) -> Family:

@@ -32,6 +32,8 @@ from transformers import (
 from services.common.config import ImageBackend
 from services.model.families import (
     Family,
+    SpanRule,
+    Tensors,
     TokenCounter,
     UnsupportedModelError,
     family_for,
@@ -59,6 +61,9 @@ class ImageItem:
 
     tensors: dict[str, np.ndarray]
     num_tokens: int
+    span_ids: tuple[int, ...] | None = None
+    """The token ids its placeholder becomes, where they are not `num_tokens` image tokens (the
+    family's `image_span`)."""
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +90,13 @@ class Preprocessor:
     special_suffix: list[int]
     image_backend: str = "pil"
     """The image processor's backend: 'pil' or 'torchvision' (see `load_preprocessor`)."""
+    image_span: SpanRule | None = None
+    """The family's token ids of one image's placeholder (None: `num_tokens` image tokens)."""
+
+    def span_ids(self, tensors: Tensors) -> tuple[int, ...] | None:
+        """The token ids an image with these tensors puts in the prompt, where they are not
+        all image tokens (None)."""
+        return None if self.image_span is None else tuple(self.image_span(tensors))
 
     def render_prompt(self, messages: list[dict]) -> str:
         try:
@@ -135,7 +147,8 @@ class Preprocessor:
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}
-        return ImageItem(tensors=tensors, num_tokens=self.count_image_tokens(tensors))
+        return ImageItem(tensors=tensors, num_tokens=self.count_image_tokens(tensors),
+                         span_ids=self.span_ids(tensors))
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) the image processor resizes an upright image of this size to;
@@ -143,7 +156,8 @@ class Preprocessor:
         return self.family.resized_size(self.image_processor, width, height)
 
     def expand_placeholders(self, token_ids: list[int], items: list[ImageItem]) -> list[int]:
-        """Replace the i-th image placeholder with items[i].num_tokens copies of it."""
+        """Replace the i-th image placeholder with items[i]'s span: its span_ids, or
+        items[i].num_tokens copies of the placeholder."""
         placeholders = token_ids.count(self.image_token_id)
         if placeholders != len(items):
             raise PromptError(
@@ -154,7 +168,8 @@ class Preprocessor:
         images = iter(items)
         for token in token_ids:
             if token == self.image_token_id:
-                expanded.extend([token] * next(images).num_tokens)
+                item = next(images)
+                expanded.extend(item.span_ids or [token] * item.num_tokens)
             else:
                 expanded.append(token)
         return expanded
@@ -182,8 +197,15 @@ def load_preprocessor(model_dir: str | Path, image_backend: ImageBackend = "pil"
     family, config = _load_config(model_dir)
     tokenizer = _load_tokenizer(model_dir)
     backend = _pick_image_backend(image_backend)
-    image_processor = _load_image_processor(model_dir, backend)
+    image_processor = _load_image_processor(
+        model_dir, backend, family.image_processor_settings(model_dir, config)
+    )
     special_prefix, special_suffix = _added_special_ids(tokenizer)
+    image_span = None
+    if family.image_span is not None:
+        image_span = family.image_span(
+            model_dir, config, image_processor, lambda token: _token_id(model_dir, tokenizer, token)
+        )
     return Preprocessor(
         model_id=model_dir.name,
         family=family,
@@ -198,6 +220,7 @@ def load_preprocessor(model_dir: str | Path, image_backend: ImageBackend = "pil"
         special_prefix=special_prefix,
         special_suffix=special_suffix,
         image_backend=backend,
+        image_span=image_span,
     )
 
 
@@ -247,9 +270,9 @@ def _pick_image_backend(setting: ImageBackend) -> str:
     return "torchvision"
 
 
-def _load_image_processor(model_dir: Path, backend: str) -> Any:
+def _load_image_processor(model_dir: Path, backend: str, settings: dict[str, Any]) -> Any:
     try:
-        return AutoImageProcessor.from_pretrained(model_dir, backend=backend)
+        return AutoImageProcessor.from_pretrained(model_dir, backend=backend, **settings)
     except (OSError, ValueError) as exc:
         raise ModelDirError(f"cannot load the image processor in {model_dir}: {exc}") from exc
 
@@ -268,11 +291,15 @@ def _read_chat_template(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def _image_token_id(model_dir: Path, tokenizer: PreTrainedTokenizerBase, family: Family) -> int:
-    token_id = tokenizer.backend_tokenizer.token_to_id(family.image_token)
+    return _token_id(model_dir, tokenizer, family.image_token, "the image token")
+
+
+def _token_id(
+    model_dir: Path, tokenizer: PreTrainedTokenizerBase, token: str, what: str = "the token"
+) -> int:
+    token_id = tokenizer.backend_tokenizer.token_to_id(token)
     if token_id is None:
-        raise ModelDirError(
-            f"the tokenizer in {model_dir} lacks the image token {family.image_token!r}"
-        )
+        raise ModelDirError(f"the tokenizer in {model_dir} lacks {what} {token!r}")
     return token_id
 
 

@@ -19,6 +19,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import (
     CLIPVisionConfig,
     GenerationConfig,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
+    InternVLVisionConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
@@ -26,7 +29,10 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     LlavaOnevisionConfig,
     LlavaOnevisionForConditionalGeneration,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     MistralConfig,
+    PixtralVisionConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -132,6 +138,59 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Mistral-Small-3.1-Instruct's format: BOS, the system prompt, then [INST]...[/INST] turns with
+# each image's [IMG] where its block stands (before or after the text); plain-string content
+# too. Its default system prompt is shortened (the published one names today's date).
+MISTRAL3_CHAT_TEMPLATE = (
+    "{%- set default_system_message = 'You are Mistral Small 3, a Large Language Model (LLM) "
+    "created by Mistral AI.' %}"
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}"
+    "{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}"
+    "{%- set system_message = default_system_message %}{%- set loop_messages = messages %}"
+    "{%- endif %}"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' }}"
+    "{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}"
+    "{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}"
+    "{%- else %}"
+    "{{- raise_exception('Only text and image blocks are supported in message content!') }}"
+    "{%- endif %}{%- endfor %}{{- '[/INST]' }}"
+    "{%- endif %}"
+    "{%- elif message['role'] == 'system' %}"
+    "{%- if message['content'] is string %}"
+    "{{- '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- else %}"
+    "{{- '[SYSTEM_PROMPT]' + message['content'][0]['text'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- if message['content'] is string %}{{- message['content'] + eos_token }}"
+    "{%- else %}{{- message['content'][0]['text'] + eos_token }}{%- endif %}"
+    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}"
+    "{%- endif %}{%- endfor %}"
+)
+
+# InternVL3-hf's ChatML (a Qwen2 language model): each image's <IMG_CONTEXT> and a newline
+# where its block stands; plain-string content too.
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 BUILDER_VERSION = 3  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
@@ -213,6 +272,57 @@ LLAVA_ONEVISION_PROCESSOR = {
     "vision_aspect_ratio": "anyres_max_9",
     "vision_feature_select_strategy": "full",
 }
+
+
+# Stock mistralai/Mistral-Small-3.1-24B-Instruct-2503 preprocessor_config.json and
+# processor_config.json: Pixtral's resize of the longest edge to at most 1540 pixels, each side
+# then rounded up to whole 28-pixel cells (patch 14 x spatial merge 2, which the processor
+# passes to its image processor as the patch size); each cell is one [IMG] token, a row of
+# them ends with [IMG_BREAK], the last row with [IMG_END].
+MISTRAL3_IMAGE_PROCESSOR = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": CLIP_MEAN,
+    "image_processor_type": "PixtralImageProcessor",
+    "image_std": CLIP_STD,
+    "patch_size": 14,
+    "processor_class": "PixtralProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"longest_edge": 1540},
+}
+MISTRAL3_PROCESSOR = {
+    "image_break_token": "[IMG_BREAK]",
+    "image_end_token": "[IMG_END]",
+    "image_token": "[IMG]",
+    "patch_size": 14,
+    "processor_class": "PixtralProcessor",
+    "spatial_merge_size": 2,
+}
+
+
+# Stock OpenGVLab/InternVL3-1B-hf preprocessor_config.json and processor_config.json: GotOcr2's
+# 448-pixel tiles (the processor turns crop_to_patches on: a grid of up to 12 tiles, and the
+# whole image as a thumbnail beside them), 256 <IMG_CONTEXT> tokens a tile.
+INTERNVL_IMAGE_PROCESSOR = {
+    "crop_to_patches": False,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_processor_type": "GotOcr2ImageProcessor",
+    "image_std": [0.229, 0.224, 0.225],
+    "max_patches": 12,
+    "min_patches": 1,
+    "processor_class": "InternVLProcessor",
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"height": 448, "width": 448},
+}
+INTERNVL_PROCESSOR = {"image_seq_length": 256, "processor_class": "InternVLProcessor"}
 
 
 def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
@@ -341,7 +451,15 @@ class _Tokens:
     unk: str | None = None
     named: dict[str, str] = field(default_factory=dict)
     """The processor's tokens by their attribute name (`image_token`); the model config has
-    each one's id as NAME_index."""
+    each one's id as NAME_index, unless `config_ids` says otherwise."""
+    config_ids: dict[str, str] | None = None
+    """The model config's fields that hold a token's id, and their tokens."""
+
+    def ids_in_config(self, ids: dict[str, int]) -> dict[str, int]:
+        config_ids = self.config_ids
+        if config_ids is None:
+            config_ids = {f"{name}_index": token for name, token in self.named.items()}
+        return {name: ids[token] for name, token in config_ids.items()}
 
 
 LLAMA_TOKENS = _Tokens(
@@ -353,6 +471,21 @@ QWEN_LLAVA_TOKENS = _Tokens(
     special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
     eos="<|im_end|>", pad="<|endoftext|>",
     named={"image_token": "<image>", "video_token": "<video>"},
+)
+
+MISTRAL_TOKENS = _Tokens(
+    special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]",
+             "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+    eos="</s>", pad="<pad>", bos="<s>", unk="<unk>", named={"image_token": "[IMG]"},
+)
+
+INTERNVL_TOKENS = _Tokens(
+    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>",
+             "<video>"],
+    eos="<|im_end|>", pad="<|endoftext|>",
+    named={"start_image_token": "<img>", "end_image_token": "</img>",
+           "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+    config_ids={"image_token_id": "<IMG_CONTEXT>"},
 )
 
 # A tiny tower's size; its image and patch size are the processor's (the caller's).
@@ -414,6 +547,42 @@ def _build_llava_onevision(out_dir: Path, seed: int) -> None:
     )
 
 
+def _build_mistral3(out_dir: Path, seed: int) -> None:
+    # Mistral 3.1: a Pixtral tower (2-D RoPE over patch rows and columns, up to the 1540-pixel
+    # images of the processor), a patch merger of 2x2 patches, a Mistral language model.
+    _build_llava_like(
+        out_dir, seed, Mistral3Config, Mistral3ForConditionalGeneration, MISTRAL_TOKENS,
+        vision_config=PixtralVisionConfig(
+            image_size=1540, patch_size=14, hidden_act="silu", **TINY_VISION
+        ),
+        text_config_class=MistralConfig, chat_template=MISTRAL3_CHAT_TEMPLATE,
+        image_processor=MISTRAL3_IMAGE_PROCESSOR, processor=MISTRAL3_PROCESSOR,
+        # As Mistral-Small-3.1: full attention; 32k positions are room for a few images of up
+        # to 3,080 tokens each. vLLM's CPU attention takes heads of QWEN_HEAD_DIM.
+        max_positions=32768,
+        text_fields={"sliding_window": None, "hidden_size": 4 * QWEN_HEAD_DIM,
+                     "head_dim": QWEN_HEAD_DIM},
+        spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=False,
+        tie_word_embeddings=False,
+    )
+
+
+def _build_internvl(out_dir: Path, seed: int) -> None:
+    # InternVL3-hf: InternViT at 448 pixels (mean pooling, layer scale), a pixel shuffle of
+    # 2x2 features into one and an MLP projector, a Qwen2 language model.
+    _build_llava_like(
+        out_dir, seed, InternVLConfig, InternVLForConditionalGeneration, INTERNVL_TOKENS,
+        vision_config=InternVLVisionConfig(image_size=[448, 448], patch_size=[14, 14],
+                                           **TINY_VISION),
+        text_config_class=Qwen2Config, chat_template=INTERNVL_CHAT_TEMPLATE,
+        image_processor=INTERNVL_IMAGE_PROCESSOR, processor=INTERNVL_PROCESSOR,
+        # As Qwen2.5-0.5B: 32k positions, room for a few images of up to 3,330 tokens each.
+        max_positions=32768, text_fields={"hidden_size": 4 * QWEN_HEAD_DIM},
+        downsample_ratio=0.5, image_seq_length=256, vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+
+
 def _build_llava_like(
     out_dir: Path, seed: int, config_class: Callable[..., PretrainedConfig],
     model_class: type[PreTrainedModel], tokens: _Tokens, *, vision_config: PretrainedConfig,
@@ -421,8 +590,8 @@ def _build_llava_like(
     processor: dict, max_positions: int = MAX_POSITIONS, text_fields: dict | None = None,
     **config_fields: Any,
 ) -> None:
-    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision): the family's
-    tokenizer and template, a small vision tower, a small language model, and the family's own
+    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Mistral 3): the
+    family's tokenizer and template, a small vision tower, a small language model, and its own
     settings on top (`text_fields` of its language model, `config_fields` of the whole)."""
     bpe = _train_bpe(tokens.special)
     named: dict[str, str | dict] = {"eos_token": tokens.eos, "pad_token": tokens.pad}
@@ -445,21 +614,21 @@ def _build_llava_like(
     first = ids[tokens.bos or tokens.pad]
     config = config_class(
         vision_config=vision_config,
-        text_config=text_config_class(
-            vocab_size=bpe.get_vocab_size(with_added_tokens=True),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=max_positions,
-            bos_token_id=first,
-            eos_token_id=ids[tokens.eos],
-            pad_token_id=ids[tokens.pad],
+        text_config=text_config_class(**{
+            "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": max_positions,
+            "bos_token_id": first,
+            "eos_token_id": ids[tokens.eos],
+            "pad_token_id": ids[tokens.pad],
             **(text_fields or {}),
-        ),
-        # image_token_index (and video_token_index): the ids of the processor's named tokens
-        **{f"{name}_index": ids[token] for name, token in tokens.named.items()},
+        }),
+        # e.g. image_token_index (and video_token_index): the ids of the processor's tokens
+        **tokens.ids_in_config(ids),
         **config_fields,
     )
     generation = GenerationConfig(
@@ -524,4 +693,6 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "llava": _build_llava,
     "llava_next": _build_llava_next,
     "llava_onevision": _build_llava_onevision,
+    "mistral3": _build_mistral3,
+    "internvl": _build_internvl,
 }

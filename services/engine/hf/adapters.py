@@ -3,9 +3,10 @@
 An adapter runs the vision encoder for one image and gives a request its own position ids (the
 checks of an image's tensor shapes are the family's, in services/model/families.py, so every
 backend makes them). Qwen2-VL needs explicit 3-D (M-RoPE) positions: the model
-would otherwise keep one `rope_deltas` on itself, shared by every request it serves. LLaVA and
-LLaVA-NeXT use plain positions, which the model derives from the request's own KV cache in a
-prefill; a decode step gets them explicitly, as a batched step runs without that cache (runner.py).
+would otherwise keep one `rope_deltas` on itself, shared by every request it serves. LLaVA,
+LLaVA-NeXT and Mistral 3 use plain positions, which the model derives from the request's own KV
+cache in a prefill; a decode step gets them explicitly, as a batched step runs without that
+cache (runner.py).
 
 The vision encoder runs as a `VisionPass`, one bounded slice per unit of work. Qwen2-VL's
 encoder slices by rows of patches (the patch embedding, then each block's attention by query
@@ -18,7 +19,7 @@ pass as one slice, through the model's own `get_image_features` (LLaVA-NeXT's wi
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import numpy as np
@@ -80,21 +81,35 @@ class MRopePositions(Positions):
         return torch.full((3, 1, 1), position + self._delta, device=self._device)
 
 
+ImageSpan = Callable[[Mapping[str, np.ndarray]], list[int]]
+
+
 class Adapter:
     """The family-independent part: tensors go to the device, the vision tower's pooled output
-    (one row per placeholder token) is what replaces the image's placeholders."""
+    (one row per image token) is what replaces the image's placeholders. Where the family's
+    span holds other tokens too (`image_span`: start/end tokens, row breaks), those rows are the
+    tokens' own embeddings, as the model's forward leaves them."""
 
-    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
+    def __init__(
+        self, model: Any, pixel_norm: PixelNorm, image_span: ImageSpan | None = None
+    ) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
         self.pixel_norm = pixel_norm
+        self.image_span = image_span
 
     def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
-        """The image's embeddings, (num_placeholder_tokens, hidden), on the model's device."""
+        """The image's embeddings, (span tokens, hidden), on the model's device."""
         inputs = {name: self._to_device(array) for name, array in tensors.items()
                   if name != "pixel_values"}
         inputs["pixel_values"] = self._pixels(tensors)
         pooled = self.model.model.get_image_features(**inputs, return_dict=True).pooler_output
-        return torch.cat(list(pooled))
+        features = torch.cat(list(pooled))
+        if self.image_span is None:
+            return features
+        span = torch.tensor(self.image_span(tensors), device=features.device)
+        rows = self.model.get_input_embeddings()(span)
+        rows[span == self.model.config.image_token_id] = features.to(rows.dtype)
+        return rows
 
     def vision_pass(
         self, tensors: Mapping[str, np.ndarray], slice_tokens: int | None
@@ -123,8 +138,10 @@ class Adapter:
 
 
 class Qwen2VLAdapter(Adapter):
-    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
-        super().__init__(model, pixel_norm)
+    def __init__(
+        self, model: Any, pixel_norm: PixelNorm, image_span: ImageSpan | None = None
+    ) -> None:
+        super().__init__(model, pixel_norm, image_span)
         vision = model.config.vision_config
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -210,6 +227,8 @@ class Qwen2VLAdapter(Adapter):
 ADAPTERS: dict[str, type[Adapter]] = {
     "qwen2_vl": Qwen2VLAdapter, "llava": Adapter, "llava_next": Adapter,
     "llava_onevision": Adapter,
+    "mistral3": Adapter,
+    "internvl": Adapter,
 }
 
 
@@ -219,7 +238,9 @@ def _run(vision: VisionPass) -> torch.Tensor:
     return features
 
 
-def adapter_for(family: str, model: Any, pixel_norm: PixelNorm) -> Adapter:
+def adapter_for(
+    family: str, model: Any, pixel_norm: PixelNorm, image_span: ImageSpan | None = None
+) -> Adapter:
     if family not in ADAPTERS:
         raise ValueError(f"the engine has no runner for model family {family!r}")
-    return ADAPTERS[family](model, pixel_norm)
+    return ADAPTERS[family](model, pixel_norm, image_span)

@@ -127,7 +127,8 @@ class HFRunner:
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
         network: Any = load_model(model_dir, pick_device(device))
-        adapter = adapter_for(preprocessor.family.name, network, preprocessor.pixel_norm)
+        adapter = adapter_for(preprocessor.family.name, network, preprocessor.pixel_norm,
+                              preprocessor.image_span)
         spec = ModelSpec.of(
             preprocessor, network.config, max_context=preprocessor.max_context,
             vocab_size=network.get_input_embeddings().num_embeddings,
