@@ -20,6 +20,7 @@ import torch
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
+    Idefics3Processor,
     LlavaNextProcessor,
     LlavaOnevisionProcessor,
     LlavaProcessor,
@@ -31,7 +32,7 @@ from protocol.errors import FatalError
 from services.cli import config_from_argv
 from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
 from services.launcher import Child, start_roles, stop_all
-from services.model import PixelNorm, Preprocessor, load_preprocessor, normalize
+from services.model import PixelNorm, Preprocessor, family_for, load_preprocessor, normalize
 
 REPO = Path(__file__).resolve().parent.parent
 # `free_port` is for ports that cannot be 0 (an HTTP API, `serve`'s client port); elsewhere tests
@@ -80,7 +81,8 @@ def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, 
     """Each tiny model by the name of its builder (`mmlane tiny-model --family NAME`)."""
     return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
             "llava_next": _tiny_model("llava_next"),
-            "llava_onevision": _tiny_model("llava_onevision")}
+            "llava_onevision": _tiny_model("llava_onevision"),
+            "idefics3": _tiny_model("idefics3")}
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +101,30 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
             "llava_next": LlavaNextProcessor.from_pretrained(model_dirs["llava_next"]),
             "llava_onevision": ImageOnlyLlavaOnevisionProcessor.from_pretrained(
                 model_dirs["llava_onevision"]
-            )}
+            ),
+            "idefics3": Idefics3Processor.from_pretrained(model_dirs["idefics3"])}
+
+
+IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {"idefics3": {"return_row_col_info": True}}
+"""What a family's HF processor asks of its image processor beyond its settings (its
+`images_kwargs`): Idefics3's asks for each image's rows and columns of tiles, which shape the
+prompt, and drops them from its own output."""
+
+
+def image_processor_batch(family: str, image_processor, images: list) -> dict:
+    """The image processor's output for `images`, called as the family's HF processor calls it."""
+    kwargs = IMAGE_PROCESSOR_KWARGS.get(family, {})
+    return dict(image_processor(images=images, return_tensors="np", **kwargs))
+
+
+def reference_items(family: str, processor, expected, images: list) -> list[dict]:
+    """The HF processor's output `expected` image by image (Family.split_items), with what it
+    dropped of its image processor's output (IMAGE_PROCESSOR_KWARGS) put back."""
+    batch = dict(expected)
+    if images and family in IMAGE_PROCESSOR_KWARGS:
+        layout = image_processor_batch(family, processor.image_processor, images)
+        batch.update({name: layout[name] for name in layout.keys() - batch.keys()})
+    return family_for(family).split_items(processor.image_processor, batch)
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:

@@ -41,6 +41,7 @@ from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
 from services.engine.validation import validate_request
 from services.launcher import Child
+from services.mm_worker.render import placeholder_offsets
 from services.model import Preprocessor, load_model, load_preprocessor
 
 # The engine and the in-process reference must run on the same device for greedy to match.
@@ -97,12 +98,13 @@ def make_request(
     prompt = prep.render_prompt(messages)
     items = [prep.process_image(make_image(w, h, seed=image_seed + i))
              for i, (w, h) in enumerate(images)]
-    ids = prep.expand_placeholders(prep.tokenize_batch([prompt])[0], items)
-    mm_items, start = [], 0
-    for item in items:
-        offset = ids.index(prep.image_token_id, start)
-        mm_items.append(MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors))
-        start = offset + item.num_tokens
+    [placeholders] = prep.tokenize_batch([prompt])
+    ids = prep.expand_placeholders(placeholders, items)
+    offsets = placeholder_offsets(
+        placeholders, prep.image_token_id, [item.num_tokens for item in items]
+    )
+    mm_items = [MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors)
+                for offset, item in zip(offsets, items, strict=True)]
     params = SamplingParams(**{"max_tokens": 12, **sampling})  # type: ignore[arg-type]
     return EngineRequest(
         request_id=f"r{next(_ids)}", reply_to="", prompt_token_ids=ids, sampling=params,
@@ -132,6 +134,8 @@ def generate(model: Any, prep: Preprocessor, request: EngineRequest, **options: 
         inputs = {name: torch.from_numpy(array).to(model.device) for name, array in joined.items()}
         if prep.family.name == "qwen2_vl":
             inputs["mm_token_type_ids"] = (ids == prep.image_token_id).int()
+        if prep.family.name == "idefics3":  # one sample of tiles; rows, cols shape the prompt
+            inputs = {"pixel_values": inputs["pixel_values"][None]}
     with torch.inference_mode():
         return model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -296,7 +300,7 @@ BAD_REQUESTS = {
     ),
     "item_length_short": (
         lambda r: item_with(length=r.mm_items[0].length - 1)(r),
-        r"has \d+ image-token positions but mm_items cover \d+",
+        r"mm_items\[0\]\.length is \d+ but its tensors make \d+ tokens",
     ),
     "item_off_image_tokens": (
         lambda r: item_with(offset=r.mm_items[0].offset - 1)(r),
@@ -415,7 +419,7 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
 
 @pytest.mark.parametrize("max_batch", [1, MAX_BATCH])
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision"]
+    "family", ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "idefics3"]
 )
 def test_runner_chunked_prefill_and_interleaving_match_generate(
     family, max_batch, model_dirs

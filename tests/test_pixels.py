@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import as_processor_output
+from conftest import as_processor_output, image_processor_batch
 from services.bench.images import make_image, noise_image
 from services.model import FAMILIES, PixelNorm, normalize
 from services.model.families import processor_uint8
@@ -24,7 +24,7 @@ def family(request):
 def test_normalised_uint8_pixels_equal_the_processor_output(preprocessors, family, size):
     preprocessor = preprocessors[family]
     image = make_image(*size, seed=sum(size))
-    batch = preprocessor.image_processor(images=[image], return_tensors="np")
+    batch = image_processor_batch(family, preprocessor.image_processor, [image])
     [expected] = preprocessor.family.split_items(preprocessor.image_processor, batch)
     item = preprocessor.process_image(image)
 

@@ -16,7 +16,7 @@ loop neither spins nor polls.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,8 +51,9 @@ class ModelSpec:
     vocab_size: int
     image_fields: tuple[str, ...]
     """The tensor names of one image, e.g. pixel_values and image_grid_thw."""
-    count_image_tokens: Callable[[Mapping[str, np.ndarray]], int]
-    """How many placeholder tokens an image with these (shape-checked) tensors expands to."""
+    expand_image: Callable[[Mapping[str, np.ndarray]], Sequence[int]]
+    """The placeholder tokens an image with these (shape-checked) tensors expands to: its
+    image tokens, and the family's structure tokens among them where it has some."""
     check_items: Callable[[list[MMItem]], None]
     """Raises RequestError when the images' tensors have shapes the model cannot take (the
     family's check, services/model/families.py)."""
@@ -72,7 +73,7 @@ class ModelSpec:
             max_context=max_context,
             vocab_size=vocab_size,
             image_fields=family.item_fields,
-            count_image_tokens=preprocessor.count_image_tokens,
+            expand_image=preprocessor.expand_image,
             check_items=family.item_checker(model_config),
         )
 

@@ -22,8 +22,8 @@ def validate_request(request: EngineRequest, spec: ModelSpec) -> None:
     prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
     check_prompt(prompt, request.sampling.max_tokens, spec)
     check_item_spans(request.mm_items, len(prompt))
-    check_image_tokens(prompt, request.mm_items, spec.image_token_id)
     check_item_tensors(request.mm_items, spec)
+    check_image_tokens(prompt, request.mm_items, spec)
     check_item_cache_fields(request.mm_items)
 
 
@@ -65,18 +65,28 @@ def check_item_spans(items: list[MMItem], prompt_len: int) -> None:
             )
 
 
-def check_image_tokens(prompt: np.ndarray, items: list[MMItem], image_token_id: int) -> None:
-    """The image-token positions of the prompt must be exactly the items' spans."""
-    is_image = prompt == image_token_id
-    covered = sum(item.length for item in items)
-    if int(is_image.sum()) != covered:
-        raise RequestError(
-            f"prompt_token_ids has {int(is_image.sum())} image-token positions "
-            f"but mm_items cover {covered}"
-        )
+def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec) -> None:
+    """Each item's span must be its image's expansion (from its checked tensors), and the
+    prompt may hold no image token outside them."""
+    covered = 0
     for index, item in enumerate(items):
-        if not is_image[item.offset : item.offset + item.length].all():
-            raise RequestError(f"mm_items[{index}] covers tokens that are not image tokens")
+        expected = np.asarray(spec.expand_image(item.tensors), dtype=np.int64)
+        if item.length != len(expected):
+            raise RequestError(
+                f"mm_items[{index}].length is {item.length} but its tensors make "
+                f"{len(expected)} tokens"
+            )
+        if not np.array_equal(prompt[item.offset : item.offset + item.length], expected):
+            raise RequestError(
+                f"mm_items[{index}] covers tokens that are not image tokens in the order its "
+                "tensors expand to"
+            )
+        covered += int((expected == spec.image_token_id).sum())
+    positions = int((prompt == spec.image_token_id).sum())
+    if positions != covered:
+        raise RequestError(
+            f"prompt_token_ids has {positions} image-token positions but mm_items cover {covered}"
+        )
 
 
 def check_item_cache_fields(items: list[MMItem]) -> None:
@@ -103,9 +113,3 @@ def check_item_tensors(items: list[MMItem], spec: ModelSpec) -> None:
                 f"a {spec.family} image needs {sorted(spec.image_fields)}"
             )
     spec.check_items(items)
-    for index, item in enumerate(items):
-        expected = spec.count_image_tokens(item.tensors)
-        if item.length != expected:
-            raise RequestError(
-                f"mm_items[{index}].length is {item.length} but its tensors make {expected} tokens"
-            )

@@ -20,7 +20,7 @@ from typing import Any
 
 import blake3
 
-from protocol.messages import EngineRequest, MMCacheHeader
+from protocol.messages import EngineRequest, MMCacheHeader, MMItem
 from services.common.feature_cache import FeatureCache, commit, is_epoch, new_epoch
 
 HASH_FORMAT = "mmlane-mm-hash-1"
@@ -67,6 +67,8 @@ class ItemInfo:
 
     nbytes: int
     num_tokens: int
+    token_ids: tuple[int, ...] = ()
+    """The item's structured expansion (ImageItem.token_ids); empty: one token repeated."""
 
 
 class SenderCache:
@@ -79,6 +81,7 @@ class SenderCache:
         self.epoch = new_epoch()
         self.engine_epoch = 0
         """The engine epoch P0 was started for; 0 until a job tells us one."""
+        self._expansions: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.seq = 0
         """How many requests were committed in this epoch: the next request's `seq`."""
         self.counters: Counter[str] = Counter()
@@ -138,12 +141,20 @@ class SenderCache:
             seq=self.seq, capacity=self.cache.capacity, invalidate=list(invalidate),
         )
 
+    def _info(self, request: EngineRequest, item: MMItem) -> ItemInfo:
+        span = tuple(request.prompt_token_ids[item.offset : item.offset + item.length])
+        if len(set(span)) == 1:
+            return ItemInfo(item.nbytes, item.length)
+        # A family has a few distinct expansions (one per tile grid): every entry holding
+        # one shares one tuple.
+        return ItemInfo(item.nbytes, item.length, self._expansions.setdefault(span, span))
+
     def commit(self, request: EngineRequest) -> None:
         """Apply a request that was just sent to P0, exactly as the engine applies it to P1."""
         header = request.mm_cache
         if header is None or header.sender_epoch != self.epoch or header.seq != self.seq:
             return  # rendered before P0 started over: the engine will not mirror it either
         evicted = self.cache.evictions
-        commit(self.cache, request, lambda item: ItemInfo(item.nbytes, item.length))
+        commit(self.cache, request, lambda item: self._info(request, item))
         self.counters["cache_evictions"] += self.cache.evictions - evicted
         self.seq += 1

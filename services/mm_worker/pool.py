@@ -229,8 +229,8 @@ class ProcessPool:
         task, member.task = member.task, None
         assert task is not None, "a result from a process that holds no task"
         if kind == "ok":
-            name, layout, num_tokens, decode_s, process_s = body
-            item = ImageItem(tensors=_copy_out(name, layout), num_tokens=num_tokens)
+            name, layout, num_tokens, token_ids, decode_s, process_s = body
+            item = ImageItem(_copy_out(name, layout), num_tokens, token_ids)
             task.future.set_result(Processed(item, decode_s, process_s))
         else:
             task.future.set_exception(from_info(body[0]))
@@ -303,7 +303,8 @@ def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str,
             results.send(("err", info))
             continue
         name, layout = _copy_in(done.item.tensors)
-        results.send(("ok", name, layout, done.item.num_tokens, done.decode_s, done.process_s))
+        results.send(("ok", name, layout, done.item.num_tokens, done.item.token_ids,
+                      done.decode_s, done.process_s))
 
 
 def _copy_in(tensors: dict[str, np.ndarray]) -> tuple[str, list[tuple[str, str, tuple, int]]]:

@@ -18,6 +18,9 @@ from PIL import Image
 from transformers.image_processing_utils import select_best_resolution
 from transformers.image_transforms import get_resize_output_image_size
 from transformers.image_utils import ChannelDimension
+from transformers.models.idefics3.image_processing_pil_idefics3 import (
+    get_resize_output_image_size as idefics3_resized_size,
+)
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -32,6 +35,8 @@ Uint8Processor = Callable[[Any, Image.Image], dict[str, np.ndarray]]
 ResizeRule = Callable[[Any, int, int], tuple[int, int]]
 """`(image_processor, width, height) -> (width, height)`: the size the processor resizes an
 upright image of that size to."""
+PlaceholderText = Callable[[Tensors], str]
+"""The text the HF processor puts in place of an image's placeholder token."""
 
 
 class UnsupportedModelError(ValueError):
@@ -58,6 +63,11 @@ class Family:
     # The processor's own resize rule: what decoding may reduce a JPEG to and no further
     # (services/mm_worker/media.py, `--jpeg-draft`).
     resized_size: ResizeRule
+    # Reads the model's settings once and returns the text that replaces an image's
+    # placeholder, for a family whose images expand into a structured sequence (tiles,
+    # row/column tokens, tokens around each tile) that the preprocessor tokenizes; the image
+    # token's positions in it take the features. None: the image token `token_counter` times.
+    placeholder_text: Callable[[Path, Any, Any], PlaceholderText] | None = None
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
         """The inverse of `split_items`: the batched tensors the model takes for these images."""
@@ -314,8 +324,7 @@ def _llava_onevision_token_counter(
 
 
 def _llava_next_item_checker(config: Any) -> ItemChecker:
-    vision = config.vision_config
-    tile_shape = (vision.num_channels, vision.image_size, vision.image_size)
+    tile_shape = _tile_shape(config)
 
     def check_tensors(where: str, tensors: Tensors) -> None:
         pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
@@ -326,7 +335,7 @@ def _llava_next_item_checker(config: Any) -> ItemChecker:
                 f"got {sizes.tolist()}"
             )
         # The model reads the number of tiles from the image's size, and takes that many.
-        tiles = image_size_to_num_patches(sizes[0], config.image_grid_pinpoints, vision.image_size)
+        tiles = image_size_to_num_patches(sizes[0], config.image_grid_pinpoints, tile_shape[-1])
         if pixels.shape != (tiles, *tile_shape):
             raise RequestError(
                 f"{where}.pixel_values has shape {pixels.shape}, an image of size "
@@ -334,6 +343,124 @@ def _llava_next_item_checker(config: Any) -> ItemChecker:
             )
 
     return lambda items: _check_each(items, check_tensors)
+
+
+IDEFICS3_MAX_GRID = 6
+"""Rows and columns of tiles at most: the processors' <row_R_col_C> tokens go up to 6."""
+
+
+def _idefics3_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+    """Idefics3's (and SmolVLM's) processor with its rescale and normalise off. Its steps in
+    order: resize (the longest edge to `size`), resize up to whole tiles, cut the tiles and
+    resize the whole image to one more, rescale, normalise, pad. Every tile is
+    `max_image_size` square, so one image's tiles need no padding (their pixel_attention_mask
+    is all ones, the mask the model makes when given none) and every resize works in uint8."""
+    batch = image_processor(
+        images=[image], do_rescale=False, do_normalize=False, return_row_col_info=True,
+        return_tensors="np",
+    )
+    [item] = _split_idefics3(image_processor, batch)
+    return {**item, "pixel_values": item["pixel_values"].astype(np.uint8)}
+
+
+def _split_idefics3(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
+    # A sample's images are one run of tiles (pixel_values: samples x tiles x C x H x W, padded
+    # with all-0 tiles to the most tiles of any sample); each image owns rows x cols tiles and
+    # then its whole image (rows = cols = 0: the whole image alone). The image processor
+    # returns rows and cols when asked (return_row_col_info, as the HF processor asks); the
+    # pixel_attention_mask of an image's own tiles is all ones and is left out.
+    items = []
+    for pixels, rows, cols in zip(batch["pixel_values"], batch["rows"], batch["cols"], strict=True):
+        start = 0
+        for row_count, col_count in zip(rows, cols, strict=True):
+            tiles = int(row_count) * int(col_count) + 1
+            items.append({
+                "pixel_values": pixels[start : start + tiles],
+                "rows": np.array([row_count], dtype=np.int64),
+                "cols": np.array([col_count], dtype=np.int64),
+            })
+            start += tiles
+    return items
+
+
+def _idefics3_image_seq_len(model_dir: Path, config: Any) -> int:
+    """Image tokens a tile makes: processor_config.json's image_seq_len, else the model's
+    (the tile's patches, pixel-shuffled by scale_factor)."""
+    settings = _read_processor_config(model_dir)
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    return settings.get("image_seq_len") or int(patches / config.scale_factor**2)
+
+
+def _idefics3_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
+    seq_len = _idefics3_image_seq_len(model_dir, config)
+    return lambda item: seq_len * len(item["pixel_values"])
+
+
+def _idefics3_placeholder_text(
+    model_dir: Path, config: Any, image_processor: Any
+) -> PlaceholderText:
+    """Idefics3Processor's text for one image (SmolVLMProcessor's is the same): each tile's
+    image tokens after <fake_token_around_image> and its <row_R_col_C>, a newline after each
+    row of tiles, then a newline and the whole image's tokens after <global-img>, closed by
+    <fake_token_around_image>."""
+    image = "<image>" * _idefics3_image_seq_len(model_dir, config)
+    around = "<fake_token_around_image>"
+
+    def text(item: Tensors) -> str:
+        rows, cols = int(item["rows"][0]), int(item["cols"][0])
+        grid = "".join(
+            "".join(f"{around}<row_{row + 1}_col_{col + 1}>{image}" for col in range(cols)) + "\n"
+            for row in range(rows)
+        )
+        newline = "\n" if rows else ""
+        return f"{grid}{newline}{around}<global-img>{image}{around}"
+
+    return text
+
+
+def _idefics3_item_checker(config: Any) -> ItemChecker:
+    tile_shape = _tile_shape(config)
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
+        grid = []
+        for name in ("rows", "cols"):
+            count = _tensor(tensors, where, name, ndim=1, kind="iu")
+            if count.shape != (1,) or not 0 <= int(count[0]) <= IDEFICS3_MAX_GRID:
+                raise RequestError(
+                    f"{where}.{name} must be one count of 0 to {IDEFICS3_MAX_GRID}, "
+                    f"got {count.tolist()}"
+                )
+            grid.append(int(count[0]))
+        rows, cols = grid
+        if (rows == 0) != (cols == 0):
+            raise RequestError(f"{where}: rows and cols must both be 0 or neither, got {grid}")
+        # The model takes the tiles as given; the prompt's row/column tokens follow rows, cols.
+        if pixels.shape != (rows * cols + 1, *tile_shape):
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, a {rows}x{cols} grid needs "
+                f"{(rows * cols + 1, *tile_shape)}"
+            )
+
+    return lambda items: _check_each(items, check_tensors)
+
+
+def _idefics3_resized_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """The processor's first resize (the longest edge to `size["longest_edge"]`, up or down,
+    the other side in proportion and even); the tiles follow from that size alone."""
+    size = image_processor.size
+    if not size.get("longest_edge"):
+        return width, height
+    shape = np.broadcast_to(np.uint8(0), (3, height, width))  # only its shape is read
+    height, width = idefics3_resized_size(shape, resolution_max_side=size["longest_edge"])
+    return width, height
+
+
+def _tile_shape(config: Any) -> tuple[int, int, int]:
+    """One tile as the vision tower takes it: (channels, side, side)."""
+    vision = config.vision_config
+    return (vision.num_channels, vision.image_size, vision.image_size)
 
 
 def _image_own_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
@@ -411,7 +538,21 @@ LLAVA_ONEVISION = replace(
     token_counter=_llava_onevision_token_counter,
 )
 
-FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION)
+# Idefics3's tiles, each a run of image tokens among row/column tokens (placeholder_text).
+IDEFICS3 = Family(
+    name="idefics3",
+    model_types=("idefics3",),
+    image_token="<image>",
+    item_fields=("pixel_values", "rows", "cols"),
+    split_items=_split_idefics3,
+    token_counter=_idefics3_token_counter,
+    item_checker=_idefics3_item_checker,
+    uint8_pixels=_idefics3_uint8,
+    resized_size=_idefics3_resized_size,
+    placeholder_text=_idefics3_placeholder_text,
+)
+
+FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, IDEFICS3)
 
 
 def family_for(model_type: str) -> Family:

@@ -12,7 +12,9 @@ wrong in mmlane's terms:
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,6 +34,7 @@ from transformers import (
 from services.common.config import ImageBackend
 from services.model.families import (
     Family,
+    Tensors,
     TokenCounter,
     UnsupportedModelError,
     family_for,
@@ -59,6 +62,9 @@ class ImageItem:
 
     tensors: dict[str, np.ndarray]
     num_tokens: int
+    token_ids: tuple[int, ...] = ()
+    """The expansion itself where it is not the image token `num_tokens` times (a family with
+    a structured expansion: Idefics3's tiles among row/column tokens)."""
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +84,10 @@ class Preprocessor:
     eos_token_ids: list[int]
     max_context: int
     count_image_tokens: TokenCounter
+    """How many image tokens (image features) an image with these tensors has."""
+    expand_image: Callable[[Tensors], tuple[int, ...]]
+    """The ids that replace an image's placeholder: its image tokens, with the family's
+    structure tokens around them where it has some (`Family.placeholder_text`)."""
     pixel_norm: PixelNorm
     """What the engine applies to an item's uint8 pixel_values (services/model/pixels.py)."""
     # Special tokens the tokenizer adds around a text when asked (e.g. Llama's BOS).
@@ -135,7 +145,9 @@ class Preprocessor:
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}
-        return ImageItem(tensors=tensors, num_tokens=self.count_image_tokens(tensors))
+        token_ids = self.expand_image(tensors)
+        structured = self.family.placeholder_text is not None
+        return ImageItem(tensors, len(token_ids), token_ids if structured else ())
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) the image processor resizes an upright image of this size to;
@@ -143,7 +155,7 @@ class Preprocessor:
         return self.family.resized_size(self.image_processor, width, height)
 
     def expand_placeholders(self, token_ids: list[int], items: list[ImageItem]) -> list[int]:
-        """Replace the i-th image placeholder with items[i].num_tokens copies of it."""
+        """Replace the i-th image placeholder with items[i]'s expansion."""
         placeholders = token_ids.count(self.image_token_id)
         if placeholders != len(items):
             raise PromptError(
@@ -154,7 +166,8 @@ class Preprocessor:
         images = iter(items)
         for token in token_ids:
             if token == self.image_token_id:
-                expanded.extend([token] * next(images).num_tokens)
+                item = next(images)
+                expanded.extend(item.token_ids or [token] * item.num_tokens)
             else:
                 expanded.append(token)
         return expanded
@@ -184,21 +197,46 @@ def load_preprocessor(model_dir: str | Path, image_backend: ImageBackend = "pil"
     backend = _pick_image_backend(image_backend)
     image_processor = _load_image_processor(model_dir, backend)
     special_prefix, special_suffix = _added_special_ids(tokenizer)
+    image_token_id = _image_token_id(model_dir, tokenizer, family)
+    count_image_tokens = family.token_counter(model_dir, config, image_processor)
     return Preprocessor(
         model_id=model_dir.name,
         family=family,
         tokenizer=tokenizer,
         image_processor=image_processor,
         chat_template=_read_chat_template(model_dir, tokenizer),
-        image_token_id=_image_token_id(model_dir, tokenizer, family),
+        image_token_id=image_token_id,
         eos_token_ids=_eos_token_ids(model_dir, config, tokenizer),
         max_context=_max_context(model_dir, config),
-        count_image_tokens=family.token_counter(model_dir, config, image_processor),
+        count_image_tokens=count_image_tokens,
+        expand_image=_image_expansion(
+            family, model_dir, config, image_processor, tokenizer, image_token_id,
+            count_image_tokens,
+        ),
         pixel_norm=PixelNorm.of(image_processor),
         special_prefix=special_prefix,
         special_suffix=special_suffix,
         image_backend=backend,
     )
+
+
+def _image_expansion(
+    family: Family, model_dir: Path, config: Any, image_processor: Any,
+    tokenizer: PreTrainedTokenizerBase, image_token_id: int, count_image_tokens: TokenCounter,
+) -> Callable[[Tensors], tuple[int, ...]]:
+    if family.placeholder_text is None:
+        return lambda tensors: (image_token_id,) * count_image_tokens(tensors)
+    placeholder_text = family.placeholder_text(model_dir, config, image_processor)
+    backend = tokenizer.backend_tokenizer
+
+    # The text begins and ends with special tokens, which split a prompt's text before the
+    # tokenizer's model sees it: tokenized alone, it gives the ids it gives inside a prompt.
+    # A family has a few distinct texts (one per tile grid), each tokenized once.
+    @lru_cache(maxsize=64)
+    def tokenized(text: str) -> tuple[int, ...]:
+        return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+    return lambda tensors: tokenized(placeholder_text(tensors))
 
 
 def load_model(model_dir: str | Path, device: str) -> torch.nn.Module:

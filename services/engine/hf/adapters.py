@@ -12,7 +12,8 @@ encoder slices by rows of patches (the patch embedding, then each block's attent
 rows); rows do not interact within those steps, so the slices compute exactly what one call
 would, and the adapter checks that against the model at startup. Other families run the whole
 pass as one slice, through the model's own `get_image_features` (LLaVA-NeXT's with the image's
-`image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own).
+`image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own;
+Idefics3's with the image's tiles as one sample).
 """
 
 from __future__ import annotations
@@ -207,9 +208,21 @@ class Qwen2VLAdapter(Adapter):
         return MRopePositions(ids, int(deltas[0, 0]))
 
 
+class Idefics3Adapter(Adapter):
+    """Idefics3 (and SmolVLM): the image's tiles are one sample of the model's batch of
+    samples x tiles; rows and cols only shape the prompt. No pixel_attention_mask: an image's
+    own tiles are whole, the mask the model makes without one."""
+
+    def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
+        pixels = self._pixels(tensors)[None]
+        [features] = self.model.model.get_image_features(pixels, return_dict=True).pooler_output
+        return features
+
+
 ADAPTERS: dict[str, type[Adapter]] = {
     "qwen2_vl": Qwen2VLAdapter, "llava": Adapter, "llava_next": Adapter,
     "llava_onevision": Adapter,
+    "idefics3": Idefics3Adapter,
 }
 
 
