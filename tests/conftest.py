@@ -24,7 +24,9 @@ from transformers import (
     LlavaNextProcessor,
     LlavaOnevisionProcessor,
     LlavaProcessor,
+    ProcessorMixin,
     Qwen2VLProcessor,
+    SmolVLMProcessor,
 )
 
 from image_server import ImageServer
@@ -76,13 +78,25 @@ class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
                          vision_aspect_ratio, **kwargs)
 
 
+class ImageOnlySmolVLMProcessor(SmolVLMProcessor):
+    """SmolVLMProcessor without its video processor, which needs torchvision. Its chat template
+    step is ProcessorMixin's: SmolVLM's own only adds the video processor's frame settings."""
+
+    def __init__(self, image_processor=None, tokenizer=None, image_seq_len=169,
+                 chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, image_seq_len, chat_template, **kwargs)
+
+    apply_chat_template = ProcessorMixin.apply_chat_template
+
+
 @pytest.fixture(scope="session")
 def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, Path]:
     """Each tiny model by the name of its builder (`mmlane tiny-model --family NAME`)."""
     return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
             "llava_next": _tiny_model("llava_next"),
             "llava_onevision": _tiny_model("llava_onevision"),
-            "idefics3": _tiny_model("idefics3")}
+            "idefics3": _tiny_model("idefics3"),
+            "smolvlm": _tiny_model("smolvlm")}
 
 
 @pytest.fixture(scope="session")
@@ -102,13 +116,16 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
             "llava_onevision": ImageOnlyLlavaOnevisionProcessor.from_pretrained(
                 model_dirs["llava_onevision"]
             ),
-            "idefics3": Idefics3Processor.from_pretrained(model_dirs["idefics3"])}
+            "idefics3": Idefics3Processor.from_pretrained(model_dirs["idefics3"]),
+            "smolvlm": ImageOnlySmolVLMProcessor.from_pretrained(model_dirs["smolvlm"])}
 
 
-IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {"idefics3": {"return_row_col_info": True}}
+IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
+    "idefics3": {"return_row_col_info": True}, "smolvlm": {"return_row_col_info": True},
+}
 """What a family's HF processor asks of its image processor beyond its settings (its
-`images_kwargs`): Idefics3's asks for each image's rows and columns of tiles, which shape the
-prompt, and drops them from its own output."""
+`images_kwargs`): Idefics3's and SmolVLM's ask for each image's rows and columns of tiles,
+which shape the prompt, and drop them from their own output."""
 
 
 def image_processor_batch(family: str, image_processor, images: list) -> dict:

@@ -419,7 +419,8 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
 
 @pytest.mark.parametrize("max_batch", [1, MAX_BATCH])
 @pytest.mark.parametrize(
-    "family", ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "idefics3"]
+    "family",
+    ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "idefics3", "smolvlm"],
 )
 def test_runner_chunked_prefill_and_interleaving_match_generate(
     family, max_batch, model_dirs

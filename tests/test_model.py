@@ -27,7 +27,9 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "idefics3"]
+FAMILIES = [
+    "qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "idefics3", "smolvlm",
+]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -157,6 +159,7 @@ class TestPreprocessor:
             # newlines, then "\n", <fake_token_around_image><global-img>, .., <fake_token...>
             ("idefics3", (56, 56), 17 * 169 + 16 * 2 + 4 + 1 + 3),
             ("idefics3", (1200, 90), 5 * 169 + 4 * 2 + 1 + 1 + 3),  # a 1x4 grid
+            ("smolvlm", (56, 56), 17 * 64 + 16 * 2 + 4 + 1 + 3),  # 512-pixel tiles of 64
         ],
     )
     def test_num_tokens(self, preprocessors, family, size, num_tokens):
@@ -299,7 +302,7 @@ def test_model_forward_on_processed_image(model_dirs, preprocessors, family):
     if family == "qwen2_vl":
         # transformers 5's Qwen2-VL needs each token's modality to build its 3D (M-RoPE) positions.
         inputs["mm_token_type_ids"] = (input_ids == preprocessor.image_token_id).long()
-    if family == "idefics3":  # one sample of tiles; rows and cols only shape the prompt
+    if preprocessor.family.name == "idefics3":  # one sample of tiles; rows, cols shape the prompt
         inputs = {"pixel_values": inputs["pixel_values"][None]}
     with torch.no_grad():
         logits = model(input_ids=input_ids, **inputs).logits

@@ -36,7 +36,7 @@ class Lane:
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next",
-                                                "llava_onevision", "idefics3"])
+                                                "llava_onevision", "idefics3", "smolvlm"])
 def lane(request, module_run_dir: Path, model_dirs: dict[str, Path]) -> Iterator[Lane]:
     family = request.param
     run = module_run_dir / family

@@ -539,9 +539,11 @@ LLAVA_ONEVISION = replace(
 )
 
 # Idefics3's tiles, each a run of image tokens among row/column tokens (placeholder_text).
+# SmolVLM is Idefics3 with another tower and language model: the same processor steps, prompt
+# text and model inputs.
 IDEFICS3 = Family(
     name="idefics3",
-    model_types=("idefics3",),
+    model_types=("idefics3", "smolvlm"),
     image_token="<image>",
     item_fields=("pixel_values", "rows", "cols"),
     split_items=_split_idefics3,

@@ -38,6 +38,8 @@ from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     SiglipVisionConfig,
+    SmolVLMConfig,
+    SmolVLMForConditionalGeneration,
 )
 
 DEFAULT_MODEL_NAME = "tiny-qwen2-vl"
@@ -134,19 +136,22 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# Idefics3-8B-Llama3's template ("User:<image>...<end_of_utterance>\nAssistant:"); like
-# LLAVA_CHAT_TEMPLATE it also accepts plain-string content.
-IDEFICS3_CHAT_TEMPLATE = (
-    "<|begin_of_text|>{% for message in messages %}{{ message['role'] | capitalize }}"
-    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
-    "{% else %}"
-    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
-    "{% for line in message['content'] %}"
-    "{% if line['type'] == 'text' %}{{ line['text'] }}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
-    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
-)
+def _utterance_template(start: str) -> str:
+    """Idefics3-8B-Llama3's and SmolVLM's template ("User:<image>...<end_of_utterance>\n
+    Assistant:"), after the `start` token each writes itself; like LLAVA_CHAT_TEMPLATE it also
+    accepts plain-string content."""
+    return (
+        start + "{% for message in messages %}{{ message['role'] | capitalize }}"
+        "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+        "{% else %}"
+        "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+        "{% for line in message['content'] %}"
+        "{% if line['type'] == 'text' %}{{ line['text'] }}"
+        "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+        "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+    )
+
 
 BUILDER_VERSION = 3  # bump whenever the built files change
 
@@ -251,6 +256,17 @@ IDEFICS3_IMAGE_PROCESSOR = {
     "size": {"longest_edge": 4 * 364},
 }
 IDEFICS3_PROCESSOR = {"image_seq_len": 169, "processor_class": "Idefics3Processor"}
+# Stock HuggingFaceTB/SmolVLM-256M-Instruct preprocessor_config.json and processor_config.json,
+# with the smolvlm classes (SmolVLM2's): the longest edge resized to 2048 (4 tiles), 512-pixel
+# tiles (64 tokens each) beside the whole image.
+SMOLVLM_IMAGE_PROCESSOR = {
+    **IDEFICS3_IMAGE_PROCESSOR,
+    "image_processor_type": "SmolVLMImageProcessor",
+    "max_image_size": {"longest_edge": 512},
+    "processor_class": "SmolVLMProcessor",
+    "size": {"longest_edge": 4 * 512},
+}
+SMOLVLM_PROCESSOR = {"image_seq_len": 64, "processor_class": "SmolVLMProcessor"}
 IDEFICS3_MAX_POSITIONS = 32768
 """Room for a few images of up to 17 tiles (2,873 image tokens) each."""
 
@@ -395,11 +411,18 @@ QWEN_LLAVA_TOKENS = _Tokens(
     named={"image_token": "<image>", "video_token": "<video>"},
 )
 
+IDEFICS3_IMAGE_TOKENS = [
+    "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+    *[f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)],
+]
+"""The tokens of Idefics3's and SmolVLM's images and turns."""
 IDEFICS3_TOKENS = _Tokens(
-    special=["<|begin_of_text|>", "<|end_of_text|>", "<fake_token_around_image>", "<image>",
-             "<end_of_utterance>", "<global-img>",
-             *[f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)]],
+    special=["<|begin_of_text|>", "<|end_of_text|>", *IDEFICS3_IMAGE_TOKENS],
     eos="<end_of_utterance>", pad="<|end_of_text|>",
+)
+SMOLVLM_TOKENS = _Tokens(
+    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IDEFICS3_IMAGE_TOKENS],
+    eos="<end_of_utterance>", pad="<|im_end|>",
 )
 
 # A tiny tower's size; its image and patch size are the processor's (the caller's).
@@ -543,8 +566,19 @@ def _build_idefics3(out_dir: Path, seed: int) -> None:
     # tile), a Llama language model; tiles of up to 4x4 beside the whole image.
     _build_idefics3_like(
         out_dir, seed, Idefics3Config, Idefics3ForConditionalGeneration, IDEFICS3_TOKENS,
-        chat_template=IDEFICS3_CHAT_TEMPLATE, image_processor=IDEFICS3_IMAGE_PROCESSOR,
+        chat_template=_utterance_template("<|begin_of_text|>"),
+        image_processor=IDEFICS3_IMAGE_PROCESSOR,
         processor=IDEFICS3_PROCESSOR, image_size=364, patch_size=14, scale_factor=2,
+    )
+
+
+def _build_smolvlm(out_dir: Path, seed: int) -> None:
+    # SmolVLM-256M: SigLIP base patch-16 at 512 pixels, pixel shuffle by 4 (64 tokens a tile),
+    # a SmolLM2 (Llama) language model; tiles of up to 4x4 beside the whole image.
+    _build_idefics3_like(
+        out_dir, seed, SmolVLMConfig, SmolVLMForConditionalGeneration, SMOLVLM_TOKENS,
+        chat_template=_utterance_template("<|im_start|>"), image_processor=SMOLVLM_IMAGE_PROCESSOR,
+        processor=SMOLVLM_PROCESSOR, image_size=512, patch_size=16, scale_factor=4,
     )
 
 
@@ -630,4 +664,5 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "llava_next": _build_llava_next,
     "llava_onevision": _build_llava_onevision,
     "idefics3": _build_idefics3,
+    "smolvlm": _build_smolvlm,
 }
