@@ -44,7 +44,8 @@ def main() -> None:
     times: dict[str, list[float]] = {"float": [], "uint8": [], "normalize": []}
     for _ in range(args.repeats):
         seconds, batch = timed(lambda: pre.image_processor(
-            images=[decode_image(jpeg, 0, 10**9)], return_tensors="np"))
+            images=[decode_image(jpeg, 0, 10**9)], return_tensors="np",
+            **pre.family.image_processor_kwargs))
         times["float"].append(seconds)
         # The one image's item (a batch may hold it padded or with a batch axis: LLaVA-NeXT).
         [expected] = pre.family.split_items(pre.image_processor, batch)

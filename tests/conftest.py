@@ -120,25 +120,18 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
             "smolvlm": ImageOnlySmolVLMProcessor.from_pretrained(model_dirs["smolvlm"])}
 
 
-IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
-    "idefics3": {"return_row_col_info": True}, "smolvlm": {"return_row_col_info": True},
-}
-"""What a family's HF processor asks of its image processor beyond its settings (its
-`images_kwargs`): Idefics3's and SmolVLM's ask for each image's rows and columns of tiles,
-which shape the prompt, and drop them from their own output."""
-
-
 def image_processor_batch(family: str, image_processor, images: list) -> dict:
-    """The image processor's output for `images`, called as the family's HF processor calls it."""
-    kwargs = IMAGE_PROCESSOR_KWARGS.get(family, {})
+    """The image processor's output for `images`, called as the family's HF processor calls it
+    (Family.image_processor_kwargs)."""
+    kwargs = family_for(family).image_processor_kwargs
     return dict(image_processor(images=images, return_tensors="np", **kwargs))
 
 
 def reference_items(family: str, processor, expected, images: list) -> list[dict]:
     """The HF processor's output `expected` image by image (Family.split_items), with what it
-    dropped of its image processor's output (IMAGE_PROCESSOR_KWARGS) put back."""
+    dropped of its image processor's output (Family.image_processor_kwargs) put back."""
     batch = dict(expected)
-    if images and family in IMAGE_PROCESSOR_KWARGS:
+    if images and family_for(family).image_processor_kwargs:
         layout = image_processor_batch(family, processor.image_processor, images)
         batch.update({name: layout[name] for name in layout.keys() - batch.keys()})
     return family_for(family).split_items(processor.image_processor, batch)

@@ -131,7 +131,7 @@ def _work(pre: Preprocessor, pixels: str, max_pixels: int) -> Callable[[bytes], 
     uint8 path."""
     def float_path(data: bytes) -> object:
         return pre.image_processor(images=[decode_image(data, 0, max_pixels)],
-                                   return_tensors="np")
+                                   return_tensors="np", **pre.family.image_processor_kwargs)
 
     def uint8_path(data: bytes) -> object:
         return pre.process_image(decode_image(data, 0, max_pixels))

@@ -9,7 +9,7 @@ the model takes (the engine checks every request against them, whatever its back
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,10 @@ class Family:
     # row/column tokens, tokens around each tile) that the preprocessor tokenizes; the image
     # token's positions in it take the features. None: the image token `token_counter` times.
     placeholder_text: Callable[[Path, Any, Any], PlaceholderText] | None = None
+    # What the family's HF processor asks of its image processor beyond its settings (its
+    # `images_kwargs`), so that a batch of its output can be split (Idefics3: each image's
+    # rows and columns of tiles, which the HF processor drops from its own output).
+    image_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
         """The inverse of `split_items`: the batched tensors the model takes for these images."""
@@ -356,8 +360,8 @@ def _idefics3_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.nd
     `max_image_size` square, so one image's tiles need no padding (their pixel_attention_mask
     is all ones, the mask the model makes when given none) and every resize works in uint8."""
     batch = image_processor(
-        images=[image], do_rescale=False, do_normalize=False, return_row_col_info=True,
-        return_tensors="np",
+        images=[image], do_rescale=False, do_normalize=False, return_tensors="np",
+        **IDEFICS3.image_processor_kwargs,
     )
     [item] = _split_idefics3(image_processor, batch)
     return {**item, "pixel_values": item["pixel_values"].astype(np.uint8)}
@@ -367,8 +371,8 @@ def _split_idefics3(image_processor: Any, batch: Tensors) -> list[dict[str, np.n
     # A sample's images are one run of tiles (pixel_values: samples x tiles x C x H x W, padded
     # with all-0 tiles to the most tiles of any sample); each image owns rows x cols tiles and
     # then its whole image (rows = cols = 0: the whole image alone). The image processor
-    # returns rows and cols when asked (return_row_col_info, as the HF processor asks); the
-    # pixel_attention_mask of an image's own tiles is all ones and is left out.
+    # returns rows and cols when asked (image_processor_kwargs); the pixel_attention_mask of an
+    # image's own tiles is all ones and is left out.
     items = []
     for pixels, rows, cols in zip(batch["pixel_values"], batch["rows"], batch["cols"], strict=True):
         start = 0
@@ -552,6 +556,7 @@ IDEFICS3 = Family(
     uint8_pixels=_idefics3_uint8,
     resized_size=_idefics3_resized_size,
     placeholder_text=_idefics3_placeholder_text,
+    image_processor_kwargs={"return_row_col_info": True},
 )
 
 FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, IDEFICS3)
