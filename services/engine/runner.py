@@ -51,6 +51,8 @@ class ModelSpec:
     vocab_size: int
     image_fields: tuple[str, ...]
     """The tensor names of one image, e.g. pixel_values and image_grid_thw."""
+    count_image_tokens: Callable[[Mapping[str, np.ndarray]], int]
+    """How many image tokens (features) an image with these (shape-checked) tensors has."""
     expand_image: Callable[[Mapping[str, np.ndarray]], Sequence[int]]
     """The placeholder tokens an image with these (shape-checked) tensors expands to: its
     image tokens, and the family's structure tokens among them where it has some."""
@@ -73,6 +75,7 @@ class ModelSpec:
             max_context=max_context,
             vocab_size=vocab_size,
             image_fields=family.item_fields,
+            count_image_tokens=preprocessor.count_image_tokens,
             expand_image=preprocessor.expand_image,
             check_items=family.item_checker(model_config),
         )
