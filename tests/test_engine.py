@@ -20,11 +20,13 @@ import pytest
 import torch
 import zmq
 from msgspec.structs import replace
+from transformers import AutoConfig
 
 from conftest import as_processor_output, start_role, stop_role
 from peers import StandInFrontend as Frontend
 from protocol import shm
 from protocol.codec import Codec
+from protocol.errors import RequestError
 from protocol.messages import (
     EngineInput,
     EngineOutput,
@@ -39,6 +41,7 @@ from protocol.shm import ShmWriter
 from services.bench.images import make_image
 from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
+from services.engine.runner import ModelSpec
 from services.engine.validation import validate_request
 from services.launcher import Child
 from services.mm_worker.render import placeholder_offsets
@@ -442,6 +445,22 @@ def test_runner_chunked_prefill_and_interleaving_match_generate(
                 assert output.error is None
                 tokens[output.handle] += output.token_ids
         assert [tokens[0], tokens[1]] == expected
+
+
+def test_an_idefics3_span_must_be_its_tiles_expansion(model_dirs) -> None:
+    """Its image tokens alone are not enough: the row/column tokens among them must be those
+    of the item's grid of tiles."""
+    model_dir = model_dirs["idefics3"]
+    prep = load_preprocessor(model_dir)
+    spec = ModelSpec.of(prep, AutoConfig.from_pretrained(model_dir),
+                        vocab_size=len(prep.tokenizer), max_context=prep.max_context)
+    request = make_request(prep, "look", ((500, 333),))  # a 3x4 grid
+    validate_request(request, spec)
+    ids = list(request.prompt_token_ids)
+    tile = ids.index(prep.tokenizer.convert_tokens_to_ids("<row_1_col_2>"))
+    ids[tile] = prep.tokenizer.convert_tokens_to_ids("<row_2_col_1>")
+    with pytest.raises(RequestError, match="not image tokens in the order its tensors expand"):
+        validate_request(replace(request, prompt_token_ids=ids), spec)
 
 
 def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
