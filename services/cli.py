@@ -248,7 +248,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--family", default="qwen2_vl",
                    choices=["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision",
-                            "mistral3", "internvl"],
+                            "mistral3", "internvl", "idefics3", "smolvlm"],
                    help="model architecture (default %(default)s)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights (default %(default)s)")

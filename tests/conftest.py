@@ -23,11 +23,14 @@ import torch
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
+    Idefics3Processor,
     InternVLProcessor,
     LlavaNextProcessor,
     LlavaOnevisionProcessor,
     LlavaProcessor,
+    ProcessorMixin,
     Qwen2VLProcessor,
+    SmolVLMProcessor,
 )
 from transformers.models.pixtral import image_processing_pil_pixtral
 
@@ -36,7 +39,7 @@ from protocol.errors import FatalError
 from services.cli import config_from_argv
 from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
 from services.launcher import Child, start_roles, stop_all
-from services.model import PixelNorm, Preprocessor, load_preprocessor, normalize
+from services.model import PixelNorm, Preprocessor, family_for, load_preprocessor, normalize
 
 REPO = Path(__file__).resolve().parent.parent
 # `free_port` is for ports that cannot be 0 (an HTTP API, `serve`'s client port); elsewhere tests
@@ -106,17 +109,19 @@ class ImageOnlyInternVLProcessor(InternVLProcessor):
 
 def hf_processor_call(processor, prompt: str, images: list | None = None) -> dict:
     """`processor(text, images)` as the processor's own `apply_chat_template(tokenize=True)`
-    calls it: without the tokenizer's special tokens when the template wrote the BOS itself.
-    InternVL's processor drops its images' tile counts once it has expanded them: they are
-    put back (its image processor's count, with the processor's settings) so that the batch
-    splits by image."""
+    calls it: without the tokenizer's special tokens when the template wrote the BOS itself."""
     bos = processor.tokenizer.bos_token
     special = {"add_special_tokens": False} if bos is not None and prompt.startswith(bos) else {}
-    out = dict(processor(text=[prompt], images=images or None, return_tensors="np", **special))
-    if isinstance(processor, InternVLProcessor) and images:
-        out["num_patches"] = np.array([processor.image_processor.get_number_of_image_patches(
-            image.height, image.width, processor.images_kwargs) for image in images])
-    return out
+    return dict(processor(text=[prompt], images=images or None, return_tensors="np", **special))
+class ImageOnlySmolVLMProcessor(SmolVLMProcessor):
+    """SmolVLMProcessor without its video processor, which needs torchvision. Its chat template
+    step is ProcessorMixin's: SmolVLM's own only adds the video processor's frame settings."""
+
+    def __init__(self, image_processor=None, tokenizer=None, image_seq_len=169,
+                 chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, image_seq_len, chat_template, **kwargs)
+
+    apply_chat_template = ProcessorMixin.apply_chat_template
 
 
 @pytest.fixture(scope="session")
@@ -125,7 +130,9 @@ def model_dirs(qwen_dir: Path, qwen2_5_dir: Path, llava_dir: Path) -> dict[str, 
     return {"qwen2_vl": qwen_dir, "qwen2_5_vl": qwen2_5_dir, "llava": llava_dir,
             "llava_next": _tiny_model("llava_next"),
             "llava_onevision": _tiny_model("llava_onevision"),
-            "mistral3": _tiny_model("mistral3"), "internvl": _tiny_model("internvl")}
+            "mistral3": _tiny_model("mistral3"), "internvl": _tiny_model("internvl"),
+            "idefics3": _tiny_model("idefics3"),
+            "smolvlm": _tiny_model("smolvlm")}
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +155,23 @@ def hf_processors(model_dirs: dict[str, Path]) -> dict:
             "mistral3": _pixtral_processor().from_pretrained(model_dirs["mistral3"],
                                                              backend="pil"),
             "internvl": ImageOnlyInternVLProcessor.from_pretrained(model_dirs["internvl"],
-                                                                   backend="pil")}
+                                                                   backend="pil"),
+            "idefics3": Idefics3Processor.from_pretrained(model_dirs["idefics3"]),
+            "smolvlm": ImageOnlySmolVLMProcessor.from_pretrained(model_dirs["smolvlm"])}
+
+
+def reference_items(family: str, processor, expected, images: list) -> list[dict]:
+    """The HF processor's output `expected` image by image (Family.split_items), with what it
+    dropped of its image processor's output once it had expanded the prompt put back
+    (InternVL's tile counts, Idefics3's rows and columns of tiles): its image processor's
+    output, called with the processor's own `images_kwargs`."""
+    batch = dict(expected)
+    images_kwargs = getattr(processor, "images_kwargs", None)
+    if images and images_kwargs:
+        layout = processor.image_processor(images=images, **{**images_kwargs,
+                                                             "return_tensors": "np"})
+        batch.update({name: layout[name] for name in layout.keys() - batch.keys()})
+    return family_for(family).split_items(processor.image_processor, batch)
 
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:

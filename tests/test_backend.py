@@ -53,7 +53,8 @@ FOREVER = 10**6
 SPEC = ModelSpec(
     family="fake", model_id="fake", image_token_id=0, eos_token_ids=frozenset({1}),
     max_context=FOREVER + 100, vocab_size=100, image_fields=(),
-    count_image_tokens=lambda tensors: 0, check_items=lambda items: None,
+    count_image_tokens=lambda tensors: 0, expand_image=lambda tensors: (),
+    check_items=lambda items: None,
 )
 _ids = itertools.count()
 

@@ -21,7 +21,8 @@ from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_preprocessor
 
-FAMILIES = ["qwen2_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl"]
+FAMILIES = ["qwen2_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl",
+            "idefics3", "smolvlm"]
 LONG_TEXT = " ".join(f"word{i}" for i in range(60))
 
 CASES = {  # prompts of different lengths, text and image, and two requests with the same prompt

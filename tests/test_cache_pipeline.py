@@ -151,6 +151,25 @@ def test_cached_replies_equal_uncached_ones(run_dir: Path, qwen_dir: Path) -> No
     assert worker["cache_misses"] > 20  # the capacity forced evictions
 
 
+def test_a_hit_expands_as_its_image_did(run_dir: Path, model_dirs: dict) -> None:
+    """Idefics3's images expand into tiles among row/column tokens: an image sent as its hash
+    alone expands as it did when processed (P0 keeps the expansion), and the engine puts the
+    features it holds at the image tokens, so every reply is the first one for its image."""
+    urls = [png_uri(noise_image(w, h, seed=i)) for i, (w, h) in
+            enumerate([(56, 56), (500, 333), (90, 1200)])]  # grids of 4x4, 3x4 and 4x1 tiles
+    order = [0, 1, 2, 0, 2, 1, 1]
+    with cluster(run_dir, model_dirs["idefics3"], cache_gb=1, timeout_s=120) as roles:
+        with Client(roles.endpoint, timeout_s=120) as client:
+            results = run(client, urls, order, in_flight=1)  # one at a time: hits in order
+        count = roles.stop()
+    assert all(result.error is None for result in results), results
+    first = {index: reply(result)
+             for index, result in reversed(list(zip(order, results, strict=True)))}
+    assert [reply(result) for result in results] == [first[index] for index in order]
+    assert len(set(first.values())) == 3
+    assert count["engine"]["cache_hits"] == count["mm-worker"]["cache_hits"] == 4
+
+
 def warm_up(client: Client, urls: list[str]) -> dict[int, tuple]:
     """Each image twice, one at a time: the replies, and the images in both caches."""
     results = run(client, urls, list(range(len(urls))) * 2, in_flight=1)

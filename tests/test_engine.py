@@ -20,11 +20,13 @@ import pytest
 import torch
 import zmq
 from msgspec.structs import replace
+from transformers import AutoConfig
 
 from conftest import as_processor_output, start_role, stop_role
 from peers import StandInFrontend as Frontend
 from protocol import shm
 from protocol.codec import Codec
+from protocol.errors import RequestError
 from protocol.messages import (
     EngineInput,
     EngineOutput,
@@ -39,6 +41,7 @@ from protocol.shm import ShmWriter
 from services.bench.images import make_image
 from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
+from services.engine.runner import ModelSpec
 from services.engine.validation import validate_request
 from services.launcher import Child
 from services.mm_worker.render import placeholder_offsets
@@ -133,6 +136,8 @@ def generate(model: Any, prep: Preprocessor, request: EngineRequest, **options: 
         inputs = {name: torch.from_numpy(array).to(model.device) for name, array in joined.items()}
         if prep.family.name == "qwen2_vl":
             inputs["mm_token_type_ids"] = (ids == prep.image_token_id).int()
+        if prep.family.name == "idefics3":  # one sample of tiles; rows, cols shape the prompt
+            inputs = {"pixel_values": inputs["pixel_values"][None]}
     with torch.inference_mode():
         return model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -297,11 +302,11 @@ BAD_REQUESTS = {
     ),
     "item_length_short": (
         lambda r: item_with(length=r.mm_items[0].length - 1)(r),
-        r"has \d+ image-token positions but mm_items cover \d+",
+        r"mm_items\[0\]\.length is \d+ but its tensors make \d+ tokens",
     ),
     "item_off_image_tokens": (
         lambda r: item_with(offset=r.mm_items[0].offset - 1)(r),
-        "covers tokens that are not image tokens",
+        "covers tokens that are not its image's span",
     ),
     "image_items_missing": (
         lambda r: replace(r, mm_items=[]), "image-token positions but mm_items cover 0"
@@ -417,7 +422,8 @@ def test_overload_is_refused_and_stop_fails_held_requests(run_dir: Path, prep, q
 @pytest.mark.parametrize("max_batch", [1, MAX_BATCH])
 @pytest.mark.parametrize(
     "family",
-    ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl"],
+    ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl",
+     "idefics3", "smolvlm"],
 )
 def test_runner_chunked_prefill_and_interleaving_match_generate(
     family, max_batch, model_dirs
@@ -439,6 +445,22 @@ def test_runner_chunked_prefill_and_interleaving_match_generate(
                 assert output.error is None
                 tokens[output.handle] += output.token_ids
         assert [tokens[0], tokens[1]] == expected
+
+
+def test_an_idefics3_span_must_be_its_tiles_expansion(model_dirs) -> None:
+    """Its image tokens alone are not enough: the row/column tokens among them must be those
+    of the item's grid of tiles."""
+    model_dir = model_dirs["idefics3"]
+    prep = load_preprocessor(model_dir)
+    spec = ModelSpec.of(prep, AutoConfig.from_pretrained(model_dir),
+                        vocab_size=len(prep.tokenizer), max_context=prep.max_context)
+    request = make_request(prep, "look", ((500, 333),))  # a 3x4 grid
+    validate_request(request, spec)
+    ids = list(request.prompt_token_ids)
+    tile = ids.index(prep.tokenizer.convert_tokens_to_ids("<row_1_col_2>"))
+    ids[tile] = prep.tokenizer.convert_tokens_to_ids("<row_2_col_1>")
+    with pytest.raises(RequestError, match="not the idefics3 expansion of its tensors"):
+        validate_request(replace(request, prompt_token_ids=ids), spec)
 
 
 def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:

@@ -10,7 +10,11 @@ import torch
 from msgspec.structs import replace
 from transformers import AutoConfig
 
-from conftest import as_processor_output, hf_processor_call
+from conftest import (
+    as_processor_output,
+    hf_processor_call,
+    reference_items,
+)
 from protocol.errors import RequestError
 from protocol.messages import MMItem
 from services.bench.images import noise_image
@@ -30,8 +34,10 @@ from services.model import (
     resolve_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3",
-            "internvl"]
+FAMILIES = [
+    "qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl",
+    "idefics3", "smolvlm",
+]
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -125,7 +131,7 @@ class TestParity:
             preprocessor.expand_placeholders(token_ids, items) == expected["input_ids"][0].tolist()
         )
         if images:  # image by image: a batch may pad its images to one shape (LLaVA-NeXT)
-            batch = preprocessor.family.split_items(processor.image_processor, expected)
+            batch = reference_items(family, processor, expected, images)
             for want, item in zip(batch, items, strict=True):
                 got = as_processor_output(item.tensors, preprocessor.pixel_norm)
                 for field in preprocessor.family.item_fields:
@@ -175,6 +181,11 @@ class TestPreprocessor:
             ("internvl", (56, 56), 258),  # one tile, no thumbnail: <img>, 256, </img>
             ("internvl", (1024, 768), 3330),  # a 4x3 grid and the thumbnail
             ("internvl", (1200, 90), 3330),  # a 12x1 grid and the thumbnail
+            # 17 tiles of 169 tokens, a <fake_token_around_image><row_R_col_C> each, 4 rows'
+            # newlines, then "\n", <fake_token_around_image><global-img>, .., <fake_token...>
+            ("idefics3", (56, 56), 17 * 169 + 16 * 2 + 4 + 1 + 3),
+            ("idefics3", (1200, 90), 5 * 169 + 4 * 2 + 1 + 1 + 3),  # a 1x4 grid
+            ("smolvlm", (56, 56), 17 * 64 + 16 * 2 + 4 + 1 + 3),  # 512-pixel tiles of 64
         ],
     )
     def test_num_tokens(self, preprocessors, family, size, num_tokens):
@@ -201,6 +212,15 @@ class TestPreprocessor:
         resized_size = preprocessors[family].resized_size
         assert resized_size(4032, 3024) == (4032, 3024)
         assert jpeg_draft_scale(4032, 3024, resized_size) == 1
+
+    @pytest.mark.parametrize(
+        ("size", "resized"), [((4032, 3024), (1456, 1092)), ((90, 1200), (110, 1456))]
+    )
+    def test_idefics3_jpegs_draft_to_its_longest_edge(self, preprocessors, size, resized):
+        """Its tiles follow from the first resize alone (the longest edge to 1456, even)."""
+        resized_size = preprocessors["idefics3"].resized_size
+        assert resized_size(*size) == resized
+        assert jpeg_draft_scale(4032, 3024, resized_size) == 2
 
     def test_expand_refuses_placeholder_count_mismatch(self, preprocessors):
         preprocessor = preprocessors["qwen2_vl"]
@@ -323,6 +343,32 @@ class TestErrors:
         with pytest.raises(RequestError, match=r"mm_items\[0\] covers tokens that are not its"):
             validate_request(replace(request, prompt_token_ids=ids), spec)
 
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            ({"pixel_values": lambda t: t[:-1]},  # the whole image's tile missing
+             r"pixel_values has shape \(12, 3, 364, 364\), a 3x4 grid needs \(13, 3, 364, 364\)"),
+            ({"rows": lambda t: np.array([4])}, r"a 4x4 grid needs \(17, 3, 364, 364\)"),
+            ({"cols": lambda t: np.array([0])}, "rows and cols must both be 0 or neither"),
+            ({"rows": lambda t: np.array([7])}, r"rows must be one count of 0 to 6, got \[7\]"),
+            ({"cols": lambda t: np.array([3, 4])}, "cols must be one count"),
+            ({"pixel_values": lambda t: t.astype("f4")},
+             "pixel_values must be a 4-D array of kind 'u', got 4-D float32"),
+        ],
+        ids=["tile-missing", "other-grid", "half-grid", "grid-too-large", "two-counts",
+             "float-pixels"],
+    )
+    def test_idefics3_tiles_must_be_those_of_the_grid(
+        self, model_dirs, preprocessors, change, message
+    ):
+        preprocessor = preprocessors["idefics3"]
+        check = preprocessor.family.item_checker(AutoConfig.from_pretrained(model_dirs["idefics3"]))
+        tensors = preprocessor.process_image(noise_image(500, 333, seed=0)).tensors
+        check([MMItem(offset=0, length=1, tensors=tensors)])  # as processed: accepted
+        changed = {name: change.get(name, lambda t: t)(array) for name, array in tensors.items()}
+        with pytest.raises(RequestError, match=message):
+            check([MMItem(offset=0, length=1, tensors=changed)])
+
     def test_unsupported_model_type_names_path_and_type(self, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
         with pytest.raises(UnsupportedModelError, match=f"{tmp_path}.*'bert'"):
@@ -340,6 +386,8 @@ def test_model_forward_on_processed_image(model_dirs, preprocessors, family):
     if family == "qwen2_vl":
         # transformers 5's Qwen2-VL needs each token's modality to build its 3D (M-RoPE) positions.
         inputs["mm_token_type_ids"] = (input_ids == preprocessor.image_token_id).long()
+    if preprocessor.family.name == "idefics3":  # one sample of tiles; rows, cols shape the prompt
+        inputs = {"pixel_values": inputs["pixel_values"][None]}
     with torch.no_grad():
         logits = model(input_ids=input_ids, **inputs).logits
     assert logits.shape == (1, input_ids.shape[1], model.config.get_text_config().vocab_size)

@@ -16,7 +16,7 @@ loop neither spins nor polls.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,13 +52,14 @@ class ModelSpec:
     image_fields: tuple[str, ...]
     """The tensor names of one image, e.g. pixel_values and image_grid_thw."""
     count_image_tokens: Callable[[Mapping[str, np.ndarray]], int]
-    """How many placeholder tokens an image with these (shape-checked) tensors expands to."""
+    """How many image tokens (features) an image with these (shape-checked) tensors has."""
+    expand_image: Callable[[Mapping[str, np.ndarray]], Sequence[int]]
+    """The tokens an image with these (shape-checked) tensors puts in place of its placeholder
+    (its span, whose length is the item's `length`): its image tokens, and the family's other
+    tokens among them where it has some."""
     check_items: Callable[[list[MMItem]], None]
     """Raises RequestError when the images' tensors have shapes the model cannot take (the
     family's check, services/model/families.py)."""
-    image_span: Callable[[Mapping[str, np.ndarray]], list[int]] | None = None
-    """The token ids an image with these (shape-checked) tensors puts in the prompt, where
-    they are more than image tokens (the family's `image_span`); None: image tokens only."""
 
     @classmethod
     def of(cls, preprocessor: Any, model_config: Any, *, vocab_size: int,
@@ -76,7 +77,7 @@ class ModelSpec:
             vocab_size=vocab_size,
             image_fields=family.item_fields,
             count_image_tokens=preprocessor.count_image_tokens,
-            image_span=preprocessor.image_span,
+            expand_image=preprocessor.expand_image,
             check_items=family.item_checker(model_config),
         )
 

@@ -22,9 +22,8 @@ def validate_request(request: EngineRequest, spec: ModelSpec) -> None:
     prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
     check_prompt(prompt, request.sampling.max_tokens, spec)
     check_item_spans(request.mm_items, len(prompt))
-    check_image_tokens(prompt, request.mm_items, spec)
     check_item_tensors(request.mm_items, spec)
-    check_span_tokens(prompt, request.mm_items, spec)
+    check_image_tokens(prompt, request.mm_items, spec)
     check_item_cache_fields(request.mm_items)
 
 
@@ -67,36 +66,27 @@ def check_item_spans(items: list[MMItem], prompt_len: int) -> None:
 
 
 def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec) -> None:
-    """The image-token positions of the prompt must be exactly the items' spans; or, for a
-    family whose spans hold other tokens too, those within the spans (`check_span_tokens`
-    checks the rest once the tensors are checked)."""
-    is_image = prompt == spec.image_token_id
-    spans = [is_image[item.offset : item.offset + item.length] for item in items]
-    if spec.image_span is None:
-        covered = sum(item.length for item in items)
-    else:
-        covered = sum(int(span.sum()) for span in spans)
-    if int(is_image.sum()) != covered:
-        raise RequestError(
-            f"prompt_token_ids has {int(is_image.sum())} image-token positions "
-            f"but mm_items cover {covered}"
-        )
-    for index, span in enumerate(spans):
-        if spec.image_span is None and not span.all():
-            raise RequestError(f"mm_items[{index}] covers tokens that are not image tokens")
-
-
-def check_span_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec) -> None:
-    """Each item's tokens are the family's span of its (checked) tensors."""
-    if spec.image_span is None:
-        return
+    """Each item's span must be its image's expansion (from its checked tensors), and the
+    prompt's image tokens must be the images' features, none outside the spans."""
+    covered = 0
     for index, item in enumerate(items):
-        span = prompt[item.offset : item.offset + item.length]
-        if not np.array_equal(span, spec.image_span(item.tensors)):
+        expected = np.asarray(spec.expand_image(item.tensors), dtype=np.int64)
+        if item.length != len(expected):
             raise RequestError(
-                f"mm_items[{index}] covers tokens that are not its image's: not the "
-                f"{spec.family} layout of its tensors"
+                f"mm_items[{index}].length is {item.length} but its tensors make "
+                f"{len(expected)} tokens"
             )
+        if not np.array_equal(prompt[item.offset : item.offset + item.length], expected):
+            raise RequestError(
+                f"mm_items[{index}] covers tokens that are not its image's span: not the "
+                f"{spec.family} expansion of its tensors"
+            )
+        covered += spec.count_image_tokens(item.tensors)
+    positions = int((prompt == spec.image_token_id).sum())
+    if positions != covered:
+        raise RequestError(
+            f"prompt_token_ids has {positions} image-token positions but mm_items cover {covered}"
+        )
 
 
 def check_item_cache_fields(items: list[MMItem]) -> None:
@@ -123,9 +113,3 @@ def check_item_tensors(items: list[MMItem], spec: ModelSpec) -> None:
                 f"a {spec.family} image needs {sorted(spec.image_fields)}"
             )
     spec.check_items(items)
-    for index, item in enumerate(items):
-        expected = spec.count_image_tokens(item.tensors)
-        if item.length != expected:
-            raise RequestError(
-                f"mm_items[{index}].length is {item.length} but its tensors make {expected} tokens"
-            )

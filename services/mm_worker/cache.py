@@ -12,6 +12,7 @@ the worker sends every tensor and commits nothing: there is no receiver cache to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections import Counter
@@ -67,8 +68,10 @@ class ItemInfo:
 
     nbytes: int
     num_tokens: int
-    span_ids: tuple[int, ...] | None = None
-    """Its tokens where they are not `num_tokens` image tokens (ImageItem.span_ids)."""
+    """The length of its span (MMItem.length)."""
+    token_ids: tuple[int, ...] = ()
+    """The item's span where it is not the image token `num_tokens` times
+    (ImageItem.token_ids); empty: that token repeated."""
 
 
 class SenderCache:
@@ -146,14 +149,22 @@ class SenderCache:
         if header is None or header.sender_epoch != self.epoch or header.seq != self.seq:
             return  # rendered before P0 started over: the engine will not mirror it either
         evicted = self.cache.evictions
-        commit(self.cache, request,
-               lambda item: ItemInfo(item.nbytes, item.length, _span_ids(request, item)))
+        commit(self.cache, request, lambda item: _item_info(request, item))
         self.counters["cache_evictions"] += self.cache.evictions - evicted
         self.seq += 1
 
 
-def _span_ids(request: EngineRequest, item: MMItem) -> tuple[int, ...] | None:
-    """The item's tokens in the request, kept where they are not all one token (the image
-    token): a hit places them again without the tensors they were made from."""
-    ids = request.prompt_token_ids[item.offset : item.offset + item.length]
-    return None if ids.count(ids[0]) == len(ids) else tuple(ids)
+def _item_info(request: EngineRequest, item: MMItem) -> ItemInfo:
+    """The item's sizes, and its span where it is not all one token (the image token): a hit
+    places it again without the tensors it was made from."""
+    span = tuple(request.prompt_token_ids[item.offset : item.offset + item.length])
+    if span.count(span[0]) == len(span):
+        return ItemInfo(item.nbytes, item.length)
+    return ItemInfo(item.nbytes, item.length, _shared(span))
+
+
+@functools.lru_cache(maxsize=256)
+def _shared(span: tuple[int, ...]) -> tuple[int, ...]:
+    # A family has few distinct spans (one per tile grid or image size): the entries holding
+    # one share one tuple, and this table stays bounded.
+    return span

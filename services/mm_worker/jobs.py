@@ -195,7 +195,7 @@ class JobRenderer:
                 images.append(earlier[mm_hash].by_hash())
                 continue
             if info is not None:  # a hit: no decode, no processing, only the hash travels
-                image = PreparedImage(mm_hash, info.num_tokens, info.nbytes, {}, info.span_ids)
+                image = PreparedImage(mm_hash, info.num_tokens, info.nbytes, {}, info.token_ids)
             else:
                 work = started.work.get(index)
                 if work is None:  # guessed held, but evicted since: process it now

@@ -251,10 +251,10 @@ class ProcessPool:
         task, member.task = member.task, None
         assert task is not None, "a result from a process that holds no task"
         if kind == "ok":
-            tensors, num_tokens, span_ids, decode_s, process_s = body
+            tensors, num_tokens, token_ids, decode_s, process_s = body
             try:
                 item = ImageItem(tensors=self._adopt(tensors), num_tokens=num_tokens,
-                                 span_ids=span_ids)
+                                 token_ids=token_ids)
             except RetryableError as exc:
                 task.future.set_exception(exc)
                 return
@@ -333,7 +333,7 @@ def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str, media: 
                 results.send(("err", info))
                 continue
             results.send(("ok", _put(slots, done.item.tensors), done.item.num_tokens,
-                          done.item.span_ids, done.decode_s, done.process_s))
+                          done.item.token_ids, done.decode_s, done.process_s))
     finally:
         slots.close()
 

@@ -24,16 +24,19 @@ class PreparedImage:
     num_tokens: int
     nbytes: int
     tensors: dict[str, np.ndarray]
-    span_ids: tuple[int, ...] | None = None
-    """Its tokens where they are not `num_tokens` image tokens (ImageItem.span_ids)."""
+    token_ids: tuple[int, ...] = ()
+    """Its span where it is not the image token `num_tokens` times (ImageItem.token_ids)."""
 
     @classmethod
     def processed(cls, mm_hash: str, item: ImageItem) -> PreparedImage:
-        return cls(mm_hash, item.num_tokens, item.nbytes, item.tensors, item.span_ids)
+        return cls(mm_hash, item.num_tokens, item.nbytes, item.tensors, item.token_ids)
 
     def by_hash(self) -> PreparedImage:
         """The same image sent as its hash alone."""
-        return PreparedImage(self.mm_hash, self.num_tokens, self.nbytes, {}, self.span_ids)
+        return PreparedImage(self.mm_hash, self.num_tokens, self.nbytes, {}, self.token_ids)
+
+    def expansion(self, image_token_id: int) -> list[int] | tuple[int, ...]:
+        return self.token_ids or [image_token_id] * self.num_tokens
 
 
 def check_job(job: MMJob, *, image_token_id: int, max_context: int) -> None:
@@ -53,14 +56,13 @@ def render_request(
     job: MMJob, images: list[PreparedImage], model: Preprocessor
 ) -> EngineRequest:
     """The job's prompt with each placeholder expanded, and each image placed at its tokens."""
-    items = [ImageItem(tensors=image.tensors, num_tokens=image.num_tokens,
-                       span_ids=image.span_ids) for image in images]
+    items = [ImageItem(image.tensors, image.num_tokens, image.token_ids) for image in images]
     prompt = model.expand_placeholders(job.prompt_token_ids, items)
     if len(prompt) > model.max_context:
         raise _too_long(len(prompt), model.max_context, _after_expanding(len(items)))
     lengths = [image.num_tokens for image in images]
     offsets = placeholder_offsets(job.prompt_token_ids, model.image_token_id, lengths)
-    _check_expansion(prompt, offsets, items, model.image_token_id)
+    _check_expansion(prompt, offsets, images, model.image_token_id)
     mm_items = [
         MMItem(
             offset=offset, length=image.num_tokens, tensors=image.tensors,
@@ -89,15 +91,14 @@ def placeholder_offsets(token_ids: list[int], placeholder: int, lengths: list[in
 
 
 def _check_expansion(
-    prompt: list[int], offsets: list[int], items: list[ImageItem], placeholder: int
+    prompt: list[int], offsets: list[int], images: list[PreparedImage], placeholder: int
 ) -> None:
     # The model package owns expansion; a mismatch here is a bug there, not the request's fault.
-    for offset, item in zip(offsets, items, strict=True):
-        span = list(item.span_ids or [placeholder] * item.num_tokens)
-        if len(span) != item.num_tokens or prompt[offset:offset + item.num_tokens] != span:
+    for offset, image in zip(offsets, images, strict=True):
+        if prompt[offset:offset + image.num_tokens] != list(image.expansion(placeholder)):
             raise MMLaneError(
-                f"placeholder expansion does not put the image's {item.num_tokens} tokens at "
-                f"{offset}",
+                f"placeholder expansion does not put the image's {image.num_tokens} tokens "
+                f"at {offset}",
                 code="internal",
             )
 

@@ -2,8 +2,9 @@
 
 A family says which token marks an image in the rendered prompt, which image-processor outputs
 belong to one image, how to split a batched processor output into per-image items, how many
-placeholder tokens the Hugging Face processor expands one image into, and which tensor shapes
-the model takes (the engine checks every request against them, whatever its backend).
+image tokens one image has, the text the Hugging Face processor puts in place of its
+placeholder where that is more than its image tokens (its span), and which tensor shapes the
+model takes (the engine checks every request against them, whatever its backend).
 """
 
 import json
@@ -18,6 +19,9 @@ from PIL import Image
 from transformers.image_processing_utils import get_size_dict, select_best_resolution
 from transformers.image_transforms import get_resize_output_image_size
 from transformers.image_utils import ChannelDimension
+from transformers.models.idefics3.image_processing_pil_idefics3 import (
+    get_resize_output_image_size as idefics3_resized_size,
+)
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 from transformers.models.pixtral import image_processing_pil_pixtral as pixtral
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -33,10 +37,8 @@ Uint8Processor = Callable[[Any, Image.Image], dict[str, np.ndarray]]
 ResizeRule = Callable[[Any, int, int], tuple[int, int]]
 """`(image_processor, width, height) -> (width, height)`: the size the processor resizes an
 upright image of that size to."""
-SpanRule = Callable[[Tensors], list[int]]
-"""`span(item) -> token ids`: what one image's placeholder becomes in the prompt."""
-TokenIds = Callable[[str], int]
-"""A special token's id in the model's tokenizer."""
+PlaceholderText = Callable[[Tensors], str]
+"""The text the HF processor puts in place of an image's placeholder token."""
 
 
 class UnsupportedModelError(ValueError):
@@ -52,7 +54,9 @@ class Family:
     item_fields: tuple[str, ...]
     # `(image_processor, batch) -> items`: a batched processor output, one image an item.
     split_items: Callable[[Any, Tensors], list[dict[str, np.ndarray]]]
-    # Reads the model's settings once and returns `num_image_tokens(item) -> int`.
+    # Reads the model's settings once and returns `num_image_tokens(item) -> int`: the image
+    # tokens of the image's span, one per feature the model makes for it (the span's length
+    # too, unless the family has a `placeholder_text`).
     token_counter: Callable[[Path, Any, Any], TokenCounter]
     # Reads the model's config (transformers' PretrainedConfig) once and returns the check.
     item_checker: Callable[[Any], ItemChecker]
@@ -63,14 +67,18 @@ class Family:
     # The processor's own resize rule: what decoding may reduce a JPEG to and no further
     # (services/mm_worker/media.py, `--jpeg-draft`).
     resized_size: ResizeRule
-    # Reads the model's settings once and returns the rule for the tokens an image's
-    # placeholder becomes where they are more than `num_image_tokens(item)` image tokens (image
-    # start/end tokens, row breaks): the image's span. The model's image features replace its
-    # image tokens; the other tokens of the span keep their own embeddings.
-    image_span: Callable[[Path, Any, Any, TokenIds], SpanRule] | None = None
+    # Reads the model's settings once and returns the text that replaces an image's
+    # placeholder (its span), for a family whose images expand into more than image tokens:
+    # tokens around the image or each tile, row breaks, row/column tokens. The preprocessor
+    # tokenizes it (special tokens stay whole; Idefics3's newlines take the ids they take in
+    # the HF processor's prompt); the image token's positions in it take the features, the
+    # other tokens keep their own embeddings. None: the image token `token_counter` times.
+    placeholder_text: Callable[[Path, Any, Any], PlaceholderText] | None = None
     # Settings the model's processor gives its image processor on top of the image processor's
-    # own file (`(model_dir, config) -> kwargs`), so that the image processor alone makes what
-    # the processor makes.
+    # own file (`(model_dir, config) -> kwargs`, given at load time), so that the image
+    # processor alone makes what the processor makes (Pixtral's patch size, InternVL's
+    # crop_to_patches, Idefics3's return_row_col_info: each image's rows and columns of
+    # tiles, which the HF processor drops from its own output).
     image_processor_settings: Callable[[Path, Any], dict[str, Any]] = lambda model_dir, config: {}
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
@@ -338,8 +346,7 @@ def _llava_onevision_token_counter(
 
 
 def _llava_next_item_checker(config: Any) -> ItemChecker:
-    vision = config.vision_config
-    tile_shape = (vision.num_channels, vision.image_size, vision.image_size)
+    tile_shape = _tile_shape(config)
 
     def check_tensors(where: str, tensors: Tensors) -> None:
         pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
@@ -350,7 +357,7 @@ def _llava_next_item_checker(config: Any) -> ItemChecker:
                 f"got {sizes.tolist()}"
             )
         # The model reads the number of tiles from the image's size, and takes that many.
-        tiles = image_size_to_num_patches(sizes[0], config.image_grid_pinpoints, vision.image_size)
+        tiles = image_size_to_num_patches(sizes[0], config.image_grid_pinpoints, tile_shape[-1])
         if pixels.shape != (tiles, *tile_shape):
             raise RequestError(
                 f"{where}.pixel_values has shape {pixels.shape}, an image of size "
@@ -397,35 +404,33 @@ def _split_pixtral(image_processor: Any, batch: Tensors) -> list[dict[str, np.nd
 
 
 def _mistral3_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
-    """PixtralProcessor's count: a row of [IMG] tokens per row of cells, each row ended by one
-    more token ([IMG_BREAK], the last [IMG_END])."""
+    """PixtralProcessor's image tokens: one [IMG] per cell."""
     cell = _pixtral_cell(model_dir, config)
 
     def num_image_tokens(item: Tensors) -> int:
         height, width = (int(v) for v in item["image_sizes"][0])
-        return (height // cell) * (width // cell + 1)
+        return (height // cell) * (width // cell)
 
     return num_image_tokens
 
 
-def _mistral3_image_span(
-    model_dir: Path, config: Any, image_processor: Any, token_id: TokenIds
-) -> SpanRule:
-    """PixtralProcessor's expansion: [IMG] per cell, row by row, [IMG_BREAK] after each row but
-    the last, [IMG_END] after the last."""
+def _mistral3_placeholder_text(
+    model_dir: Path, config: Any, image_processor: Any
+) -> PlaceholderText:
+    """PixtralProcessor's text for one image: [IMG] per cell, row by row, [IMG_BREAK] after
+    each row but the last, [IMG_END] after the last."""
     settings = _read_processor_config(model_dir)
-    image = token_id(settings.get("image_token", "[IMG]"))
-    row_break = token_id(settings.get("image_break_token", "[IMG_BREAK]"))
-    end = token_id(settings.get("image_end_token", "[IMG_END]"))
+    image = settings.get("image_token", "[IMG]")
+    row_break = settings.get("image_break_token", "[IMG_BREAK]")
+    end = settings.get("image_end_token", "[IMG_END]")
     cell = _pixtral_cell(model_dir, config)
 
-    def span(item: Tensors) -> list[int]:
+    def text(item: Tensors) -> str:
         height, width = (int(v) for v in item["image_sizes"][0])
-        ids = ([image] * (width // cell) + [row_break]) * (height // cell)
-        ids[-1] = end
-        return ids
+        rows = [image * (width // cell)] * (height // cell)
+        return row_break.join(rows) + end
 
-    return span
+    return text
 
 
 def _mistral3_item_checker(config: Any) -> ItemChecker:
@@ -470,19 +475,18 @@ def _internvl_tile_tokens(model_dir: Path, config: Any) -> int:
 
 
 def _internvl_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
-    """InternVLProcessor's count: <img>, each tile's <IMG_CONTEXT> tokens, </img>."""
+    """InternVLProcessor's image tokens: each tile's <IMG_CONTEXT> tokens."""
     per_tile = _internvl_tile_tokens(model_dir, config)
-    return lambda item: 2 + per_tile * len(item["pixel_values"])
+    return lambda item: per_tile * len(item["pixel_values"])
 
 
-def _internvl_image_span(
-    model_dir: Path, config: Any, image_processor: Any, token_id: TokenIds
-) -> SpanRule:
-    """InternVLProcessor's expansion: <img>, <IMG_CONTEXT> for each feature of each tile,
-    </img> (the tokenizer's start_image_token and end_image_token, as published)."""
+def _internvl_placeholder_text(
+    model_dir: Path, config: Any, image_processor: Any
+) -> PlaceholderText:
+    """InternVLProcessor's text for one image: <img>, <IMG_CONTEXT> for each feature of each
+    tile, </img> (the tokenizer's start_image_token and end_image_token, as published)."""
     per_tile = _internvl_tile_tokens(model_dir, config)
-    start, context, end = (token_id(token) for token in ("<img>", "<IMG_CONTEXT>", "</img>"))
-    return lambda item: [start, *[context] * (per_tile * len(item["pixel_values"])), end]
+    return lambda item: f"<img>{'<IMG_CONTEXT>' * (per_tile * len(item['pixel_values']))}</img>"
 
 
 def _internvl_item_checker(config: Any) -> ItemChecker:
@@ -498,6 +502,121 @@ def _internvl_item_checker(config: Any) -> ItemChecker:
             )
 
     return lambda items: _check_each(items, check_tensors)
+IDEFICS3_MAX_GRID = 6
+"""Rows and columns of tiles at most: the processors' <row_R_col_C> tokens go up to 6."""
+
+
+def _idefics3_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
+    """Idefics3's (and SmolVLM's) processor with its rescale and normalise off. Its steps in
+    order: resize (the longest edge to `size`), resize up to whole tiles, cut the tiles and
+    resize the whole image to one more, rescale, normalise, pad. Every tile is
+    `max_image_size` square, so one image's tiles need no padding (their pixel_attention_mask
+    is all ones, the mask the model makes when given none) and every resize works in uint8."""
+    batch = image_processor(
+        images=[image], do_rescale=False, do_normalize=False, return_tensors="np"
+    )
+    [item] = _split_idefics3(image_processor, batch)
+    return {**item, "pixel_values": item["pixel_values"].astype(np.uint8)}
+
+
+def _split_idefics3(image_processor: Any, batch: Tensors) -> list[dict[str, np.ndarray]]:
+    # A sample's images are one run of tiles (pixel_values: samples x tiles x C x H x W, padded
+    # with all-0 tiles to the most tiles of any sample); each image owns rows x cols tiles and
+    # then its whole image (rows = cols = 0: the whole image alone). The image processor
+    # returns rows and cols when asked (image_processor_settings); the pixel_attention_mask of an
+    # image's own tiles is all ones and is left out.
+    items = []
+    for pixels, rows, cols in zip(batch["pixel_values"], batch["rows"], batch["cols"], strict=True):
+        start = 0
+        for row_count, col_count in zip(rows, cols, strict=True):
+            tiles = int(row_count) * int(col_count) + 1
+            items.append({
+                "pixel_values": pixels[start : start + tiles],
+                "rows": np.array([row_count], dtype=np.int64),
+                "cols": np.array([col_count], dtype=np.int64),
+            })
+            start += tiles
+    return items
+
+
+def _idefics3_image_seq_len(model_dir: Path, config: Any) -> int:
+    """Image tokens a tile makes: processor_config.json's image_seq_len, else the model's
+    (the tile's patches, pixel-shuffled by scale_factor)."""
+    settings = _read_processor_config(model_dir)
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    return settings.get("image_seq_len") or int(patches / config.scale_factor**2)
+
+
+def _idefics3_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
+    seq_len = _idefics3_image_seq_len(model_dir, config)
+    return lambda item: seq_len * len(item["pixel_values"])
+
+
+def _idefics3_placeholder_text(
+    model_dir: Path, config: Any, image_processor: Any
+) -> PlaceholderText:
+    """Idefics3Processor's text for one image (SmolVLMProcessor's is the same): each tile's
+    image tokens after <fake_token_around_image> and its <row_R_col_C>, a newline after each
+    row of tiles, then a newline and the whole image's tokens after <global-img>, closed by
+    <fake_token_around_image>."""
+    image = "<image>" * _idefics3_image_seq_len(model_dir, config)
+    around = "<fake_token_around_image>"
+
+    def text(item: Tensors) -> str:
+        rows, cols = int(item["rows"][0]), int(item["cols"][0])
+        grid = "".join(
+            "".join(f"{around}<row_{row + 1}_col_{col + 1}>{image}" for col in range(cols)) + "\n"
+            for row in range(rows)
+        )
+        newline = "\n" if rows else ""
+        return f"{grid}{newline}{around}<global-img>{image}{around}"
+
+    return text
+
+
+def _idefics3_item_checker(config: Any) -> ItemChecker:
+    tile_shape = _tile_shape(config)
+
+    def check_tensors(where: str, tensors: Tensors) -> None:
+        pixels = _tensor(tensors, where, "pixel_values", ndim=4, kind="u")  # uint8
+        grid = []
+        for name in ("rows", "cols"):
+            count = _tensor(tensors, where, name, ndim=1, kind="iu")
+            if count.shape != (1,) or not 0 <= int(count[0]) <= IDEFICS3_MAX_GRID:
+                raise RequestError(
+                    f"{where}.{name} must be one count of 0 to {IDEFICS3_MAX_GRID}, "
+                    f"got {count.tolist()}"
+                )
+            grid.append(int(count[0]))
+        rows, cols = grid
+        if (rows == 0) != (cols == 0):
+            raise RequestError(f"{where}: rows and cols must both be 0 or neither, got {grid}")
+        # The model takes the tiles as given; the prompt's row/column tokens follow rows, cols.
+        if pixels.shape != (rows * cols + 1, *tile_shape):
+            raise RequestError(
+                f"{where}.pixel_values has shape {pixels.shape}, a {rows}x{cols} grid needs "
+                f"{(rows * cols + 1, *tile_shape)}"
+            )
+
+    return lambda items: _check_each(items, check_tensors)
+
+
+def _idefics3_resized_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """The processor's first resize (the longest edge to `size["longest_edge"]`, up or down,
+    the other side in proportion and even); the tiles follow from that size alone."""
+    size = image_processor.size
+    if not size.get("longest_edge"):
+        return width, height
+    shape = np.broadcast_to(np.uint8(0), (3, height, width))  # only its shape is read
+    height, width = idefics3_resized_size(shape, resolution_max_side=size["longest_edge"])
+    return width, height
+
+
+def _tile_shape(config: Any) -> tuple[int, int, int]:
+    """One tile as the vision tower takes it: (channels, side, side)."""
+    vision = config.vision_config
+    return (vision.num_channels, vision.image_size, vision.image_size)
 
 
 def _image_own_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
@@ -587,7 +706,7 @@ MISTRAL3 = Family(
     item_checker=_mistral3_item_checker,
     uint8_pixels=processor_uint8,
     resized_size=_pixtral_resized_size,
-    image_span=_mistral3_image_span,
+    placeholder_text=_mistral3_placeholder_text,
     image_processor_settings=_mistral3_image_processor_settings,
 )
 
@@ -604,12 +723,28 @@ INTERNVL = Family(
     item_checker=_internvl_item_checker,
     uint8_pixels=processor_uint8,
     resized_size=_image_own_size,
-    image_span=_internvl_image_span,
+    placeholder_text=_internvl_placeholder_text,
     # InternVLProcessor's own images_kwargs: the stock image processor file leaves it off.
     image_processor_settings=lambda model_dir, config: {"crop_to_patches": True},
 )
+# Idefics3's tiles, each a run of image tokens among row/column tokens (placeholder_text).
+# SmolVLM is Idefics3 with another tower and language model: the same processor steps, prompt
+# text and model inputs.
+IDEFICS3 = Family(
+    name="idefics3",
+    model_types=("idefics3", "smolvlm"),
+    image_token="<image>",
+    item_fields=("pixel_values", "rows", "cols"),
+    split_items=_split_idefics3,
+    token_counter=_idefics3_token_counter,
+    item_checker=_idefics3_item_checker,
+    uint8_pixels=_idefics3_uint8,
+    resized_size=_idefics3_resized_size,
+    placeholder_text=_idefics3_placeholder_text,
+    image_processor_settings=lambda model_dir, config: {"return_row_col_info": True},
+)
 
-FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, MISTRAL3, INTERNVL)
+FAMILIES = (QWEN2_VL, LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, MISTRAL3, INTERNVL, IDEFICS3)
 
 
 def family_for(model_type: str) -> Family:

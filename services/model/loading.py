@@ -12,7 +12,9 @@ wrong in mmlane's terms:
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,7 +34,6 @@ from transformers import (
 from services.common.config import ImageBackend
 from services.model.families import (
     Family,
-    SpanRule,
     Tensors,
     TokenCounter,
     UnsupportedModelError,
@@ -57,13 +58,15 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class ImageItem:
-    """One processed image: the model's tensors for it and its placeholder expansion length."""
+    """One processed image: the model's tensors for it and its placeholder's expansion."""
 
     tensors: dict[str, np.ndarray]
     num_tokens: int
-    span_ids: tuple[int, ...] | None = None
-    """The token ids its placeholder becomes, where they are not `num_tokens` image tokens (the
-    family's `image_span`)."""
+    """The length of its span: all the tokens its placeholder becomes, image tokens or not."""
+    token_ids: tuple[int, ...] = ()
+    """The span itself where it is not the image token `num_tokens` times (a family with a
+    `placeholder_text`: Mistral 3's row breaks, InternVL's <img> and </img>, Idefics3's tiles
+    among row/column tokens)."""
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +86,10 @@ class Preprocessor:
     eos_token_ids: list[int]
     max_context: int
     count_image_tokens: TokenCounter
+    """How many image tokens (image features) an image with these tensors has."""
+    expand_image: Callable[[Tensors], tuple[int, ...]]
+    """The ids that replace an image's placeholder (its span): its image tokens, with the
+    family's other tokens around them where it has some (`Family.placeholder_text`)."""
     pixel_norm: PixelNorm
     """What the engine applies to an item's uint8 pixel_values (services/model/pixels.py)."""
     # Special tokens the tokenizer adds around a text when asked (e.g. Llama's BOS).
@@ -90,13 +97,6 @@ class Preprocessor:
     special_suffix: list[int]
     image_backend: str = "pil"
     """The image processor's backend: 'pil' or 'torchvision' (see `load_preprocessor`)."""
-    image_span: SpanRule | None = None
-    """The family's token ids of one image's placeholder (None: `num_tokens` image tokens)."""
-
-    def span_ids(self, tensors: Tensors) -> tuple[int, ...] | None:
-        """The token ids an image with these tensors puts in the prompt, where they are not
-        all image tokens (None)."""
-        return None if self.image_span is None else tuple(self.image_span(tensors))
 
     def render_prompt(self, messages: list[dict]) -> str:
         try:
@@ -147,8 +147,9 @@ class Preprocessor:
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}
-        return ImageItem(tensors=tensors, num_tokens=self.count_image_tokens(tensors),
-                         span_ids=self.span_ids(tensors))
+        token_ids = self.expand_image(tensors)
+        structured = self.family.placeholder_text is not None
+        return ImageItem(tensors, len(token_ids), token_ids if structured else ())
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) the image processor resizes an upright image of this size to;
@@ -156,8 +157,7 @@ class Preprocessor:
         return self.family.resized_size(self.image_processor, width, height)
 
     def expand_placeholders(self, token_ids: list[int], items: list[ImageItem]) -> list[int]:
-        """Replace the i-th image placeholder with items[i]'s span: its span_ids, or
-        items[i].num_tokens copies of the placeholder."""
+        """Replace the i-th image placeholder with items[i]'s expansion."""
         placeholders = token_ids.count(self.image_token_id)
         if placeholders != len(items):
             raise PromptError(
@@ -169,7 +169,7 @@ class Preprocessor:
         for token in token_ids:
             if token == self.image_token_id:
                 item = next(images)
-                expanded.extend(item.span_ids or [token] * item.num_tokens)
+                expanded.extend(item.token_ids or [token] * item.num_tokens)
             else:
                 expanded.append(token)
         return expanded
@@ -201,27 +201,46 @@ def load_preprocessor(model_dir: str | Path, image_backend: ImageBackend = "pil"
         model_dir, backend, family.image_processor_settings(model_dir, config)
     )
     special_prefix, special_suffix = _added_special_ids(tokenizer)
-    image_span = None
-    if family.image_span is not None:
-        image_span = family.image_span(
-            model_dir, config, image_processor, lambda token: _token_id(model_dir, tokenizer, token)
-        )
+    image_token_id = _image_token_id(model_dir, tokenizer, family)
+    count_image_tokens = family.token_counter(model_dir, config, image_processor)
     return Preprocessor(
         model_id=model_dir.name,
         family=family,
         tokenizer=tokenizer,
         image_processor=image_processor,
         chat_template=_read_chat_template(model_dir, tokenizer),
-        image_token_id=_image_token_id(model_dir, tokenizer, family),
+        image_token_id=image_token_id,
         eos_token_ids=_eos_token_ids(model_dir, config, tokenizer),
         max_context=_max_context(model_dir, config),
-        count_image_tokens=family.token_counter(model_dir, config, image_processor),
+        count_image_tokens=count_image_tokens,
+        expand_image=_image_expansion(
+            family, model_dir, config, image_processor, tokenizer, image_token_id,
+            count_image_tokens,
+        ),
         pixel_norm=PixelNorm.of(image_processor),
         special_prefix=special_prefix,
         special_suffix=special_suffix,
         image_backend=backend,
-        image_span=image_span,
     )
+
+
+def _image_expansion(
+    family: Family, model_dir: Path, config: Any, image_processor: Any,
+    tokenizer: PreTrainedTokenizerBase, image_token_id: int, count_image_tokens: TokenCounter,
+) -> Callable[[Tensors], tuple[int, ...]]:
+    if family.placeholder_text is None:
+        return lambda tensors: (image_token_id,) * count_image_tokens(tensors)
+    placeholder_text = family.placeholder_text(model_dir, config, image_processor)
+    backend = tokenizer.backend_tokenizer
+
+    # The text begins and ends with special tokens, which split a prompt's text before the
+    # tokenizer's model sees it: tokenized alone, it gives the ids it gives inside a prompt.
+    # A family has a few distinct texts (one per tile grid), each tokenized once.
+    @lru_cache(maxsize=64)
+    def tokenized(text: str) -> tuple[int, ...]:
+        return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+    return lambda tensors: tokenized(placeholder_text(tensors))
 
 
 def load_model(model_dir: str | Path, device: str) -> torch.nn.Module:
@@ -291,15 +310,11 @@ def _read_chat_template(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def _image_token_id(model_dir: Path, tokenizer: PreTrainedTokenizerBase, family: Family) -> int:
-    return _token_id(model_dir, tokenizer, family.image_token, "the image token")
-
-
-def _token_id(
-    model_dir: Path, tokenizer: PreTrainedTokenizerBase, token: str, what: str = "the token"
-) -> int:
-    token_id = tokenizer.backend_tokenizer.token_to_id(token)
+    token_id = tokenizer.backend_tokenizer.token_to_id(family.image_token)
     if token_id is None:
-        raise ModelDirError(f"the tokenizer in {model_dir} lacks {what} {token!r}")
+        raise ModelDirError(
+            f"the tokenizer in {model_dir} lacks the image token {family.image_token!r}"
+        )
     return token_id
 
 

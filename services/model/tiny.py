@@ -19,6 +19,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import (
     CLIPVisionConfig,
     GenerationConfig,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
     InternVLConfig,
     InternVLForConditionalGeneration,
     InternVLVisionConfig,
@@ -42,6 +44,8 @@ from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     SiglipVisionConfig,
+    SmolVLMConfig,
+    SmolVLMForConditionalGeneration,
 )
 
 DEFAULT_MODEL_NAME = "tiny-qwen2-vl"
@@ -190,6 +194,22 @@ INTERNVL_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+def _utterance_template(start: str) -> str:
+    """Idefics3-8B-Llama3's and SmolVLM's template ("User:<image>...<end_of_utterance>\n
+    Assistant:"), after the `start` token each writes itself; like LLAVA_CHAT_TEMPLATE it also
+    accepts plain-string content."""
+    return (
+        start + "{% for message in messages %}{{ message['role'] | capitalize }}"
+        "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+        "{% else %}"
+        "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+        "{% for line in message['content'] %}"
+        "{% if line['type'] == 'text' %}{{ line['text'] }}"
+        "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+        "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+    )
+
 
 BUILDER_VERSION = 3  # bump whenever the built files change
 
@@ -323,6 +343,39 @@ INTERNVL_IMAGE_PROCESSOR = {
     "size": {"height": 448, "width": 448},
 }
 INTERNVL_PROCESSOR = {"image_seq_length": 256, "processor_class": "InternVLProcessor"}
+# Stock HuggingFaceM4/Idefics3-8B-Llama3 preprocessor_config.json and processor_config.json:
+# the longest edge resized to 1456 (4 tiles), 364-pixel tiles (169 tokens each) beside the
+# whole image, Lanczos, SigLIP's mean and std.
+IDEFICS3_IMAGE_PROCESSOR = {
+    "do_convert_rgb": True,
+    "do_image_splitting": True,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Idefics3ImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "max_image_size": {"longest_edge": 364},
+    "processor_class": "Idefics3Processor",
+    "resample": 1,
+    "rescale_factor": 1 / 255,
+    "size": {"longest_edge": 4 * 364},
+}
+IDEFICS3_PROCESSOR = {"image_seq_len": 169, "processor_class": "Idefics3Processor"}
+# Stock HuggingFaceTB/SmolVLM-256M-Instruct preprocessor_config.json and processor_config.json,
+# with the smolvlm classes (SmolVLM2's): the longest edge resized to 2048 (4 tiles), 512-pixel
+# tiles (64 tokens each) beside the whole image.
+SMOLVLM_IMAGE_PROCESSOR = {
+    **IDEFICS3_IMAGE_PROCESSOR,
+    "image_processor_type": "SmolVLMImageProcessor",
+    "max_image_size": {"longest_edge": 512},
+    "processor_class": "SmolVLMProcessor",
+    "size": {"longest_edge": 4 * 512},
+}
+SMOLVLM_PROCESSOR = {"image_seq_len": 64, "processor_class": "SmolVLMProcessor"}
+IDEFICS3_MAX_POSITIONS = 32768
+"""Room for a few images of up to 17 tiles (2,873 image tokens) each."""
 
 
 def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
@@ -488,6 +541,20 @@ INTERNVL_TOKENS = _Tokens(
     config_ids={"image_token_id": "<IMG_CONTEXT>"},
 )
 
+IDEFICS3_IMAGE_TOKENS = [
+    "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+    *[f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)],
+]
+"""The tokens of Idefics3's and SmolVLM's images and turns."""
+IDEFICS3_TOKENS = _Tokens(
+    special=["<|begin_of_text|>", "<|end_of_text|>", *IDEFICS3_IMAGE_TOKENS],
+    eos="<end_of_utterance>", pad="<|end_of_text|>",
+)
+SMOLVLM_TOKENS = _Tokens(
+    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IDEFICS3_IMAGE_TOKENS],
+    eos="<end_of_utterance>", pad="<|im_end|>",
+)
+
 # A tiny tower's size; its image and patch size are the processor's (the caller's).
 TINY_VISION: dict[str, Any] = {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -593,6 +660,26 @@ def _build_llava_like(
     """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Mistral 3): the
     family's tokenizer and template, a small vision tower, a small language model, and its own
     settings on top (`text_fields` of its language model, `config_fields` of the whole)."""
+    bpe = _save_family_tokenizer(out_dir, tokens, chat_template, max_positions)
+    _write_json(out_dir / "preprocessor_config.json", image_processor)
+    _write_json(out_dir / "processor_config.json", processor)
+    ids = bpe.get_vocab(with_added_tokens=True)
+    config = config_class(
+        vision_config=vision_config,
+        text_config=_text_config(text_config_class, bpe, tokens, max_positions, **{
+            "hidden_size": 64, **(text_fields or {}),
+        }),
+        # e.g. image_token_index (and video_token_index): the ids of the processor's tokens
+        **tokens.ids_in_config(ids),
+        **config_fields,
+    )
+    _save_model(out_dir, model_class, config, _generation_config(bpe, tokens), seed)
+
+
+def _save_family_tokenizer(
+    out_dir: Path, tokens: _Tokens, chat_template: str, max_positions: int
+) -> Tokenizer:
+    """Train and save the tokenizer of a family with these tokens; returns it."""
     bpe = _train_bpe(tokens.special)
     named: dict[str, str | dict] = {"eos_token": tokens.eos, "pad_token": tokens.pad}
     if tokens.bos is not None:
@@ -608,33 +695,83 @@ def _build_llava_like(
     _save_tokenizer(
         out_dir, bpe, chat_template, max_positions, **named, extra_special_tokens=tokens.named
     )
+    return bpe
+
+
+def _text_config(
+    text_config_class: Callable[..., PretrainedConfig], bpe: Tokenizer, tokens: _Tokens,
+    max_positions: int, *, hidden_size: int, **fields: Any,
+) -> PretrainedConfig:
+    """A small language model over the family's tokenizer: two layers, four heads; `fields`
+    add to these or replace them (Mistral 3's head_dim)."""
+    ids = bpe.get_vocab(with_added_tokens=True)
+    return text_config_class(**{
+        "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
+        "hidden_size": hidden_size,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_positions,
+        "bos_token_id": ids[tokens.bos or tokens.pad],
+        "eos_token_id": ids[tokens.eos],
+        "pad_token_id": ids[tokens.pad],
+        **fields,
+    })
+
+
+def _generation_config(bpe: Tokenizer, tokens: _Tokens) -> GenerationConfig:
+    ids = bpe.get_vocab(with_added_tokens=True)
+    return GenerationConfig(
+        bos_token_id=ids[tokens.bos or tokens.pad], eos_token_id=ids[tokens.eos],
+        pad_token_id=ids[tokens.pad],
+    )
+
+
+def _build_idefics3(out_dir: Path, seed: int) -> None:
+    # Idefics3-8B-Llama3: a SigLIP tower at 364 pixels, pixel shuffle by 2 (169 tokens a
+    # tile), a Llama language model; tiles of up to 4x4 beside the whole image.
+    _build_idefics3_like(
+        out_dir, seed, Idefics3Config, Idefics3ForConditionalGeneration, IDEFICS3_TOKENS,
+        chat_template=_utterance_template("<|begin_of_text|>"),
+        image_processor=IDEFICS3_IMAGE_PROCESSOR,
+        processor=IDEFICS3_PROCESSOR, image_size=364, patch_size=14, scale_factor=2,
+    )
+
+
+def _build_smolvlm(out_dir: Path, seed: int) -> None:
+    # SmolVLM-256M: SigLIP base patch-16 at 512 pixels, pixel shuffle by 4 (64 tokens a tile),
+    # a SmolLM2 (Llama) language model; tiles of up to 4x4 beside the whole image.
+    _build_idefics3_like(
+        out_dir, seed, SmolVLMConfig, SmolVLMForConditionalGeneration, SMOLVLM_TOKENS,
+        chat_template=_utterance_template("<|im_start|>"), image_processor=SMOLVLM_IMAGE_PROCESSOR,
+        processor=SMOLVLM_PROCESSOR, image_size=512, patch_size=16, scale_factor=4,
+    )
+
+
+def _build_idefics3_like(
+    out_dir: Path, seed: int, config_class: Callable[..., PretrainedConfig],
+    model_class: type[PreTrainedModel], tokens: _Tokens, *, chat_template: str,
+    image_processor: dict, processor: dict, image_size: int, patch_size: int,
+    scale_factor: int,
+) -> None:
+    """A tiny Idefics3-architecture model (Idefics3, SmolVLM): a small SigLIP-like tower at
+    the processor's tile size, the connector's pixel shuffle, a small Llama language model
+    whose heads are 64 wide (as vLLM's CPU attention takes them)."""
+    bpe = _save_family_tokenizer(out_dir, tokens, chat_template, IDEFICS3_MAX_POSITIONS)
     _write_json(out_dir / "preprocessor_config.json", image_processor)
     _write_json(out_dir / "processor_config.json", processor)
     ids = bpe.get_vocab(with_added_tokens=True)
-    first = ids[tokens.bos or tokens.pad]
     config = config_class(
-        vision_config=vision_config,
-        text_config=text_config_class(**{
-            "vocab_size": bpe.get_vocab_size(with_added_tokens=True),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": max_positions,
-            "bos_token_id": first,
-            "eos_token_id": ids[tokens.eos],
-            "pad_token_id": ids[tokens.pad],
-            **(text_fields or {}),
-        }),
-        # e.g. image_token_index (and video_token_index): the ids of the processor's tokens
-        **tokens.ids_in_config(ids),
-        **config_fields,
+        vision_config={**TINY_VISION, "image_size": image_size, "patch_size": patch_size},
+        text_config=_text_config(
+            LlamaConfig, bpe, tokens, IDEFICS3_MAX_POSITIONS, hidden_size=4 * QWEN_HEAD_DIM,
+        ).to_dict(),
+        image_token_id=ids["<image>"],
+        scale_factor=scale_factor,
+        pad_token_id=ids[tokens.pad],
     )
-    generation = GenerationConfig(
-        bos_token_id=first, eos_token_id=ids[tokens.eos], pad_token_id=ids[tokens.pad]
-    )
-    _save_model(out_dir, model_class, config, generation, seed)
+    _save_model(out_dir, model_class, config, _generation_config(bpe, tokens), seed)
 
 
 def _train_bpe(special_tokens: list[str]) -> Tokenizer:
@@ -695,4 +832,6 @@ _BUILDERS: dict[str, Callable[[Path, int], None]] = {
     "llava_onevision": _build_llava_onevision,
     "mistral3": _build_mistral3,
     "internvl": _build_internvl,
+    "idefics3": _build_idefics3,
+    "smolvlm": _build_smolvlm,
 }

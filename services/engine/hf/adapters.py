@@ -13,13 +13,14 @@ encoder slices by rows of patches (the patch embedding, then each block's attent
 rows); rows do not interact within those steps, so the slices compute exactly what one call
 would, and the adapter checks that against the model at startup. Other families run the whole
 pass as one slice, through the model's own `get_image_features` (LLaVA-NeXT's with the image's
-`image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own).
+`image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own;
+Idefics3's with the image's tiles as one sample).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import numpy as np
@@ -81,35 +82,23 @@ class MRopePositions(Positions):
         return torch.full((3, 1, 1), position + self._delta, device=self._device)
 
 
-ImageSpan = Callable[[Mapping[str, np.ndarray]], list[int]]
-
-
 class Adapter:
     """The family-independent part: tensors go to the device, the vision tower's pooled output
-    (one row per image token) is what replaces the image's placeholders. Where the family's
-    span holds other tokens too (`image_span`: start/end tokens, row breaks), those rows are the
-    tokens' own embeddings, as the model's forward leaves them."""
+    (one row per image token) is what replaces the image tokens of the image's span (the runner
+    places them; the span's other tokens keep their own embeddings, as the model's forward
+    leaves them)."""
 
-    def __init__(
-        self, model: Any, pixel_norm: PixelNorm, image_span: ImageSpan | None = None
-    ) -> None:
+    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
         self.pixel_norm = pixel_norm
-        self.image_span = image_span
 
     def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
-        """The image's embeddings, (span tokens, hidden), on the model's device."""
+        """The image's embeddings, (image tokens, hidden), on the model's device."""
         inputs = {name: self._to_device(array) for name, array in tensors.items()
                   if name != "pixel_values"}
         inputs["pixel_values"] = self._pixels(tensors)
         pooled = self.model.model.get_image_features(**inputs, return_dict=True).pooler_output
-        features = torch.cat(list(pooled))
-        if self.image_span is None:
-            return features
-        span = torch.tensor(self.image_span(tensors), device=features.device)
-        rows = self.model.get_input_embeddings()(span)
-        rows[span == self.model.config.image_token_id] = features.to(rows.dtype)
-        return rows
+        return torch.cat(list(pooled))
 
     def vision_pass(
         self, tensors: Mapping[str, np.ndarray], slice_tokens: int | None
@@ -138,10 +127,8 @@ class Adapter:
 
 
 class Qwen2VLAdapter(Adapter):
-    def __init__(
-        self, model: Any, pixel_norm: PixelNorm, image_span: ImageSpan | None = None
-    ) -> None:
-        super().__init__(model, pixel_norm, image_span)
+    def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
+        super().__init__(model, pixel_norm)
         vision = model.config.vision_config
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
@@ -224,11 +211,23 @@ class Qwen2VLAdapter(Adapter):
         return MRopePositions(ids, int(deltas[0, 0]))
 
 
+class Idefics3Adapter(Adapter):
+    """Idefics3 (and SmolVLM): the image's tiles are one sample of the model's batch of
+    samples x tiles; rows and cols only shape the prompt. No pixel_attention_mask: an image's
+    own tiles are whole, the mask the model makes without one."""
+
+    def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
+        pixels = self._pixels(tensors)[None]
+        [features] = self.model.model.get_image_features(pixels, return_dict=True).pooler_output
+        return features
+
+
 ADAPTERS: dict[str, type[Adapter]] = {
     "qwen2_vl": Qwen2VLAdapter, "llava": Adapter, "llava_next": Adapter,
     "llava_onevision": Adapter,
     "mistral3": Adapter,
     "internvl": Adapter,
+    "idefics3": Idefics3Adapter,
 }
 
 
@@ -238,9 +237,7 @@ def _run(vision: VisionPass) -> torch.Tensor:
     return features
 
 
-def adapter_for(
-    family: str, model: Any, pixel_norm: PixelNorm, image_span: ImageSpan | None = None
-) -> Adapter:
+def adapter_for(family: str, model: Any, pixel_norm: PixelNorm) -> Adapter:
     if family not in ADAPTERS:
         raise ValueError(f"the engine has no runner for model family {family!r}")
-    return ADAPTERS[family](model, pixel_norm, image_span)
+    return ADAPTERS[family](model, pixel_norm)

@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from protocol.errors import FatalError, MMLaneError, RequestError, translate
-from protocol.messages import EngineRequest
+from protocol.messages import EngineRequest, MMItem
 from protocol.sampling import StructuredOutputs
 from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
@@ -127,8 +127,7 @@ class HFRunner:
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
         network: Any = load_model(model_dir, pick_device(device))
-        adapter = adapter_for(preprocessor.family.name, network, preprocessor.pixel_norm,
-                              preprocessor.image_span)
+        adapter = adapter_for(preprocessor.family.name, network, preprocessor.pixel_norm)
         spec = ModelSpec.of(
             preprocessor, network.config, max_context=preprocessor.max_context,
             vocab_size=network.get_input_embeddings().num_embeddings,
@@ -155,9 +154,16 @@ class HFRunner:
             arrived=time.monotonic() if arrived is None else arrived, grammar=grammar,
             chunk_tokens=self.prefill_chunk_tokens,
         )
+        seq.image_positions = [self._image_positions(prompt, item) for item in request.mm_items]
         for index in range(len(request.mm_items)):  # an image seen before needs no vision unit
             seq.image_features[index] = self._encoded_before(seq, index)
         self._sequences[handle] = seq
+
+    def _image_positions(self, prompt: torch.Tensor, item: MMItem) -> torch.Tensor:
+        """The prompt positions of the item's image tokens, which take its features in order
+        (its whole span, unless the family puts structure tokens among them)."""
+        span = prompt[0, item.offset : item.offset + item.length]
+        return item.offset + torch.nonzero(span == self.spec.image_token_id).squeeze(1)
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest prefix of its prompt the prefix cache holds; the images
@@ -284,10 +290,10 @@ class HFRunner:
         if features is None:
             return
         seq.vision = None
-        if features.shape[0] != item.length:
+        if features.shape[0] != len(seq.image_positions[index]):
             raise RequestError(
                 f"mm_items[{index}] made {features.shape[0]} image embeddings "
-                f"for its {item.length} tokens"
+                f"for its {len(seq.image_positions[index])} image tokens"
             )
         seq.image_features[index] = features
         if item.mm_hash:
@@ -300,8 +306,9 @@ class HFRunner:
         item = seq.request.mm_items[index]
         features = self._encoded.touch(item.mm_hash) if item.mm_hash else None
         if features is not None:
-            if features.shape[0] != item.length:  # the same hash, other tokens: refuse it
-                raise RequestError(f"mm_items[{index}] has {item.length} tokens, but its "
+            tokens = len(seq.image_positions[index])
+            if features.shape[0] != tokens:  # the same hash, other tokens: refuse it
+                raise RequestError(f"mm_items[{index}] has {tokens} image tokens, but its "
                                    f"image made {features.shape[0]} image embeddings before")
             self.metrics.counters["encoder_cache_hits"] += 1
         return features
@@ -334,11 +341,11 @@ class HFRunner:
     def _prompt_embeddings(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Token embeddings of prompt[start:end], image placeholders replaced by image features."""
         embeds = self.model.get_input_embeddings()(seq.prompt[:, start:end])
-        for item, features in zip(seq.request.mm_items, seq.image_features, strict=True):
-            first, last = max(start, item.offset), min(end, item.offset + item.length)
-            if first < last and features is not None:
-                rows = features[first - item.offset : last - item.offset]
-                embeds[0, first - start : last - start] = rows.to(embeds.dtype)
+        for positions, features in zip(seq.image_positions, seq.image_features, strict=True):
+            if features is None:
+                continue
+            inside = (positions >= start) & (positions < end)
+            embeds[0, positions[inside] - start] = features[inside].to(embeds.dtype)
         return embeds
 
     # ------------------------------------------------------------ decode steps

@@ -64,6 +64,8 @@ class Sequence:
         self.arrived = arrived  # time.monotonic() when the engine received the request
         self.positions: Positions | None = None  # computed by the first prefill unit
         self.image_features: list[torch.Tensor | None] = [None] * len(request.mm_items)
+        self.image_positions: list[torch.Tensor] = []
+        """Each image's token positions in the prompt, where its features go (the runner's)."""
         self.vision: VisionPass | None = None  # the image being encoded, between its slices
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
         self.chunk_tokens = chunk_tokens
