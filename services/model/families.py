@@ -476,8 +476,7 @@ def _internvl_tile_tokens(model_dir: Path, config: Any) -> int:
 
 def _internvl_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
     """InternVLProcessor's image tokens: each tile's <IMG_CONTEXT> tokens."""
-    per_tile = _internvl_tile_tokens(model_dir, config)
-    return lambda item: per_tile * len(item["pixel_values"])
+    return _tiles_of(_internvl_tile_tokens(model_dir, config))
 
 
 def _internvl_placeholder_text(
@@ -549,8 +548,7 @@ def _idefics3_image_seq_len(model_dir: Path, config: Any) -> int:
 
 
 def _idefics3_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
-    seq_len = _idefics3_image_seq_len(model_dir, config)
-    return lambda item: seq_len * len(item["pixel_values"])
+    return _tiles_of(_idefics3_image_seq_len(model_dir, config))
 
 
 def _idefics3_placeholder_text(
@@ -617,6 +615,11 @@ def _tile_shape(config: Any) -> tuple[int, int, int]:
     """One tile as the vision tower takes it: (channels, side, side)."""
     vision = config.vision_config
     return (vision.num_channels, vision.image_size, vision.image_size)
+
+
+def _tiles_of(per_tile: int) -> TokenCounter:
+    """The image tokens of an image cut into tiles (pixel_values' first axis), `per_tile` each."""
+    return lambda item: per_tile * len(item["pixel_values"])
 
 
 def _image_own_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
