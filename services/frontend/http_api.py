@@ -87,12 +87,16 @@ from protocol.sampling import MAX_LOGPROBS
 from services.common.lifecycle import DRAINING_CODE
 from services.common.prometheus import OwnStatsCollector, registry_of
 from services.common.stats import Metrics
-from services.frontend.http_limits import Connections, HttpLimits, RateLimiter, retry_after
+from services.frontend.http_limits import (
+    RETRY_AFTER_S,
+    Connections,
+    HttpLimits,
+    RateLimiter,
+    retry_after,
+)
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1
-"""Seconds a 503 answer's `Retry-After` asks a client to wait before it tries again."""
 
 REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: not v,

@@ -37,6 +37,8 @@ from services.common.stats import Metrics
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1
+"""Seconds a 503 answer's `Retry-After` asks a client to wait before it tries again."""
 MAX_RATE_KEYS = 65536
 """Keys whose buckets are kept; the least recently seen is forgotten first (a forgotten key
 starts again with a full bucket, so forgetting is only ever lenient)."""
@@ -123,7 +125,7 @@ class _Guarded(asyncio.Protocol):
             transport.write(raw_response(503, "Service Unavailable", connections.error_body(
                 f"the HTTP API holds the most connections it takes "
                 f"({connections.max_connections}); try again", "overloaded"),
-                {"Retry-After": "1"}))
+                {"Retry-After": retry_after(RETRY_AFTER_S)}))
             transport.close()
             return
         self._inner = self._make_inner()
