@@ -223,7 +223,7 @@ class ShmReader:
         need."""
         name, generation, nbytes = _parse(ref, dtype, shape)
         slot = self._mapping(name)
-        if slot is None or not _holds(slot, ref, generation, dtype, shape):
+        if slot is None or not _holds(slot, ref, generation, nbytes, dtype, shape):
             return None
         view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize, offset=HEADER)
         array = view.reshape(shape).copy()
@@ -273,14 +273,13 @@ def _parse(ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int,
     return match[1], int(match[2]), dtype.itemsize * math.prod(shape)  # Python ints
 
 
-def _holds(slot: mmap.mmap, ref: str, generation: int, dtype: np.dtype,
+def _holds(slot: mmap.mmap, ref: str, generation: int, nbytes: int, dtype: np.dtype,
            shape: tuple[int, ...]) -> bool:
     """Whether `slot` still holds the use `ref` names (False: taken back, or reused); raises
-    ValueError when that use's bytes are not what `dtype` and `shape` need."""
+    ValueError when that use's bytes are not the `nbytes` that `dtype` and `shape` need."""
     used, put = _USE.unpack_from(slot, 8)
     if slot[0] != 1 or used != generation:
         return False
-    nbytes = dtype.itemsize * math.prod(shape)
     if put != nbytes or HEADER + nbytes > len(slot):
         raise ValueError(f"shared-memory tensor {ref} holds {put} bytes, shape {shape} of "
                          f"{dtype} needs {nbytes}")
@@ -308,7 +307,7 @@ class ShmViews:
         freed); None when the slot is gone or reused. Raises ValueError as `ShmReader.take`."""
         name, generation, nbytes = _parse(ref, dtype, shape)
         slot = self._mapping(name)
-        if slot is None or not _holds(slot, ref, generation, dtype, shape):
+        if slot is None or not _holds(slot, ref, generation, nbytes, dtype, shape):
             return None
         view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
                              offset=HEADER).reshape(shape)
