@@ -161,13 +161,14 @@ class MMWorker:
         # without, the worker puts its own tensors into slots of its own.
         self.shm: shm.ShmWriter | None = None
         self._shm_views: shm.ShmViews | None = None
+        to_engine: shm.ShmSender | None = None  # what the engine codec sends slots through
         if config.mm_processes > 1:
             self._shm_views = shm.ShmViews(SHM_MIN_BYTES if transport else None)
+            to_engine = self._shm_views if transport else None
         elif transport:
-            self.shm = shm.ShmWriter(tag, threshold=SHM_MIN_BYTES, capacity=capacity,
-                                     max_age_s=SHM_MAX_AGE_S)
-        sender: shm.ShmSender | None = self._shm_views if transport else None
-        self._engine_codec: Codec[Any] = Codec(EngineInput, shm_writer=sender or self.shm)
+            self.shm = to_engine = shm.ShmWriter(tag, threshold=SHM_MIN_BYTES,
+                                                 capacity=capacity, max_age_s=SHM_MAX_AGE_S)
+        self._engine_codec: Codec[Any] = Codec(EngineInput, shm_writer=to_engine)
         # What the hash stands for: the tensors, so every setting that changes them is in it.
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              {**self.preprocessor.image_processor.to_dict(),
