@@ -143,7 +143,6 @@ class HttpApi:
     ) -> None:
         self.model_id = model_id
         self._limits = limits
-        self._stream_write_timeout_s = limits.stream_write_timeout_s
         self._rates = RateLimiter(limits.rate_limit, limits.rate_burst) if limits.rate_limit \
             else None
         self._max_n = max_n
@@ -408,7 +407,7 @@ class HttpApi:
         except _Stalled:  # the client reads nothing: cut it off; `_choices` cancels the rest
             self._metrics.counters["http_stalled_streams"] += 1
             log.warning("HTTP stream of %s: the client read nothing for %g s; closed",
-                        request.request_id, self._stream_write_timeout_s)
+                        request.request_id, self._limits.stream_write_timeout_s)
             if http.transport is not None:
                 http.transport.abort()
         return response
@@ -443,13 +442,13 @@ class HttpApi:
             if include_usage:
                 await send(chunk.usage(_usage(prompt_tokens(firsts), completion_tokens)))
         await self._write(response, b"data: [DONE]\n\n")
-        await asyncio.wait_for(response.write_eof(), self._stream_write_timeout_s)
+        await asyncio.wait_for(response.write_eof(), self._limits.stream_write_timeout_s)
 
     async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         """Write to a stream; raises _Stalled when the client has read nothing for the write
         timeout (its connection's buffers full), so that it holds no request any longer."""
         try:
-            await asyncio.wait_for(response.write(data), self._stream_write_timeout_s)
+            await asyncio.wait_for(response.write(data), self._limits.stream_write_timeout_s)
         except TimeoutError:
             raise _Stalled from None
 
