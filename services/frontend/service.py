@@ -566,7 +566,7 @@ class Frontend:
             return False
         if peer.sock is self._engine:
             return True
-        return pending.job is not None and self._mm_workers[pending.worker] is peer.sock
+        return pending.job is not None and self._worker_peers[pending.worker] is peer
 
     # ------------------------------------------------------------------ reset cache
 

@@ -4,16 +4,18 @@ vLLM runs its engine core (and, across GPUs, its workers) as processes of their 
 engine role is killed (kill -9, the OOM killer), they live on, orphaned, holding the memory and
 the devices that the role's restart needs. `mmlane serve` kills a dead role's whole process
 group, but supervisord and most other supervisors only know the role. So the role writes down
-the processes vLLM started (pid and start time, in RUN_DIR/vllm-NAME.pids) once vLLM is up; at
-its next start it first kills those of them that still run, and a clean stop removes the file.
-A pid is only killed while its start time is the recorded one, so a reused pid is left alone.
-(vLLM's processes started by a role killed before vLLM was up are not written down.)
+the processes vLLM starts (pid and start time, in RUN_DIR/vllm-NAME.pids): while vLLM starts, as
+they appear (a role killed while vLLM loads leaves its engine core behind too), and once more
+when vLLM is up. At its next start it first kills those of them that still run, and a clean stop
+removes the file. A pid is only killed while its start time is the recorded one, so a reused pid
+is left alone.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import psutil  # a dependency of vLLM's
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 
 WAIT_S = 30.0
 """How long the killed processes may take to go."""
+WATCH_S = 0.5
+"""How often the processes are written down again while vLLM starts."""
 
 
 def pids_file(run_dir: Path, name: str) -> Path:
@@ -62,9 +66,51 @@ def end_leftovers(path: Path) -> list[int]:
 
 
 def write_down(path: Path) -> None:
-    """List this process's descendants (vLLM's, once it is up) in `path`."""
-    children = psutil.Process().children(recursive=True)
+    """List this process's descendants (vLLM's) in `path`."""
+    _write(path, _descendants())
+
+
+class Watch:
+    """While vLLM starts (a context manager around the start): writes this process's
+    descendants down whenever they change, checked every WATCH_S seconds, and once more at the
+    end."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-leftovers", daemon=True)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        write_down(self._path)
+
+    def _run(self) -> None:
+        written: list[tuple[int, float]] | None = None
+        while not self._done.wait(WATCH_S):
+            now = _descendants()
+            if now != written:
+                _write(self._path, now)
+                written = now
+
+
+def _descendants() -> list[tuple[int, float]]:
+    """This process's descendants as (pid, start time)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            found.append((child.pid, child.create_time()))
+        except psutil.NoSuchProcess:  # gone since it was listed: nothing to end
+            pass
+    return found
+
+
+def _write(path: Path, processes: list[tuple[int, float]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps([[p.pid, p.create_time()] for p in children]))
-    partial.replace(path)
+    partial.write_text(json.dumps(processes))
+    partial.replace(path)  # whole or not at all, whenever the role is killed

@@ -74,11 +74,11 @@ class VLLMRunner:
                                         daemon=True)
         self._thread.start()
         try:
-            self.engine = self._call(self._start(engine_args))
+            with leftovers.Watch(pids_file):  # a kill while vLLM loads leaves it behind too
+                self.engine = self._call(self._start(engine_args))
         except BaseException:
             self.close()
             raise
-        leftovers.write_down(pids_file)
         model_config = self.engine.model_config
         self._normalize_pixels = not _normalises_on_device(model_config)
         self._priority = self.engine.vllm_config.scheduler_config.policy == "priority"
