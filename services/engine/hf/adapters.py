@@ -8,13 +8,21 @@ LLaVA-NeXT and Mistral 3 use plain positions, which the model derives from the r
 cache in a prefill; a decode step gets them explicitly, as a batched step runs without that
 cache (runner.py).
 
-The vision encoder runs as a `VisionPass`, one bounded slice per unit of work. Qwen2-VL's
-encoder slices by rows of patches (the patch embedding, then each block's attention by query
-rows); rows do not interact within those steps, so the slices compute exactly what one call
-would, and the adapter checks that against the model at startup. Other families run the whole
-pass as one slice, through the model's own `get_image_features` (LLaVA-NeXT's with the image's
-`image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own;
-Idefics3's with the image's tiles as one sample).
+The vision encoder runs as a `VisionPass`, one slice per unit of work, each slice as many
+attention query rows as the runner asks for (budget.py). Qwen2-VL's encoder slices each block's
+attention by query rows (the patch embedding and each block's row-wise layers run whole, in the
+unit that reaches them); rows do not interact within those steps, so the slices compute what one
+call would, and a slice is a whole number of image tokens' rows (merge x merge patches). Whether
+it computes the same bits depends on the attention kernel: on CPU, slices of rows that are not
+a multiple of 4 differ from the whole pass in the last bits (the kernel's tail), slices of whole
+tokens do not. So the adapter checks at startup, on a random image, that slices of several
+sizes (crossing the kernel's block sizes) give the model's own call's bits; then it is
+`elastic`, and the runner may size each slice by the moment's load. That is evidence from a
+probe, not a proof for every size. Where the slices are only close, each image is sliced the
+same way whatever the load; where they differ, the whole pass is one slice. Other families run
+the whole pass as one slice, through the model's own `get_image_features` (LLaVA-NeXT's with
+the image's `image_sizes`, so the tile grid, the unpadding and the image_newline are
+transformers' own; Idefics3's with the image's tiles as one sample).
 """
 
 from __future__ import annotations
@@ -28,26 +36,36 @@ import torch
 from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
 from protocol.messages import MMItem
+from services.engine.hf.budget import seconds_on
 from services.model import PixelNorm, normalize
 
 log = logging.getLogger(__name__)
 
-Slices = Generator[None, None, torch.Tensor]
-"""A vision pass written as a generator: it yields between slices and returns the features."""
+Slices = Generator[int, int | None, tuple[torch.Tensor, int]]
+"""A vision pass written as a generator: sent the most query rows the next slice may run (None:
+all that are left), it yields the rows it ran; it returns the features and the last slice's
+rows."""
 
 
 class VisionPass:
     """One image's vision-encoder pass, run a slice at a time."""
 
-    def __init__(self, slices: Slices) -> None:
+    def __init__(self, slices: Slices, patches: int) -> None:
         self._slices = slices
+        next(slices)  # to its first yield point, before any work
+        self.patches = patches
+        """The image's patches: the keys each query row attends to."""
+        self.rows_run = 0
+        """Attention query rows the latest slice ran (0: it ran none the runner sized)."""
 
-    def step(self) -> torch.Tensor | None:
-        """Run the next slice; the image's features once the last one has run, else None."""
+    def step(self, rows: int | None = None) -> torch.Tensor | None:
+        """Run the next slice, of at most `rows` query rows (None: the rest of the pass); the
+        image's features once the last one has run, else None."""
         try:
-            next(self._slices)
+            self.rows_run = self._slices.send(rows)
         except StopIteration as done:
-            return done.value
+            features, self.rows_run = done.value
+            return features
         return None
 
 
@@ -100,15 +118,24 @@ class Adapter:
         pooled = self.model.model.get_image_features(**inputs, return_dict=True).pooler_output
         return torch.cat(list(pooled))
 
-    def vision_pass(
-        self, tensors: Mapping[str, np.ndarray], slice_tokens: int | None
-    ) -> VisionPass:
-        """`image_features` in slices of about `slice_tokens` image tokens each (None: one)."""
-        return VisionPass(self._whole(tensors))
+    elastic = False
+    """Whether a vision pass gives the same bits whatever its slices' sizes (then the runner
+    sizes each by the moment's load; see budget.py)."""
+    sliced = False
+    """Whether a vision pass runs in slices at all (False: one slice, whatever is asked)."""
+
+    def vision_pass(self, tensors: Mapping[str, np.ndarray]) -> VisionPass:
+        """`image_features` as a pass of slices (here, one)."""
+        return VisionPass(self._whole(tensors), patches=len(tensors["pixel_values"]))
+
+    def time_vision_rows(self) -> float:
+        """Seconds per attention query row per key it attends to, timed on the model (0: the
+        pass is never sliced, so the budget never sizes it)."""
+        return 0.0
 
     def _whole(self, tensors: Mapping[str, np.ndarray]) -> Slices:
-        return self.image_features(tensors)
-        yield  # a generator without a yield point: the whole pass is one slice
+        yield 0  # the whole pass is one slice, whatever rows are asked for
+        return self.image_features(tensors), 0
 
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         return Positions(prompt.device)
@@ -133,33 +160,32 @@ class Qwen2VLAdapter(Adapter):
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         self.image_token_id = model.config.image_token_id
-        self.sliced_vision = self._slicing_matches_the_model()
+        self.sliced, self.elastic = self._slicing_matches_the_model()
 
-    def vision_pass(
-        self, tensors: Mapping[str, np.ndarray], slice_tokens: int | None
-    ) -> VisionPass:
-        rows = None if slice_tokens is None else slice_tokens * self.merge**2
-        if not self.sliced_vision or rows is None or rows >= len(tensors["pixel_values"]):
-            return super().vision_pass(tensors, slice_tokens)  # one slice: the model's own call
-        return VisionPass(self._sliced(tensors, rows=rows))
+    PROBE_SIDE = 32
+    """The side, in patches, of the random image the startup check and timing run on."""
+    PROBE_TOKENS = (1, 7, 50, 200)
+    """The slice sizes, in image tokens, the startup check compares with the whole pass."""
 
-    def _sliced(self, tensors: Mapping[str, np.ndarray], rows: int) -> Slices:
-        """Qwen2VisionTransformerPretrainedModel.forward for one image, `rows` patches a slice."""
+    def vision_pass(self, tensors: Mapping[str, np.ndarray]) -> VisionPass:
+        if not self.sliced:
+            return super().vision_pass(tensors)  # one slice: the model's own call
+        return VisionPass(self._sliced(tensors), patches=len(tensors["pixel_values"]))
+
+    def _sliced(self, tensors: Mapping[str, np.ndarray]) -> Slices:
+        """Qwen2VisionTransformerPretrainedModel.forward for one image, each block's attention
+        a slice of query rows at a time (as many as each `send` allows)."""
         visual = self.model.model.visual
-        pixels = self._pixels(tensors).to(visual.dtype)
+        rows = self._whole_tokens((yield 0))
+        ran = 0  # query rows run in this slice so far
+        hidden = visual.patch_embed(self._pixels(tensors).to(visual.dtype))
         grid = self._to_device(tensors["image_grid_thw"])
-        spans = [(start, start + rows) for start in range(0, pixels.shape[0], rows)]
-        embedded = []
-        for start, end in spans:
-            if start:  # a unit ends between two slices: the last one runs with what follows it
-                yield
-            embedded.append(visual.patch_embed(pixels[start:end]))
-        hidden = torch.cat(embedded)
         position_ids = qwen2_vl.get_vision_position_ids(grid, visual.spatial_merge_size)
         cos, sin = visual.rotary_pos_emb(hidden, position_ids)
+        patches = len(hidden)
         for block in visual.blocks:
             attn = block.attn
-            qkv = attn.qkv(block.norm1(hidden)).view(len(hidden), 3, attn.num_heads, -1)
+            qkv = attn.qkv(block.norm1(hidden)).view(patches, 3, attn.num_heads, -1)
             q, k, v = qkv.unbind(1)
             q, k = qwen2_vl.apply_rotary_pos_emb_vision(q, k, cos, sin)
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, n, dim)
@@ -167,36 +193,65 @@ class Qwen2VLAdapter(Adapter):
                 attn.config._attn_implementation, qwen2_vl.eager_attention_forward
             )
             rows_out = []
-            for start, end in spans:  # every query row attends to all keys: rows are independent
-                yield
+            start = 0
+            while start < patches:  # every query row attends to all keys: rows are independent
+                if rows is not None and ran >= rows:  # this slice is done: the next goes on
+                    rows, ran = self._whole_tokens((yield ran)), 0
+                end = patches if rows is None else min(patches, start + rows - ran)
                 out, _ = attend(attn, q[:, :, start:end], k, v, attention_mask=None,
                                 scaling=attn.scaling, dropout=0.0, is_causal=False)
                 rows_out.append(out)
-            hidden = hidden + attn.proj(torch.cat(rows_out, dim=1).reshape(len(hidden), -1))
+                ran += end - start
+                start = end
+            hidden = hidden + attn.proj(torch.cat(rows_out, dim=1).reshape(patches, -1))
             hidden = hidden + block.mlp(block.norm2(hidden))
-        return visual.merger(hidden)
+        return visual.merger(hidden), ran
+
+    def _whole_tokens(self, rows: int | None) -> int | None:
+        """`rows` rounded down to whole image tokens' rows, at least one token's."""
+        if rows is None:
+            return None
+        token = self.merge**2
+        return max(token, rows // token * token)
 
     @torch.inference_mode()
-    def _slicing_matches_the_model(self) -> bool:
-        """Whether `_sliced` reproduces the model's own vision forward (on a small random image):
+    def time_vision_rows(self) -> float:
+        """On the probe image, the better of two runs after one to warm up (the whole pass's
+        time, its dense layers included, per row per key)."""
+        if not self.sliced:
+            return 0.0
+        side = self.PROBE_SIDE
+        tensors = random_image(side, self.patch_dim)
+        def run() -> torch.Tensor:
+            return _run(VisionPass(self._sliced(tensors), 0))
+
+        run()
+        seconds = min(seconds_on(self.model.device, run) for _ in range(2))
+        return seconds / (len(self.model.model.visual.blocks) * (side * side) ** 2)
+
+    @torch.inference_mode()
+    def _slicing_matches_the_model(self) -> tuple[bool, bool]:
+        """Whether `_sliced` reproduces the model's own vision forward on the probe image, and
+        whether with the same bits at each of PROBE_TOKENS' slice sizes (whether it is elastic):
         it follows transformers' code, which a new transformers release may change."""
-        side = 4 * self.merge
-        generator = torch.Generator().manual_seed(0)
-        pixels = torch.randint(
-            0, 256, (side * side, self.patch_dim), generator=generator, dtype=torch.uint8
-        ).numpy()
-        tensors = {"pixel_values": pixels, "image_grid_thw": np.array([[1, side, side]])}
+        tensors = random_image(self.PROBE_SIDE, self.patch_dim)
         whole = self.image_features(tensors)
         try:
-            sliced = _run(VisionPass(self._sliced(tensors, rows=3 * self.merge**2)))
+            sliced = [_run(VisionPass(self._sliced(tensors), 0), tokens * self.merge**2)
+                      for tokens in self.PROBE_TOKENS]
         except Exception:
             log.warning("sliced vision pass failed; images run as one unit", exc_info=True)
-            return False
+            return False, False
         tolerance = 1e-5 if whole.dtype == torch.float32 else 1e-2
-        if sliced.shape != whole.shape or not torch.allclose(sliced, whole, tolerance, tolerance):
+        if any(s.shape != whole.shape or not torch.allclose(s, whole, tolerance, tolerance)
+               for s in sliced):
             log.warning("the sliced vision pass differs from the model's; images run as one unit")
-            return False
-        return True
+            return False, False
+        elastic = all(torch.equal(s, whole) for s in sliced)
+        if not elastic:
+            log.warning("the sliced vision pass is close to the model's but not the same bits: "
+                        "each image is sliced the same way whatever the load")
+        return True, elastic
 
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         if not items:  # text: the same position on all three axes. Explicit, so the model never
@@ -231,10 +286,19 @@ ADAPTERS: dict[str, type[Adapter]] = {
 }
 
 
-def _run(vision: VisionPass) -> torch.Tensor:
-    while (features := vision.step()) is None:
+def _run(vision: VisionPass, rows: int | None = None) -> torch.Tensor:
+    while (features := vision.step(rows)) is None:
         pass
     return features
+
+
+def random_image(side: int, patch_dim: int) -> dict[str, np.ndarray]:
+    """A Qwen2-VL image's tensors: `side` x `side` patches of random uint8 pixels (seeded)."""
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randint(
+        0, 256, (side * side, patch_dim), generator=generator, dtype=torch.uint8
+    ).numpy()
+    return {"pixel_values": pixels, "image_grid_thw": np.array([[1, side, side]])}
 
 
 def adapter_for(family: str, model: Any, pixel_norm: PixelNorm) -> Adapter:

@@ -1,0 +1,124 @@
+"""How much work one unit takes: bounded by time (`--max-unit-ms`), not by a fixed token count.
+
+A unit is what the runner does between two scheduling decisions (runner.py): while it runs, a
+text request that has just arrived waits. So while other interactive work is held, a unit is
+sized to take about `max_unit_ms`; while none is, image work runs in units as large as it
+has (a whole vision pass, a whole prompt's prefill), which costs the least per-unit overhead
+and gives an image its first token soonest.
+
+What may be sized by the moment's load is only what gives the same bits at any size:
+- Prefill chunks may not: a chunk's shape changes its sums (and the prefix cache keys chunks by
+  their size), so a request's chunk size is fixed, for the whole engine, at startup:
+  `derive_chunk_tokens` takes the largest power of two whose prefill, timed on the loaded model,
+  fits the budget (`--prefill-chunk-tokens` pins it instead). What a unit varies is how many
+  whole chunks of one request it runs: the same chunks, the same bits, fewer steps.
+- Vision rows may, where the adapter checked at startup that a sliced vision pass gives the
+  same bits as the model's own call at any slice size (`Qwen2VLAdapter.elastic`): a slice is
+  then a number of attention query rows, sized from the current cost estimate. Where the
+  slices are only close, not equal, each image's slice size follows from the startup estimate
+  alone (the same for every request of that image size, whatever else runs).
+
+The costs are estimated per unit of work (a prefill token; a vision query row times the keys
+it attends to, the image's patches, since that is how attention's cost grows) first by timing
+the loaded model at startup, then kept current by an exponentially weighted moving average of
+the units that run: the device, its clocks and whatever else shares it set the real cost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+MIN_CHUNK_TOKENS = 16
+"""The smallest prefill chunk the calibration picks, even where it costs more than the budget:
+below it, a unit is mostly overhead."""
+MAX_CHUNK_TOKENS = 4096
+"""The largest prefill chunk the calibration picks (and times)."""
+EWMA_WEIGHT = 0.25
+"""The weight of a unit's observed cost in the running estimate."""
+
+
+def chunk_sizes(max_tokens: int) -> list[int]:
+    """The chunk sizes the calibration times: powers of two from MIN_CHUNK_TOKENS up to
+    MAX_CHUNK_TOKENS or `max_tokens`, whichever is smaller (at least MIN_CHUNK_TOKENS)."""
+    top = max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, max_tokens))
+    return [1 << power for power in range(MIN_CHUNK_TOKENS.bit_length() - 1,
+                                          top.bit_length())]
+
+
+def derive_chunk_tokens(seconds_for: Callable[[int], float], budget_s: float,
+                        max_tokens: int) -> tuple[int, float]:
+    """The largest of `chunk_sizes(max_tokens)` whose prefill takes at most `budget_s` by
+    `seconds_for(size)` (timed in increasing order, stopping at the first that does not fit),
+    and its measured seconds per token; the smallest size where none fits."""
+    chosen, cost = 0, 0.0
+    for size in chunk_sizes(max_tokens):
+        seconds = seconds_for(size)
+        if chosen and seconds > budget_s:
+            break
+        chosen, cost = size, seconds / size
+        if seconds > budget_s:  # the smallest size, over budget: it stays, nothing larger fits
+            break
+    return chosen, cost
+
+
+class UnitBudget:
+    """The time a unit may take while other interactive work waits, and how much of each kind
+    of work fits in it, by estimates kept current from the units that run."""
+
+    def __init__(self, max_unit_s: float, *, prefill_token_s: float,
+                 vision_row_key_s: float) -> None:
+        if not max_unit_s > 0:
+            raise ValueError(f"max_unit_s must be positive, got {max_unit_s}")
+        self.max_unit_s = max_unit_s
+        self.prefill_token_s = prefill_token_s
+        """Seconds per prefill token (EWMA)."""
+        self.vision_row_key_s = vision_row_key_s
+        """Seconds per vision query row per key it attends to (EWMA)."""
+        self.startup_vision_row_key_s = vision_row_key_s
+        """The startup estimate, which alone sizes slices that must not depend on the load."""
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_token_s = _ewma(self.prefill_token_s, seconds / tokens)
+
+    def observe_vision(self, row_keys: int, seconds: float) -> None:
+        """A vision unit's time, for `row_keys` query rows times the keys each attends to."""
+        self.vision_row_key_s = _ewma(self.vision_row_key_s, seconds / row_keys)
+
+    def prefill_chunks(self, chunk_tokens: int) -> int:
+        """Whole chunks of `chunk_tokens` that fit the budget now; at least one."""
+        return _fitting(self.max_unit_s, chunk_tokens * self.prefill_token_s)
+
+    def vision_rows(self, patches: int, *, current: bool = True) -> int:
+        """Query rows of an image of `patches` patches that fit the budget, by the current
+        estimate or (`current` False) the startup one; at least one."""
+        row_key_s = self.vision_row_key_s if current else self.startup_vision_row_key_s
+        return _fitting(self.max_unit_s, patches * row_key_s)
+
+
+def _fitting(budget_s: float, each_s: float) -> int:
+    if each_s <= 0:
+        return 1 << 30  # nothing measured costs anything: everything fits
+    return max(1, min(1 << 30, math.floor(budget_s / each_s)))
+
+
+def _ewma(estimate: float, observed: float) -> float:
+    return (1 - EWMA_WEIGHT) * estimate + EWMA_WEIGHT * observed
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's kernels, which run asynchronously on CUDA: time what they took."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_on(device: torch.device, run: Callable[[], object]) -> float:
+    """How long `run` takes on `device`, its kernels included."""
+    synchronize(device)
+    started = time.monotonic()
+    run()
+    synchronize(device)
+    return time.monotonic() - started
