@@ -154,6 +154,11 @@ class Adapter:
 
 
 class Qwen2VLAdapter(Adapter):
+    PROBE_SIDE = 32
+    """The side, in patches, of the random image the startup check and timing run on."""
+    PROBE_TOKENS = (1, 7, 50, 200)
+    """The slice sizes, in image tokens, the startup check compares with the whole pass."""
+
     def __init__(self, model: Any, pixel_norm: PixelNorm) -> None:
         super().__init__(model, pixel_norm)
         vision = model.config.vision_config
@@ -161,11 +166,6 @@ class Qwen2VLAdapter(Adapter):
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         self.image_token_id = model.config.image_token_id
         self.sliced, self.elastic = self._slicing_matches_the_model()
-
-    PROBE_SIDE = 32
-    """The side, in patches, of the random image the startup check and timing run on."""
-    PROBE_TOKENS = (1, 7, 50, 200)
-    """The slice sizes, in image tokens, the startup check compares with the whole pass."""
 
     def vision_pass(self, tensors: Mapping[str, np.ndarray]) -> VisionPass:
         if not self.sliced:

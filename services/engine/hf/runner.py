@@ -283,19 +283,25 @@ class HFRunner:
         return logits if seq.decoding else None
 
     def _prefill_chunks(self, seq: Sequence, *, bounded: bool) -> torch.Tensor:
-        """Prefill as many of `seq`'s chunks as this unit may: one without a budget; as many
-        as fit it if `bounded`, else the rest of the prompt. Each is the same chunk, the same
-        bits, however many a unit runs. The last chunk's logits."""
+        """Prefill as many of `seq`'s chunks as `_chunks_now` gives: each is the same chunk,
+        the same bits, however many a unit runs. The last chunk's logits."""
         start = seq.num_cached
-        count = 1 if self._budget is None else seq.prompt_len if not bounded else (
-            self._budget.prefill_chunks(seq.chunk_tokens or seq.prompt_len))
-        for _ in range(count):
+        for _ in range(self._chunks_now(seq, bounded=bounded)):
             logits = self._prefill(seq, seq.next_unit().tokens)
             self.metrics.counters["prefill_chunks"] += 1
             if seq.decoding:
                 break
         seq.unit_work = seq.num_cached - start
         return logits
+
+    def _chunks_now(self, seq: Sequence, *, bounded: bool) -> int:
+        """The most prefill chunks of `seq` this unit runs: one without a budget; with one,
+        as many as fit it while other interactive work waits (`bounded`), else all."""
+        if self._budget is None:
+            return 1
+        if not bounded:
+            return seq.prompt_len
+        return self._budget.prefill_chunks(seq.chunk_tokens or seq.prompt_len)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample `seq`'s next token from its logits (vocab,); its output, with the token's
