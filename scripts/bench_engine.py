@@ -1,12 +1,14 @@
 """Engine scheduling benchmark: text latency idle and while clients stream 12 MP images.
 
-    python scripts/bench_engine.py [--chunks 0,64] [--max-unit-ms MS] [--text-requests 100]
+    python scripts/bench_engine.py [--chunks 0,64] [--serve-arg=--FLAG=VALUE ...]
+                                   [--text-requests 100]
                                    [--image-clients 2] [--max-tokens 1] [--rate 0]
                                    [--torch-threads N]
 
 For each `--prefill-chunk-tokens` value in `--chunks` (0: derived from `--max-unit-ms` at the
 engine's startup, as by default; 1000000: every prompt one chunk), runs `mmlane serve
---prefill-chunk-tokens N --mm-cache-gb 0` on the embedded model twice: once idle, once while
+--prefill-chunk-tokens N --mm-cache-gb 0` (and each `--serve-arg`, e.g. `--max-unit-ms=10`)
+on the embedded model twice: once idle, once while
 `--image-clients` clients each keep a 4032x3024 JPEG request in flight back to back (the
 feature cache is off, so every image is decoded, processed and encoded as a stream of distinct
 photos would be). Each time it sends `--text-requests`
@@ -93,8 +95,7 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
     run_dir, log_dir = tmp / f"{chunk}-{bool(url)}", tmp / f"{chunk}-{bool(url)}-logs"
     run_dir.mkdir()
     serve_args = ["--prefill-chunk-tokens", str(chunk), "--mm-cache-gb", "0"]
-    if args.max_unit_ms is not None:
-        serve_args += ["--max-unit-ms", str(args.max_unit_ms)]
+    serve_args += args.serve_arg
     if args.torch_threads is not None:
         serve_args += ["--torch-threads", str(args.torch_threads)]
     with serving(run_dir, *serve_args, log_dir=log_dir) as endpoint:
@@ -102,9 +103,11 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
         if url is None:
             latencies = measure(endpoint)
         else:
+            started = time.monotonic()
             with ImageLoad(endpoint, url, args.image_clients) as load:
                 latencies = measure(endpoint)
-            name += f" ({load.completed} images done)"
+            rate = load.completed / (time.monotonic() - started)
+            name += f" ({load.completed} images done, {rate:.2f}/s)"
     report(name, latencies)
     print_account(log_dir)
 
@@ -114,8 +117,8 @@ def main() -> None:
     parser.add_argument("--chunks", default="0,64",
                         help="comma-separated --prefill-chunk-tokens values to compare "
                              "(0: derived)")
-    parser.add_argument("--max-unit-ms", type=float,
-                        help="the engine's --max-unit-ms (default: serve's default)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="a further `mmlane serve` flag, as --serve-arg=--FLAG=VALUE")
     parser.add_argument("--text-requests", type=int, default=100)
     parser.add_argument("--image-clients", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=1, help="of each text request")

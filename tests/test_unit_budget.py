@@ -4,8 +4,8 @@ Which sizes a unit takes depends on timings, so what is checked is never a time:
 chunk size is one of the sizes the calibration may pick (the smallest for a budget nothing fits,
 the largest for one everything fits), units grow while nothing interactive waits and shrink
 while something does (counted in units, not measured), and a request's tokens are the same
-whatever ran beside it: alone (whole passes, whole prompts per unit), in a mix (the smallest
-units), and as HF `generate` makes them.
+whatever ran beside it: alone (with an idle budget everything fits: whole passes, whole prompts
+per unit), in a mix (the smallest units), and as HF `generate` makes them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_batching import CASES
 from test_engine import DEVICE, generate_greedy, make_request
 
 from protocol.messages import EngineRequest
@@ -27,13 +28,6 @@ TINY_MS = 1e-6
 while interactive work waits."""
 HUGE_MS = 1e9
 """A budget every unit fits."""
-LONG_TEXT = " ".join(f"word{i}" for i in range(60))
-CASES = {
-    "short-text": ("hi",),
-    "long-text": (LONG_TEXT,),
-    "image": ("what is this?", ((90, 70),)),
-    "two-images": ("compare them", ((100, 60), (56, 84))),
-}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +37,11 @@ def preps(model_dirs: dict[str, Path]) -> dict[str, Preprocessor]:
 
 @pytest.fixture(scope="module")
 def tiny_budget(model_dirs: dict[str, Path]) -> Iterator[dict[str, HFRunner]]:
-    """Runners with a budget no unit fits: Qwen2-VL (vision slices sized by the load) and
-    LLaVA (a vision pass is one slice)."""
-    yield {family: HFRunner.load(str(model_dirs[family]), DEVICE, max_unit_ms=TINY_MS)
+    """Runners with a budget no unit fits while interactive work waits, and one every unit
+    fits while none does: Qwen2-VL (vision slices sized by the load) and LLaVA (a vision pass
+    is one slice)."""
+    yield {family: HFRunner.load(str(model_dirs[family]), DEVICE, max_unit_ms=TINY_MS,
+                                 idle_unit_ms=HUGE_MS)
            for family in ("qwen2_vl", "llava")}
 
 

@@ -28,8 +28,8 @@ transformers' own; Idefics3's with the image's tiles as one sample).
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
-from typing import Any
+from collections.abc import Callable, Generator, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,32 +41,56 @@ from services.model import PixelNorm, normalize
 
 log = logging.getLogger(__name__)
 
-Slices = Generator[int, int | None, tuple[torch.Tensor, int]]
-"""A vision pass written as a generator: sent the most query rows the next slice may run (None:
-all that are left), it yields the rows it ran; it returns the features and the last slice's
-rows."""
+class Spent(NamedTuple):
+    """What a slice of a vision pass ran."""
+
+    rows: int
+    """Rows: of the patch embedding and of each block's attention queries."""
+    work: float
+    """The same, each weighed by its cost: an attention query row by the keys it attends to
+    (the image's patches), a patch-embedding row by the keys an attention row costs as much as
+    (`Qwen2VLAdapter.embed_keys`). The unit budget's measure of a slice (budget.py)."""
+
+
+Slices = Generator[Spent, float | None, tuple[torch.Tensor, Spent]]
+"""A vision pass written as a generator: sent the most work the next slice may do (None: all
+that is left), it yields what it ran; it returns the features and what the last slice ran."""
 
 
 class VisionPass:
     """One image's vision-encoder pass, run a slice at a time."""
 
-    def __init__(self, slices: Slices, patches: int) -> None:
+    def __init__(self, slices: Slices) -> None:
         self._slices = slices
         next(slices)  # to its first yield point, before any work
-        self.patches = patches
-        """The image's patches: the keys each query row attends to."""
-        self.rows_run = 0
-        """Attention query rows the latest slice ran (0: it ran none the runner sized)."""
+        self.spent = Spent(0, 0.0)
+        """What the latest slice ran (no work: none the runner sized)."""
 
-    def step(self, rows: int | None = None) -> torch.Tensor | None:
-        """Run the next slice, of at most `rows` query rows (None: the rest of the pass); the
+    def step(self, work: float | None = None) -> torch.Tensor | None:
+        """Run the next slice, of about `work` (None: the rest of the pass; see `Spent`); the
         image's features once the last one has run, else None."""
         try:
-            self.rows_run = self._slices.send(rows)
+            self.spent = self._slices.send(work)
         except StopIteration as done:
-            features, self.rows_run = done.value
+            features, self.spent = done.value
             return features
         return None
+
+
+class _Slice:
+    """The work the current slice may do and what it has run, shared by a pass's stages."""
+
+    def __init__(self, work: float | None) -> None:
+        self.work = work
+        self.rows = 0
+        self.spent = 0.0
+
+    @property
+    def full(self) -> bool:
+        return self.work is not None and self.spent >= self.work
+
+    def next(self, work: float | None) -> None:
+        self.work, self.rows, self.spent = work, 0, 0.0
 
 
 class Positions:
@@ -124,18 +148,17 @@ class Adapter:
     sliced = False
     """Whether a vision pass runs in slices at all (False: one slice, whatever is asked)."""
 
+    work_s = 0.0
+    """Seconds per unit of vision work (see `Spent`), timed on the model at startup (0: the
+    pass is never sliced, so the budget never sizes it)."""
+
     def vision_pass(self, tensors: Mapping[str, np.ndarray]) -> VisionPass:
         """`image_features` as a pass of slices (here, one)."""
-        return VisionPass(self._whole(tensors), patches=len(tensors["pixel_values"]))
-
-    def time_vision_rows(self) -> float:
-        """Seconds per attention query row per key it attends to, timed on the model (0: the
-        pass is never sliced, so the budget never sizes it)."""
-        return 0.0
+        return VisionPass(self._whole(tensors))
 
     def _whole(self, tensors: Mapping[str, np.ndarray]) -> Slices:
-        yield 0  # the whole pass is one slice, whatever rows are asked for
-        return self.image_features(tensors), 0
+        yield Spent(0, 0.0)  # the whole pass is one slice, whatever work is asked for
+        return self.image_features(tensors), Spent(0, 0.0)
 
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         return Positions(prompt.device)
@@ -143,7 +166,13 @@ class Adapter:
     def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The uint8 pixel_values normalised on the device, as the HF processor would have
         (services/model/pixels.py), in the model's dtype."""
-        pixels = torch.from_numpy(np.array(tensors["pixel_values"])).to(self.model.device)
+        return self._normalized(self._uint8_pixels(tensors))
+
+    def _uint8_pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.array(tensors["pixel_values"])).to(self.model.device)
+
+    def _normalized(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Element by element: rows normalised apart are the same bits as together."""
         return normalize(pixels, self.pixel_norm).to(self.model.dtype)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -165,69 +194,95 @@ class Qwen2VLAdapter(Adapter):
         self.merge = vision.spatial_merge_size
         self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         self.image_token_id = model.config.image_token_id
+        self.embed_keys = 1.0
+        """What a patch-embedding row costs, in attention keys (`Spent`), timed at startup."""
         self.sliced, self.elastic = self._slicing_matches_the_model()
+        if self.sliced:
+            self.work_s, self.embed_keys = self._time_work()
 
     def vision_pass(self, tensors: Mapping[str, np.ndarray]) -> VisionPass:
         if not self.sliced:
             return super().vision_pass(tensors)  # one slice: the model's own call
-        return VisionPass(self._sliced(tensors), patches=len(tensors["pixel_values"]))
+        return VisionPass(self._sliced(tensors))
 
     def _sliced(self, tensors: Mapping[str, np.ndarray]) -> Slices:
-        """Qwen2VisionTransformerPretrainedModel.forward for one image, each block's attention
-        a slice of query rows at a time (as many as each `send` allows)."""
+        """Qwen2VisionTransformerPretrainedModel.forward for one image, the patch embedding
+        and each block's attention a slice of rows at a time (as much work as each `send`
+        allows); each block's row-wise layers run whole, in the slice that reaches them."""
         visual = self.model.model.visual
-        rows = self._whole_tokens((yield 0))
-        ran = 0  # query rows run in this slice so far
-        hidden = visual.patch_embed(self._pixels(tensors).to(visual.dtype))
+        pixels = self._uint8_pixels(tensors)
+        patches = len(pixels)
+        current = _Slice((yield Spent(0, 0.0)))
+        embedded = yield from self._in_slices(current, patches, self.embed_keys,
+                                              lambda start, end: self._embedded(pixels[start:end]))
+        hidden = torch.cat(embedded)
         grid = self._to_device(tensors["image_grid_thw"])
         position_ids = qwen2_vl.get_vision_position_ids(grid, visual.spatial_merge_size)
         cos, sin = visual.rotary_pos_emb(hidden, position_ids)
-        patches = len(hidden)
         for block in visual.blocks:
             attn = block.attn
             qkv = attn.qkv(block.norm1(hidden)).view(patches, 3, attn.num_heads, -1)
             q, k, v = qkv.unbind(1)
             q, k = qwen2_vl.apply_rotary_pos_emb_vision(q, k, cos, sin)
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, n, dim)
-            attend = qwen2_vl.ALL_ATTENTION_FUNCTIONS.get_interface(
-                attn.config._attn_implementation, qwen2_vl.eager_attention_forward
-            )
-            rows_out = []
-            start = 0
-            while start < patches:  # every query row attends to all keys: rows are independent
-                if rows is not None and ran >= rows:  # this slice is done: the next goes on
-                    rows, ran = self._whole_tokens((yield ran)), 0
-                end = patches if rows is None else min(patches, start + rows - ran)
-                out, _ = attend(attn, q[:, :, start:end], k, v, attention_mask=None,
-                                scaling=attn.scaling, dropout=0.0, is_causal=False)
-                rows_out.append(out)
-                ran += end - start
-                start = end
+            rows_out = yield from self._in_slices(current, patches, patches,
+                                                  _query_rows(attn, q, k, v))
             hidden = hidden + attn.proj(torch.cat(rows_out, dim=1).reshape(patches, -1))
             hidden = hidden + block.mlp(block.norm2(hidden))
-        return visual.merger(hidden), ran
+        return visual.merger(hidden), Spent(current.rows, current.spent)
 
-    def _whole_tokens(self, rows: int | None) -> int | None:
+    def _in_slices(
+        self, current: _Slice, total: int, keys: float,
+        run: Callable[[int, int], torch.Tensor],
+    ) -> Generator[Spent, float | None, list[torch.Tensor]]:
+        """`run` over rows [0, total) in spans of whole image tokens that fit what is left of
+        the current slice (at least one token's), each row weighing `keys`; yields between
+        slices. Rows do not interact here, so any spans give the same rows."""
+        outputs, start = [], 0
+        while start < total:
+            if current.full:  # this slice is done: the next goes on
+                current.next((yield Spent(current.rows, current.spent)))
+            rows = total if current.work is None else self._whole_tokens(
+                (current.work - current.spent) / keys)
+            end = min(total, start + rows)
+            outputs.append(run(start, end))
+            current.rows += end - start
+            current.spent += (end - start) * keys
+            start = end
+        return outputs
+
+    def _embedded(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The patch embedding of uint8 pixel rows (their normalisation included)."""
+        visual = self.model.model.visual
+        return visual.patch_embed(self._normalized(pixels).to(visual.dtype))
+
+    def _whole_tokens(self, rows: float) -> int:
         """`rows` rounded down to whole image tokens' rows, at least one token's."""
-        if rows is None:
-            return None
         token = self.merge**2
-        return max(token, rows // token * token)
+        return max(token, int(rows) // token * token)
 
     @torch.inference_mode()
-    def time_vision_rows(self) -> float:
-        """On the probe image, the better of two runs after one to warm up (the whole pass's
-        time, its dense layers included, per row per key)."""
-        if not self.sliced:
-            return 0.0
+    def _time_work(self) -> tuple[float, float]:
+        """On the probe image, the better of two runs after one to warm up: seconds per unit of
+        work (the whole pass's time, its row-wise layers included, per attention row per key),
+        and what a patch-embedding row (its normalisation included) costs in keys."""
         side = self.PROBE_SIDE
         tensors = random_image(side, self.patch_dim)
-        def run() -> torch.Tensor:
-            return _run(VisionPass(self._sliced(tensors), 0))
+        pixels = self._uint8_pixels(tensors)
 
-        run()
-        seconds = min(seconds_on(self.model.device, run) for _ in range(2))
-        return seconds / (len(self.model.model.visual.blocks) * (side * side) ** 2)
+        def embed() -> torch.Tensor:
+            return self._embedded(pixels)
+
+        def whole() -> torch.Tensor:
+            return _run(VisionPass(self._sliced(tensors)))
+
+        device, patches = self.model.device, side * side
+        whole()  # to warm up
+        embed_s, whole_s = (min(seconds_on(device, run) for _ in range(2))
+                            for run in (embed, whole))
+        attention_s = max(whole_s - embed_s, 1e-9)
+        work_s = attention_s / (len(self.model.model.visual.blocks) * patches * patches)
+        return work_s, embed_s / patches / work_s
 
     @torch.inference_mode()
     def _slicing_matches_the_model(self) -> tuple[bool, bool]:
@@ -237,7 +292,8 @@ class Qwen2VLAdapter(Adapter):
         tensors = random_image(self.PROBE_SIDE, self.patch_dim)
         whole = self.image_features(tensors)
         try:
-            sliced = [_run(VisionPass(self._sliced(tensors), 0), tokens * self.merge**2)
+            patches = self.PROBE_SIDE**2  # an attention row's work
+            sliced = [_run(VisionPass(self._sliced(tensors)), tokens * self.merge**2 * patches)
                       for tokens in self.PROBE_TOKENS]
         except Exception:
             log.warning("sliced vision pass failed; images run as one unit", exc_info=True)
@@ -286,8 +342,24 @@ ADAPTERS: dict[str, type[Adapter]] = {
 }
 
 
-def _run(vision: VisionPass, rows: int | None = None) -> torch.Tensor:
-    while (features := vision.step(rows)) is None:
+def _query_rows(
+    attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[int, int], torch.Tensor]:
+    """A Qwen2-VL attention layer's output for query rows [start, end), each attending to all
+    the keys: rows are independent."""
+    attend = qwen2_vl.ALL_ATTENTION_FUNCTIONS.get_interface(
+        attn.config._attn_implementation, qwen2_vl.eager_attention_forward
+    )
+
+    def rows(start: int, end: int) -> torch.Tensor:
+        return attend(attn, q[:, :, start:end], k, v, attention_mask=None,
+                      scaling=attn.scaling, dropout=0.0, is_causal=False)[0]
+
+    return rows
+
+
+def _run(vision: VisionPass, work: float | None = None) -> torch.Tensor:
+    while (features := vision.step(work)) is None:
         pass
     return features
 

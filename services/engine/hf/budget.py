@@ -2,25 +2,31 @@
 
 A unit is what the runner does between two scheduling decisions (runner.py): while it runs, a
 text request that has just arrived waits. So while other interactive work is held, a unit is
-sized to take about `max_unit_ms`; while none is, image work runs in units as large as it
-has (a whole vision pass, a whole prompt's prefill), which costs the least per-unit overhead
-and gives an image its first token soonest.
+sized to take about `max_unit_ms`; while none is, about `idle_unit_ms`, by default the same.
+Larger idle units cost less per-unit overhead, but a text request that arrives during one waits
+for all of it: with whole vision passes and whole prompts as idle units (an earlier version of
+this design), text requests arriving at random moments under a stream of 1 MP images waited
+about 10x longer at the median than with 64-token units (BENCHMARKS.md, "Units bounded by
+time"), so the default grows nothing.
 
 What may be sized by the moment's load is only what gives the same bits at any size:
 - Prefill chunks may not: a chunk's shape changes its sums (and the prefix cache keys chunks by
   their size), so a request's chunk size is fixed, for the whole engine, at startup:
   `derive_chunk_tokens` takes the largest power of two whose prefill, timed on the loaded model,
-  fits the budget (`--prefill-chunk-tokens` pins it instead). What a unit varies is how many
-  whole chunks of one request it runs: the same chunks, the same bits, fewer steps.
+  fits the budget (`--prefill-chunk-tokens` pins it instead); timed from position 0, so a late
+  chunk of a long prompt costs more. What a unit varies is how many whole chunks of one
+  request it runs: the same chunks, the same bits, fewer steps.
 - Vision rows may, where the adapter checked at startup that a sliced vision pass gives the
-  same bits as the model's own call at any slice size (`Qwen2VLAdapter.elastic`): a slice is
-  then a number of attention query rows, sized from the current cost estimate. Where the
+  same bits as the model's own call at several slice sizes of whole image tokens
+  (`Adapter.elastic`; on CPU, slices of other row counts do not): a slice is then a number of
+  attention query rows, sized from the current cost estimate. Where the
   slices are only close, not equal, each image's slice size follows from the startup estimate
   alone (the same for every request of that image size, whatever else runs).
 
-The costs are estimated per unit of work (a prefill token; a vision query row times the keys
-it attends to, the image's patches, since that is how attention's cost grows) first by timing
-the loaded model at startup, then kept current by an exponentially weighted moving average of
+The costs are estimated per unit of work (a prefill token; for vision, an attention query row
+times the keys it attends to, the image's patches, since that is how attention's cost grows,
+with patch-embedding rows weighed alike: adapters.Spent) first by timing the loaded model at
+startup, then kept current by an exponentially weighted moving average of
 the units that run: the device, its clocks and whatever else shares it set the real cost.
 """
 
@@ -69,34 +75,41 @@ class UnitBudget:
     """The time a unit may take while other interactive work waits, and how much of each kind
     of work fits in it, by estimates kept current from the units that run."""
 
-    def __init__(self, max_unit_s: float, *, prefill_token_s: float,
-                 vision_row_key_s: float) -> None:
-        if not max_unit_s > 0:
-            raise ValueError(f"max_unit_s must be positive, got {max_unit_s}")
+    def __init__(self, max_unit_s: float, *, idle_unit_s: float, prefill_token_s: float,
+                 vision_work_s: float) -> None:
+        if not (max_unit_s > 0 and idle_unit_s > 0):
+            raise ValueError(f"unit budgets must be positive, got {max_unit_s}, {idle_unit_s}")
         self.max_unit_s = max_unit_s
+        """Seconds a unit may take while other interactive work waits."""
+        self.idle_unit_s = idle_unit_s
+        """Seconds a unit may take while none does."""
         self.prefill_token_s = prefill_token_s
         """Seconds per prefill token (EWMA)."""
-        self.vision_row_key_s = vision_row_key_s
-        """Seconds per vision query row per key it attends to (EWMA)."""
-        self.startup_vision_row_key_s = vision_row_key_s
+        self.vision_work_s = vision_work_s
+        """Seconds per unit of vision work (EWMA; adapters.Spent)."""
+        self.startup_vision_work_s = vision_work_s
         """The startup estimate, which alone sizes slices that must not depend on the load."""
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
+    def observe_prefill(self, tokens: float, seconds: float) -> None:
         self.prefill_token_s = _ewma(self.prefill_token_s, seconds / tokens)
 
-    def observe_vision(self, row_keys: int, seconds: float) -> None:
-        """A vision unit's time, for `row_keys` query rows times the keys each attends to."""
-        self.vision_row_key_s = _ewma(self.vision_row_key_s, seconds / row_keys)
+    def observe_vision(self, work: float, seconds: float) -> None:
+        """A vision unit's time, for `work` (adapters.Spent)."""
+        self.vision_work_s = _ewma(self.vision_work_s, seconds / work)
 
-    def prefill_chunks(self, chunk_tokens: int) -> int:
-        """Whole chunks of `chunk_tokens` that fit the budget now; at least one."""
-        return _fitting(self.max_unit_s, chunk_tokens * self.prefill_token_s)
+    def unit_s(self, *, busy: bool) -> float:
+        """The seconds a unit may take, while other interactive work waits (`busy`) or not."""
+        return self.max_unit_s if busy else self.idle_unit_s
 
-    def vision_rows(self, patches: int, *, current: bool = True) -> int:
-        """Query rows of an image of `patches` patches that fit the budget, by the current
-        estimate or (`current` False) the startup one; at least one."""
-        row_key_s = self.vision_row_key_s if current else self.startup_vision_row_key_s
-        return _fitting(self.max_unit_s, patches * row_key_s)
+    def prefill_chunks(self, chunk_tokens: int, *, busy: bool) -> int:
+        """Whole chunks of `chunk_tokens` that fit the unit; at least one."""
+        return _fitting(self.unit_s(busy=busy), chunk_tokens * self.prefill_token_s)
+
+    def vision_work(self, *, busy: bool, current: bool = True) -> float:
+        """The vision work that fits the unit, by the current estimate or (`current` False)
+        the startup one."""
+        work_s = self.vision_work_s if current else self.startup_vision_work_s
+        return self.unit_s(busy=busy) / work_s if work_s > 0 else math.inf
 
 
 def _fitting(budget_s: float, each_s: float) -> int:

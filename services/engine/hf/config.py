@@ -23,9 +23,12 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_unit_ms: float = MAX_UNIT_MS
     """About how long one unit of work (a vision-pass slice, a run of prefill chunks) may take
     while another interactive request waits for it (default 5): what a text request waits
-    behind image work. While no interactive request waits, image work runs in units as large
-    as it has (a whole vision pass, a whole prompt). Costs are timed on the loaded model at
-    startup and kept current from the units that run (see hf/budget.py)."""
+    behind image work. Costs are timed on the loaded model at startup and kept current from
+    the units that run (see hf/budget.py)."""
+    idle_unit_ms: float = 0.0
+    """About how long a unit may take while no interactive request waits. 0 (the default): as
+    --max-unit-ms. Larger costs less per-unit overhead, but a text request that arrives
+    during such a unit waits for all of it."""
     prefill_chunk_tokens: int = 0
     """The tokens of one prefill chunk, fixed for every request (chunk boundaries change a
     prompt's bits, and the prefix cache shares chunks of one size). 0 (the default): derived at
@@ -56,6 +59,9 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _positive(self, "max_unit_ms", "max_batch", "grammar_cache_size")
         if not math.isfinite(self.max_unit_ms):
             raise ValueError(f"max_unit_ms must be finite, got {self.max_unit_ms}")
+        if not (0 <= self.idle_unit_ms < math.inf):
+            raise ValueError(f"idle_unit_ms must be 0 (as max_unit_ms) or more, and finite, "
+                             f"got {self.idle_unit_ms}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be 0 (derived) or more, "
                              f"got {self.prefill_chunk_tokens}")

@@ -82,9 +82,9 @@ class Sequence:
         """Where the output is in its structured-output grammar (None: unconstrained)."""
         self.last_run = -1
         """The runner's unit number when this request last advanced (-1: never)."""
-        self.unit_work = 0
+        self.unit_work = 0.0
         """What its latest unit ran, in the unit budget's measures (budget.py): prefill tokens,
-        or vision query rows times the keys each attends to (0: none it sized)."""
+        or vision work (adapters.Spent; 0: none it sized)."""
         sampling = request.sampling
         ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_token_ids)
         self._stop_token_ids = frozenset(ends)
