@@ -4,10 +4,9 @@ A unit is what the runner does between two scheduling decisions (runner.py): whi
 text request that has just arrived waits. So while other interactive work is held, a unit is
 sized to take about `max_unit_ms`; while none is, about `idle_unit_ms`, by default the same.
 Larger idle units cost less per-unit overhead, but a text request that arrives during one waits
-for all of it: with whole vision passes and whole prompts as idle units (an earlier version of
-this design), text requests arriving at random moments under a stream of 1 MP images waited
-about 10x longer at the median than with 64-token units (BENCHMARKS.md, "Units bounded by
-time"), so the default grows nothing.
+for all of it: with whole vision passes and whole prompts as idle units, text requests arriving
+at random moments under a stream of 1 MP images took 8x longer at the median than with 64-token
+units (BENCHMARKS.md, "Units bounded by time"), so by default idle units grow no larger.
 
 What may be sized by the moment's load is only what gives the same bits at any size:
 - Prefill chunks may not: a chunk's shape changes its sums (and the prefix cache keys chunks by
