@@ -265,9 +265,9 @@ class Qwen2VLAdapter(Adapter):
 
     @torch.inference_mode()
     def _time_work(self) -> tuple[float, float]:
-        """On the probe image, the better of two runs after one to warm up: seconds per unit of
-        work (the whole pass's time, its row-wise layers included, per attention row per key),
-        and what a patch-embedding row (its normalisation included) costs in keys."""
+        """On the probe image (budget.seconds_on): seconds per unit of work (the whole pass's
+        time, its row-wise layers included, per attention row per key), and what a
+        patch-embedding row (its normalisation included) costs in keys."""
         side = self.PROBE_SIDE
         tensors = random_image(side, self.patch_dim)
         pixels = self._uint8_pixels(tensors)
@@ -279,9 +279,7 @@ class Qwen2VLAdapter(Adapter):
             return _run(VisionPass(self._sliced(tensors)))
 
         device, patches = self.model.device, side * side
-        whole()  # to warm up
-        embed_s, whole_s = (min(seconds_on(device, run) for _ in range(2))
-                            for run in (embed, whole))
+        embed_s, whole_s = (seconds_on(device, run) for run in (embed, whole))
         attention_s = max(whole_s - embed_s, 1e-9)
         work_s = attention_s / (len(self.model.model.visual.blocks) * patches * patches)
         return work_s, embed_s / patches / work_s

@@ -42,6 +42,9 @@ MIN_CHUNK_TOKENS = 16
 below it, a unit is mostly overhead."""
 MAX_CHUNK_TOKENS = 4096
 """The largest prefill chunk the calibration picks (and times)."""
+TIMED_RUNS = 5
+"""Runs of each thing the calibration times, after one to warm up: it keeps the fastest, the
+cost without whatever else shares the device at that moment."""
 EWMA_WEIGHT = 0.25
 """The weight of a unit's observed cost in the running estimate."""
 
@@ -128,7 +131,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def seconds_on(device: torch.device, run: Callable[[], object]) -> float:
-    """How long `run` takes on `device`, its kernels included."""
+    """How long `run` takes on `device`, its kernels included: the fastest of TIMED_RUNS runs
+    after one to warm up."""
+    run()
+    return min(_once(device, run) for _ in range(TIMED_RUNS))
+
+
+def _once(device: torch.device, run: Callable[[], object]) -> float:
     synchronize(device)
     started = time.monotonic()
     run()

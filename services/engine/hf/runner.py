@@ -485,12 +485,8 @@ class HFRunner:
 
     @torch.inference_mode()
     def _time_prefill(self, tokens: int) -> float:
-        """Seconds a prefill chunk of `tokens` random tokens takes from position 0 (the better
-        of two runs after one to warm up)."""
-        (cache,), _, _ = self._probe(lengths=(tokens,))  # the warm-up
-        del cache
-        return min(seconds_on(self.model.device, lambda: self._probe(lengths=(tokens,)))
-                   for _ in range(2))
+        """Seconds a prefill chunk of `tokens` random tokens takes from position 0."""
+        return seconds_on(self.model.device, lambda: self._probe(lengths=(tokens,)))
 
     def _prefix_cache(self, capacity: int) -> PrefixCache | None:
         """The prefix cache, or None when `capacity` is 0 or the model's KV cache keeps only a
