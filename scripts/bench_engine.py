@@ -1,17 +1,21 @@
 """Engine scheduling benchmark: text latency idle and while clients stream 12 MP images.
 
-    python scripts/bench_engine.py [--chunks 64,1000000] [--text-requests 100]
+    python scripts/bench_engine.py [--chunks 0,64] [--serve-arg=--FLAG=VALUE ...]
+                                   [--text-requests 100]
                                    [--image-clients 2] [--max-tokens 1] [--rate 0]
                                    [--torch-threads N]
 
-For each `--prefill-chunk-tokens` value in `--chunks` (1000000: no chunking, every vision pass
-and prefill one unit), runs `mmlane serve --prefill-chunk-tokens N --mm-cache-gb 0` on the
-embedded model twice: once idle, once while `--image-clients` clients each keep a 4032x3024 JPEG
-request in flight back to back (the feature cache is off, so every image is decoded, processed
-and encoded as a stream of distinct photos would be). Each time it sends `--text-requests`
+For each `--prefill-chunk-tokens` value in `--chunks` (0: derived from `--max-unit-ms` at the
+engine's startup, as by default; 1000000: every prompt one chunk), runs `mmlane serve
+--prefill-chunk-tokens N --mm-cache-gb 0` (and each `--serve-arg`, e.g. `--max-unit-ms=10`)
+on the embedded model twice: once idle, once while
+`--image-clients` clients each keep a 4032x3024 JPEG request in flight back to back (the
+feature cache is off, so every image is decoded, processed and encoded as a stream of distinct
+photos would be). Each time it sends `--text-requests`
 text-only chat requests and prints their latency p50/p90/p99, then the engine's own account from
-its log at stop: unit times by kind and queue wait (receipt to first unit) by request kind.
-Asserts nothing.
+its log: the unit sizes it settled on at startup, unit times by kind and queue wait (receipt to
+first unit) by request kind. Asserts nothing. Run it in another checkout (an older commit) to
+compare code, as its flags allow.
 
 Text requests go one at a time by default (closed loop, as bench_pipeline.py sends them). That
 under-samples busy moments when waits are long: a request that waits 100 ms for a vision pass is
@@ -58,13 +62,21 @@ def open_loop_latencies(endpoint: str, count: int, rate: float, max_tokens: int)
 def engine_account(log_dir: Path) -> dict:
     """The engine's latency summaries, from the line it logs at stop."""
     marker = "latencies (ms) "
-    for line in (log_dir / "engine.log").read_text(errors="replace").splitlines():
+    for line in engine_log(log_dir):
         if marker in line:
             return json.loads(line.split(marker, 1)[1])
     return {}
 
 
-def print_account(account: dict) -> None:
+def engine_log(log_dir: Path) -> list[str]:
+    return (log_dir / "engine.log").read_text(errors="replace").splitlines()
+
+
+def print_account(log_dir: Path) -> None:
+    for line in engine_log(log_dir):
+        if "units of about" in line:  # the unit budget's startup calibration
+            print("    engine " + line[line.index("units of about"):])
+    account = engine_account(log_dir)
     for group in ("engine_step", "queue_wait"):
         parts = [
             f"{name.partition(':')[2]} n={s['n']} mean {s['mean']:.2f} max {s['max']:.1f}"
@@ -83,6 +95,7 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
     run_dir, log_dir = tmp / f"{chunk}-{bool(url)}", tmp / f"{chunk}-{bool(url)}-logs"
     run_dir.mkdir()
     serve_args = ["--prefill-chunk-tokens", str(chunk), "--mm-cache-gb", "0"]
+    serve_args += args.serve_arg
     if args.torch_threads is not None:
         serve_args += ["--torch-threads", str(args.torch_threads)]
     with serving(run_dir, *serve_args, log_dir=log_dir) as endpoint:
@@ -90,17 +103,22 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
         if url is None:
             latencies = measure(endpoint)
         else:
+            started = time.monotonic()
             with ImageLoad(endpoint, url, args.image_clients) as load:
                 latencies = measure(endpoint)
-            name += f" ({load.completed} images done)"
+            rate = load.completed / (time.monotonic() - started)
+            name += f" ({load.completed} images done, {rate:.2f}/s)"
     report(name, latencies)
-    print_account(engine_account(log_dir))
+    print_account(log_dir)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--chunks", default="64,1000000",
-                        help="comma-separated --prefill-chunk-tokens values to compare")
+    parser.add_argument("--chunks", default="0,64",
+                        help="comma-separated --prefill-chunk-tokens values to compare "
+                             "(0: derived)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="a further `mmlane serve` flag, as --serve-arg=--FLAG=VALUE")
     parser.add_argument("--text-requests", type=int, default=100)
     parser.add_argument("--image-clients", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=1, help="of each text request")

@@ -47,12 +47,16 @@ from services.cli import build_parser, role_config
 from services.client import Client, user_message
 from services.common.config import load_config
 from services.engine.config import EngineConfig
+from services.engine.hf.config import MAX_UNIT_MS
 from services.engine.hf.scheduler import BULK_SHARE, Lane, Scheduler
 from services.engine.hf.sequence import Sequence
 from services.launcher import SERVE_SETTINGS, Child, serve_config, stop_all
 from services.model import Preprocessor, load_model
 
-SMALL_CHUNK = 4  # splits every image mid-way, in prefill and in the vision pass alike
+SMALL_CHUNK = 4  # splits every image's prompt mid-way
+TINY_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e9")
+"""While text waits, each unit is the smallest: one chunk, one image token's rows of a vision
+pass; while none does, a whole pass or prompt (hf/budget.py)."""
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(120))  # a text prompt of several chunks
 CASES = {
@@ -71,7 +75,8 @@ def reference(qwen_dir: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def small_chunk_engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[Child]:
-    engine = start_engine(module_run_dir, "--prefill-chunk-tokens", str(SMALL_CHUNK))
+    engine = start_engine(module_run_dir, "--prefill-chunk-tokens", str(SMALL_CHUNK),
+                          *TINY_UNITS)
     yield engine
     assert stop_role(engine) == 0
 
@@ -98,7 +103,7 @@ def next_terminal(fe: Frontend) -> str:
 def test_tokens_are_the_same_alone_chunked_or_interleaved(
     run_dir: Path, prep, reference, chunk: int
 ) -> None:
-    engine = start_engine(run_dir, "--prefill-chunk-tokens", str(chunk))
+    engine = start_engine(run_dir, "--prefill-chunk-tokens", str(chunk), *TINY_UNITS)
     try:
         reply_to = f"ipc://{run_dir}/reply.sock"
         with zmq.Context() as ctx, Frontend(ctx, engine.endpoint, reply_to) as fe:
@@ -301,17 +306,28 @@ def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
 def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> None:
     serve = serve_config(SERVE_SETTINGS.parse(
         ["--prefill-chunk-tokens", "64", "--torch-threads", "3", "--max-batch", "4",
-         "--run-dir", str(run_dir)]
+         "--max-unit-ms", "2.5", "--idle-unit-ms", "20", "--run-dir", str(run_dir)]
     ))
     config_json = msgspec.json.encode(serve.engine).decode()
     args = build_parser().parse_args(["engine", "--config-json", config_json])
     config = role_config("engine", args)
     hf = config.hf
     assert (hf.prefill_chunk_tokens, hf.torch_threads, hf.max_batch) == (64, 3, 4)
+    assert (hf.max_unit_ms, hf.idle_unit_ms) == (2.5, 20)
+    defaults = load_config(EngineConfig, {}).hf
+    assert (defaults.prefill_chunk_tokens, defaults.max_unit_ms, defaults.idle_unit_ms) == (
+        0, MAX_UNIT_MS, 0)  # derived; as max_unit_ms
     with pytest.raises(FatalError, match="max_batch must be positive"):
         load_config(EngineConfig, {"hf": {"max_batch": 0}})
-    with pytest.raises(FatalError, match="prefill_chunk_tokens must be positive"):
-        load_config(EngineConfig, {"hf": {"prefill_chunk_tokens": 0}})
+    with pytest.raises(FatalError, match=r"prefill_chunk_tokens must be 0 \(derived\) or more"):
+        load_config(EngineConfig, {"hf": {"prefill_chunk_tokens": -1}})
+    for bad, message in ((0, "must be positive"), (float("nan"), "must be positive"),
+                         (float("inf"), "must be finite")):
+        with pytest.raises(FatalError, match=f"max_unit_ms {message}"):
+            load_config(EngineConfig, {"hf": {"max_unit_ms": bad}})
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(FatalError, match=r"idle_unit_ms must be 0 \(as max_unit_ms\)"):
+            load_config(EngineConfig, {"hf": {"idle_unit_ms": bad}})
     with pytest.raises(FatalError, match="torch_threads must be 0"):
         load_config(EngineConfig, {"hf": {"torch_threads": -1}})
 

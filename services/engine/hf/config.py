@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from services.common.config import _positive
@@ -11,16 +13,27 @@ MAX_BATCH = 16
 """The most requests one decode step runs by default."""
 GRAMMAR_CACHE_SIZE = 64
 """Structured-output grammars kept compiled by default."""
+MAX_UNIT_MS = 5.0
+"""About how long a unit may take while interactive work waits, by default."""
 
 
 class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
-    prefill_chunk_tokens: int = 64
-    """The most tokens one unit of work puts through the model: a prompt is prefilled in chunks
-    of at most this many tokens, and an image's vision-encoder pass runs in slices of at most
-    this many image tokens' worth of patches. Smaller bounds how long a text request can wait
-    behind image work; larger costs less per-unit overhead (on a GPU, try 512 or more)."""
+    max_unit_ms: float = MAX_UNIT_MS
+    """About how long one unit of work (a vision-pass slice, a run of prefill chunks) may take
+    while another interactive request waits for it (default 5): what a text request waits
+    behind image work. Costs are timed on the loaded model at startup and kept current from
+    the units that run (see hf/budget.py)."""
+    idle_unit_ms: float = 0.0
+    """About how long a unit may take while no interactive request waits. 0 (the default): as
+    --max-unit-ms. Larger costs less per-unit overhead, but a text request that arrives
+    during such a unit waits for all of it."""
+    prefill_chunk_tokens: int = 0
+    """The tokens of one prefill chunk, fixed for every request (chunk boundaries change a
+    prompt's bits, and the prefix cache shares chunks of one size). 0 (the default): derived at
+    startup, the largest power of two from 16 to 4096 whose prefill takes at most
+    --max-unit-ms on this device (logged); a number pins it."""
     max_batch: int = MAX_BATCH
     """The most requests one decode step runs together (1: one at a time). A batched step
     gives each request the same logits, bit for bit, as a step of its own (see runner.py)."""
@@ -43,7 +56,15 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     as prefilling it again. 0: off."""
 
     def __post_init__(self) -> None:
-        _positive(self, "prefill_chunk_tokens", "max_batch", "grammar_cache_size")
+        _positive(self, "max_unit_ms", "max_batch", "grammar_cache_size")
+        if not math.isfinite(self.max_unit_ms):
+            raise ValueError(f"max_unit_ms must be finite, got {self.max_unit_ms}")
+        if not (0 <= self.idle_unit_ms < math.inf):
+            raise ValueError(f"idle_unit_ms must be 0 (as max_unit_ms) or more, and finite, "
+                             f"got {self.idle_unit_ms}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be 0 (derived) or more, "
+                             f"got {self.prefill_chunk_tokens}")
         capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
         capacity_bytes(self.prefix_cache_gb, "prefix_cache_gb")
         if self.torch_threads < 0:

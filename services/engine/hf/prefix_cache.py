@@ -9,13 +9,14 @@ of what its forward pass got, and the key names all of it:
 - the chunk size: a chunk's KV depends on its shape (a matmul over 64 rows may sum in another
   order than one over 100), so only chunks of the same size, at the same boundaries (multiples
   of the chunk size from 0), are ever shared; the size is in every key, as
-  `HFRunner.prefill_chunk_tokens` may change;
+  `HFRunner.prefill_chunk_tokens` may change (each engine derives its own at startup);
 - every token up to the chunk's end, and every image whose placeholder tokens overlap that
   span, by its offset, length and `mm_hash`: placeholder token ids are the same for every
   image, the hash tells the images apart, and it also fixes the image's features (the same
-  bits from the encoder cache or a vision pass, which the runner slices the same way for every
-  request) and its grid. Qwen2-VL's M-RoPE position of a token follows from the tokens and the
-  grids of the images before it, so that is named too; LLaVA's positions are the token's index;
+  bits from the encoder cache or a vision pass, whose slices the runner sizes by the load only
+  where every size gives the same bits, budget.py) and its grid. Qwen2-VL's M-RoPE position of
+  a token follows from the tokens and the grids of the images before it, so that is named too;
+  LLaVA's positions are the token's index;
 - the KV of the chunks before: each key is a hash chained over the previous chunk's key.
 The model, its dtype, device and attention are the runner's own, the same for every request.
 

@@ -1,8 +1,12 @@
 """The "hf" backend's runner: a Hugging Face model run with torch, a bounded unit at a time.
 
 Each `step` runs one unit picked by the scheduler (scheduler.py): a slice of one request's image
-vision pass, or a prefill chunk of one request, each a forward pass of batch size one over that
+vision pass, or prefill chunks of one request, each a forward pass of batch size one over that
 request's own KV cache; or a decode step of up to `max_batch` requests together, one token each.
+With `max_unit_ms` (budget.py), a vision slice or a run of prefill chunks is sized to take about
+that long while another interactive request is held, and about `idle_unit_ms` while none is;
+the prefill chunk size is derived at startup from the same budget, by timing the loaded model,
+unless `prefill_chunk_tokens` pins it.
 
 A request's tokens must not depend on what else the engine is running, so a batched decode step
 gives each request the same bits as it would get alone:
@@ -41,10 +45,11 @@ from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE
+from services.engine.hf.budget import UnitBudget, derive_chunk_tokens, seconds_on, synchronize
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
 from services.engine.hf.prefix_cache import PrefixCache, chunk_keys
 from services.engine.hf.sampling import token_logprobs
-from services.engine.hf.scheduler import Lane, Scheduler
+from services.engine.hf.scheduler import Lane, Scheduler, lane_of
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.runner import ModelSpec, StepOutput
 from services.model import load_model, load_preprocessor, resolve_model_dir
@@ -76,9 +81,11 @@ class HFRunner:
 
     def __init__(
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,
-        prefill_chunk_tokens: int | None = None, max_batch: int = MAX_BATCH,
-        metrics: Metrics | None = None, grammars: Grammars | None = None,
-        encoder_cache_bytes: int = 0, prefix_cache_bytes: int = 0,
+        prefill_chunk_tokens: int | None = None, max_unit_ms: float | None = None,
+        idle_unit_ms: float | None = None, max_batch: int = MAX_BATCH,
+        metrics: Metrics | None = None,
+        grammars: Grammars | None = None, encoder_cache_bytes: int = 0,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         if max_batch < 1:
             raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
@@ -86,8 +93,8 @@ class HFRunner:
         self.spec = spec
         self.adapter = adapter
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        """The most tokens a unit takes: prefill chunks (the KV cache carries over) and vision
-        slices (in image tokens). None runs a whole prompt, or a whole image, as one unit. A
+        """The most tokens a prefill chunk takes (the KV cache carries over); None: derived
+        from `max_unit_ms` at startup where that is set, else a whole prompt is one chunk. A
         request keeps the size it arrived with."""
         self.metrics = metrics or Metrics("engine", "engine")
         """Where unit times (engine_step:KIND), first-unit waits (queue_wait:KIND) and the
@@ -108,18 +115,24 @@ class HFRunner:
         a request whose prompt starts as a recent one's prefills only the rest."""
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
+        self._budget = None if max_unit_ms is None else self._calibrate(
+            max_unit_ms / 1000, (idle_unit_ms or max_unit_ms) / 1000)
+        """How much work a unit takes (None: one prefill chunk, or a whole vision pass)."""
         self._units = 0  # units run so far: the scheduler's round-robin clock
         self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
 
     @classmethod
     def load(
         cls, model: str | None, device: str, *, prefill_chunk_tokens: int | None = None,
+        max_unit_ms: float | None = None, idle_unit_ms: float | None = None,
         max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
         grammar_cache_size: int = GRAMMAR_CACHE_SIZE, encoder_cache_bytes: int = 0,
         prefix_cache_bytes: int = 0,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
-        `threads` threads per CPU operation (see `torch_threads`); a decode step runs up to
+        `threads` threads per CPU operation (see `torch_threads`); units of about
+        `max_unit_ms` while interactive work waits (None: no budget), about `idle_unit_ms`
+        while none does (None: the same); a decode step runs up to
         `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
         grammars stay compiled, up to `encoder_cache_bytes` of vision-encoder outputs and up
         to `prefix_cache_bytes` of prompt prefixes' KV."""
@@ -135,6 +148,7 @@ class HFRunner:
         tokenizer = hf_tokenizer(preprocessor.tokenizer, vocab_size=spec.vocab_size,
                                  eos_token_ids=sorted(spec.eos_token_ids))
         runner = cls(network, spec, adapter, prefill_chunk_tokens=prefill_chunk_tokens,
+                     max_unit_ms=max_unit_ms, idle_unit_ms=idle_unit_ms,
                      max_batch=max_batch, metrics=metrics,
                      grammars=Grammars(tokenizer, grammar_cache_size),
                      encoder_cache_bytes=encoder_cache_bytes,
@@ -209,13 +223,28 @@ class HFRunner:
             seq.last_run = self._units
         unit = batch[0].next_unit()
         self._units += 1
-        outputs = self._advance(batch, unit)
-        if self.model.device.type == "cuda":  # kernels run asynchronously: time what they took
-            torch.cuda.synchronize(self.model.device)
+        outputs = self._advance(batch, unit, busy=self._others_wait(batch))
+        synchronize(self.model.device)
         elapsed = time.monotonic() - started
         self._scheduler.charge(lane, elapsed)
         self.metrics.observe(f"engine_step:{unit.kind.label}", elapsed)
+        self._learn(unit, batch[0], elapsed)
         return outputs
+
+    def _others_wait(self, batch: list[Sequence]) -> bool:
+        """Whether an interactive request other than `batch`'s is held: then a unit takes
+        `max_unit_ms`, else `idle_unit_ms`."""
+        return any(lane_of(seq) is Lane.INTERACTIVE for seq in self._sequences.values()
+                   if seq not in batch)
+
+    def _learn(self, unit: Unit, seq: Sequence, seconds: float) -> None:
+        """Keep the unit budget's cost estimates current with what the unit took."""
+        if self._budget is None or not seq.unit_work:
+            return
+        if unit.kind is UnitKind.PREFILL:
+            self._budget.observe_prefill(seq.unit_work, seconds)
+        elif unit.kind is UnitKind.VISION:
+            self._budget.observe_vision(seq.unit_work, seconds)
 
     def abort(self, handle: int) -> None:
         self._sequences.pop(handle, None)
@@ -230,11 +259,12 @@ class HFRunner:
 
     # ------------------------------------------------------------ units
 
-    def _advance(self, batch: list[Sequence], unit: Unit) -> list[StepOutput]:
-        """Run the unit (`batch` is one request unless it is a decode step); an output for each
-        request that produced a token or failed."""
+    def _advance(self, batch: list[Sequence], unit: Unit, *, busy: bool) -> list[StepOutput]:
+        """Run the unit (`batch` is one request unless it is a decode step), within the budget
+        for while other interactive work waits if `busy`; an output for each request that
+        produced a token or failed."""
         try:
-            logits = self._run(batch, unit)
+            logits = self._run(batch, unit, busy=busy)
         except Exception as exc:  # a failed forward pass fails only the requests it ran
             log.exception("requests %s failed in the model",
                           [seq.request.request_id for seq in batch])
@@ -243,18 +273,38 @@ class HFRunner:
             return []
         return [self._emit(seq, row) for seq, row in zip(batch, logits, strict=True)]
 
-    def _run(self, batch: list[Sequence], unit: Unit) -> torch.Tensor | None:
+    def _run(self, batch: list[Sequence], unit: Unit, *, busy: bool) -> torch.Tensor | None:
         """The unit's next-token logits, a row per request; None when it makes no token yet."""
         if unit.kind is UnitKind.DECODE:
             self.metrics.counters["decode_steps"] += 1
             self.metrics.counters["decode_tokens"] += len(batch)
             return self._decode(batch)
         (seq,) = batch
+        seq.unit_work = 0
         if unit.kind is UnitKind.VISION:
-            self._encode_image(seq, unit.image)
+            self._encode_image(seq, unit.image, busy=busy)
             return None
-        logits = self._prefill(seq, unit.tokens)
+        logits = self._prefill_chunks(seq, busy=busy)
         return logits if seq.decoding else None
+
+    def _prefill_chunks(self, seq: Sequence, *, busy: bool) -> torch.Tensor:
+        """Prefill as many of `seq`'s chunks as `_chunks_now` gives: each is the same chunk,
+        the same bits, however many a unit runs. The last chunk's logits."""
+        start = seq.num_cached
+        for _ in range(self._chunks_now(seq, busy=busy)):
+            logits = self._prefill(seq, seq.next_unit().tokens)
+            self.metrics.counters["prefill_chunks"] += 1
+            if seq.decoding:
+                break
+        seq.unit_work = seq.num_cached - start
+        return logits
+
+    def _chunks_now(self, seq: Sequence, *, busy: bool) -> int:
+        """The most prefill chunks of `seq` this unit runs: one without a budget, else as many
+        as fit it."""
+        if self._budget is None:
+            return 1
+        return self._budget.prefill_chunks(seq.chunk_tokens or seq.prompt_len, busy=busy)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample `seq`'s next token from its logits (vocab,); its output, with the token's
@@ -275,9 +325,10 @@ class HFRunner:
         self.abort(seq.handle)
         return StepOutput(seq.handle, [], error=_model_error(exc))
 
-    def _encode_image(self, seq: Sequence, index: int) -> None:
+    def _encode_image(self, seq: Sequence, index: int, *, busy: bool) -> None:
         """Run the next slice of image `index`'s vision pass (starting it if need be, unless
-        the encoder cache has come to hold its features since the request arrived)."""
+        the encoder cache has come to hold its features since the request arrived), of the
+        size `_vision_work` gives."""
         item = seq.request.mm_items[index]
         if seq.vision is None:
             seq.image_features[index] = self._encoded_before(seq, index)
@@ -285,8 +336,11 @@ class HFRunner:
                 return
             if item.mm_hash:
                 self.metrics.counters["encoder_cache_misses"] += 1
-            seq.vision = self.adapter.vision_pass(item.tensors, seq.chunk_tokens)
-        features = seq.vision.step()
+            seq.vision = self.adapter.vision_pass(item.tensors)
+        vision = seq.vision
+        features = vision.step(self._vision_work(busy=busy))
+        seq.unit_work = vision.spent.work
+        self.metrics.counters["vision_rows"] += vision.spent.rows
         if features is None:
             return
         seq.vision = None
@@ -300,6 +354,18 @@ class HFRunner:
             self._encoded.put(item.mm_hash, features.numel() * features.element_size(),
                               features)
             self.metrics.counters["encoder_cache_evictions"] = self._encoded.evictions
+
+    def _vision_work(self, *, busy: bool) -> float | None:
+        """The most work the next slice of a vision pass does (adapters.Spent; None: the rest
+        of its pass, without a budget): what fits the unit, by the current
+        estimate where any slice size gives the same bits (the adapter's `elastic`); else what
+        fits `max_unit_ms` by the startup estimate, for every slice of the image alike,
+        whatever the load."""
+        if self._budget is None:
+            return None
+        if not self.adapter.elastic:
+            return self._budget.vision_work(busy=True, current=False)
+        return self._budget.vision_work(busy=busy)
 
     def _encoded_before(self, seq: Sequence, index: int) -> torch.Tensor | None:
         """Image `index`'s features from the encoder cache (None: not held, or no hash)."""
@@ -397,6 +463,31 @@ class HFRunner:
 
     # ------------------------------------------------------------ checks at startup
 
+    def _calibrate(self, max_unit_s: float, idle_unit_s: float) -> UnitBudget:
+        """The unit budget, with its costs timed on the loaded model; the prefill chunk size
+        derived from it unless pinned. Logs what it found."""
+        chunk, how = self.prefill_chunk_tokens, "pinned"
+        if chunk is None:
+            chunk, token_s = derive_chunk_tokens(self._time_prefill, max_unit_s,
+                                                 self.spec.max_context)
+            self.prefill_chunk_tokens, how = chunk, "derived"
+        else:
+            token_s = self._time_prefill(chunk) / chunk
+        adapter = self.adapter
+        slices = ("sized by the load" if adapter.elastic else "sized by the image alone"
+                  if adapter.sliced else "whole passes")
+        log.info("units of about %g ms while interactive work waits, %g ms while none does: "
+                 "prefill chunks of %d tokens (%s; %.2f ms each on this device), vision "
+                 "slices %s", max_unit_s * 1000, idle_unit_s * 1000, chunk, how,
+                 chunk * token_s * 1000, slices)
+        return UnitBudget(max_unit_s, idle_unit_s=idle_unit_s, prefill_token_s=token_s,
+                          vision_work_s=adapter.work_s)
+
+    @torch.inference_mode()
+    def _time_prefill(self, tokens: int) -> float:
+        """Seconds a prefill chunk of `tokens` random tokens takes from position 0."""
+        return seconds_on(self.model.device, lambda: self._probe(lengths=(tokens,)))
+
     def _prefix_cache(self, capacity: int) -> PrefixCache | None:
         """The prefix cache, or None when `capacity` is 0 or the model's KV cache keeps only a
         window (its layers' keys are then no longer the prompt's, position for position)."""
@@ -458,8 +549,10 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
     """The "hf" backend's factory (BACKENDS in services/engine/runner.py)."""
     hf = config.hf
     return HFRunner.load(
-        config.model, hf.device, prefill_chunk_tokens=hf.prefill_chunk_tokens,
-        max_batch=hf.max_batch, threads=hf.torch_threads, metrics=metrics,
+        config.model, hf.device, prefill_chunk_tokens=hf.prefill_chunk_tokens or None,
+        max_unit_ms=hf.max_unit_ms, idle_unit_ms=hf.idle_unit_ms or None,
+        max_batch=hf.max_batch, threads=hf.torch_threads,
+        metrics=metrics,
         grammar_cache_size=hf.grammar_cache_size,
         encoder_cache_bytes=capacity_bytes(hf.encoder_cache_gb, "encoder_cache_gb"),
         prefix_cache_bytes=capacity_bytes(hf.prefix_cache_gb, "prefix_cache_gb"),

@@ -7,7 +7,8 @@ Two lanes share the engine's time:
 
 While only one lane has work, it runs. While both have, the lane that has had less than its
 share of the time runs next: the bulk lane's share is BULK_SHARE, so image work always progresses
-(no starvation) and a text request waits at most about one bulk unit at a time. Time is measured
+(no starvation) and a text request waits at most about one bulk unit at a time, which the
+runner bounds by `--max-unit-ms` while interactive work is held (budget.py). Time is measured
 per unit (stride scheduling over wall time); a lane that had no work starts even with the other,
 never with credit saved while it was idle, and a tie goes to the interactive lane.
 

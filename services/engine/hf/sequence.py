@@ -1,7 +1,8 @@
 """One request's state inside the HF runner, and the bounded units of work it is run in.
 
 A request advances one unit at a time: a vision-encoder pass per image (in slices, see
-adapters.py), then prompt prefill in chunks, then one decode step per output token; the decode
+adapters.py), then prompt prefill in chunks (one or more per unit, budget.py), then one decode
+step per output token; the decode
 steps of several requests may run together, as one batched step (runner.py). Everything a
 unit needs is kept here, per request (its own KV cache, its own position ids, its image
 embeddings, its half-done vision pass), so units of different requests can run in any
@@ -38,7 +39,8 @@ class UnitKind(enum.IntEnum):
 class Unit:
     kind: UnitKind
     tokens: int
-    """Tokens the unit puts through the model (for VISION: the image's placeholder tokens)."""
+    """Tokens the unit puts through the model (for PREFILL: those of the next chunk, the first
+    of the unit's; for VISION: the image's placeholder tokens)."""
     image: int = -1
     """For VISION: which of the request's images."""
 
@@ -69,8 +71,9 @@ class Sequence:
         self.vision: VisionPass | None = None  # the image being encoded, between its slices
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
         self.chunk_tokens = chunk_tokens
-        """The most prompt tokens a prefill unit takes (None: the whole prompt), fixed at
-        arrival: the prefix cache keys and stores chunks by this size (prefix_cache.py)."""
+        """The most prompt tokens a prefill chunk takes (None: the whole prompt), fixed at
+        arrival: a chunk's size changes its bits, and the prefix cache keys and stores chunks
+        by it (prefix_cache.py). A unit may run several whole chunks (budget.py)."""
         self.prefix_keys: list[str] = []
         """The prefix cache's key of each full chunk of the prompt (empty: the cache is off)."""
         self.output_ids: list[int] = []
@@ -79,6 +82,9 @@ class Sequence:
         """Where the output is in its structured-output grammar (None: unconstrained)."""
         self.last_run = -1
         """The runner's unit number when this request last advanced (-1: never)."""
+        self.unit_work = 0.0
+        """What its latest unit ran, in the unit budget's measures (budget.py): prefill tokens,
+        or vision work (adapters.Spent; 0: none it sized)."""
         sampling = request.sampling
         ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_token_ids)
         self._stop_token_ids = frozenset(ends)

@@ -1,0 +1,145 @@
+"""How much work one unit takes: bounded by time (`--max-unit-ms`), not by a fixed token count.
+
+A unit is what the runner does between two scheduling decisions (runner.py): while it runs, a
+text request that has just arrived waits. So while other interactive work is held, a unit is
+sized to take about `max_unit_ms`; while none is, about `idle_unit_ms`, by default the same.
+Larger idle units cost less per-unit overhead, but a text request that arrives during one waits
+for all of it: with whole vision passes and whole prompts as idle units, text requests arriving
+at random moments under a stream of 1 MP images took 8x longer at the median than with 64-token
+units (BENCHMARKS.md, "Units bounded by time"), so by default idle units grow no larger.
+
+What may be sized by the moment's load is only what gives the same bits at any size:
+- Prefill chunks may not: a chunk's shape changes its sums (and the prefix cache keys chunks by
+  their size), so a request's chunk size is fixed, for the whole engine, at startup:
+  `derive_chunk_tokens` takes the largest power of two whose prefill, timed on the loaded model,
+  fits the budget (`--prefill-chunk-tokens` pins it instead); timed from position 0, so a late
+  chunk of a long prompt costs more. What a unit varies is how many whole chunks of one
+  request it runs: the same chunks, the same bits, fewer steps.
+- Vision rows may, where the adapter checked at startup that a sliced vision pass gives the
+  same bits as the model's own call at several slice sizes of whole image tokens
+  (`Adapter.elastic`; on CPU, slices of other row counts do not): a slice is then a number of
+  attention query rows, sized from the current cost estimate. Where the
+  slices are only close, not equal, each image's slice size follows from the startup estimate
+  alone (the same for every request of that image size, whatever else runs).
+
+The costs are estimated per unit of work (a prefill token; for vision, an attention query row
+times the keys it attends to, the image's patches, since that is how attention's cost grows,
+with patch-embedding rows weighed alike: adapters.Spent) first by timing the loaded model at
+startup, then kept current by an exponentially weighted moving average of
+the units that run: the device, its clocks and whatever else shares it set the real cost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+MIN_CHUNK_TOKENS = 16
+"""The smallest prefill chunk the calibration picks, even where it costs more than the budget:
+below it, a unit is mostly overhead."""
+MAX_CHUNK_TOKENS = 4096
+"""The largest prefill chunk the calibration picks (and times)."""
+TIMED_RUNS = 5
+"""Runs of each thing the calibration times, after one to warm up: it keeps the fastest, the
+cost without whatever else shares the device at that moment."""
+EWMA_WEIGHT = 0.25
+"""The weight of a unit's observed cost in the running estimate."""
+
+
+def chunk_sizes(max_tokens: int) -> list[int]:
+    """The chunk sizes the calibration times: powers of two from MIN_CHUNK_TOKENS up to
+    MAX_CHUNK_TOKENS or `max_tokens`, whichever is smaller (at least MIN_CHUNK_TOKENS)."""
+    top = max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, max_tokens))
+    return [1 << power for power in range(MIN_CHUNK_TOKENS.bit_length() - 1,
+                                          top.bit_length())]
+
+
+def derive_chunk_tokens(seconds_for: Callable[[int], float], budget_s: float,
+                        max_tokens: int) -> tuple[int, float]:
+    """The largest of `chunk_sizes(max_tokens)` whose prefill takes at most `budget_s` by
+    `seconds_for(size)` (timed in increasing order, stopping at the first that does not fit),
+    and its measured seconds per token; the smallest size where none fits."""
+    chosen, cost = 0, 0.0
+    for size in chunk_sizes(max_tokens):
+        seconds = seconds_for(size)
+        if chosen and seconds > budget_s:
+            break
+        chosen, cost = size, seconds / size
+        if seconds > budget_s:  # the smallest size, over budget: it stays, nothing larger fits
+            break
+    return chosen, cost
+
+
+class UnitBudget:
+    """The time a unit may take while other interactive work waits, and how much of each kind
+    of work fits in it, by estimates kept current from the units that run."""
+
+    def __init__(self, max_unit_s: float, *, idle_unit_s: float, prefill_token_s: float,
+                 vision_work_s: float) -> None:
+        if not (max_unit_s > 0 and idle_unit_s > 0):
+            raise ValueError(f"unit budgets must be positive, got {max_unit_s}, {idle_unit_s}")
+        self.max_unit_s = max_unit_s
+        """Seconds a unit may take while other interactive work waits."""
+        self.idle_unit_s = idle_unit_s
+        """Seconds a unit may take while none does."""
+        self.prefill_token_s = prefill_token_s
+        """Seconds per prefill token (EWMA)."""
+        self.vision_work_s = vision_work_s
+        """Seconds per unit of vision work (EWMA; adapters.Spent)."""
+        self.startup_vision_work_s = vision_work_s
+        """The startup estimate, which alone sizes slices that must not depend on the load."""
+
+    def observe_prefill(self, tokens: float, seconds: float) -> None:
+        self.prefill_token_s = _ewma(self.prefill_token_s, seconds / tokens)
+
+    def observe_vision(self, work: float, seconds: float) -> None:
+        """A vision unit's time, for `work` (adapters.Spent)."""
+        self.vision_work_s = _ewma(self.vision_work_s, seconds / work)
+
+    def unit_s(self, *, busy: bool) -> float:
+        """The seconds a unit may take, while other interactive work waits (`busy`) or not."""
+        return self.max_unit_s if busy else self.idle_unit_s
+
+    def prefill_chunks(self, chunk_tokens: int, *, busy: bool) -> int:
+        """Whole chunks of `chunk_tokens` that fit the unit; at least one."""
+        return _fitting(self.unit_s(busy=busy), chunk_tokens * self.prefill_token_s)
+
+    def vision_work(self, *, busy: bool, current: bool = True) -> float:
+        """The vision work that fits the unit, by the current estimate or (`current` False)
+        the startup one."""
+        work_s = self.vision_work_s if current else self.startup_vision_work_s
+        return self.unit_s(busy=busy) / work_s if work_s > 0 else math.inf
+
+
+def _fitting(budget_s: float, each_s: float) -> int:
+    if each_s <= 0:
+        return 1 << 30  # nothing measured costs anything: everything fits
+    return max(1, min(1 << 30, math.floor(budget_s / each_s)))
+
+
+def _ewma(estimate: float, observed: float) -> float:
+    return (1 - EWMA_WEIGHT) * estimate + EWMA_WEIGHT * observed
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's kernels, which run asynchronously on CUDA: time what they took."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_on(device: torch.device, run: Callable[[], object]) -> float:
+    """How long `run` takes on `device`, its kernels included: the fastest of TIMED_RUNS runs
+    after one to warm up."""
+    run()
+    return min(_once(device, run) for _ in range(TIMED_RUNS))
+
+
+def _once(device: torch.device, run: Callable[[], object]) -> float:
+    synchronize(device)
+    started = time.monotonic()
+    run()
+    synchronize(device)
+    return time.monotonic() - started

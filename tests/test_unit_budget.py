@@ -1,0 +1,177 @@
+"""Units bounded by time (`--max-unit-ms`, hf/budget.py), in process with the real tiny models.
+
+Which sizes a unit takes depends on timings, so what is checked is never a time: the derived
+chunk size is one of the sizes the calibration may pick (the smallest for a budget nothing fits,
+the largest for one everything fits), units grow while nothing interactive waits and shrink
+while something does (counted in units, not measured), and a request's tokens are the same
+whatever ran beside it: alone (with an idle budget everything fits: whole passes, whole prompts
+per unit), in a mix (the smallest units), and as HF `generate` makes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_batching import CASES
+from test_engine import DEVICE, generate_greedy, make_request
+
+from protocol.messages import EngineRequest
+from services.engine.hf.budget import MIN_CHUNK_TOKENS, chunk_sizes, derive_chunk_tokens
+from services.engine.hf.runner import HFRunner
+from services.model import Preprocessor, load_model, load_preprocessor
+
+TINY_MS = 1e-6
+"""A budget no unit fits: the smallest chunks, one chunk and one image token's rows per unit
+while interactive work waits."""
+HUGE_MS = 1e9
+"""A budget every unit fits."""
+
+
+@pytest.fixture(scope="module")
+def preps(model_dirs: dict[str, Path]) -> dict[str, Preprocessor]:
+    return {family: load_preprocessor(model_dirs[family]) for family in ("qwen2_vl", "llava")}
+
+
+@pytest.fixture(scope="module")
+def tiny_budget(model_dirs: dict[str, Path]) -> Iterator[dict[str, HFRunner]]:
+    """Runners with a budget no unit fits while interactive work waits, and one every unit
+    fits while none does: Qwen2-VL (vision slices sized by the load) and LLaVA (a vision pass
+    is one slice)."""
+    yield {family: HFRunner.load(str(model_dirs[family]), DEVICE, max_unit_ms=TINY_MS,
+                                 idle_unit_ms=HUGE_MS)
+           for family in ("qwen2_vl", "llava")}
+
+
+def run(runner: HFRunner, requests: list[EngineRequest]) -> list[list[int]]:
+    """Each request's tokens, all added at once and stepped to the end."""
+    for handle, request in enumerate(requests):
+        runner.add(handle, request)
+    tokens: list[list[int]] = [[] for _ in requests]
+    while runner.has_work():
+        for output in runner.step():
+            assert output.error is None, output.error
+            tokens[output.handle] += output.token_ids
+    return tokens
+
+
+def unit_counts(runner: HFRunner, since: tuple[int, ...] = (0, 0, 0, 0)) -> tuple[int, ...]:
+    """Vision units, the query rows they ran, prefill units and the chunks they ran, since the
+    counts `since`."""
+    histograms, counters = runner.metrics.histograms, runner.metrics.counters
+    vision, prefill = (histograms[name].count if name in histograms else 0
+                       for name in ("engine_step:vision", "engine_step:prefill"))
+    counts = (vision, counters["vision_rows"], prefill, counters["prefill_chunks"])
+    return tuple(now - then for now, then in zip(counts, since, strict=True))
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def test_the_chunk_size_is_the_largest_power_of_two_that_fits() -> None:
+    timed: list[int] = []
+
+    def seconds_for(size: int) -> float:
+        timed.append(size)
+        return size * 1e-3
+
+    assert derive_chunk_tokens(seconds_for, 0.1, 32768) == (64, 1e-3)
+    assert timed == [16, 32, 64, 128]  # it stops at the first size over the budget
+    assert derive_chunk_tokens(seconds_for, 1e-9, 32768)[0] == MIN_CHUNK_TOKENS
+    assert derive_chunk_tokens(seconds_for, 1e9, 100)[0] == 64  # not past the context
+    assert chunk_sizes(8) == [MIN_CHUNK_TOKENS]
+
+
+@pytest.mark.parametrize(("max_unit_ms", "which"), [(TINY_MS, 0), (5.0, None), (HUGE_MS, -1)])
+def test_calibration_derives_a_chunk_size_and_logs_it(qwen_dir, caplog, max_unit_ms,
+                                                      which) -> None:
+    with caplog.at_level(logging.INFO, logger="services.engine.hf.runner"):
+        runner = HFRunner.load(str(qwen_dir), DEVICE, max_unit_ms=max_unit_ms)
+    chunk = runner.prefill_chunk_tokens
+    sizes = chunk_sizes(runner.spec.max_context)
+    assert chunk in sizes if which is None else chunk == sizes[which]
+    assert f"prefill chunks of {chunk} tokens (derived;" in caplog.text
+    if DEVICE == "cpu":  # its kernels give whole tokens' slices the whole pass's bits
+        assert "vision slices sized by the load" in caplog.text
+
+
+def test_a_pinned_chunk_size_stays(qwen_dir, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="services.engine.hf.runner"):
+        runner = HFRunner.load(str(qwen_dir), DEVICE, prefill_chunk_tokens=37, max_unit_ms=5.0)
+    assert runner.prefill_chunk_tokens == 37
+    assert "prefill chunks of 37 tokens (pinned;" in caplog.text
+
+
+# ---------------------------------------------------------------- the same tokens
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_tokens_are_the_same_alone_in_a_mix_and_from_generate(family, model_dirs, preps,
+                                                              tiny_budget) -> None:
+    """Alone, every vision pass and prompt is one unit; in the mix, every unit is the smallest
+    (one chunk, one image token's rows): the same tokens."""
+    prep, runner = preps[family], tiny_budget[family]
+    greedy = [make_request(prep, *case, max_tokens=8) for case in CASES.values()]
+    sampled = make_request(prep, *CASES["image"], max_tokens=8, temperature=1.0, seed=3)
+    requests = [*greedy, sampled]
+    alone = [run(runner, [request])[0] for request in requests]
+    together = run(runner, requests)
+    assert [together[handle] for handle in range(len(requests))] == alone
+    model = load_model(model_dirs[family], DEVICE)
+    assert alone[: len(greedy)] == [generate_greedy(model, prep, r) for r in greedy]
+
+
+# ---------------------------------------------------------------- unit sizes
+
+
+def beside_text(runner: HFRunner, prep: Preprocessor,
+                image: EngineRequest) -> tuple[list[int], tuple[int, ...]]:
+    """The image request's tokens, served while a text request decodes all along, and the
+    `unit_counts` of its serving."""
+    text = make_request(prep, "tell me a long story", max_tokens=100_000, ignore_eos=True)
+    runner.add(1, text)
+    while not runner.step():  # its prefill, to its first token
+        pass
+    start = unit_counts(runner)
+    runner.add(0, image)
+    tokens: list[int] = []
+    while runner.has_work() and len(tokens) < image.sampling.max_tokens:
+        tokens += [token for output in runner.step() if output.handle == 0
+                   for token in output.token_ids]
+    runner.abort(1)
+    return tokens, unit_counts(runner, start)
+
+
+def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
+    preps, tiny_budget
+) -> None:
+    prep, runner = preps["qwen2_vl"], tiny_budget["qwen2_vl"]
+    image = make_request(prep, *CASES["image"], max_tokens=4)
+    start = unit_counts(runner)
+    [alone] = run(runner, [image])
+    vision, rows, prefills, chunks = unit_counts(runner, start)
+    assert (vision, prefills) == (1, 1)  # a whole pass, a whole prompt
+    assert chunks > 1 and rows > 0  # of several chunks, in one unit
+
+    busy, after = beside_text(runner, prep, image)
+    assert busy == alone
+    assert (after[1], after[3]) == (rows, chunks)  # the same work
+    assert after[0] > 1 and after[2] == chunks  # in units as small as they can be
+
+
+def test_slices_only_close_to_the_whole_pass_are_sized_by_the_image_alone(
+    qwen_dir, preps
+) -> None:
+    """Where a sliced pass is not the same bits at every size (as on some devices), an image's
+    slices are the same whatever else waits: the same tokens, the same units."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE, max_unit_ms=TINY_MS, idle_unit_ms=HUGE_MS)
+    runner.adapter.elastic = False  # what the startup check finds on such a device
+    prep = preps["qwen2_vl"]
+    image = make_request(prep, *CASES["image"], max_tokens=4)
+    [alone] = run(runner, [image])
+    idle = unit_counts(runner)
+    tokens, busy = beside_text(runner, prep, image)
+    assert tokens == alone
+    assert idle[0] > 1 and busy[:2] == idle[:2]  # the smallest slices, busy or not
