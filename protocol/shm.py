@@ -2,13 +2,15 @@
 
     sender ── put(array) ──▶ a free slot: /dev/shm/mmlane-TAG-STARTED-SLOT (0600), its bytes
                              written, marked full ── "SLOT-NAME.GENERATION" in the TensorHeader
-    receiver ◀── ShmReader.take(ref) ── copies the bytes out, marks the slot free again
+    receiver ◀── ShmReader.take(ref) ── reads the bytes out, marks the slot free again
 
 Over an ipc socket a ZMQ frame is copied into the kernel and out again in small pieces, with a
 switch between the two processes for each; here the sender copies the bytes once into a slot,
-a file of the host's shared-memory filesystem, and the receiver copies them once out of it into
-memory of its own. The slots are kept and reused, so their pages are allocated once: a new
-file per tensor would cost the kernel more (allocating and zeroing every page) than the copies.
+a file of the host's shared-memory filesystem, and the receiver reads them once out of it into
+memory of its own (`preadv`: a slot truncated meanwhile reads short, where a copy out of a
+mapping would die of SIGBUS). The slots are kept and reused, so their pages are allocated once:
+a new file per tensor would cost the kernel more (allocating and zeroing every page) than the
+copies.
 
 A slot starts with a 64-byte header: byte 0 says whether it is full (the sender sets it after
 writing the bytes; the receiver clears it after copying them out), byte 1 that its sender has
@@ -39,21 +41,27 @@ and frees the slot. The slots of a pool process that died are released as its cl
 A receiver that finds a slot gone or reused (its sender restarted meanwhile, or took the slot
 back) makes the codec raise `TensorsLost` (protocol/errors.py) with the rest of the message
 decoded, so that the request it belongs to still gets its one reply (a retryable error; the
-receiver cache, which missed the request's commit, falls out of sync and starts over).
+receiver cache, which missed the request's commit, falls out of sync and starts over). A
+reference that names no slot, or a slot that is no regular file of this user's (a symlink, a
+FIFO), is smaller than a header, or whose header disagrees with the message's dtype and shape,
+is refused (`SlotRefused`; the codec raises `TensorsRefused`, as well with the message). Only
+names of the slot pattern are ever opened or unlinked, never through a symlink.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 import mmap
 import os
 import re
+import stat
 import struct
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -65,9 +73,15 @@ HEADER = 64
 """Bytes before a slot's data: the full flag, the generation; the data stays 64-byte aligned."""
 _GROW = 1 << 20  # slots are sized in whole MiB, so that a slightly larger tensor still fits
 _PREFIX = "mmlane-"
-_REF = re.compile(r"(mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,9})\.([0-9]{1,20})")
+_NAME = r"mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,9}"
+_SLOT = re.compile(_NAME)
+_REF = re.compile(rf"({_NAME})\.([0-9]{{1,20}})")
 _STEM = re.compile(r"mmlane-[0-9a-f]{12}-[0-9]{1,20}-")
 _USE = struct.Struct("<QQ")  # generation, nbytes: at offset 8
+
+
+class SlotRefused(ValueError):
+    """A reference that names no slot, or a slot whose file or header disagrees with it."""
 
 
 def available() -> bool:
@@ -86,11 +100,16 @@ def reap(tag: str, keep: str = "") -> int:
     """Unlink every slot under `tag` but those whose name starts with `keep`: what a killed
     predecessor under the same tag left. How many there were."""
     reaped = 0
-    for path in SHM_DIR.glob(f"{_PREFIX}{tag}-*"):
+    for path in _slot_paths(f"{_PREFIX}{tag}-"):
         if not keep or not path.name.startswith(keep):
             path.unlink(missing_ok=True)
             reaped += 1
     return reaped
+
+
+def _slot_paths(stem: str) -> list[Path]:
+    """The files under `stem` whose names are slots' (a glob alone matches any tail)."""
+    return [path for path in SHM_DIR.glob(f"{stem}*") if _SLOT.fullmatch(path.name)]
 
 
 def abandon(stem: str) -> None:
@@ -99,18 +118,29 @@ def abandon(stem: str) -> None:
     said its own) names nothing."""
     if not _STEM.fullmatch(stem):
         return
-    for path in SHM_DIR.glob(f"{stem}*"):
-        mapping = _open(path.name)
-        if mapping is not None:
-            _close_slot(path, mapping)
+    for path in _slot_paths(stem):
+        with contextlib.suppress(SlotRefused):  # not a slot of its: left alone
+            mapping = _open(path.name)
+            if mapping is not None:
+                _close_slot(path, mapping)
 
 
 def _close_slot(path: Path, mapping: mmap.mmap) -> None:
-    """A writer lets go of a slot: unlinked if empty, else marked closed for its receiver."""
-    mapping[1] = 1  # closed: before looking whether it is empty (see `ShmReader.take`)
-    if mapping[0] == 0:
+    """A writer lets go of a slot: unlinked if empty (or cut short: no receiver can take it),
+    else marked closed for its receiver."""
+    if _cut(mapping):
         path.unlink(missing_ok=True)
+    else:
+        mapping[1] = 1  # closed: before looking whether it is empty (see `ShmReader.take`)
+        if mapping[0] == 0:
+            path.unlink(missing_ok=True)
     mapping.close()
+
+
+def _cut(mapping: mmap.mmap) -> bool:
+    """Whether a mapped slot's file was truncated since it was mapped (by no writer of ours):
+    touching its pages past the file's end would die of SIGBUS. (`size` is the file's.)"""
+    return mapping.size() < len(mapping)
 
 
 def sender_tag(identity: str) -> str:
@@ -141,6 +171,7 @@ class ShmWriter:
         self.stem = f"{_PREFIX}{tag}-{time.time_ns()}-"
         """The start of every slot name of this writer's."""
         self._slots: list[_Slot] = []
+        self._numbers = itertools.count()
         self.counters: Counter[str] = Counter()
         """shm_tensors and shm_bytes (put into slots), shm_fallbacks (sent as frames instead,
         no slot free and no room), shm_reaped (full slots taken back untaken)."""
@@ -175,6 +206,9 @@ class ShmWriter:
     def _free_slot(self, nbytes: int) -> _Slot | None:
         """The smallest free slot that fits (a slot full too long is taken back first), else a
         new one while the capacity allows; None when neither."""
+        for slot in [s for s in self._slots if _cut(s.mapping)]:  # never touched again
+            self._slots.remove(slot)
+            _close_slot(slot.path, slot.mapping)
         now = time.monotonic()
         for slot in self._slots:
             if not slot.is_free() and now - slot.filled_at > self.max_age_s:
@@ -186,7 +220,7 @@ class ShmWriter:
         size = HEADER + -(-nbytes // _GROW) * _GROW
         if sum(s.size for s in self._slots) + size > self.capacity:
             return None
-        path = SHM_DIR / f"{self.stem}{len(self._slots)}"
+        path = SHM_DIR / f"{self.stem}{next(self._numbers)}"  # never a dropped slot's again
         try:
             mapping = _create(path, size)
         except OSError:  # no room in /dev/shm (or none at all): frames still work
@@ -207,82 +241,99 @@ def _create(path: Path, size: int) -> mmap.mmap:
 
 
 class ShmReader:
-    """The receiving side: copies tensors out of their senders' slots. It keeps each slot it
-    has read mapped (at most `MAPPINGS`, the least recently used dropped first, and any whose
-    file is gone), since mapping a slot afresh for every tensor costs a page fault per page."""
-
-    MAPPINGS = 64
-
-    def __init__(self) -> None:
-        self._mappings: OrderedDict[str, mmap.mmap] = OrderedDict()
+    """The receiving side: reads tensors out of their senders' slots (`preadv`, no mapping: a
+    slot truncated or replaced meanwhile reads short or fails to open, never a SIGBUS)."""
 
     def take(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
-        """A copy of the array a sender put into the slot `ref` names (the slot is free again
-        after it), or None when the slot is gone or holds another use by now. Raises ValueError
-        for a reference that names no slot, or bytes of another size than `dtype` and `shape`
-        need."""
+        """The array a sender put into the slot `ref` names (the slot is free again after it),
+        or None when the slot is gone or holds another use by now. Raises `SlotRefused` for a
+        reference that names no slot, a file that is no slot, or bytes of another size than
+        `dtype` and `shape` need."""
         name, generation, nbytes = _parse(ref, dtype, shape)
-        slot = self._mapping(name)
-        if slot is None or not _holds(slot, ref, generation, nbytes, dtype, shape):
+        fd = _open_fd(name)
+        if fd is None:
             return None
-        view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize, offset=HEADER)
-        array = view.reshape(shape).copy()
-        del view
-        _free(slot, name)
-        return array
+        try:
+            size = os.fstat(fd).st_size
+            if not _holds(os.pread(fd, HEADER, 0), size, ref, generation, nbytes, dtype, shape):
+                return None
+            array = _read(fd, ref, dtype, shape, nbytes)
+            os.pwrite(fd, b"\0", 0)  # free: before looking whether its writer has closed
+            if os.pread(fd, 1, 1) != b"\0":
+                (SHM_DIR / name).unlink(missing_ok=True)
+            return array
+        finally:
+            os.close(fd)
 
-    def _mapping(self, name: str) -> mmap.mmap | None:
-        slot = self._mappings.get(name)
-        if slot is not None:
-            self._mappings.move_to_end(name)
-            return slot
-        for known in [n for n in self._mappings if not (SHM_DIR / n).exists()]:
-            self._mappings.pop(known).close()
-        slot = _open(name)
-        if slot is None:
-            return None
-        self._mappings[name] = slot
-        if len(self._mappings) > self.MAPPINGS:
-            self._mappings.popitem(last=False)[1].close()
-        return slot
+
+def _read(fd: int, ref: str, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> np.ndarray:
+    try:
+        array = np.empty(shape, dtype)
+    except ValueError as exc:  # more dimensions than numpy takes, or a size past its index
+        raise SlotRefused(f"shared-memory tensor {ref}: shape {shape} is no array's") from exc
+    buffer, done = array.reshape(-1).view(np.uint8).data, 0  # its bytes, any shape
+    while done < nbytes:
+        read = os.preadv(fd, [buffer[done:]], HEADER + done)
+        if read == 0:
+            raise SlotRefused(f"shared-memory tensor {ref}: its slot was truncated while read")
+        done += read
+    return array
+
+
+def _open_fd(name: str) -> int | None:
+    """A descriptor of slot `name`, checked to be a slot's (a regular file of this user's, at
+    least a header long, never reached through a symlink), or None when it is gone; raises
+    SlotRefused for any other file."""
+    try:  # O_NONBLOCK: a FIFO in its place must not stall the receiver
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink; EACCES: another user's; EISDIR ...
+        raise SlotRefused(f"shared-memory slot {name} cannot be opened: {exc.strerror}") from exc
+    info = os.fstat(fd)
+    problem = ("is no regular file" if not stat.S_ISREG(info.st_mode)
+               else "belongs to another user" if info.st_uid != os.geteuid()
+               else f"is {info.st_size} bytes, no slot's size" if info.st_size < HEADER
+               else "")
+    if problem:
+        os.close(fd)
+        raise SlotRefused(f"shared-memory slot {name} {problem}")
+    return fd
 
 
 def _open(name: str) -> mmap.mmap | None:
-    """Slot `name` mapped, or None when it is gone."""
-    try:
-        fd = os.open(SHM_DIR / name, os.O_RDWR)
-    except FileNotFoundError:
+    """Slot `name` mapped, or None when it is gone; raises SlotRefused as `_open_fd`."""
+    fd = _open_fd(name)
+    if fd is None:
         return None
     try:
-        size = os.fstat(fd).st_size
-        if size < HEADER:
-            raise ValueError(f"shared-memory slot {name} is {size} bytes, no slot's size")
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
 
 def _parse(ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int, int]:
     """A reference's slot name and generation, and the bytes `dtype` and `shape` need; raises
-    ValueError for a reference that names no slot, or a negative shape."""
+    SlotRefused for a reference that names no slot, or a negative shape."""
     match = _REF.fullmatch(ref)
     if match is None:
-        raise ValueError(f"{ref!r} is not a shared-memory tensor reference")
+        raise SlotRefused(f"{ref[:80]!r} is not a shared-memory tensor reference")
     if any(d < 0 for d in shape):
-        raise ValueError(f"shared-memory tensor {ref} has a negative shape {shape}")
+        raise SlotRefused(f"shared-memory tensor {ref} has a negative shape {shape}")
     return match[1], int(match[2]), dtype.itemsize * math.prod(shape)  # Python ints
 
 
-def _holds(slot: mmap.mmap, ref: str, generation: int, nbytes: int, dtype: np.dtype,
-           shape: tuple[int, ...]) -> bool:
-    """Whether `slot` still holds the use `ref` names (False: taken back, or reused); raises
-    ValueError when that use's bytes are not the `nbytes` that `dtype` and `shape` need."""
-    used, put = _USE.unpack_from(slot, 8)
-    if slot[0] != 1 or used != generation:
+def _holds(header: bytes | mmap.mmap, size: int, ref: str, generation: int, nbytes: int,
+           dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a slot of `size` bytes that starts with `header` still holds the use `ref` names
+    (False: taken back, or reused); raises SlotRefused when that use's bytes are not the
+    `nbytes` that `dtype` and `shape` need, or more than the slot has room for."""
+    used, put = _USE.unpack_from(header, 8)
+    if header[0] != 1 or used != generation:
         return False
-    if put != nbytes or HEADER + nbytes > len(slot):
-        raise ValueError(f"shared-memory tensor {ref} holds {put} bytes, shape {shape} of "
-                         f"{dtype} needs {nbytes}")
+    if put != nbytes or HEADER + nbytes > size:
+        raise SlotRefused(f"shared-memory tensor {ref} holds {put} bytes in a slot of {size}, "
+                          f"shape {shape} of {dtype} needs {nbytes}")
     return True
 
 
@@ -304,10 +355,15 @@ class ShmViews:
 
     def adopt(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """The array a pool process put into slot `ref`: a view of the slot, or a copy (slot
-        freed); None when the slot is gone or reused. Raises ValueError as `ShmReader.take`."""
+        freed); None when the slot is gone or reused. Raises SlotRefused as `ShmReader.take`.
+        (A mapping, for the views: its slots are the worker's own pool processes'.)"""
         name, generation, nbytes = _parse(ref, dtype, shape)
         slot = self._mapping(name)
-        if slot is None or not _holds(slot, ref, generation, nbytes, dtype, shape):
+        if slot is None:
+            return None
+        if _cut(slot):
+            raise SlotRefused(f"shared-memory slot {name} was truncated")
+        if not _holds(slot, len(slot), ref, generation, nbytes, dtype, shape):
             return None
         view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
                              offset=HEADER).reshape(shape)
@@ -337,7 +393,8 @@ class ShmViews:
         """A view dropped unsent: free its slot, unless it holds another use by now."""
         self._views.pop(key, None)
         slot = self._mappings.get(name)
-        if slot is not None and slot[0] == 1 and _USE.unpack_from(slot, 8)[0] == generation:
+        if (slot is not None and not _cut(slot) and slot[0] == 1
+                and _USE.unpack_from(slot, 8)[0] == generation):
             _free(slot, name)
 
     def _mapping(self, name: str) -> mmap.mmap | None:
