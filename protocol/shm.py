@@ -328,6 +328,8 @@ def _holds(header: bytes | mmap.mmap, size: int, ref: str, generation: int, nbyt
     """Whether a slot of `size` bytes that starts with `header` still holds the use `ref` names
     (False: taken back, or reused); raises SlotRefused when that use's bytes are not the
     `nbytes` that `dtype` and `shape` need, or more than the slot has room for."""
+    if len(header) < HEADER:  # a file cut short since it was looked at
+        raise SlotRefused(f"shared-memory tensor {ref}: its slot was truncated")
     used, put = _USE.unpack_from(header, 8)
     if header[0] != 1 or used != generation:
         return False

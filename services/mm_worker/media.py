@@ -109,12 +109,11 @@ KEPT_FREE_BYTES = 256 << 20
 def keep_freed_memory() -> None:
     """Have glibc's malloc keep the memory freed after an image for the next one.
 
-    Left to itself, glibc moves its thresholds with what is freed, and in the MM worker (the
-    9 MB data URI of a 12 MP JPEG freed on the loop after the input thread made it) they ended
-    where every image's pixel blocks were mapped afresh and given back after it: about 70 MB of
-    pages faulted in and zeroed per image, 30-100 ms of system time each (BENCHMARKS.md, "One MM
-    worker process against a thread"). Fixed thresholds keep them; other C libraries are left
-    as they are."""
+    Left to itself, glibc moves its thresholds with what the process frees, and in the MM
+    worker they settled where a 12 MP JPEG's pixel blocks were mapped afresh for every image
+    and given back after it: some 15 000 more pages faulted in and zeroed per image than in a
+    thread of the bench, 30-100 ms of system time each (BENCHMARKS.md, "MM lane throughput").
+    Fixed thresholds keep them; other C libraries are left as they are."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES)
