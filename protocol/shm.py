@@ -2,15 +2,13 @@
 
     sender ── put(array) ──▶ a free slot: /dev/shm/mmlane-TAG-STARTED-SLOT (0600), its bytes
                              written, marked full ── "SLOT-NAME.GENERATION" in the TensorHeader
-    receiver ◀── ShmReader.take(ref) ── reads the bytes out, marks the slot free again
+    receiver ◀── ShmReader.take(ref) ── copies the bytes out, marks the slot free again
 
 Over an ipc socket a ZMQ frame is copied into the kernel and out again in small pieces, with a
 switch between the two processes for each; here the sender copies the bytes once into a slot,
-a file of the host's shared-memory filesystem, and the receiver reads them once out of it into
-memory of its own (`preadv`: a slot truncated meanwhile reads short, where a copy out of a
-mapping would die of SIGBUS). The slots are kept and reused, so their pages are allocated once:
-a new file per tensor would cost the kernel more (allocating and zeroing every page) than the
-copies.
+a file of the host's shared-memory filesystem, and the receiver copies them once out of it into
+memory of its own. The slots are kept and reused, so their pages are allocated once: a new
+file per tensor would cost the kernel more (allocating and zeroing every page) than the copies.
 
 A slot starts with a 64-byte header: byte 0 says whether it is full (the sender sets it after
 writing the bytes; the receiver clears it after copying them out), byte 1 that its sender has
@@ -44,8 +42,9 @@ decoded, so that the request it belongs to still gets its one reply (a retryable
 receiver cache, which missed the request's commit, falls out of sync and starts over). A
 reference that names no slot, or a slot that is no regular file of this user's (a symlink, a
 FIFO), is smaller than a header, or whose header disagrees with the message's dtype and shape,
-is refused (`SlotRefused`; the codec raises `TensorsRefused`, as well with the message). Only
-names of the slot pattern are ever opened or unlinked, never through a symlink.
+is refused (`SlotRefused`; the codec raises `TensorsRefused`, as well with the message), and so
+is a slot cut short since it was mapped (its pages past the file's end would raise SIGBUS).
+Only names of the slot pattern are ever opened or unlinked, never through a symlink.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ import stat
 import struct
 import time
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -102,7 +101,7 @@ def reap(tag: str, keep: str = "") -> int:
     reaped = 0
     for path in _slot_paths(f"{_PREFIX}{tag}-"):
         if not keep or not path.name.startswith(keep):
-            path.unlink(missing_ok=True)
+            _unlink(path)
             reaped += 1
     return reaped
 
@@ -129,12 +128,19 @@ def _close_slot(path: Path, mapping: mmap.mmap) -> None:
     """A writer lets go of a slot: unlinked if empty (or cut short: no receiver can take it),
     else marked closed for its receiver."""
     if _cut(mapping):
-        path.unlink(missing_ok=True)
+        _unlink(path)
     else:
         mapping[1] = 1  # closed: before looking whether it is empty (see `ShmReader.take`)
         if mapping[0] == 0:
-            path.unlink(missing_ok=True)
+            _unlink(path)
     mapping.close()
+
+
+def _unlink(path: Path) -> None:
+    """Unlink a slot's name; what stands there now and is not ours to unlink (a folder, another
+    user's file in the sticky /dev/shm) is left."""
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+        path.unlink()
 
 
 def _cut(mapping: mmap.mmap) -> bool:
@@ -224,7 +230,7 @@ class ShmWriter:
         try:
             mapping = _create(path, size)
         except OSError:  # no room in /dev/shm (or none at all): frames still work
-            path.unlink(missing_ok=True)
+            _unlink(path)
             return None
         slot = _Slot(path, mapping, size)
         self._slots.append(slot)
@@ -241,43 +247,61 @@ def _create(path: Path, size: int) -> mmap.mmap:
 
 
 class ShmReader:
-    """The receiving side: reads tensors out of their senders' slots (`preadv`, no mapping: a
-    slot truncated or replaced meanwhile reads short or fails to open, never a SIGBUS)."""
+    """The receiving side: copies tensors out of their senders' slots. It keeps each slot it
+    has read mapped (at most `MAPPINGS`, the least recently used dropped first, and any whose
+    file is gone), since mapping a slot afresh for every tensor costs a page fault per page.
+    Before each copy it checks that the slot's file still covers its mapping: a slot cut short
+    since it was mapped is refused, where touching its pages would die of SIGBUS. (A cut that
+    races the copy itself takes a process of the receiver's own user, which could as well kill
+    it: the slots are 0600.)"""
+
+    MAPPINGS = 64
+
+    def __init__(self) -> None:
+        self._mappings: OrderedDict[str, mmap.mmap] = OrderedDict()
 
     def take(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
-        """The array a sender put into the slot `ref` names (the slot is free again after it),
-        or None when the slot is gone or holds another use by now. Raises `SlotRefused` for a
-        reference that names no slot, a file that is no slot, or bytes of another size than
-        `dtype` and `shape` need."""
+        """A copy of the array a sender put into the slot `ref` names (the slot is free again
+        after it), or None when the slot is gone or holds another use by now. Raises
+        `SlotRefused` for a reference that names no slot, a file that is no slot, or bytes of
+        another size than `dtype` and `shape` need."""
         name, generation, nbytes = _parse(ref, dtype, shape)
-        fd = _open_fd(name)
-        if fd is None:
+        slot = self._mapping(name)
+        if slot is None:
             return None
-        try:
-            size = os.fstat(fd).st_size
-            if not _holds(os.pread(fd, HEADER, 0), size, ref, generation, nbytes, dtype, shape):
-                return None
-            array = _read(fd, ref, dtype, shape, nbytes)
-            os.pwrite(fd, b"\0", 0)  # free: before looking whether its writer has closed
-            if os.pread(fd, 1, 1) != b"\0":
-                (SHM_DIR / name).unlink(missing_ok=True)
-            return array
-        finally:
-            os.close(fd)
+        if _cut(slot):
+            self._mappings.pop(name).close()
+            raise SlotRefused(f"shared-memory slot {name} was truncated")
+        if not _holds(slot, ref, generation, nbytes, dtype, shape):
+            return None
+        array = _shaped(np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
+                                      offset=HEADER), ref, shape).copy()
+        _free(slot, name)
+        return array
+
+    def _mapping(self, name: str) -> mmap.mmap | None:
+        slot = self._mappings.get(name)
+        if slot is not None:
+            self._mappings.move_to_end(name)
+            return slot
+        for known in [n for n in self._mappings if not (SHM_DIR / n).exists()]:
+            self._mappings.pop(known).close()
+        slot = _open(name)
+        if slot is None:
+            return None
+        self._mappings[name] = slot
+        if len(self._mappings) > self.MAPPINGS:
+            self._mappings.popitem(last=False)[1].close()
+        return slot
 
 
-def _read(fd: int, ref: str, dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> np.ndarray:
+def _shaped(flat: np.ndarray, ref: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A slot's bytes in the message's shape; refused when numpy takes no such shape (more
+    dimensions than it has, or a dimension past its index, next to a zero one)."""
     try:
-        array = np.empty(shape, dtype)
-    except ValueError as exc:  # more dimensions than numpy takes, or a size past its index
+        return flat.reshape(shape)
+    except ValueError as exc:
         raise SlotRefused(f"shared-memory tensor {ref}: shape {shape} is no array's") from exc
-    buffer, done = array.reshape(-1).view(np.uint8).data, 0  # its bytes, any shape
-    while done < nbytes:
-        read = os.preadv(fd, [buffer[done:]], HEADER + done)
-        if read == 0:
-            raise SlotRefused(f"shared-memory tensor {ref}: its slot was truncated while read")
-        done += read
-    return array
 
 
 def _open_fd(name: str) -> int | None:
@@ -323,19 +347,16 @@ def _parse(ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int,
     return match[1], int(match[2]), dtype.itemsize * math.prod(shape)  # Python ints
 
 
-def _holds(header: bytes | mmap.mmap, size: int, ref: str, generation: int, nbytes: int,
-           dtype: np.dtype, shape: tuple[int, ...]) -> bool:
-    """Whether a slot of `size` bytes that starts with `header` still holds the use `ref` names
-    (False: taken back, or reused); raises SlotRefused when that use's bytes are not the
-    `nbytes` that `dtype` and `shape` need, or more than the slot has room for."""
-    if len(header) < HEADER:  # a file cut short since it was looked at
-        raise SlotRefused(f"shared-memory tensor {ref}: its slot was truncated")
-    used, put = _USE.unpack_from(header, 8)
-    if header[0] != 1 or used != generation:
+def _holds(slot: mmap.mmap, ref: str, generation: int, nbytes: int, dtype: np.dtype,
+           shape: tuple[int, ...]) -> bool:
+    """Whether `slot` still holds the use `ref` names (False: taken back, or reused); raises
+    SlotRefused when that use's bytes are not the `nbytes` that `dtype` and `shape` need."""
+    used, put = _USE.unpack_from(slot, 8)
+    if slot[0] != 1 or used != generation:
         return False
-    if put != nbytes or HEADER + nbytes > size:
-        raise SlotRefused(f"shared-memory tensor {ref} holds {put} bytes in a slot of {size}, "
-                          f"shape {shape} of {dtype} needs {nbytes}")
+    if put != nbytes or HEADER + nbytes > len(slot):
+        raise SlotRefused(f"shared-memory tensor {ref} holds {put} bytes in a slot of "
+                          f"{len(slot)}, shape {shape} of {dtype} needs {nbytes}")
     return True
 
 
@@ -357,18 +378,17 @@ class ShmViews:
 
     def adopt(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """The array a pool process put into slot `ref`: a view of the slot, or a copy (slot
-        freed); None when the slot is gone or reused. Raises SlotRefused as `ShmReader.take`.
-        (A mapping, for the views: its slots are the worker's own pool processes'.)"""
+        freed); None when the slot is gone or reused. Raises SlotRefused as `ShmReader.take`."""
         name, generation, nbytes = _parse(ref, dtype, shape)
         slot = self._mapping(name)
         if slot is None:
             return None
         if _cut(slot):
             raise SlotRefused(f"shared-memory slot {name} was truncated")
-        if not _holds(slot, len(slot), ref, generation, nbytes, dtype, shape):
+        if not _holds(slot, ref, generation, nbytes, dtype, shape):
             return None
-        view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
-                             offset=HEADER).reshape(shape)
+        view = _shaped(np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
+                                     offset=HEADER), ref, shape)
         if self.keep_from is None or nbytes < self.keep_from:
             array = view.copy()
             del view
@@ -418,4 +438,4 @@ def _free(slot: mmap.mmap, name: str) -> None:
     has closed (it set the flag before looking whether its slots were free)."""
     slot[0] = 0
     if slot[1]:
-        (SHM_DIR / name).unlink(missing_ok=True)
+        _unlink(SHM_DIR / name)

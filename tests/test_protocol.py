@@ -351,8 +351,8 @@ def test_a_dead_writers_slots_are_released_as_its_close_would(writer) -> None:
 
 def test_a_slot_cut_short_after_its_receiver_read_it_is_refused_not_a_sigbus(writer) -> None:
     """Found by the fuzzing (tests/test_fuzz.py): a receiver that kept its slots mapped died of
-    SIGBUS reading a slot truncated since; it reads them with preadv now, and its writer lets
-    go of a slot cut short without touching its pages."""
+    SIGBUS reading a slot truncated since; it checks the file against the mapping first now,
+    and its writer lets go of a slot cut short without touching its pages."""
     sender, receiver = Codec(EngineInput, shm_writer=writer), Codec(EngineInput, accept_shm=True)
     receiver.decode(sender.encode(_image_request(64, "first")))  # read once: the slot known
     frames = sender.encode(_image_request(64, "cut"))
