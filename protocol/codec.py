@@ -8,7 +8,9 @@ that owns the socket and is not shared between threads.
 On one host a codec may move large arrays through shared memory instead (protocol/shm.py): the
 sender's codec is given a `ShmWriter`, and its header then names a block (`shm`) instead of a
 frame. Only a decoder built with `accept_shm` (one that reads an ipc socket) takes such headers;
-any other refuses them, so nothing on a tcp socket can make a process open a file.
+any other refuses them, so nothing on a tcp socket can make a process open a file. A header
+whose block is gone, or refused, leaves the rest of the message to decode: the codec raises
+`TensorsLost` or `TensorsRefused` with it, so that its sender is still answered.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import msgspec
 import numpy as np
 
 from protocol import shm
-from protocol.errors import RequestError, TensorsLost, translate
+from protocol.errors import RequestError, TensorsLost, TensorsRefused, translate
 
 T = TypeVar("T")
 
@@ -52,6 +54,7 @@ class Codec(Generic[T]):
         self._shm_writer = shm_writer
         self._shm_reader = shm.ShmReader() if accept_shm else None
         self._lost: list[str] = []
+        self._refused: list[str] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_array)
         self._decoder = msgspec.msgpack.Decoder(decode_type, dec_hook=self._dec_array)
 
@@ -82,11 +85,15 @@ class Codec(Generic[T]):
         finally:
             self._in_frames = ()
             lost, self._lost = self._lost, []
+            refused, self._refused = self._refused, []
         if len(self._used_frames) != len(frames) - 1:
             raise RequestError(
                 f"undecodable message: {len(frames) - 1} frames after the body, but its "
                 f"tensors use {len(self._used_frames)}", code="invalid_message",
             )
+        if refused:
+            raise TensorsRefused(f"{len(refused)} shared-memory tensor(s) refused: {refused[0]}",
+                                 decoded=message)
         if lost:
             raise TensorsLost(
                 f"{len(lost)} shared-memory tensor(s) were gone on arrival ({lost[0]}, ...): "
@@ -134,7 +141,11 @@ class Codec(Generic[T]):
         if self._shm_reader is None:
             raise ValueError("shared-memory tensors are refused on this socket")
         dtype = np.dtype(header.dtype)
-        array = self._shm_reader.take(header.shm, dtype, header.shape)
+        try:
+            array = self._shm_reader.take(header.shm, dtype, header.shape)
+        except shm.SlotRefused as exc:
+            self._refused.append(str(exc))
+            return np.empty(0, dtype)
         if array is None:
             self._lost.append(header.shm)
             return np.empty(0, dtype)

@@ -2,9 +2,10 @@
 
     MMLaneError                      every error mmlane raises on purpose; unclassified: internal
     ├── RequestError                 the request's fault: reply with the message, keep serving
-    │     codes: invalid_request, invalid_message, invalid_image, bad_image, media_not_allowed,
-    │            fetch_failed, too_many_images, prompt_too_long, model_error, model_not_found,
-    │            image_too_large, request_too_large, invalid_api_key
+    │     │ codes: invalid_request, invalid_message, invalid_image, bad_image, media_not_allowed,
+    │     │        fetch_failed, too_many_images, prompt_too_long, model_error, model_not_found,
+    │     │        image_too_large, request_too_large, invalid_api_key
+    │     └── TensorsRefused         a message's shared-memory tensors named no slot of its sender's
     ├── RetryableError               not the request's fault; the same request may succeed later
     │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss, backend_died,
     │     │        tensors_lost, request_timeout, rate_limit_exceeded
@@ -124,15 +125,31 @@ class CacheMissError(RetryableError):
         )
 
 
-class TensorsLost(RetryableError):
-    """A message's shared-memory tensors were gone when it arrived; `decoded` is the message
-    with those tensors empty, so that its sender can still be answered."""
+class PartlyDecoded(MMLaneError):
+    """A message decoded but for some of its shared-memory tensors: `decoded` is the message
+    with those tensors empty, so that its sender can still be answered; `counter` counts it."""
 
-    default_code = "tensors_lost"
+    counter = ""
 
     def __init__(self, message: str, *, decoded: object) -> None:
         super().__init__(message)
         self.decoded = decoded
+
+
+class TensorsLost(PartlyDecoded, RetryableError):
+    """A message's shared-memory tensors were gone when it arrived (their sender restarted, or
+    took the slots back)."""
+
+    default_code = "tensors_lost"
+    counter = "tensors_lost"
+
+
+class TensorsRefused(PartlyDecoded, RequestError):
+    """A message's shared-memory tensors named no slot, or a file that is no slot of its
+    sender's, or one whose bytes disagree with the message (protocol/shm.py)."""
+
+    default_code = "invalid_message"
+    counter = "tensors_refused"
 
 
 class InternalError(MMLaneError):

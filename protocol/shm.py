@@ -39,17 +39,24 @@ and frees the slot. The slots of a pool process that died are released as its cl
 A receiver that finds a slot gone or reused (its sender restarted meanwhile, or took the slot
 back) makes the codec raise `TensorsLost` (protocol/errors.py) with the rest of the message
 decoded, so that the request it belongs to still gets its one reply (a retryable error; the
-receiver cache, which missed the request's commit, falls out of sync and starts over).
+receiver cache, which missed the request's commit, falls out of sync and starts over). A
+reference that names no slot, or a slot that is no regular file of this user's (a symlink, a
+FIFO), is smaller than a header, or whose header disagrees with the message's dtype and shape,
+is refused (`SlotRefused`; the codec raises `TensorsRefused`, as well with the message), and so
+is a slot cut short since it was mapped (its pages past the file's end would raise SIGBUS).
+Only names of the slot pattern are ever opened or unlinked, never through a symlink.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 import mmap
 import os
 import re
+import stat
 import struct
 import time
 import weakref
@@ -65,9 +72,15 @@ HEADER = 64
 """Bytes before a slot's data: the full flag, the generation; the data stays 64-byte aligned."""
 _GROW = 1 << 20  # slots are sized in whole MiB, so that a slightly larger tensor still fits
 _PREFIX = "mmlane-"
-_REF = re.compile(r"(mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,9})\.([0-9]{1,20})")
+_NAME = r"mmlane-[0-9a-f]{12}-[0-9]{1,20}-[0-9]{1,9}"
+_SLOT = re.compile(_NAME)
+_REF = re.compile(rf"({_NAME})\.([0-9]{{1,20}})")
 _STEM = re.compile(r"mmlane-[0-9a-f]{12}-[0-9]{1,20}-")
 _USE = struct.Struct("<QQ")  # generation, nbytes: at offset 8
+
+
+class SlotRefused(ValueError):
+    """A reference that names no slot, or a slot whose file or header disagrees with it."""
 
 
 def available() -> bool:
@@ -86,11 +99,16 @@ def reap(tag: str, keep: str = "") -> int:
     """Unlink every slot under `tag` but those whose name starts with `keep`: what a killed
     predecessor under the same tag left. How many there were."""
     reaped = 0
-    for path in SHM_DIR.glob(f"{_PREFIX}{tag}-*"):
+    for path in _slot_paths(f"{_PREFIX}{tag}-"):
         if not keep or not path.name.startswith(keep):
-            path.unlink(missing_ok=True)
+            _unlink(path)
             reaped += 1
     return reaped
+
+
+def _slot_paths(stem: str) -> list[Path]:
+    """The files under `stem` whose names are slots' (a glob alone matches any tail)."""
+    return [path for path in SHM_DIR.glob(f"{stem}*") if _SLOT.fullmatch(path.name)]
 
 
 def abandon(stem: str) -> None:
@@ -99,18 +117,36 @@ def abandon(stem: str) -> None:
     said its own) names nothing."""
     if not _STEM.fullmatch(stem):
         return
-    for path in SHM_DIR.glob(f"{stem}*"):
-        mapping = _open(path.name)
-        if mapping is not None:
-            _close_slot(path, mapping)
+    for path in _slot_paths(stem):
+        with contextlib.suppress(SlotRefused):  # not a slot of its: left alone
+            mapping = _open(path.name)
+            if mapping is not None:
+                _close_slot(path, mapping)
 
 
 def _close_slot(path: Path, mapping: mmap.mmap) -> None:
-    """A writer lets go of a slot: unlinked if empty, else marked closed for its receiver."""
-    mapping[1] = 1  # closed: before looking whether it is empty (see `ShmReader.take`)
-    if mapping[0] == 0:
-        path.unlink(missing_ok=True)
+    """A writer lets go of a slot: unlinked if empty (or cut short: no receiver can take it),
+    else marked closed for its receiver."""
+    if _cut(mapping):
+        _unlink(path)
+    else:
+        mapping[1] = 1  # closed: before looking whether it is empty (see `ShmReader.take`)
+        if mapping[0] == 0:
+            _unlink(path)
     mapping.close()
+
+
+def _unlink(path: Path) -> None:
+    """Unlink a slot's name; what stands there now and is not ours to unlink (a folder, another
+    user's file in the sticky /dev/shm) is left."""
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+        path.unlink()
+
+
+def _cut(mapping: mmap.mmap) -> bool:
+    """Whether a mapped slot's file was truncated since it was mapped (by no writer of ours):
+    touching its pages past the file's end would die of SIGBUS. (`size` is the file's.)"""
+    return mapping.size() < len(mapping)
 
 
 def sender_tag(identity: str) -> str:
@@ -141,6 +177,7 @@ class ShmWriter:
         self.stem = f"{_PREFIX}{tag}-{time.time_ns()}-"
         """The start of every slot name of this writer's."""
         self._slots: list[_Slot] = []
+        self._numbers = itertools.count()
         self.counters: Counter[str] = Counter()
         """shm_tensors and shm_bytes (put into slots), shm_fallbacks (sent as frames instead,
         no slot free and no room), shm_reaped (full slots taken back untaken)."""
@@ -175,6 +212,9 @@ class ShmWriter:
     def _free_slot(self, nbytes: int) -> _Slot | None:
         """The smallest free slot that fits (a slot full too long is taken back first), else a
         new one while the capacity allows; None when neither."""
+        for slot in [s for s in self._slots if _cut(s.mapping)]:  # never touched again
+            self._slots.remove(slot)
+            _close_slot(slot.path, slot.mapping)
         now = time.monotonic()
         for slot in self._slots:
             if not slot.is_free() and now - slot.filled_at > self.max_age_s:
@@ -186,11 +226,11 @@ class ShmWriter:
         size = HEADER + -(-nbytes // _GROW) * _GROW
         if sum(s.size for s in self._slots) + size > self.capacity:
             return None
-        path = SHM_DIR / f"{self.stem}{len(self._slots)}"
+        path = SHM_DIR / f"{self.stem}{next(self._numbers)}"  # never a dropped slot's again
         try:
             mapping = _create(path, size)
         except OSError:  # no room in /dev/shm (or none at all): frames still work
-            path.unlink(missing_ok=True)
+            _unlink(path)
             return None
         slot = _Slot(path, mapping, size)
         self._slots.append(slot)
@@ -209,7 +249,11 @@ def _create(path: Path, size: int) -> mmap.mmap:
 class ShmReader:
     """The receiving side: copies tensors out of their senders' slots. It keeps each slot it
     has read mapped (at most `MAPPINGS`, the least recently used dropped first, and any whose
-    file is gone), since mapping a slot afresh for every tensor costs a page fault per page."""
+    file is gone), since mapping a slot afresh for every tensor costs a page fault per page.
+    Before each copy it checks that the slot's file still covers its mapping: a slot cut short
+    since it was mapped is refused, where touching its pages would die of SIGBUS. (A cut that
+    races the copy itself takes a process of the receiver's own user, which could as well kill
+    it: the slots are 0600.)"""
 
     MAPPINGS = 64
 
@@ -218,16 +262,20 @@ class ShmReader:
 
     def take(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """A copy of the array a sender put into the slot `ref` names (the slot is free again
-        after it), or None when the slot is gone or holds another use by now. Raises ValueError
-        for a reference that names no slot, or bytes of another size than `dtype` and `shape`
-        need."""
+        after it), or None when the slot is gone or holds another use by now. Raises
+        `SlotRefused` for a reference that names no slot, a file that is no slot, or bytes of
+        another size than `dtype` and `shape` need."""
         name, generation, nbytes = _parse(ref, dtype, shape)
         slot = self._mapping(name)
-        if slot is None or not _holds(slot, ref, generation, nbytes, dtype, shape):
+        if slot is None:
             return None
-        view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize, offset=HEADER)
-        array = view.reshape(shape).copy()
-        del view
+        if _cut(slot):
+            self._mappings.pop(name).close()
+            raise SlotRefused(f"shared-memory slot {name} was truncated")
+        if not _holds(slot, ref, generation, nbytes, dtype, shape):
+            return None
+        array = _shaped(np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
+                                      offset=HEADER), ref, shape).copy()
         _free(slot, name)
         return array
 
@@ -247,42 +295,68 @@ class ShmReader:
         return slot
 
 
-def _open(name: str) -> mmap.mmap | None:
-    """Slot `name` mapped, or None when it is gone."""
+def _shaped(flat: np.ndarray, ref: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A slot's bytes in the message's shape; refused when numpy takes no such shape (more
+    dimensions than it has, or a dimension past its index, next to a zero one)."""
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        return flat.reshape(shape)
+    except ValueError as exc:
+        raise SlotRefused(f"shared-memory tensor {ref}: shape {shape} is no array's") from exc
+
+
+def _open_fd(name: str) -> int | None:
+    """A descriptor of slot `name`, checked to be a slot's (a regular file of this user's, at
+    least a header long, never reached through a symlink), or None when it is gone; raises
+    SlotRefused for any other file."""
+    try:  # O_NONBLOCK: a FIFO in its place must not stall the receiver
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:  # ELOOP: a symlink; EACCES: another user's; EISDIR ...
+        raise SlotRefused(f"shared-memory slot {name} cannot be opened: {exc.strerror}") from exc
+    info = os.fstat(fd)
+    problem = ("is no regular file" if not stat.S_ISREG(info.st_mode)
+               else "belongs to another user" if info.st_uid != os.geteuid()
+               else f"is {info.st_size} bytes, no slot's size" if info.st_size < HEADER
+               else "")
+    if problem:
+        os.close(fd)
+        raise SlotRefused(f"shared-memory slot {name} {problem}")
+    return fd
+
+
+def _open(name: str) -> mmap.mmap | None:
+    """Slot `name` mapped, or None when it is gone; raises SlotRefused as `_open_fd`."""
+    fd = _open_fd(name)
+    if fd is None:
+        return None
     try:
-        size = os.fstat(fd).st_size
-        if size < HEADER:
-            raise ValueError(f"shared-memory slot {name} is {size} bytes, no slot's size")
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
 
 def _parse(ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int, int]:
     """A reference's slot name and generation, and the bytes `dtype` and `shape` need; raises
-    ValueError for a reference that names no slot, or a negative shape."""
+    SlotRefused for a reference that names no slot, or a negative shape."""
     match = _REF.fullmatch(ref)
     if match is None:
-        raise ValueError(f"{ref!r} is not a shared-memory tensor reference")
+        raise SlotRefused(f"{ref[:80]!r} is not a shared-memory tensor reference")
     if any(d < 0 for d in shape):
-        raise ValueError(f"shared-memory tensor {ref} has a negative shape {shape}")
+        raise SlotRefused(f"shared-memory tensor {ref} has a negative shape {shape}")
     return match[1], int(match[2]), dtype.itemsize * math.prod(shape)  # Python ints
 
 
 def _holds(slot: mmap.mmap, ref: str, generation: int, nbytes: int, dtype: np.dtype,
            shape: tuple[int, ...]) -> bool:
     """Whether `slot` still holds the use `ref` names (False: taken back, or reused); raises
-    ValueError when that use's bytes are not the `nbytes` that `dtype` and `shape` need."""
+    SlotRefused when that use's bytes are not the `nbytes` that `dtype` and `shape` need."""
     used, put = _USE.unpack_from(slot, 8)
     if slot[0] != 1 or used != generation:
         return False
     if put != nbytes or HEADER + nbytes > len(slot):
-        raise ValueError(f"shared-memory tensor {ref} holds {put} bytes, shape {shape} of "
-                         f"{dtype} needs {nbytes}")
+        raise SlotRefused(f"shared-memory tensor {ref} holds {put} bytes in a slot of "
+                          f"{len(slot)}, shape {shape} of {dtype} needs {nbytes}")
     return True
 
 
@@ -304,13 +378,17 @@ class ShmViews:
 
     def adopt(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """The array a pool process put into slot `ref`: a view of the slot, or a copy (slot
-        freed); None when the slot is gone or reused. Raises ValueError as `ShmReader.take`."""
+        freed); None when the slot is gone or reused. Raises SlotRefused as `ShmReader.take`."""
         name, generation, nbytes = _parse(ref, dtype, shape)
         slot = self._mapping(name)
-        if slot is None or not _holds(slot, ref, generation, nbytes, dtype, shape):
+        if slot is None:
             return None
-        view = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
-                             offset=HEADER).reshape(shape)
+        if _cut(slot):
+            raise SlotRefused(f"shared-memory slot {name} was truncated")
+        if not _holds(slot, ref, generation, nbytes, dtype, shape):
+            return None
+        view = _shaped(np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
+                                     offset=HEADER), ref, shape)
         if self.keep_from is None or nbytes < self.keep_from:
             array = view.copy()
             del view
@@ -337,7 +415,8 @@ class ShmViews:
         """A view dropped unsent: free its slot, unless it holds another use by now."""
         self._views.pop(key, None)
         slot = self._mappings.get(name)
-        if slot is not None and slot[0] == 1 and _USE.unpack_from(slot, 8)[0] == generation:
+        if (slot is not None and not _cut(slot) and slot[0] == 1
+                and _USE.unpack_from(slot, 8)[0] == generation):
             _free(slot, name)
 
     def _mapping(self, name: str) -> mmap.mmap | None:
@@ -359,4 +438,4 @@ def _free(slot: mmap.mmap, name: str) -> None:
     has closed (it set the flag before looking whether its slots were free)."""
     slot[0] = 0
     if slot[1]:
-        (SHM_DIR / name).unlink(missing_ok=True)
+        _unlink(SHM_DIR / name)

@@ -44,7 +44,9 @@ import base64
 import itertools
 import math
 import os
+import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,9 +57,11 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from conftest import role_log, start_role, stop_role
 from peers import PATIENCE_S, Inbox, StandInEngine, push, wait_for_stats
+from protocol import shm
 from protocol.codec import Codec
 from protocol.errors import CODES, ErrorInfo
 from protocol.messages import (
@@ -97,6 +101,7 @@ from protocol.messages import (
     TokenLogprobs,
 )
 from protocol.sampling import StructuredOutputs
+from protocol.shm import ShmWriter
 from services.bench.images import encode, make_image, png_uri
 from services.common.feature_cache import MAX_EPOCH
 from services.launcher import Child
@@ -503,6 +508,306 @@ def test_engine_counted_what_it_dropped(engine_fuzz: EngineFuzz, module_run_dir:
     assert engine_fuzz.dropped > 0
     counter(module_run_dir, "engine", "invalid_messages", engine_fuzz.dropped)
     holds_nothing(module_run_dir, "engine")
+
+
+# ========================================================= the engine's shared-memory tensors
+
+NOBODY = 65534
+"""The uid and gid a slot is handed to in the 'owned by nobody' case (root alone can)."""
+SHM_CASES = {
+    # what the example does to the request's reference or to its slot: what the engine answers
+    "as sent": "served",
+    "name: no slot's": "invalid_message",  # a drawn name, or one that escapes /dev/shm
+    "name: a slot never made": "tensors_lost",
+    "generation: another": "tensors_lost",
+    "dtype and shape: another byte count": "invalid_message",
+    "shape: more dimensions than numpy takes": "invalid_message",
+    "header: full flag garbage": "tensors_lost",
+    "header: closed flag set": "served",  # the engine unlinks it after reading it
+    "header: generation scribbled": "tensors_lost",
+    "header: byte count scribbled": "invalid_message",
+    "file: truncated": "invalid_message",
+    "file: replaced by a symlink": "invalid_message",
+    "file: replaced by a FIFO": "invalid_message",
+    "file: replaced by a folder": "invalid_message",
+    "file: replaced by one of another size": "invalid_message",
+    "file: replaced by an empty slot": "tensors_lost",
+    **({"file: owned by nobody": "invalid_message"} if os.geteuid() == 0 else {}),
+}
+"""Each hostile case of a shared-memory tensor, and the engine's one reply to its request:
+served, or an error of that code (`expected_reply`)."""
+_REF_KEY = 3  # a TensorHeader's field, as msgpack carries it: [dtype, shape, frame, shm]
+PIXEL_BYTES = 4 * 1176
+"""The uint8 pixel_values of a 32x32 image for the tiny Qwen2-VL: 4 patches of 1176 bytes."""
+
+
+class ShmFuzz:
+    """The test as an MM worker on the engine's host: requests whose pixels are in slots of
+    its own (a `ShmWriter` per example), sent beside the engine fuzz's socket and inbox, and a
+    canary outside /dev/shm that a symlink points to, made to look like a full slot."""
+
+    def __init__(self, fuzz: EngineFuzz, run_dir: Path, prep: Preprocessor) -> None:
+        self.fuzz = fuzz
+        self.tag = shm.sender_tag(f"{run_dir}/shm-fuzz")
+        image = prep.process_image(make_image(32, 32))
+        prompt = prep.tokenize_batch(["Describe"])[0]
+        self.request = EngineRequest(
+            request_id="", reply_to=fuzz.reply_to,
+            prompt_token_ids=[*prompt, *[prep.image_token_id] * image.num_tokens],
+            mm_items=[MMItem(offset=len(prompt), length=image.num_tokens, tensors=image.tensors)],
+            sampling=SamplingParams(max_tokens=3))
+        self.canary = run_dir / "canary"
+        self.canary.write_bytes(bytes([1]) + bytes(shm.HEADER + (1 << 20) - 1))
+        self.decoys = [shm.SHM_DIR / f"mmlane-{self.tag}-decoy", shm.SHM_DIR / f"{self.tag}-1-0"]
+        """Files beside the slots, outside the slot pattern: never to be opened or unlinked."""
+        for decoy in self.decoys:
+            decoy.write_bytes(b"decoy")
+        self.counts: Counter[str] = Counter()
+        """The replies the engine owes its counters: tensors_lost, tensors_refused."""
+        self.baseline = self.send(ShmWriter(self.tag, threshold=1024, capacity=4 << 20,
+                                            max_age_s=60), lambda frames, writer: frames)
+
+    def send(self, writer: ShmWriter, hostile: Callable[[list[bytes], ShmWriter], list[bytes]],
+             ) -> list[int] | RequestFailed:
+        """Send the image request through `writer`'s slot, made hostile; the one reply: the
+        output tokens, or the error. The writer is closed after it, its slots unlinked."""
+        request = replace(self.request, request_id=f"shm-{next(_ids)}")
+        try:
+            frames = [bytes(f) for f in Codec(EngineInput, shm_writer=writer).encode(request)]
+            self.fuzz.push.send_multipart(hostile(frames, writer))
+            replies = self.fuzz.replies.until({request.request_id},
+                                              self.fuzz.role)[request.request_id]
+        finally:
+            writer.close()
+            _unlink_slots(self.tag)
+        if isinstance(replies[-1], RequestFailed):
+            return replies[-1]
+        assert all(isinstance(r, EngineOutput) for r in replies), replies
+        return [token for reply in replies for token in reply.token_ids]
+
+    def probe(self) -> None:
+        """A valid request through a slot is served as before any fuzzing."""
+        writer = ShmWriter(self.tag, threshold=1024, capacity=4 << 20, max_age_s=60)
+        assert self.send(writer, lambda frames, writer: frames) == self.baseline
+
+    def close(self) -> None:
+        for decoy in self.decoys:
+            decoy.unlink()
+
+
+def _unlink_slots(tag: str) -> None:
+    """Whatever an example left under the tag's slot names (files, links, FIFOs, folders)."""
+    for path in shm.SHM_DIR.glob(f"mmlane-{tag}-[0-9]*"):
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+
+
+@pytest.fixture(scope="module")
+def shm_fuzz(engine_fuzz: EngineFuzz, module_run_dir: Path,
+             prep: Preprocessor) -> Iterator[ShmFuzz]:
+    fuzz = ShmFuzz(engine_fuzz, module_run_dir, prep)
+    yield fuzz
+    fuzz.close()
+
+
+def _with_ref(frames: list[bytes], ref: str | None = None, *, dtype: str | None = None,
+              shape: list[int] | None = None) -> list[bytes]:
+    """The frames with the shared-memory header's reference, dtype or shape replaced."""
+    body = msgspec.msgpack.decode(frames[0])
+    for header in _shm_headers(body):
+        header[_REF_KEY] = header[_REF_KEY] if ref is None else ref
+        header[0] = header[0] if dtype is None else dtype
+        header[1] = header[1] if shape is None else shape
+    return [msgspec.msgpack.encode(body), *frames[1:]]
+
+
+def _shm_headers(tree: Any) -> Iterator[list[Any]]:
+    """The TensorHeaders in a decoded msgpack tree that name a slot."""
+    if isinstance(tree, list):
+        if len(tree) == 4 and isinstance(tree[_REF_KEY], str) and tree[_REF_KEY].startswith(
+                "mmlane-"):
+            yield tree
+            return
+        for value in tree:
+            yield from _shm_headers(value)
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _shm_headers(value)
+
+
+def _the_slot(frames: list[bytes]) -> tuple[Path, str]:
+    [header] = _shm_headers(msgspec.msgpack.decode(frames[0]))
+    name, _, generation = header[_REF_KEY].rpartition(".")
+    return shm.SHM_DIR / name, generation
+
+
+def _scribble(offset: int, data: bytes) -> Callable[[list[bytes], ShmWriter], list[bytes]]:
+    def hostile(frames: list[bytes], writer: ShmWriter) -> list[bytes]:
+        path, _ = _the_slot(frames)
+        with path.open("r+b") as slot:
+            slot.seek(offset)
+            slot.write(data)
+        return frames
+    return hostile
+
+
+def _replace_file(make: Callable[[Path], object]) -> Callable[[list[bytes], ShmWriter],
+                                                                list[bytes]]:
+    def hostile(frames: list[bytes], writer: ShmWriter) -> list[bytes]:
+        path, _ = _the_slot(frames)
+        path.unlink()
+        make(path)
+        return frames
+    return hostile
+
+
+def _full_header(frames: list[bytes]) -> bytes:
+    """The header of a slot holding the use the frames name, as its writer wrote it."""
+    generation = int(_the_slot(frames)[1])
+    return (bytes([1]) + bytes(7) + struct.pack("<QQ", generation, PIXEL_BYTES)).ljust(
+        shm.HEADER, b"\0")
+
+
+def _resized(size: int) -> Callable[[list[bytes], ShmWriter], list[bytes]]:
+    """The slot replaced by a file of `size` bytes that starts as the slot did."""
+    def hostile(frames: list[bytes], writer: ShmWriter) -> list[bytes]:
+        data = _full_header(frames).ljust(size, b"\0")[:size]
+        return _replace_file(lambda path: path.write_bytes(data))(frames, writer)
+    return hostile
+
+
+def _link_to(canary: Path) -> Callable[[list[bytes], ShmWriter], list[bytes]]:
+    """The slot replaced by a symlink to the canary, made to hold the use the frames name:
+    followed, the engine would serve the request and clear the canary's full flag."""
+    def hostile(frames: list[bytes], writer: ShmWriter) -> list[bytes]:
+        with canary.open("r+b") as file:
+            file.write(_full_header(frames))
+        return _replace_file(lambda path: path.symlink_to(canary))(frames, writer)
+    return hostile
+
+
+def _scribble_generation(value: int) -> Callable[[list[bytes], ShmWriter], list[bytes]]:
+    def hostile(frames: list[bytes], writer: ShmWriter) -> list[bytes]:
+        generation = int(_the_slot(frames)[1])
+        scribbled = value if value != generation else (value + 1) % 2**64
+        return _scribble(8, scribbled.to_bytes(8, "little"))(frames, writer)
+    return hostile
+
+
+@st.composite
+def shm_hostility(draw: st.DrawFn, canary: Path
+                  ) -> tuple[str, Callable[[list[bytes], ShmWriter], list[bytes]]]:
+    """A case of SHM_CASES and what it does to the frames or the slot they name."""
+    case = draw(st.sampled_from(sorted(SHM_CASES)))
+    u64 = st.integers(0, 2**64 - 1)
+    if case == "name: no slot's":
+        name = draw(st.one_of(hostile_text.map(lambda text: text or "?"), st.sampled_from([
+            "../../etc/passwd", "mmlane-000000000000-1-0/../../x.1", "mmlane-0-1-0.1",
+            "mmlane-000000000000-1-0.1\n", "/dev/shm/mmlane-000000000000-1-0.1"])))
+        return case, lambda frames, writer: _with_ref(frames, name)
+    if case == "name: a slot never made":
+        return case, lambda frames, writer: _with_ref(
+            frames, f"mmlane-{writer.tag}-1-{draw(st.integers(100, 10**9 - 1))}.1")
+    if case == "generation: another":
+        delta = draw(st.sampled_from([-1, 1, 2**40]))
+        return case, lambda frames, writer: _with_ref(
+            frames, f"{_the_slot(frames)[0].name}.{max(0, int(_the_slot(frames)[1]) + delta)}")
+    if case == "dtype and shape: another byte count":
+        dtype, shape = draw(st.sampled_from([
+            ("<f4", None), ("|u1", [PIXEL_BYTES + 1]), ("|u1", [0, 2**63]), ("|u1", [2**63, 2**63]),
+            ("<f8", [2**62, 4]), ("|u1", [])]))
+        return case, lambda frames, writer: _with_ref(frames, dtype=dtype, shape=shape)
+    if case == "shape: more dimensions than numpy takes":
+        return case, lambda frames, writer: _with_ref(frames, shape=[1] * 64 + [PIXEL_BYTES])
+    if case == "header: full flag garbage":
+        return case, _scribble(0, bytes([draw(st.sampled_from([0, 2, 255]))]))
+    if case == "header: closed flag set":
+        return case, _scribble(1, b"\x01")
+    if case == "header: generation scribbled":
+        return case, _scribble_generation(draw(u64))
+    if case == "header: byte count scribbled":
+        return case, _scribble(16, draw(u64.filter(lambda n: n != PIXEL_BYTES)).to_bytes(
+            8, "little"))
+    if case == "file: truncated":
+        size = draw(st.sampled_from([0, 1, 8, 24, shm.HEADER, shm.HEADER + 100]))
+        return case, _truncate(size)
+    if case == "file: replaced by a symlink":
+        return case, _link_to(canary)
+    if case == "file: replaced by a FIFO":
+        return case, _replace_file(os.mkfifo)
+    if case == "file: replaced by a folder":
+        return case, _replace_file(os.mkdir)
+    if case == "file: replaced by one of another size":
+        return case, _resized(draw(st.sampled_from([1, 10, shm.HEADER - 2, shm.HEADER + 10,
+                                                    shm.HEADER + 4703])))
+    if case == "file: replaced by an empty slot":
+        return case, _replace_file(lambda path: path.write_bytes(bytes(shm.HEADER + (1 << 20))))
+    if case == "file: owned by nobody":
+        return case, _chown(NOBODY)
+    return case, lambda frames, writer: frames
+
+
+def _truncate(size: int) -> Callable[[list[bytes], ShmWriter], list[bytes]]:
+    def hostile(frames: list[bytes], writer: ShmWriter) -> list[bytes]:
+        os.truncate(_the_slot(frames)[0], size)
+        return frames
+    return hostile
+
+
+def _chown(uid: int) -> Callable[[list[bytes], ShmWriter], list[bytes]]:
+    def hostile(frames: list[bytes], writer: ShmWriter) -> list[bytes]:
+        os.chown(_the_slot(frames)[0], uid, uid)
+        return frames
+    return hostile
+
+
+def expected_reply(case: str, reused: bool) -> str:
+    """SHM_CASES' reply; but a slot whose file was replaced or handed over after the engine had
+    mapped it is served: the engine reads the slot it mapped, which its writer wrote to, and
+    never opens what stands at the name now."""
+    if reused and case.startswith(("file: replaced", "file: owned")):
+        return "served"
+    return SHM_CASES[case]
+
+
+@given(data=st.data())
+@FUZZ
+def test_engine_shared_memory_tensors(shm_fuzz: ShmFuzz, data: st.DataObject) -> None:
+    """A request whose pixels are in a slot gets its one reply whatever became of the slot or
+    of its reference: served, or the error of SHM_CASES naming the problem; the canary the
+    symlinks point to and the decoys beside the slots are never touched; a valid request
+    through a slot is served after it. With `reused`, the engine has read the slot once before
+    (a receiver that kept its slots mapped died of SIGBUS reading a truncated one)."""
+    fuzz = shm_fuzz
+    case, hostile = data.draw(shm_hostility(fuzz.canary))
+    writer = ShmWriter(fuzz.tag, threshold=1024, capacity=4 << 20, max_age_s=60)
+    reused = data.draw(st.booleans(), label="reused")
+    if reused:
+        first = replace(fuzz.request, request_id=f"shm-{next(_ids)}")
+        fuzz.fuzz.push.send_multipart(Codec(EngineInput, shm_writer=writer).encode(first))
+        fuzz.fuzz.replies.until({first.request_id}, fuzz.fuzz.role)
+    got = fuzz.send(writer, hostile)
+    expected = expected_reply(case, reused)
+    if expected == "served":
+        assert got == fuzz.baseline, (case, got)
+    else:
+        assert isinstance(got, RequestFailed), (case, got)
+        assert_clear_error(got.error, case)
+        assert got.error.code == expected and "shared-memory" in got.error.message, (case, got)
+        fuzz.counts["tensors_lost" if expected == "tensors_lost" else "tensors_refused"] += 1
+    assert fuzz.canary.read_bytes()[0] == 1, f"{case}: the canary was written through a link"
+    assert all(decoy.read_bytes() == b"decoy" for decoy in fuzz.decoys), case
+    event(f"{case}{', reused' if reused else ''}: {expected}")
+    fuzz.probe()
+
+
+def test_engine_counted_the_shared_memory_it_refused(shm_fuzz: ShmFuzz,
+                                                     module_run_dir: Path) -> None:
+    """After the fuzzing: each refused or lost slot counted, nothing held, no slot left."""
+    for name, count in shm_fuzz.counts.items():
+        assert count > 0
+        counter(module_run_dir, "engine", name, count)
+    holds_nothing(module_run_dir, "engine")
+    assert not list(shm.SHM_DIR.glob(f"mmlane-{shm_fuzz.tag}-[0-9]*"))
 
 
 # ================================================================ the MM worker's job socket

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import io
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from conftest import REPO
@@ -31,6 +34,7 @@ from protocol.errors import (
     RequestError,
     RetryableError,
     TensorsLost,
+    TensorsRefused,
     from_info,
     http_status,
     translate,
@@ -343,6 +347,58 @@ def test_a_dead_writers_slots_are_released_as_its_close_would(writer) -> None:
     assert list(_slots(writer).values()) == [True]  # the empty one unlinked
     shm.ShmReader().take(full, np.dtype(np.float32), (1 << 18,))  # the receiver unlinks it
     assert _slots(writer) == {}
+
+
+def test_a_slot_cut_short_after_its_receiver_read_it_is_refused_not_a_sigbus(writer) -> None:
+    """Found by the fuzzing (tests/test_fuzz.py): a receiver that kept its slots mapped died of
+    SIGBUS reading a slot truncated since; it checks the file against the mapping first now,
+    and its writer lets go of a slot cut short without touching its pages."""
+    sender, receiver = Codec(EngineInput, shm_writer=writer), Codec(EngineInput, accept_shm=True)
+    receiver.decode(sender.encode(_image_request(64, "first")))  # read once: the slot known
+    frames = sender.encode(_image_request(64, "cut"))
+    [name] = _slots(writer)
+    for size in (shm.HEADER + 100, 0):
+        os.truncate(shm.SHM_DIR / name, size)
+        with pytest.raises(TensorsRefused, match="refused: shared-memory") as refused:
+            receiver.decode(frames)
+        assert refused.value.kind == "request" and refused.value.code == "invalid_message"
+        assert refused.value.decoded.request_id == "cut"
+    assert len(sender.encode(_image_request(64))) == 2  # a new slot, the cut one dropped
+    assert name not in _slots(writer)
+
+
+@pytest.mark.parametrize("replacement", ["symlink", "fifo"])
+def test_a_slot_replaced_by_a_symlink_or_a_fifo_is_refused_and_never_followed(
+    writer, tmp_path, replacement
+) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(bytes(SLOT))
+    frames = Codec(EngineInput, shm_writer=writer).encode(_image_request(64))
+    [name] = _slots(writer)
+    path = shm.SHM_DIR / name
+    with path.open("rb") as slot:  # the target looks like the slot, full
+        target.write_bytes(slot.read(SLOT))
+    path.unlink()
+    path.symlink_to(target) if replacement == "symlink" else os.mkfifo(path)
+    with pytest.raises(TensorsRefused, match="cannot be opened|is no regular file"):
+        Codec(EngineInput, accept_shm=True).decode(frames)
+    assert target.read_bytes()[0] == 1  # not freed through the link
+    path.unlink()
+
+
+@given(st.one_of(st.text(max_size=120), st.from_regex(
+    r"(/dev/shm/|\.\./)?mmlane-[0-9a-f]{12}-[0-9]{1,3}-[0-9./]{1,4}\.[0-9]{1,3}\n?",
+    fullmatch=True)))
+def test_a_reference_names_a_slot_inside_the_shared_memory_folder_or_none(ref: str) -> None:
+    """Whatever a peer writes as a reference, it names one file directly in /dev/shm of the
+    slot pattern, or is refused before any file is opened."""
+    try:
+        name, generation, nbytes = shm._parse(ref, np.dtype("<f4"), (2, 3))
+    except shm.SlotRefused:
+        return
+    assert (shm.SHM_DIR / name).parent == shm.SHM_DIR and shm._SLOT.fullmatch(name)
+    assert ref.startswith(f"{name}.") and int(ref[len(name) + 1:]) == generation
+    assert nbytes == 24
 
 
 KINDS = [RequestError, RetryableError, InternalError, FatalError]

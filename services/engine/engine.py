@@ -46,8 +46,8 @@ from protocol.errors import (
     CacheMissError,
     FatalError,
     MMLaneError,
+    PartlyDecoded,
     RetryableError,
-    TensorsLost,
     translate,
 )
 from protocol.messages import (
@@ -345,8 +345,8 @@ class Engine:
         self.metrics.counters["bytes_in"] += sum(len(frame) for frame in frames)
         try:
             request = codec.decode(frames)
-        except TensorsLost as exc:  # its MM worker restarted, or it waited a minute unread
-            self.metrics.counters["tensors_lost"] += 1
+        except PartlyDecoded as exc:  # shared-memory tensors gone (its MM worker restarted, or
+            self.metrics.counters[exc.counter] += 1  # they waited a minute unread) or refused
             log.warning("%s", exc)
             lost = exc.decoded
             if isinstance(lost, EngineRequest) and lost.reply_to.startswith(_REPLY_SCHEMES):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import binascii
 import concurrent.futures
+import ctypes
 import io
 import os
 import stat
@@ -86,13 +87,37 @@ def is_fetched(url: str) -> bool:
 
 
 def configure_pillow(max_image_pixels: int) -> None:
-    """Make Pillow's own bomb guard agree with ours (it is process-wide, so set it once).
+    """Set up a process that decodes images (it is process-wide, so set it once): Pillow's own
+    bomb guard agrees with ours, and the memory of one image's pixels is kept for the next.
 
     `Image.open` raises `DecompressionBombError` above twice this limit and only warns between
     one and two times it; `decode_image` refuses that band itself, so the warning is noise.
     """
     Image.MAX_IMAGE_PIXELS = max_image_pixels
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    keep_freed_memory()
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+KEPT_BLOCK_BYTES = 32 << 20
+"""Allocations up to this size come from the heap, whose freed memory is reused (glibc's most;
+Pillow holds an image in blocks of 16 MiB)."""
+KEPT_FREE_BYTES = 256 << 20
+"""Freed heap memory kept for reuse before any is given back to the system."""
+
+
+def keep_freed_memory() -> None:
+    """Have glibc's malloc keep the memory freed after an image for the next one.
+
+    Left to itself, glibc moves its thresholds with what the process frees, and in the MM
+    worker they settled where a 12 MP JPEG's pixel blocks were mapped afresh for every image
+    and given back after it: some 15 000 more pages faulted in and zeroed per image than in a
+    thread of the bench, 30-100 ms of system time each (BENCHMARKS.md, "MM lane throughput").
+    Fixed thresholds keep them; other C libraries are left as they are."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES)
+        mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES)
 
 
 # ---------------------------------------------------------------- reading the bytes

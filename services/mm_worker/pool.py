@@ -255,8 +255,8 @@ class ProcessPool:
             try:
                 item = ImageItem(tensors=self._adopt(tensors), num_tokens=num_tokens,
                                  token_ids=token_ids)
-            except RetryableError as exc:
-                task.future.set_exception(exc)
+            except (RetryableError, shm.SlotRefused) as exc:  # a slot of ours refused: a bug
+                task.future.set_exception(translate(exc, f"image {task.index}'s pixels"))
                 return
             task.future.set_result(Processed(item, decode_s, process_s))
         else:
