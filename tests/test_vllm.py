@@ -59,9 +59,6 @@ VLLM_ARGS: dict[str, Any] = {
     # The KV cache's size itself, not what that share leaves after the profiling run: the same
     # on a busy machine (the tiny models' 32k positions take at most 64 MiB).
     "kv_cache_memory_bytes": 256 * 2**20,
-    # No torch.compile: with the KV cache's size given, vLLM then skips its warm-up run too,
-    # and each server starts in about half the time (38 s against 83 s on two busy cores).
-    "enforce_eager": True,
     "dtype": "float32",
     # Compact JSON, as the hf backend makes it: vLLM's default whitespace lets the tiny model
     # write whitespace until max_tokens.
@@ -108,12 +105,14 @@ def _start(command: list[str], log: Path) -> subprocess.Popen:
 
 
 @contextmanager
-def serving(run_dir: Path, model_dir: Path) -> Iterator[tuple[tuple[Server, int],
-                                                             tuple[Server, str, Path]]]:
-    """`vllm serve` and `mmlane serve --backend vllm` on the model, started together, ready,
-    mmlane's logprobs kernel compiled: vLLM alone's server and port, and mmlane's server, native
-    endpoint and run directory."""
-    with _vllm_alone(run_dir, model_dir) as alone, _mmlane_vllm(run_dir, model_dir) as ours:
+def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None = None,
+            ) -> Iterator[tuple[tuple[Server, int], tuple[Server, str, Path]]]:
+    """`vllm serve` and `mmlane serve --backend vllm` on the model, with the same engine
+    arguments (default VLLM_ARGS), started together, ready, mmlane's logprobs kernel compiled:
+    vLLM alone's server and port, and mmlane's server, native endpoint and run directory."""
+    engine_args = VLLM_ARGS if engine_args is None else engine_args
+    with _vllm_alone(run_dir, model_dir, engine_args) as alone, \
+            _mmlane_vllm(run_dir, model_dir, engine_args) as ours:
         wait_until(lambda: _healthy(alone[1]) or alone[0].process.poll() is not None,
                    "vllm serve ready", timeout_s=STARTUP_S)
         assert alone[0].process.poll() is None, alone[0].log.read_text()
@@ -126,9 +125,10 @@ def serving(run_dir: Path, model_dir: Path) -> Iterator[tuple[tuple[Server, int]
 
 
 @contextmanager
-def _vllm_alone(run_dir: Path, model_dir: Path) -> Iterator[tuple[Server, int]]:
+def _vllm_alone(run_dir: Path, model_dir: Path,
+                engine_args: dict[str, Any]) -> Iterator[tuple[Server, int]]:
     port = free_port()
-    args = [_vllm_serve_option(key, value) for key, value in VLLM_ARGS.items()]
+    args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
     log = run_dir / "vllm.log"
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
                             "--port", str(port), *args], log), log)
@@ -139,12 +139,13 @@ def _vllm_alone(run_dir: Path, model_dir: Path) -> Iterator[tuple[Server, int]]:
 
 
 @contextmanager
-def _mmlane_vllm(run_dir: Path, model_dir: Path) -> Iterator[tuple[Server, str, Path]]:
+def _mmlane_vllm(run_dir: Path, model_dir: Path,
+                 engine_args: dict[str, Any]) -> Iterator[tuple[Server, str, Path]]:
     port, http_port = free_port(), free_port()
     log = run_dir / "serve.log"
     run_dir = run_dir / "run"
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
-    engine_args = {**VLLM_ARGS, "scheduling_policy": "priority"}
+    engine_args = {**engine_args, "scheduling_policy": "priority"}
     args = [f"--vllm-arg={key}={_arg(value)}" for key, value in engine_args.items()]
     server = Server(_start(
         [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
@@ -468,10 +469,12 @@ def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
     cores = [p for p in role.children(recursive=True) if "EngineCore" in " ".join(p.cmdline())
              or "EngineCore" in p.name()]
     with Client(endpoint, timeout_s=300) as client:
-        load = [client.submit([user_message(f"hello {i}")], max_tokens=200, ignore_eos=True)
+        # Long enough to be running at the kill: the compiled tiny model writes 200 tokens
+        # in under a second, and a core that dies idle is noticed at the next request only.
+        load = [client.submit([user_message(f"hello {i}")], max_tokens=2000, ignore_eos=True)
                 for i in range(3)]
         load += [client.submit([user_message("what is it?", [jpeg_uri(640, 480, 10 + i)])],
-                               max_tokens=200, ignore_eos=True) for i in range(3)]
+                               max_tokens=2000, ignore_eos=True) for i in range(3)]
         time.sleep(1.0)
         if victim == "the engine role":
             role.kill()
