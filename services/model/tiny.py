@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     CLIPVisionConfig,
@@ -211,7 +212,7 @@ def _utterance_template(start: str) -> str:
     )
 
 
-BUILDER_VERSION = 3  # bump whenever the built files change
+BUILDER_VERSION = 4  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
 # serving (1280 * 28 * 28), so a 12-megapixel photo becomes 1,280 tokens instead of 15,552 —
@@ -625,10 +626,8 @@ def _build_mistral3(out_dir: Path, seed: int) -> None:
         text_config_class=MistralConfig, chat_template=MISTRAL3_CHAT_TEMPLATE,
         image_processor=MISTRAL3_IMAGE_PROCESSOR, processor=MISTRAL3_PROCESSOR,
         # As Mistral-Small-3.1: full attention; 32k positions are room for a few images of up
-        # to 3,080 tokens each. vLLM's CPU attention takes heads of QWEN_HEAD_DIM.
-        max_positions=32768,
-        text_fields={"sliding_window": None, "hidden_size": 4 * QWEN_HEAD_DIM,
-                     "head_dim": QWEN_HEAD_DIM},
+        # to 3,080 tokens each.
+        max_positions=32768, text_fields={"sliding_window": None, "head_dim": QWEN_HEAD_DIM},
         spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=False,
         tie_word_embeddings=False,
     )
@@ -644,8 +643,7 @@ def _build_internvl(out_dir: Path, seed: int) -> None:
         text_config_class=Qwen2Config, chat_template=INTERNVL_CHAT_TEMPLATE,
         image_processor=INTERNVL_IMAGE_PROCESSOR, processor=INTERNVL_PROCESSOR,
         # As Qwen2.5-0.5B: 32k positions, room for a few images of up to 3,330 tokens each.
-        max_positions=32768, text_fields={"hidden_size": 4 * QWEN_HEAD_DIM},
-        downsample_ratio=0.5, image_seq_length=256, vision_feature_layer=-1,
+        max_positions=32768, downsample_ratio=0.5, image_seq_length=256, vision_feature_layer=-1,
         vision_feature_select_strategy="default",
     )
 
@@ -657,8 +655,9 @@ def _build_llava_like(
     processor: dict, max_positions: int = MAX_POSITIONS, text_fields: dict | None = None,
     **config_fields: Any,
 ) -> None:
-    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Mistral 3): the
-    family's tokenizer and template, a small vision tower, a small language model, and its own
+    """A tiny LLaVA-architecture model (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, Mistral 3,
+    InternVL): the family's tokenizer and template, a small vision tower, a small language
+    model whose heads are QWEN_HEAD_DIM wide (as vLLM's CPU attention takes them), and its own
     settings on top (`text_fields` of its language model, `config_fields` of the whole)."""
     bpe = _save_family_tokenizer(out_dir, tokens, chat_template, max_positions)
     _write_json(out_dir / "preprocessor_config.json", image_processor)
@@ -666,14 +665,32 @@ def _build_llava_like(
     ids = bpe.get_vocab(with_added_tokens=True)
     config = config_class(
         vision_config=vision_config,
-        text_config=_text_config(text_config_class, bpe, tokens, max_positions, **{
-            "hidden_size": 64, **(text_fields or {}),
-        }),
+        text_config=_text_config(text_config_class, bpe, tokens, max_positions,
+                                 hidden_size=4 * QWEN_HEAD_DIM, **(text_fields or {})),
         # e.g. image_token_index (and video_token_index): the ids of the processor's tokens
         **tokens.ids_in_config(ids),
         **config_fields,
     )
     _save_model(out_dir, model_class, config, _generation_config(bpe, tokens), seed)
+    if isinstance(vision_config, CLIPVisionConfig | SiglipVisionConfig):
+        _publish_tower_names(out_dir / "model.safetensors")
+
+
+def _publish_tower_names(checkpoint: Path) -> None:
+    """Name a CLIP or SigLIP tower's weights as published LLaVA checkpoints do
+    (`vision_tower.vision_model.*`): transformers 5 saves them without the `vision_model`
+    level its own modules lack, which it adds back on loading, but vLLM loads by the
+    published names."""
+    weights = load_file(checkpoint)
+    published = {
+        name.replace(TOWER, f"{TOWER}vision_model.", 1)
+        if name.startswith(TOWER) and not name.startswith(f"{TOWER}vision_model.") else name: value
+        for name, value in weights.items()
+    }
+    save_file(published, checkpoint, metadata={"format": "pt"})
+
+
+TOWER = "vision_tower."
 
 
 def _save_family_tokenizer(

