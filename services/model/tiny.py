@@ -95,8 +95,8 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# LLaVA-1.5's "USER: <image>\n... ASSISTANT:" format; unlike the hub template it also accepts
-# plain-string content.
+# llava-1.5-7b-hf's chat_template.json ("USER: <image>\n... ASSISTANT:"); unlike it, this also
+# accepts plain-string content.
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
@@ -110,25 +110,28 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
-# LLaVA-v1.6-Mistral's "[INST] <image>\n... [/INST]" format, images before the text as the hub
-# template puts them; like LLAVA_CHAT_TEMPLATE it also accepts plain-string content.
+# llava-v1.6-mistral-7b-hf's chat_template.json: "[INST] <image>\n... [/INST]", images before
+# the text, a system prompt as <<SYS>>; an assistant turn ends with '<\\s> ' as published (a
+# backslash where '</s>' was meant); like LLAVA_CHAT_TEMPLATE it also accepts plain-string content.
 LLAVA_NEXT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '[INST] ' }}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ ' ' }}{% endif %}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}{% endif %}"
+    "{% if message['role'] == 'system' %}{{ '<<SYS>>\n' + text + '\n<</SYS>>\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' }}"
+    "{% if message['content'] is not string %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{{ content['text'] }}{% endfor %}"
-    "{% endif %}"
-    "{% if message['role'] == 'user' %}{{ ' [/INST]' }}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% endif %}"
-    "{% endfor %}"
+    "{{ '<image>\n' }}{% endfor %}{% endif %}"
+    "{{ text + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + text + '<\\\\s> ' }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+    "{% endif %}{% endfor %}"
 )
 
-# LLaVA-OneVision-Qwen2's ChatML, images first in each message; also plain-string content.
+# llava-onevision-qwen2-0.5b-ov-hf's chat_template.json: ChatML with the role, a space, the
+# message's images, then each text after a newline, and <|im_end|> with no newline after it;
+# plain-string content too.
 LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + ' ' }}"
@@ -139,7 +142,7 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ '\n' + content['text'] }}{% endfor %}"
     "{% endif %}"
-    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{{ '<|im_end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
