@@ -57,6 +57,10 @@ SMALL_CHUNK = 4  # splits every image's prompt mid-way
 TINY_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e9")
 """While text waits, each unit is the smallest: one chunk, one image token's rows of a vision
 pass; while none does, a whole pass or prompt (hf/budget.py)."""
+SMALLEST_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e-6")
+"""Every unit the smallest, whether text waits or not: an image takes many units, so what
+arrives while it runs finds it still running (with whole idle units, the rest of an image can
+run as one unit in the gap before the next text request arrives)."""
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(120))  # a text prompt of several chunks
 CASES = {
@@ -76,7 +80,7 @@ def reference(qwen_dir: Path) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def small_chunk_engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[Child]:
     engine = start_engine(module_run_dir, "--prefill-chunk-tokens", str(SMALL_CHUNK),
-                          *TINY_UNITS)
+                          *SMALLEST_UNITS)
     yield engine
     assert stop_role(engine) == 0
 
