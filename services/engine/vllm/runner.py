@@ -150,11 +150,6 @@ class VLLMRunner:
 
     def step(self, timeout: float) -> list[StepOutput]:
         outputs = self._ready(timeout)
-        if self._dead is None and not self._live and self.engine.errored:
-            # The core died with nothing running here: no request saw it, and none will
-            # before the next one fails; exit now, so that the supervisor restarts us.
-            self._dead = self.engine.dead_error
-            self.metrics.state = "backend died"
         if self._dead is not None and not outputs:  # the failures went out first
             raise FatalError(f"vLLM's engine core died: {self._dead}", code="cannot_serve")
         return outputs
