@@ -65,11 +65,6 @@ def end_leftovers(path: Path) -> list[int]:
     return [p.pid for p in alive]
 
 
-def write_down(path: Path) -> None:
-    """List this process's descendants (vLLM's) in `path`."""
-    _write(path, _descendants())
-
-
 class Watch:
     """While vLLM starts (a context manager around the start): writes this process's
     descendants down whenever they change, checked every WATCH_S seconds, and once more at the
@@ -87,7 +82,7 @@ class Watch:
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join()
-        write_down(self._path)
+        _write(self._path, _descendants())
 
     def _run(self) -> None:
         written: list[tuple[int, float]] | None = None
