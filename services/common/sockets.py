@@ -35,6 +35,10 @@ DEFAULT_LINGER_MS = 1000  # long enough to flush the last replies at a graceful 
 ZAP_DOMAIN = "mmlane"
 CURVE_REFUSED = "curve_refused"
 """The counter of peers refused at the CURVE handshake (their key is not accepted)."""
+# A handshake that failed before ZAP was asked. A plain ZMQ peer meeting a CURVE server fails
+# with PROTOCOL (mechanism mismatch) or, when its own check closed the connection first, with
+# NO_DETAIL (EPIPE or ECONNRESET while the server's greeting is sent): about 1 in 4 on loopback.
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 REFUSAL_LOG_EVERY_S = 60.0
 """A refused key is logged again only after this long: its peer retries every 100 ms or so."""
 
@@ -44,10 +48,11 @@ class Security:
     bound tcp socket is a CURVE server whose ZAP handler (one per context, started at the first
     such bind) admits only the folder's public keys, counting each refused key in `refused`
     (`curve_refused`), as are the peers that fail the handshake before ZAP is asked (a plain
-    tcp peer, a client expecting another server key: a `ROLE-handshakes` thread per bound
-    socket reads its monitor); a connecting tcp socket is a CURVE client expecting the server
-    key of the role it connects to. Without keys, plain tcp may bind only loopback addresses
-    unless `insecure_tcp`. `close` stops those threads; call it before the context ends."""
+    tcp peer, a client expecting another server key, one that leaves mid-handshake: a
+    `ROLE-handshakes` thread per bound socket reads its monitor); a connecting tcp socket is a
+    CURVE client expecting the server key of the role it connects to. Without keys, plain tcp
+    may bind only loopback addresses unless `insecure_tcp`. `close` stops those
+    threads; call it before the context ends."""
 
     def __init__(self, role: str, *, curve_keys: str = "", insecure_tcp: bool = False,
                  refused: Counter[str] | None = None) -> None:
@@ -120,7 +125,7 @@ class Security:
             self._auth = None
 
     def _watch_handshakes(self, sock: zmq.Socket, endpoint: str) -> None:
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         watcher = threading.Thread(target=self._count_failed_handshakes, args=(monitor, endpoint),
                                    name=f"{self.role}-handshakes", daemon=True)
         watcher.start()
@@ -135,13 +140,14 @@ class Security:
                 if not monitor.poll(200):
                     continue
                 event = recv_monitor_message(monitor)
-                if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                if not event["event"] & _HANDSHAKE_FAILED:
                     continue  # EVENT_MONITOR_STOPPED: the socket closed
                 self._refused[CURVE_REFUSED] += 1
                 if time.monotonic() - logged_at >= REFUSAL_LOG_EVERY_S:
                     logged_at = time.monotonic()
                     log.warning("[%s] refused a peer at %s: its handshake failed (a plain tcp "
-                                "peer, or one expecting another server key; %d refusals so far)",
+                                "peer, one expecting another server key, or one that left "
+                                "mid-handshake; %d refusals so far)",
                                 self.role, endpoint, self._refused[CURVE_REFUSED])
         finally:
             monitor.close(linger=0)
