@@ -26,7 +26,16 @@ import pytest
 import zmq
 
 from conftest import role_log, start_role
-from peers import PATIENCE_S, Inbox, StandInEngine, is_terminal, push, send, wait_until
+from peers import (
+    PATIENCE_S,
+    Inbox,
+    StandInEngine,
+    is_terminal,
+    push,
+    send,
+    wait_for_stats,
+    wait_until,
+)
 from protocol.messages import (
     AbortRequests,
     CancelChat,
@@ -382,6 +391,25 @@ def test_frontend_cancel_and_deadline_reach_the_mm_worker(site: Site) -> None:
     assert peers.mm_worker.take() == CancelJobs(request_ids=[late_job.request_id])
     assert peers.engine.take() == AbortRequests(request_ids=[late_job.request_id])
     assert [r.request_id for r in peers.client.received] == [expired]  # none for the cancelled
+
+
+def test_a_request_cancelled_while_tokenized_reaches_nobody_downstream(site: Site) -> None:
+    """Sent nowhere yet, it is dropped when its tokens come: no abort goes to the engine (which
+    would remember it as an early abort for a request that never comes), no reply to the client;
+    the next request is the first thing the engine hears of."""
+    peers = FrontendPeers(site, PATIENCE_S)
+    long_prompt = ChatRequest(request_id="long", messages=[user_message("lanes " * 300_000)])
+    send(peers.client.sock, long_prompt, CancelChat(request_id="long"))  # read in one go
+    after = peers.submit()
+    first = peers.engine.take()
+    assert isinstance(first, EngineRequest) and len(first.prompt_token_ids) < 100
+    wait_for_stats(site.run_dir, lambda s: s.role == "frontend" and s.queues["tokenizing"] == 0,
+                   "the frontend done with the long prompt's tokens")
+    peers.answer(first.request_id)
+    peers.client.take_all()
+    peers.engine.take_all(wait_s=0.2)
+    assert [reply.request_id for reply in peers.client.received] == [after]
+    assert peers.engine.received == [first]
 
 
 # ---------------------------------------------------------------- a cluster, stopped as serve does

@@ -673,7 +673,9 @@ class Frontend:
         """Tell the engine to drop these requests, and each image job's MM worker to skip the
         job if it is still queued there. A job the MM worker hands over after the engine's abort
         went by is refused by the engine on arrival (it remembers early aborts); any reply that
-        still comes is ignored here."""
+        still comes is ignored here. A request still being tokenized was sent nowhere: its
+        tokens are dropped when they come, and nobody downstream is told."""
+        dropped = {rid: pending for rid, pending in dropped.items() if pending.sent is not None}
         if not dropped:
             return
         self._send_notice(self._engine, AbortRequests(request_ids=list(dropped)), "engine")
