@@ -150,6 +150,11 @@ class VLLMRunner:
 
     def step(self, timeout: float) -> list[StepOutput]:
         outputs = self._ready(timeout)
+        if self._dead is None and not self._live and self.engine.engine_core.resources.engine_dead:
+            # vLLM's monitor saw the core exit with nothing running here: no request saw it,
+            # and none would before the next one failed. Exit now: the supervisor restarts us.
+            self._dead = self.engine.dead_error
+            self.metrics.state = "backend died"
         if self._dead is not None and not outputs:  # the failures went out first
             raise FatalError(f"vLLM's engine core died: {self._dead}", code="cannot_serve")
         return outputs
