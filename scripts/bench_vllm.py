@@ -11,7 +11,8 @@ server, runs vLLM's own client (`vllm bench serve --backend openai-chat --endpoi
 rate, and meanwhile, at the 12 MP image size, times text-only requests sent one after another
 (`--max-tokens 1`) next to the image load: their p50 is "text p50" in the table. Both servers
 get the same vLLM engine arguments. Prints one table; each `vllm bench serve` also leaves its
-JSON result under --out.
+JSON result under --out. Each run also prints the CPU time the server's processes took during
+it, in all and by process (vLLM's engine core, mmlane's roles, ...), per completed request.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
+
+import psutil  # vLLM's own dependency: this script runs where vLLM is installed
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -70,10 +74,14 @@ def main() -> int:
                 width, height = SIZES[size_name]
                 for rate in rates:
                     probe = _TextProbe(port, model.name) if size_name == "4032x3024" else None
+                    cpu_before = _cpu_seconds(process.pid)
                     result = _bench(server, port, model, width, height, rate, args)
+                    cpu = _cpu_seconds(process.pid)
+                    cpu.subtract(cpu_before)
                     text = probe.finish() if probe else []
                     rows.append((server, size_name, rate, result, text))
                     _print_row(*rows[-1])
+                    _print_cpu(cpu, result["completed"])
         finally:
             _stop(process)
     print()
@@ -178,6 +186,37 @@ def _bench(server: str, port: int, model: Path, width: int, height: int, rate: f
         subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True,
                        env=cpu_wheels.child_env())
     return dict(json.loads((args.out / name).read_text()))
+
+
+_VLLM_PROCESSES = ("EngineCore", "Worker", "APIServer")  # in the names vLLM gives them
+_ROLES = ("engine", "mm-worker", "frontend", "serve")  # `python -m services.cli ROLE ...`
+
+
+def _cpu_seconds(root: int) -> Counter[str]:
+    """User and system CPU seconds so far of process `root` and its descendants, by what each
+    is: vLLM's engine core, an mmlane role, ... (else its name)."""
+    seconds: Counter[str] = Counter()
+    try:
+        top = psutil.Process(root)
+        processes = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return seconds
+    for process in processes:
+        try:
+            name, command, times = process.name(), process.cmdline(), process.cpu_times()
+        except psutil.NoSuchProcess:  # exited meanwhile: its time is not counted
+            continue
+        label = (next((vllm for vllm in _VLLM_PROCESSES if vllm in name), None)
+                 or next((word for word in command if word in _ROLES), name))
+        seconds[label] += times.user + times.system
+    return seconds
+
+
+def _print_cpu(cpu: Counter[str], completed: int) -> None:
+    per_request = 1000 / max(completed, 1)
+    parts = ", ".join(f"{label} {seconds * per_request:.0f}"
+                      for label, seconds in cpu.most_common() if seconds > 0)
+    print(f"    CPU ms per request: {sum(cpu.values()) * per_request:.0f} ({parts})", flush=True)
 
 
 def _print_row(server: str, size: str, rate: float, result: dict, text: list[float]) -> None:

@@ -69,6 +69,7 @@ from services.common.lifecycle import (
     refused_while_draining,
     unfinished_at_drain_timeout,
 )
+from services.common.memory import keep_freed_memory
 from services.common.sockets import ReplySockets, Security, make_socket
 from services.common.stats import Metrics, log_totals
 from services.engine.cache import ReceiverCaches
@@ -109,6 +110,7 @@ class Engine:
         self.endpoint = config.engine_endpoint
         self.metrics = Metrics("engine", config.ops.name)
         self._started_ns = time.time_ns()  # tells a frontend's `Hello` which process answers
+        keep_freed_memory()  # each image's tensors are copied at receipt, into reused memory
         self._ctx = zmq.Context()
         self._security = Security.of("engine", config, self.metrics.counters)
         # Bind before loading the model: a taken address fails in a second, not after the load.

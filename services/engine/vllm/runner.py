@@ -276,9 +276,11 @@ Items = list[dict[str, torch.Tensor]]
 
 
 def _concatenated(*names: str) -> Callable[[Items, int], dict[str, Any]]:
-    """The items' tensors concatenated on their first axis (one image's rows, or tiles)."""
+    """The items' tensors concatenated on their first axis (one image's rows, or tiles); one
+    item's as they are (torch.cat would copy them)."""
     return lambda items, image_token_id: {
-        name: torch.cat([item[name] for item in items]) for name in names}
+        name: torch.cat([item[name] for item in items]) if len(items) > 1 else items[0][name]
+        for name in names}
 
 
 def _llava_next_inputs(items: Items, image_token_id: int) -> dict[str, Any]:
