@@ -272,10 +272,11 @@ class ShmReader:
         if _cut(slot):
             self._mappings.pop(name).close()
             raise SlotRefused(f"shared-memory slot {name} was truncated")
-        if not _holds(slot, ref, generation, nbytes, dtype, shape):
+        view = _held_view(slot, ref, generation, nbytes, dtype, shape)
+        if view is None:
             return None
-        array = _shaped(np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
-                                      offset=HEADER), ref, shape).copy()
+        array = view.copy()
+        del view  # no view may outlive the copy: the mapping may be closed later
         _free(slot, name)
         return array
 
@@ -293,15 +294,6 @@ class ShmReader:
         if len(self._mappings) > self.MAPPINGS:
             self._mappings.popitem(last=False)[1].close()
         return slot
-
-
-def _shaped(flat: np.ndarray, ref: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A slot's bytes in the message's shape; refused when numpy takes no such shape (more
-    dimensions than it has, or a dimension past its index, next to a zero one)."""
-    try:
-        return flat.reshape(shape)
-    except ValueError as exc:
-        raise SlotRefused(f"shared-memory tensor {ref}: shape {shape} is no array's") from exc
 
 
 def _open_fd(name: str) -> int | None:
@@ -347,17 +339,23 @@ def _parse(ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int,
     return match[1], int(match[2]), dtype.itemsize * math.prod(shape)  # Python ints
 
 
-def _holds(slot: mmap.mmap, ref: str, generation: int, nbytes: int, dtype: np.dtype,
-           shape: tuple[int, ...]) -> bool:
-    """Whether `slot` still holds the use `ref` names (False: taken back, or reused); raises
-    SlotRefused when that use's bytes are not the `nbytes` that `dtype` and `shape` need."""
+def _held_view(slot: mmap.mmap, ref: str, generation: int, nbytes: int, dtype: np.dtype,
+               shape: tuple[int, ...]) -> np.ndarray | None:
+    """The use `ref` names, as a view of `slot` in the message's dtype and shape; None when
+    the slot holds it no more (taken back, or reused). Raises SlotRefused when that use's
+    bytes are not the `nbytes` that `dtype` and `shape` need, or numpy takes no such shape
+    (more dimensions than it has, or a dimension past its index, next to a zero one)."""
     used, put = _USE.unpack_from(slot, 8)
     if slot[0] != 1 or used != generation:
-        return False
+        return None
     if put != nbytes or HEADER + nbytes > len(slot):
         raise SlotRefused(f"shared-memory tensor {ref} holds {put} bytes in a slot of "
                           f"{len(slot)}, shape {shape} of {dtype} needs {nbytes}")
-    return True
+    flat = np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize, offset=HEADER)
+    try:
+        return flat.reshape(shape)
+    except ValueError as exc:
+        raise SlotRefused(f"shared-memory tensor {ref}: shape {shape} is no array's") from exc
 
 
 class ShmViews:
@@ -385,10 +383,9 @@ class ShmViews:
             return None
         if _cut(slot):
             raise SlotRefused(f"shared-memory slot {name} was truncated")
-        if not _holds(slot, ref, generation, nbytes, dtype, shape):
+        view = _held_view(slot, ref, generation, nbytes, dtype, shape)
+        if view is None:
             return None
-        view = _shaped(np.frombuffer(slot, dtype=dtype, count=nbytes // dtype.itemsize,
-                                     offset=HEADER), ref, shape)
         if self.keep_from is None or nbytes < self.keep_from:
             array = view.copy()
             del view
