@@ -259,6 +259,18 @@ def keys_folder(pairs: Path, role: str, into: Path, own: Path | None = None) -> 
     return into
 
 
+FAILED = pytest.StashKey[bool]()
+"""Set on a test whose setup, call or teardown failed (for fixtures that tell more then)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
+
+
 def role_log(child: Child) -> str:
     """What a role started with a `log_dir` has logged so far."""
     assert child.log_path is not None, f"{child.role} was started without a log_dir"

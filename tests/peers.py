@@ -131,7 +131,9 @@ class Inbox:
     def take_frames(self, timeout_s: float = PATIENCE_S) -> tuple[Any, int]:
         """The next message (kept in `received`) and how many frames it came in."""
         taken = self._next(timeout_s)
-        assert taken is not None, f"nothing arrived at {self.endpoint} within {timeout_s:g} s"
+        assert taken is not None, (
+            f"nothing arrived at {self.endpoint} within {timeout_s:g} s; before that "
+            f"{len(self.received)} messages, the last {repr(self.received[-1:])[:300]}")
         self.received.append(taken[0])
         return taken
 

@@ -27,7 +27,7 @@ import pytest
 import zmq
 from test_http import SCHEMAS, json_schema
 
-from conftest import REPO, free_port
+from conftest import FAILED, REPO, free_port
 from peers import StandInFrontend, one_reply_each, wait_for_stats, wait_until
 from protocol.errors import RequestError, RetryableError
 from protocol.messages import (
@@ -175,6 +175,15 @@ def vllm_alone(servers: tuple[tuple[Server, int], tuple[Server, str, Path]]) -> 
 def mmlane_vllm(servers: tuple[tuple[Server, int], tuple[Server, str, Path]]) -> tuple[
         Server, str, Path]:
     return servers[1]
+
+
+@pytest.fixture(autouse=True)
+def _serve_log_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed test that used mmlane's server prints the end of its log: CI shows it."""
+    yield
+    if request.node.stash.get(FAILED, False) and "mmlane_vllm" in request.fixturenames:
+        log = request.getfixturevalue("mmlane_vllm")[0].log
+        print(f"--- the end of {log}:\n{log.read_text(errors='replace')[-8000:]}")
 
 
 def _logprobs_compiled(endpoint: str) -> bool:
