@@ -335,6 +335,23 @@ def test_a_pool_processs_slot_goes_on_as_it_is_and_a_dropped_view_frees_it(write
         assert copying.put(copy) is None  # not a slot's: it would go as a frame
 
 
+def test_the_worker_checks_a_pool_slot_as_the_engine_does(writer) -> None:
+    """A pool process's result is checked against its slot before the worker takes it as a
+    view: a use of another size or a negative shape is refused, a use taken back since (the
+    slot holds a later one) reads as gone; the slot is left as it was."""
+    views = shm.ShmViews(keep_from=1024)
+    pixels = np.ones((100, 800), np.float32)
+    ref = str(writer.put(pixels))
+    name, use = ref.rsplit(".", 1)
+    with pytest.raises(shm.SlotRefused, match="needs 16"):
+        views.adopt(ref, np.dtype(np.float32), (2, 2))
+    with pytest.raises(shm.SlotRefused, match="negative shape"):
+        views.adopt(ref, np.dtype(np.float32), (-1, -80_000))
+    assert views.adopt(f"{name}.{int(use) + 1}", pixels.dtype, pixels.shape) is None
+    assert list(_slots(writer).values()) == [True]
+    assert np.array_equal(views.adopt(ref, pixels.dtype, pixels.shape), pixels)
+
+
 def test_a_dead_writers_slots_are_released_as_its_close_would(writer) -> None:
     full = writer.put(np.ones(1 << 18, np.float32))  # 1 MiB: a slot of its own, left full
     empty_ref = writer.put(np.ones(1 << 10, np.float32))
