@@ -24,9 +24,10 @@ from transformers import AutoConfig
 
 from conftest import as_processor_output, start_role, stop_role
 from peers import StandInFrontend as Frontend
+from peers import wait_for_stats
 from protocol import shm
 from protocol.codec import Codec
-from protocol.errors import RequestError
+from protocol.errors import ErrorInfo, RequestError
 from protocol.messages import (
     EngineInput,
     EngineOutput,
@@ -41,6 +42,7 @@ from protocol.shm import ShmWriter
 from services.bench.images import make_image
 from services.engine.hf.config import MAX_BATCH
 from services.engine.hf.runner import HFRunner
+from services.engine.outbox import _Waiting
 from services.engine.runner import ModelSpec
 from services.engine.validation import validate_request
 from services.launcher import Child
@@ -218,6 +220,62 @@ def test_concurrent_requests_each_get_one_terminal_reply(frontend, prep, referen
         assert_streamed(replies[request.request_id], request)
         # Interleaved with the others, each still makes exactly what it makes alone.
         assert tokens_of(replies[request.request_id]) == generate_greedy(reference, prep, request)
+
+
+def test_a_frontend_reading_slower_than_tokens_come_loses_none(engine, module_run_dir,
+                                                              run_dir) -> None:
+    """Thousands of one-token outputs to a frontend that reads none for a while: its socket's
+    queue fills, what its socket does not take waits in the engine, merged, and every token
+    arrives in order (with its logprobs), then exactly one terminal output."""
+    sampling = SamplingParams(max_tokens=3500, ignore_eos=True, logprobs=5)
+    with zmq.Context() as ctx, Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/slow.sock") as fe:
+        burst = EngineRequest(request_id=f"r{next(_ids)}", reply_to=fe.reply_to,
+                              prompt_token_ids=[9, 10, 11], sampling=sampling)
+        made = _engine_counter(module_run_dir, "tokens_out")
+        fe.send(burst)
+        wait_for_stats(module_run_dir, lambda s: s.role == "engine" and s.counters.get(
+            "tokens_out", 0) >= made + 3500, "every token made")  # none read yet
+        replies = fe.collect([burst.request_id])[burst.request_id]
+        assert _engine_counter(module_run_dir, "replies_waited") > 0
+        again = replace(burst, request_id=f"r{next(_ids)}")  # read as it comes: one per token
+        alone = fe.run(again)[again.request_id]
+    assert tokens_of(replies) == tokens_of(alone) and len(tokens_of(replies)) == 3500
+    assert len(replies) < len(alone)  # merged while they waited
+    assert [r.finished for r in replies] == [False] * (len(replies) - 1) + [True]
+    assert replies[0].prompt_token_ids == burst.prompt_token_ids
+    assert [p.logprob for r in replies for p in r.logprobs] == [
+        p.logprob for r in alone for p in r.logprobs]
+
+
+def test_replies_that_wait_keep_each_requests_order_and_merge_its_outputs() -> None:
+    """The outbox's queue for one frontend (outbox.py): a request's outputs merge into its one
+    still waiting, never past another message of the same request; the others keep their
+    places; an output after the merged one has gone waits on its own."""
+    failed = RequestFailed(request_id="b", error=ErrorInfo("retryable", "timeout", "late"))
+    waiting = _Waiting(now=0.0)
+    for key, message in enumerate([
+        EngineOutput(request_id="a", token_ids=[1], prompt_token_ids=[7]),
+        EngineOutput(request_id="b", token_ids=[10]),
+        EngineOutput(request_id="a", token_ids=[2]),
+        failed,
+        EngineOutput(request_id="a", token_ids=[3]),
+    ]):
+        waiting.add(key, message)
+    assert list(waiting.messages.values()) == [
+        EngineOutput(request_id="a", token_ids=[1, 2, 3], prompt_token_ids=[7]),
+        EngineOutput(request_id="b", token_ids=[10]), failed]
+    waiting.sent_first(now=1.0)
+    waiting.add(5, EngineOutput(request_id="a", token_ids=[4], finished=True,
+                                finish_reason="length"))
+    waiting.add(6, EngineOutput(request_id="b", token_ids=[11]))  # after its failure: alone
+    assert [(getattr(m, "token_ids", None), m.request_id) for m in waiting.messages.values()] == [
+        ([10], "b"), (None, "b"), ([4], "a"), ([11], "b")]
+    assert waiting.progress == 1.0
+
+
+def _engine_counter(run_dir: Path, name: str) -> int:
+    stats = wait_for_stats(run_dir, lambda s: s.role == "engine", "the engine's stats")
+    return int(stats.counters.get(name, 0))
 
 
 def test_seeded_sampling_is_reproducible(frontend, prep) -> None:

@@ -297,9 +297,10 @@ def _restrict_ipc_file(endpoint: str) -> None:
 class ReplySockets:
     """PUSH sockets to the `reply_to` addresses of frontends, opened on first use (LRU-bounded).
 
-    A send never blocks: if a frontend is gone and its queue is full, the reply is dropped and
-    logged, since nobody is left to read it. With the role's `security`, a tcp `reply_to` is
-    reached over CURVE, expecting the frontends' key.
+    A send never blocks: it says whether the socket took the message, which it does not while
+    the frontend's queue is full (a frontend gone, or one reading slower than replies come);
+    the caller decides what then. With the role's `security`, a tcp `reply_to` is reached over
+    CURVE, expecting the frontends' key.
     """
 
     def __init__(self, ctx: zmq.Context, *, max_peers: int = 64,
@@ -315,7 +316,6 @@ class ReplySockets:
             sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
-            log.warning("reply to %s dropped: peer not reading", reply_to)
             return False
 
     def _socket(self, reply_to: str) -> zmq.Socket:

@@ -10,7 +10,8 @@ Socket I/O stays at the edges, on threads that own their sockets:
                     3. step: the runner's next outputs; it waits (until woken by an arrival,
                        the next deadline or a short poll for a stop) only while it has none
                     4. reply: turn the runner's outputs into EngineOutput / RequestFailed
-    engine-output   replies queue → encode → PUSH to each request's `reply_to`
+    engine-output   replies queue → encode → PUSH to each request's `reply_to`; what a slow
+                    frontend's socket does not take yet waits, merged per request (outbox.py)
 
 The runner is whatever the `backend` setting names (runner.py): the engine sees only the
 ModelRunner interface.
@@ -70,16 +71,19 @@ from services.common.lifecycle import (
     unfinished_at_drain_timeout,
 )
 from services.common.memory import keep_freed_memory
-from services.common.sockets import ReplySockets, Security, make_socket
+from services.common.sockets import Security, make_socket
 from services.common.stats import Metrics, log_totals
 from services.engine.cache import ReceiverCaches
 from services.engine.config import EngineConfig
+from services.engine.outbox import RETRY_S, Outbox
 from services.engine.runner import RunnerFactory, StepOutput, backend_factory
 from services.engine.validation import validate_request
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how soon the loops notice a stop
+CLOSE_FLUSH_S = 2.0
+"""At exit, how long replies that wait for a slow frontend may still take to go."""
 ABORTS_REMEMBERED = 4096
 """Aborted request ids the engine keeps in mind while it waits to see whether they arrive."""
 _REPLY_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -414,22 +418,27 @@ class Engine:
         self._replies.put((message.reply_to, reset))
 
     def _send_loop(self) -> None:
-        codec: Codec[Any] = Codec(FrontendInput)
-        replies = ReplySockets(self._ctx, security=self._security)
+        outbox = Outbox(self._ctx, self._security, self.metrics, self._stamped)
         try:
-            while (item := self._replies.get()) is not None:
-                reply_to, message = item
-                if isinstance(message, (EngineOutput, RequestFailed, HelloReply)):
-                    # Stamped here, as it leaves: frontends see the epochs in the order they began.
-                    message = replace(message, engine_epoch=self.caches.epoch)
-                frames = codec.encode(message)
-                self.metrics.counters["bytes_out"] += sum(len(frame) for frame in frames)
+            while True:
                 try:
-                    replies.send(reply_to, frames)
-                except zmq.ZMQError as exc:  # e.g. a reply_to that is no ZMQ address
-                    log.warning("cannot reply to %r: %s", reply_to, exc)
+                    item = self._replies.get(timeout=RETRY_S if outbox.busy else None)
+                except queue.Empty:
+                    outbox.flush()
+                    continue
+                if item is None:  # the end: what is queued before it has gone, or waits
+                    break
+                outbox.flush()
+                outbox.send(*item)
         finally:
-            replies.close()
+            outbox.close(within_s=CLOSE_FLUSH_S)
+
+    def _stamped(self, message: FrontendInput) -> FrontendInput:
+        """A reply as it leaves: with the engine's cache epoch then, so frontends see the
+        epochs in the order they began."""
+        if isinstance(message, (EngineOutput, RequestFailed, HelloReply)):
+            return replace(message, engine_epoch=self.caches.epoch)
+        return message
 
     def _close_sockets(self) -> None:
         self._input.close(linger=0)

@@ -501,9 +501,12 @@ class FrontendReplies:
 
     def send(self, reply_to: str, reply: RequestFailed | HelloReply) -> None:
         try:
-            self._sockets.send(reply_to, self._codec.encode(reply))
+            sent = self._sockets.send(reply_to, self._codec.encode(reply))
         except zmq.ZMQError as exc:  # e.g. a reply_to that is not a valid address
             log.warning("cannot send a %s to %r: %s", type(reply).__name__, reply_to, exc)
+            return
+        if not sent:  # its queue is full: a frontend gone (one reply per job: no burst)
+            log.warning("a %s to %s dropped: its queue is full", type(reply).__name__, reply_to)
 
     def close(self) -> None:
         self._sockets.close()
