@@ -8,6 +8,9 @@
     StandInFrontend  pushes requests or jobs to a role and takes its replies on `reply_to`
     push, send       a PUSH socket to a role, and sending messages on any socket
     wait_for_stats   waits for a role's published Stats to show something (requests held)
+    stand_in_pool_process
+                     an MM worker's pool process that puts pixels into its slots as the real
+                     one does, but may name them wrongly
     wait_until       polls for what no socket tells us (a log line, a process's state)
     mixed_load, image_request, all_ok, one_reply_each
                      a native client's load on a whole pipeline, and its replies checked
@@ -339,3 +342,33 @@ def serves_again_with_its_cache(client: Client, run_dir: Path) -> None:
     all_ok(client, image_request(client, 7))  # the same image: a hit on both sides again
     wait_for_stats(run_dir, lambda s: s.role == "mm-worker"
                    and s.counters.get("cache_hits", 0) > before, "the repeated image hit the cache")
+
+
+LIE = b"lie"
+"""Task bytes that make `stand_in_pool_process` send a reference its slot does not bear out."""
+PIXELS = np.arange(1 << 17, dtype=np.uint32).astype(np.uint8)
+"""What `stand_in_pool_process` puts into a slot for each task (128 KiB: a slot's worth)."""
+
+
+def stand_in_pool_process(tasks: Any, results: Any, model_dir: str, image_backend: str,
+                          media: Any, tag: str, capacity: int, max_age_s: float) -> None:
+    """Stands in for a pool process (services/mm_worker/pool.py `_serve`, same pipes and
+    arguments): says it is ready with its slots' stem, then answers each task with PIXELS in
+    a slot of its own writer, named by the slot's reference, dtype and shape; for task bytes
+    LIE, with a shape of other bytes than the slot holds."""
+    from protocol import shm
+
+    slots = shm.ShmWriter(tag, threshold=1024, capacity=capacity, max_age_s=max_age_s)
+    results.send(("ready", slots.stem))
+    try:
+        while True:
+            try:
+                _, data = tasks.recv()
+            except (EOFError, OSError):
+                return
+            ref = slots.put(PIXELS)
+            shape = (2, 2) if data == LIE else PIXELS.shape
+            results.send(("ok", [("pixel_values", (ref, PIXELS.dtype.str, shape))], 1, None,
+                          0.0, 0.0))
+    finally:
+        slots.close()

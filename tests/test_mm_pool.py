@@ -33,8 +33,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from test_mm_worker import shm_slots
 
 from conftest import role_log, start_role, stop_role
-from peers import Inbox, StandInEngine, push, send, wait_until
-from protocol.errors import RequestError, RetryableError
+from peers import LIE, PIXELS, Inbox, StandInEngine, push, send, stand_in_pool_process, wait_until
+from protocol import shm
+from protocol.errors import MMLaneError, RequestError, RetryableError
 from protocol.messages import (
     EngineEpoch,
     EngineRequest,
@@ -47,8 +48,9 @@ from protocol.messages import (
 from services.bench.images import data_uri, encode, noise_image
 from services.common.config import MMWorkerConfig
 from services.common.feature_cache import FeatureCache, commit
+from services.mm_worker import pool
 from services.mm_worker import worker as worker_module
-from services.mm_worker.media import decode_image
+from services.mm_worker.media import MediaPolicy, decode_image
 from services.mm_worker.pool import Processed
 from services.mm_worker.worker import MMWorker
 from services.model import ImageItem, Preprocessor, load_preprocessor
@@ -430,6 +432,30 @@ class TestRealPool:
         engine.assert_quiet()
         # The killed processes' slots (all empty) were unlinked for them.
         assert not _stems(shm_slots(worker.endpoint)) & stems_before
+
+
+def test_a_pool_slot_the_worker_refuses_fails_that_image_alone(
+    monkeypatch: pytest.MonkeyPatch, qwen_dir: Path
+) -> None:
+    """A pool process (a stand-in, peers.py) names its slot wrongly: that image's future fails
+    with an internal error naming its pixels and the slot; the process's next image, named
+    rightly, comes through as a view of its slot."""
+    monkeypatch.setattr(pool, "_serve", stand_in_pool_process)  # what each member runs
+    views = shm.ShmViews(keep_from=1024)
+    slots = pool.PoolSlots(shm.sender_tag(f"test-{time.time_ns()}"), 64 << 20, 60.0, views)
+    media = MediaPolicy(allowed_media_dir=None, max_image_bytes=1 << 20, max_image_pixels=1 << 20)
+    processes = pool.ProcessPool(qwen_dir, "pil", media, 1, slots)
+    try:
+        refused = processes.submit(0, LIE).exception(timeout=60)
+        assert isinstance(refused, MMLaneError) and refused.code == "internal", refused
+        assert "image 0's pixels" in str(refused) and "needs 4" in str(refused)
+        taken = processes.submit(1, b"any").result(timeout=60)
+        assert np.array_equal(taken.item.tensors["pixel_values"], PIXELS)
+        assert views.put(taken.item.tensors["pixel_values"]) is not None  # a view of its slot
+    finally:
+        processes.close()
+        shm.reap(slots.tag)  # the refused slot, full: no reader takes it (a worker's successor
+        # reaps what its predecessor left under its tag)
 
 
 def _stems(slots: dict[str, bool]) -> set[str]:
