@@ -483,6 +483,9 @@ def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
     role = psutil.Process(engine.pid)
     cores = [p for p in role.children(recursive=True) if "EngineCore" in " ".join(p.cmdline())
              or "EngineCore" in p.name()]
+    # vLLM's message queues, which its killed processes cannot unlink themselves.
+    shared = json.loads((run_dir / "vllm-engine.pids").read_text())["shm"]
+    assert shared, "no shared memory of vLLM's written down"
     with Client(endpoint, timeout_s=300) as client:
         # Long enough to be running at the kill: the compiled tiny model writes 200 tokens
         # in under a second.
@@ -507,6 +510,7 @@ def test_a_kill_under_load_gives_every_request_one_reply_and_serve_heals(
                        "the engine restarted, and serving", timeout_s=STARTUP_S)
         after = client.chat([user_message("hello again")], max_tokens=4, ignore_eos=True)
         assert after.error is None and len(after.token_ids) == 4
+    assert not [name for name in shared if (Path("/dev/shm") / name).exists()]
     if victim == "the engine role":  # vLLM's processes do not outlive the role that ran them
         wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                                    for p in cores), "the old engine core gone", timeout_s=60)
@@ -571,7 +575,7 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
 
     def listed() -> list[psutil.Process]:
         try:
-            return [psutil.Process(pid) for pid, _ in json.loads(pids.read_text())]
+            return [psutil.Process(pid) for pid, _ in json.loads(pids.read_text())["processes"]]
         except (FileNotFoundError, ValueError, psutil.NoSuchProcess):
             return []
 
@@ -591,6 +595,7 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
     assert "ready on" not in first_log.read_text()  # killed while vLLM loaded
     cores = listed()
     assert cores and all(core.is_running() for core in cores)  # orphaned, not gone
+    shared = json.loads(pids.read_text())["shm"]  # what they map by now, if anything
     second_log = tmp_path / "second.log"
     second = launch(second_log)
     try:
@@ -599,7 +604,8 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
         assert second.poll() is None, second_log.read_text()[-3000:]
         assert not any(core.is_running() and core.status() != psutil.STATUS_ZOMBIE
                        for core in cores)
-        assert "a killed engine left running" in second_log.read_text()
+        assert "vLLM process(es) left running" in second_log.read_text()
+        assert not [name for name in shared if (Path("/dev/shm") / name).exists()]
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=120) == 0

@@ -21,7 +21,8 @@ requests (priority 0 before 1).
 
 vLLM's engine core dying fails every request it held (retryable, 'backend_died'), and the next
 `step` raises FatalError: the engine role exits, and its supervisor starts it again. vLLM's
-processes left running by a killed role are ended when the role starts again (leftovers.py).
+processes left running by a killed role are ended when the role starts again, and what they
+leave in shared memory is unlinked then or at the role's stop (leftovers.py).
 """
 
 from __future__ import annotations
@@ -181,13 +182,14 @@ class VLLMRunner:
         self._loop.call_soon_threadsafe(self._cancel, handle)
 
     def close(self) -> None:
-        """Stop vLLM (its engine core and workers) and the loop thread."""
+        """Stop vLLM (its engine core and workers) and the loop thread; then end what is left
+        of them (a dead engine core's shared memory, say)."""
         engine = getattr(self, "engine", None)
         if engine is not None:
             self._loop.call_soon_threadsafe(engine.shutdown)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
-        self._pids_file.unlink(missing_ok=True)
+        leftovers.end_leftovers(self._pids_file)
 
     # ------------------------------------------------------------ on the loop thread
 
