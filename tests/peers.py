@@ -7,7 +7,9 @@
     StandInEngine    an Inbox of EngineInput that answers a request when the test says so
     StandInFrontend  pushes requests or jobs to a role and takes its replies on `reply_to`
     push, send       a PUSH socket to a role, and sending messages on any socket
-    wait_for_stats   waits for a role's published Stats to show something (requests held)
+    wait_for_stats   waits for a role's published Stats to show something (requests held);
+    counters, counter
+                     a role's counters now, or once one reaches a value
     stand_in_pool_process
                      an MM worker's pool process that puts pixels into its slots as the real
                      one does, but may name them wrongly
@@ -290,6 +292,17 @@ def wait_for_stats(
                 if done(stats):
                     return stats
     raise AssertionError(f"{what}: no stats under {run_dir} said so within {timeout_s:g} s")
+
+
+def counters(run_dir: Path, role: str) -> dict[str, int]:
+    """A role's counters as its stats show them now."""
+    return dict(wait_for_stats(run_dir, lambda s: s.role == role, f"the {role}'s stats").counters)
+
+
+def counter(run_dir: Path, role: str, name: str, at_least: int) -> Stats:
+    """The role's stats once counter `name` reaches `at_least`."""
+    return wait_for_stats(run_dir, lambda s: s.role == role and s.counters.get(name, 0)
+                          >= at_least, f"{role} counting {at_least} {name}")
 
 
 def one_reply_each(

@@ -24,7 +24,7 @@ from transformers import AutoConfig
 
 from conftest import as_processor_output, start_role, stop_role
 from peers import StandInFrontend as Frontend
-from peers import wait_for_stats
+from peers import counter, counters
 from protocol import shm
 from protocol.codec import Codec
 from protocol.errors import ErrorInfo, RequestError
@@ -231,12 +231,11 @@ def test_a_frontend_reading_slower_than_tokens_come_loses_none(engine, module_ru
     with zmq.Context() as ctx, Frontend(ctx, engine.endpoint, f"ipc://{run_dir}/slow.sock") as fe:
         burst = EngineRequest(request_id=f"r{next(_ids)}", reply_to=fe.reply_to,
                               prompt_token_ids=[9, 10, 11], sampling=sampling)
-        made = _engine_counter(module_run_dir, "tokens_out")
+        made = counters(module_run_dir, "engine").get("tokens_out", 0)
         fe.send(burst)
-        wait_for_stats(module_run_dir, lambda s: s.role == "engine" and s.counters.get(
-            "tokens_out", 0) >= made + 3500, "every token made")  # none read yet
+        counter(module_run_dir, "engine", "tokens_out", made + 3500)  # none read yet
         replies = fe.collect([burst.request_id])[burst.request_id]
-        assert _engine_counter(module_run_dir, "replies_waited") > 0
+        assert counters(module_run_dir, "engine").get("replies_waited", 0) > 0
         again = replace(burst, request_id=f"r{next(_ids)}")  # read as it comes: one per token
         alone = fe.run(again)[again.request_id]
     assert tokens_of(replies) == tokens_of(alone) and len(tokens_of(replies)) == 3500
@@ -271,11 +270,6 @@ def test_replies_that_wait_keep_each_requests_order_and_merge_its_outputs() -> N
     assert [(getattr(m, "token_ids", None), m.request_id) for m in waiting.messages.values()] == [
         ([10], "b"), (None, "b"), ([4], "a"), ([11], "b")]
     assert waiting.progress == 1.0
-
-
-def _engine_counter(run_dir: Path, name: str) -> int:
-    stats = wait_for_stats(run_dir, lambda s: s.role == "engine", "the engine's stats")
-    return int(stats.counters.get(name, 0))
 
 
 def test_seeded_sampling_is_reproducible(frontend, prep) -> None:

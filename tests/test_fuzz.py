@@ -60,7 +60,7 @@ from hypothesis import strategies as st
 from msgspec.structs import replace
 
 from conftest import role_log, start_role, stop_role
-from peers import PATIENCE_S, Inbox, StandInEngine, push, wait_for_stats
+from peers import PATIENCE_S, Inbox, StandInEngine, counter, push, wait_for_stats
 from protocol import shm
 from protocol.codec import Codec
 from protocol.errors import CODES, ErrorInfo
@@ -337,12 +337,6 @@ class Replies:
 
 def _log_tail(role: Child) -> str:
     return role_log(role)[-4000:] if role.log_path else ""
-
-
-def counter(run_dir: Path, role: str, name: str, at_least: int) -> Stats:
-    """The role's stats once counter `name` reaches `at_least`."""
-    return wait_for_stats(run_dir, lambda s: s.role == role and s.counters.get(name, 0)
-                          >= at_least, f"{role} counting {at_least} {name}")
 
 
 # ================================================================ the engine's input

@@ -28,7 +28,7 @@ import zmq
 from test_http import SCHEMAS, json_schema
 
 from conftest import FAILED, REPO, free_port
-from peers import StandInFrontend, one_reply_each, wait_for_stats, wait_until
+from peers import StandInFrontend, counters, one_reply_each, wait_for_stats, wait_until
 from protocol.errors import RequestError, RetryableError
 from protocol.messages import (
     ChatMessage,
@@ -224,11 +224,6 @@ def _post(port: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
     except urllib.error.HTTPError as error:  # the server's own words
         raise AssertionError(f"{error}: {error.read().decode()}") from None
     return result
-
-
-def _stats(run_dir: Path, role: str) -> dict[str, int]:
-    """A role's counters as its stats show them now."""
-    return dict(wait_for_stats(run_dir, lambda s: s.role == role, f"the {role}'s stats").counters)
 
 
 def _openai_messages(system: str | None, prompt: str, images: list[str]) -> list[dict[str, Any]]:
@@ -460,14 +455,14 @@ def test_an_engine_cache_the_mm_worker_did_not_see_reset_costs_one_resend(
     image = jpeg_uri(480, 360, 30)
     with Client(endpoint, timeout_s=300) as client:
         first = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
-        before = _stats(run_dir, "frontend")
+        before = counters(run_dir, "frontend")
         # Behind the frontend's back: the engine's new epoch reaches no MM worker.
         at_the_engine.send(ResetEngineCache(request_id="reset", reply_to=at_the_engine.reply_to))
         assert isinstance(at_the_engine.take(), EngineCacheReset)
         again = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
     assert first.error is None and again.error is None
     assert again.token_ids == first.token_ids
-    after = _stats(run_dir, "frontend")
+    after = counters(run_dir, "frontend")
     assert after["cache_miss_resends"] == before.get("cache_miss_resends", 0) + 1
     assert after.get("cache_miss_errors", 0) == before.get("cache_miss_errors", 0)
 
