@@ -7,8 +7,10 @@ in this process, except the exporter, which runs as its own process until SIGTER
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from services.common.config import ipc
 from services.common.lifecycle import RESTARTS_ENV
 from services.common.prometheus import metric_name
 from services.common.sockets import CURVE_REFUSED
+from services.common.stats import count_full_collections
 from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.ops.discovery import Targets, endpoint_label
 from services.ops.feed import ProcessSnapshots, StatsFeed
@@ -114,6 +117,22 @@ def test_stats_once_json_lists_every_process_with_its_histograms(
     tokenize = by_role["frontend"]["histograms"]["tokenize"]
     assert sum(tokenize["counts"]) >= 4 and len(tokenize["counts"]) == len(tokenize["bounds"]) + 1
     assert by_role["frontend"]["counters"]["requests"] >= 4
+    # Each role froze what it built out of garbage collection, and counts full collections.
+    for process in processes:
+        assert {"gc_full_collections", "gc_full_pause_us"} <= set(process["counters"])
+    for child in deployment.children.values():
+        frozen = re.search(r"(\d+) objects built at startup are left out of garbage collection",
+                           role_log(child))
+        assert frozen is not None and int(frozen[1]) > 10_000, child.role
+
+
+def test_full_collections_are_counted_with_their_pause() -> None:
+    counted = count_full_collections()
+    before = dict(counted)
+    gc.collect(1)  # not a full one
+    gc.collect()
+    assert counted["gc_full_collections"] == before["gc_full_collections"] + 1
+    assert counted["gc_full_pause_us"] >= before["gc_full_pause_us"]
 
 
 def test_stats_once_names_a_process_that_sends_nothing(

@@ -16,6 +16,7 @@ when its process ended without a drain (a kill -9, a crash).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ import zmq
 from protocol.errors import RetryableError
 from protocol.messages import Ready, StartupFailed
 from services.common.config import OpsConfig
-from services.common.stats import Metrics, StatsServer
+from services.common.stats import Metrics, StatsServer, count_full_collections
 
 RESTARTS_ENV = "MMLANE_RESTARTS"
 """How often `mmlane serve` has restarted this role's process (set in the child's environment);
@@ -137,6 +138,9 @@ def run_role(
             stats.close()  # the built role's own takes its sockets over
             stats = None
             stats = _stats_server(metrics, ops)
+        _freeze_startup_heap(log)
+        if ops is not None:
+            metrics.add_counters(count_full_collections())
     except Exception as exc:  # any startup failure is reported, not raised through
         message = f"{type(exc).__name__}: {exc}"
         log.error("failed to start: %s\n%s", message, traceback.format_exc())
@@ -156,6 +160,17 @@ def run_role(
         if stats is not None:
             stats.close()
     return 0
+
+
+def _freeze_startup_heap(log: logging.Logger) -> None:
+    """Take what the role built (its modules, model, tokenizer: hundreds of thousands of
+    objects that live as long as it does) out of garbage collection, as vLLM's API server does:
+    else each full collection walks them all while the GIL is held, 250-440 ms here
+    (stats.FULL_COLLECTIONS)."""
+    gc.collect()  # what is garbage now is freed, not kept for good
+    gc.freeze()
+    log.info("%d objects built at startup are left out of garbage collection",
+             gc.get_freeze_count())
 
 
 def _stats_server(metrics: Metrics, ops: OpsConfig, state: str | None = None) -> StatsServer:

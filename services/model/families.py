@@ -161,7 +161,7 @@ def processor_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.nd
         images=[image], do_rescale=False, do_normalize=False, return_tensors="np"
     )
     tensors = dict(batch)
-    tensors["pixel_values"] = np.asarray(tensors["pixel_values"]).astype(np.uint8)
+    tensors["pixel_values"] = np.asarray(tensors["pixel_values"]).astype(np.uint8, copy=False)
     return tensors
 
 

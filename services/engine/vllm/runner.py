@@ -254,9 +254,11 @@ class VLLMRunner:
                         {"image": placeholders})
 
     def _item_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """An item's tensors as torch's (copies: received arrays are read-only views of ZMQ
-        frames), its pixels normalised unless vLLM does it."""
-        item = {name: torch.from_numpy(np.array(array)) for name, array in tensors.items()}
+        """An item's tensors as torch's, its pixels normalised unless vLLM does it. Arrays
+        that came in ZMQ frames are read-only views of them: those are copied; those taken out
+        of a shared-memory slot are copies already, and go as they are."""
+        item = {name: torch.from_numpy(array if array.flags.writeable else array.copy())
+                for name, array in tensors.items()}
         if self._normalize_pixels:
             item["pixel_values"] = normalize(item["pixel_values"], self._pre.pixel_norm)
         return item
