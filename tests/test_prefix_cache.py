@@ -161,6 +161,46 @@ def test_a_request_that_arrived_with_another_shares_what_that_one_stored(
     assert counters["encoder_cache_misses"] == 1  # one vision pass started, for both
 
 
+def prefill_units(runner: HFRunner) -> int:
+    histogram = runner.metrics.histograms.get("engine_step:prefill")
+    return 0 if histogram is None else histogram.count
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_same_prompt_again_runs_no_prefill_and_gets_the_same_bits(
+    family, model_dirs, preps, uncached
+) -> None:
+    """The whole prompt held: its first token comes from the stored logits, with no unit; and
+    whatever the second request samples with, it gets what it gets alone."""
+    prep, runner = preps[family], cached(model_dirs, family)
+    first = request(prep, "what is in it?", "photo")
+    sampled = replace(first, sampling=replace(first.sampling, temperature=0.8, seed=7))
+    assert serve(runner, first) == serve(uncached[family], first)
+    units = (prefill_units(runner), vision_units(runner))
+    for again in (first, sampled):
+        assert serve(runner, again) == serve(uncached[family], again)
+    assert (prefill_units(runner), vision_units(runner)) == units
+    counters = runner.metrics.counters
+    assert (counters["prefix_cache_hits"], counters["prefix_cache_hit_prompts"]) == (2, 2)
+    assert counters["prefix_cache_hit_tokens"] == 2 * len(first.prompt_token_ids)
+    assert counters["prefix_cache_hit_images"] == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prompt_that_ends_on_a_chunk_boundary_is_held_whole_too(family, model_dirs, preps,
+                                                                   uncached) -> None:
+    prep, runner = preps[family], cached(model_dirs, family)
+    words = ["name"]
+    while len(request(prep, " ".join(words), system=SYSTEM).prompt_token_ids) % CHUNK:
+        words.append("more")
+    whole = request(prep, " ".join(words), system=SYSTEM)
+    longer = request(prep, " ".join(words) + " please", system=SYSTEM)
+    for req in (whole, whole, longer):
+        assert serve(runner, req) == serve(uncached[family], req)
+    counters = runner.metrics.counters
+    assert (counters["prefix_cache_hits"], counters["prefix_cache_hit_prompts"]) == (2, 1)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_another_image_with_the_same_token_ids_does_not_hit(family, model_dirs, preps,
                                                             uncached) -> None:

@@ -24,11 +24,13 @@ A request looks its prefix up when its first unit runs (`HFRunner._reuse_prefix`
 also shares what a request that arrived just before it has stored since.
 
 An image without a hash (its MM worker's cache off, no client uuid) cannot be named, so the
-chunks from the first one it overlaps on are never stored. The last chunk of a prompt always
-runs (its logits give the first token), so a prompt reuses at most the chunks before its last
-token. Bounded by bytes (`FeatureCache`, LRU): a chain is stored and refreshed with its first
-chunk most recent, so eviction takes a prefix's tail before its head and a held chain stays
-reachable from position 0.
+chunks from the first one it overlaps on are never stored. A prompt's last chunk (full or
+short) gives its first token's logits: it is stored with them, under a key that names the
+whole prompt (`prompt_key`), so that the same prompt again (a retry, a regenerated answer, the
+same image asked the same question) runs no prefill at all; any other prompt reuses at most the
+chunks before its last token. Bounded by bytes (`FeatureCache`, LRU): a chain is stored and
+refreshed with its first chunk most recent and its prompt's end least, so eviction takes a
+prefix's tail before its head and a held chain stays reachable from position 0.
 """
 
 from __future__ import annotations
@@ -55,6 +57,31 @@ class KVChunk:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass(frozen=True)
+class PromptEnd:
+    """A whole prompt's last chunk (its keys and values) and the logits it ended with."""
+
+    kv: KVChunk
+    logits: torch.Tensor
+    """(vocab,): the next-token logits after the prompt."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.logits.numel() * self.logits.element_size()
+
+
+def prompt_key(request: EngineRequest, chunk_tokens: int) -> str | None:
+    """The key of the request's whole prompt (its end's, in the cache): the chunk size, every
+    token and every image; None when an image has no hash."""
+    if any(not item.mm_hash for item in request.mm_items):
+        return None
+    whole = hashlib.blake2b(f"prompt, chunk_tokens {chunk_tokens}".encode())
+    whole.update(repr(request.prompt_token_ids).encode())
+    for item in request.mm_items:
+        whole.update(f"|{item.offset},{item.length},{item.mm_hash}".encode())
+    return whole.hexdigest()
 
 
 def chunk_keys(request: EngineRequest, chunk_tokens: int) -> list[str]:
@@ -84,53 +111,87 @@ class PrefixCache:
     passes skipped, counted by the runner), _evictions and _bytes."""
 
     def __init__(self, capacity: int, metrics: Metrics) -> None:
-        self._chunks: FeatureCache[KVChunk] = FeatureCache(capacity)
+        self._chunks: FeatureCache[KVChunk | PromptEnd] = FeatureCache(capacity)
         self._counters = metrics.counters
 
     def reuse(
-        self, keys: list[str], chunk_tokens: int, prompt_len: int, cache: DynamicCache
-    ) -> int:
+        self, keys: list[str], chunk_tokens: int, prompt_len: int, cache: DynamicCache,
+        whole: str | None = None,
+    ) -> tuple[int, torch.Tensor | None]:
         """Fill the empty `cache` with the longest held run of `keys` from the start that ends
-        before the prompt's last token; how many prompt tokens it now holds."""
+        before the prompt's last token, and with the prompt's end too when `whole` (its
+        `prompt_key`) is held after all of them: how many prompt tokens it now holds, and the
+        logits after the prompt when it holds the whole prompt (else None)."""
         usable = keys[: (prompt_len - 1) // chunk_tokens]
-        if not usable:
-            return 0
-        held = []
+        held: list[KVChunk] = []
         for key in usable:
             chunk = self._chunks.get(key)
-            if chunk is None:
+            if not isinstance(chunk, KVChunk):
                 break
             held.append(chunk)
-        if not held:
-            self._counters["prefix_cache_misses"] += 1
-            return 0
-        self._refresh(usable[: len(held)])
-        for layer, parts in enumerate(zip(*(chunk.keys for chunk in held), strict=True)):
-            values = [chunk.values[layer] for chunk in held]
-            cache.update(torch.cat(parts, dim=-2), torch.cat(values, dim=-2), layer)
+        end = self._chunks.get(whole) if whole is not None and len(held) == len(usable) else None
+        if not isinstance(end, PromptEnd):
+            end = None
+        if not held and end is None:
+            if usable or whole is not None:
+                self._counters["prefix_cache_misses"] += 1
+            return 0, None
+        self._refresh(usable[: len(held)], whole if end is not None else None)
+        parts = [*held, end.kv] if end is not None else held
+        for layer, layer_keys in enumerate(zip(*(part.keys for part in parts), strict=True)):
+            values = [part.values[layer] for part in parts]
+            cache.update(torch.cat(layer_keys, dim=-2), torch.cat(values, dim=-2), layer)
+        reused = prompt_len if end is not None else len(held) * chunk_tokens
         self._counters["prefix_cache_hits"] += 1
-        self._counters["prefix_cache_hit_tokens"] += len(held) * chunk_tokens
-        return len(held) * chunk_tokens
+        self._counters["prefix_cache_hit_tokens"] += reused
+        if end is None:
+            return reused, None
+        self._counters["prefix_cache_hit_prompts"] += 1
+        return reused, end.logits
+
+    def store_end(self, keys: list[str], whole: str, chunk_tokens: int, cache: DynamicCache,
+                  logits: torch.Tensor) -> None:
+        """Hold the end of the prompt `whole` names, now wholly in `cache`: its last chunk,
+        after the full chunks `keys` name, and `logits` (vocab,) after it."""
+        if whole in self._chunks:
+            return
+        prompt_len = cache.get_seq_length()
+        start = (prompt_len - 1) // chunk_tokens * chunk_tokens
+        end = PromptEnd(_sliced(cache, start, prompt_len - start), logits.clone())
+        chain = keys[: start // chunk_tokens]
+        self._refresh(chain, None)  # as `store`: the put evicts other chains, not this one
+        self._chunks.put(whole, end.nbytes, end)
+        self._refresh(chain, None)  # and the end goes before its chain
+        self._count()
 
     def store(self, keys: list[str], chunk_tokens: int, cache: DynamicCache) -> None:
         """Hold the chunks `keys` name, the first len(keys) of `cache` (each one taken from it
         unless held already), unless together they are larger than the whole cache."""
-        chunks = [self._chunks.get(key) or _sliced(cache, index * chunk_tokens, chunk_tokens)
+        chunks = [_held_chunk(self._chunks.get(key))
+                  or _sliced(cache, index * chunk_tokens, chunk_tokens)
                   for index, key in enumerate(keys)]
         if sum(chunk.nbytes for chunk in chunks) > self._chunks.capacity:
             return
-        self._refresh(keys)  # the held ones are most recent: a put evicts only other chains
+        self._refresh(keys, None)  # the held ones are most recent: a put evicts other chains
         for key, chunk in zip(keys, chunks, strict=True):
             if key not in self._chunks:
                 self._chunks.put(key, chunk.nbytes, chunk)
-        self._refresh(keys)
+        self._refresh(keys, None)
+        self._count()
+
+    def _count(self) -> None:
         self._counters["prefix_cache_evictions"] = self._chunks.evictions
         self._counters["prefix_cache_bytes"] = self._chunks.nbytes
 
-    def _refresh(self, keys: list[str]) -> None:
-        """Make a chain's chunks the most recently used, its first chunk most of all."""
-        for key in reversed(keys):
+    def _refresh(self, keys: list[str], whole: str | None) -> None:
+        """Make a chain's chunks the most recently used, its first chunk most of all, and its
+        prompt's end (`whole`, unless None) least of them: eviction takes it first."""
+        for key in ([whole] if whole is not None else []) + list(reversed(keys)):
             self._chunks.touch(key)
+
+
+def _held_chunk(held: KVChunk | PromptEnd | None) -> KVChunk | None:
+    return held if isinstance(held, KVChunk) else None
 
 
 def _sliced(cache: DynamicCache, start: int, count: int) -> KVChunk:

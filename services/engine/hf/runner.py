@@ -47,7 +47,7 @@ from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE
 from services.engine.hf.budget import UnitBudget, derive_chunk_tokens, seconds_on, synchronize
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
-from services.engine.hf.prefix_cache import PrefixCache, chunk_keys
+from services.engine.hf.prefix_cache import PrefixCache, chunk_keys, prompt_key
 from services.engine.hf.sampling import token_logprobs
 from services.engine.hf.scheduler import Lane, Scheduler, lane_of
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
@@ -179,19 +179,25 @@ class HFRunner:
         span = prompt[0, item.offset : item.offset + item.length]
         return item.offset + torch.nonzero(span == self.spec.image_token_id).squeeze(1)
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
+    def _reuse_prefix(self, seq: Sequence) -> torch.Tensor | None:
         """Start `seq` from the longest prefix of its prompt the prefix cache holds; the images
-        wholly inside it need no vision pass. Called at the request's first unit, not at its
-        arrival: image requests run in arrival order, so the second of two that arrive together
-        with the same image finds what the first stored."""
+        wholly inside it need no vision pass. When it holds the whole prompt, the logits after
+        it (else None). Called at the request's first unit, not at its arrival: image requests
+        run in arrival order, so the second of two that arrive together with the same image
+        finds what the first stored."""
         if self._prefix is None or seq.chunk_tokens is None:
-            return  # one prefill unit per prompt: no chunk is ever the same shape as another's
+            return None  # one prefill unit per prompt: no chunk is the same shape as another's
         seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
-        seq.num_cached = self._prefix.reuse(seq.prefix_keys, seq.chunk_tokens, seq.prompt_len,
-                                            seq.cache)
+        seq.prompt_key = prompt_key(seq.request, seq.chunk_tokens)
+        seq.num_cached, logits = self._prefix.reuse(
+            seq.prefix_keys, seq.chunk_tokens, seq.prompt_len, seq.cache, seq.prompt_key)
         self.metrics.counters["prefix_cache_hit_images"] += sum(
             item.offset + item.length <= seq.num_cached for item in seq.request.mm_items
         )
+        if logits is not None:  # decode steps follow at once, as after the last chunk
+            seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
+            seq.image_features = []
+        return logits
 
     def _grammar(self, structured: StructuredOutputs | None) -> Grammar | None:
         if structured is None:
@@ -219,7 +225,10 @@ class HFRunner:
         for seq in batch:
             if seq.last_run < 0:
                 self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
-                self._reuse_prefix(seq)
+                logits = self._reuse_prefix(seq)
+                if logits is not None:  # a first unit runs alone; this one needs none
+                    seq.last_run = self._units
+                    return [self._emit(seq, logits)]
             seq.last_run = self._units
         unit = batch[0].next_unit()
         self._units += 1
@@ -394,6 +403,10 @@ class HFRunner:
         self._store_prefix(seq)
         if end == seq.prompt_len:
             seq.image_features = []  # in the KV cache now
+            if self._prefix is not None and seq.prompt_key is not None:
+                assert seq.chunk_tokens is not None  # a prompt key is made only with chunks
+                self._prefix.store_end(seq.prefix_keys, seq.prompt_key, seq.chunk_tokens,
+                                       seq.cache, out.logits[0, -1])
         return out.logits[:, -1]
 
     def _store_prefix(self, seq: Sequence) -> None:

@@ -76,6 +76,9 @@ class Sequence:
         by it (prefix_cache.py). A unit may run several whole chunks (budget.py)."""
         self.prefix_keys: list[str] = []
         """The prefix cache's key of each full chunk of the prompt (empty: the cache is off)."""
+        self.prompt_key: str | None = None
+        """The prefix cache's key of the whole prompt (None: the cache is off, or an image has
+        no hash)."""
         self.output_ids: list[int] = []
         self.sampler = Sampler(request.sampling, request.prompt_token_ids)
         self.grammar = grammar
