@@ -396,6 +396,16 @@ class TestRealPool:
         # The big images' pixels came in the pool processes' own slots, taken by the engine.
         assert shm_slots(worker.endpoint) and not any(shm_slots(worker.endpoint).values())
 
+    def test_the_worker_runs_openmp_passive_and_its_processes_inherit_it(
+            self, setup: Any) -> None:
+        """Set by `mmlane mm-worker` before torch loads (cli.MM_WORKER_ENVIRONMENT), unless
+        the user set it: the pool processes it started have it in their environment."""
+        worker, *_ = setup
+        expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
+        for pid in pool_pids(worker.process.pid):
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_WAIT_POLICY=" + expected in environment
+
     def test_a_failed_jobs_pixels_free_their_slot(self, setup: Any) -> None:
         worker, engine, replies, jobs = setup
         big = data_uri(encode(noise_image(1600, 1200, seed=30), "JPEG"))
