@@ -7,8 +7,8 @@ alternating): both engine caches off, the encoder cache alone, both on (the defa
 same 4032x3024 JPEG (a data URI) as a chat with `max_tokens` 1, one request at a time: once (the
 first: decoded, processed, sent whole, encoded, prefilled), then `--repeats` times (feature-cache
 hits: sent as its hash; with the encoder cache on, the engine skips the vision pass; with the
-prefix cache on, it also reuses the prompt's KV but for its last chunk, and skips the vision
-pass because the image lies inside the reused prefix). Prints the first request's time, the
+prefix cache on, it also holds the whole prompt's KV and the logits after it, so a repeat
+runs no vision pass and no prefill). Prints the first request's time, the
 repeats' median and the ratio for each serve. Asserts nothing.
 """
 
