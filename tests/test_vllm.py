@@ -339,6 +339,7 @@ def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
     mmlane_vllm: tuple[Server, str, Path],
 ) -> None:
     image = jpeg_uri(640, 480, 5)
+    before = counters(mmlane_vllm[2], "engine")
     with Client(mmlane_vllm[1], timeout_s=300) as client:
         first = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
         second = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
@@ -352,6 +353,10 @@ def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
     assert stats.counters["cache_hits"] >= 1
     # vLLM's scheduler, as stats, health and top show it
     assert {"vllm_running", "vllm_waiting"} <= set(stats.queues)
+    # mmlane's hash keys the image's blocks in vLLM's prefix cache: the repeats hit it
+    wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
+                   and s.counters["vllm_prefix_cache_hit_tokens"]
+                   > before["vllm_prefix_cache_hit_tokens"], "vLLM's prefix cache hits")
 
 
 def test_cancel_mid_stream_and_bad_input_each_get_one_reply(

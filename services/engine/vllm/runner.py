@@ -114,10 +114,16 @@ class VLLMRunner:
 
     def _stat_logger(self) -> Any:
         """A vLLM stat logger that keeps each engine core's latest scheduler stats here, for
-        the gauges (stats, health, top)."""
+        the gauges (stats, health, top), and adds up the prompt tokens vLLM's prefix cache
+        was asked for and held (`vllm_prefix_cache_queried_tokens`, `_hit_tokens`; an image's
+        blocks are keyed by mmlane's hash). (vLLM's multimodal processor cache counts nothing
+        here: rendered inputs do not go through its processor.)"""
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         latest = self._scheduler
+        counters = self.metrics.counters
+        for name in _VLLM_CACHE_COUNTERS:  # in place before the loop thread adds to them
+            counters[name] = 0
 
         class SchedulerGauges(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -127,6 +133,9 @@ class VLLMRunner:
                        mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
                 if scheduler_stats is not None:
                     latest[engine_idx] = scheduler_stats
+                    prefix = scheduler_stats.prefix_cache_stats
+                    counters["vllm_prefix_cache_queried_tokens"] += prefix.queries
+                    counters["vllm_prefix_cache_hit_tokens"] += prefix.hits
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -262,6 +271,9 @@ class VLLMRunner:
         if self._normalize_pixels:
             item["pixel_values"] = normalize(item["pixel_values"], self._pre.pixel_norm)
         return item
+
+
+_VLLM_CACHE_COUNTERS = ("vllm_prefix_cache_queried_tokens", "vllm_prefix_cache_hit_tokens")
 
 
 def _is_embed(span: torch.Tensor, image_token_id: int) -> torch.Tensor | None:
