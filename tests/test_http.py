@@ -751,8 +751,13 @@ class TestErrors:
         _assert_error(error, status, code, pattern)
         assert time.monotonic() - started < FETCH_TIMEOUT_S + 10
 
-    def test_invalid_json(self, server: Server) -> None:
-        status, body = _post(server, None, raw=b"{not json")
+    @pytest.mark.parametrize("raw", [
+        b"{not json", b"[" * 5000 + b"]" * 5000, b'{"max_tokens": NaN}', b'{"a": 1e400}',
+        b'{"a": "\\ud800"}', b'{"a": "\xff"}', b'{"a": 1} trailing',
+    ], ids=["garbage", "nested-too-deep", "nan", "out-of-range", "lone-surrogate",
+            "invalid-utf8", "trailing"])
+    def test_invalid_json(self, server: Server, raw: bytes) -> None:
+        status, body = _post(server, None, raw=raw)
         assert status == 400
         assert "not valid JSON" in json.loads(body)["error"]["message"]
 
