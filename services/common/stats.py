@@ -163,7 +163,7 @@ class Metrics:
 FULL_COLLECTIONS: dict[str, int] = {"gc_full_collections": 0, "gc_full_pause_us": 0}
 """This process's full garbage collections (generation 2) since `count_full_collections`, and
 the time they took. Python's collector stops the collecting thread, GIL held, for one; it walks
-every object the generation holds (after startup: 400 000 in a frontend, 666 000 in an engine
+every object the generation holds (after startup: 400 000 in a frontend, 700 000 in an engine
 with vLLM, 250-440 ms a walk), unless `run_role` froze them out of it."""
 _full_started: list[float] = []
 
