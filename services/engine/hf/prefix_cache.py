@@ -106,8 +106,9 @@ def chunk_keys(request: EngineRequest, chunk_tokens: int) -> list[str]:
 
 
 class PrefixCache:
-    """KV chunks by `chunk_keys`, LRU by bytes; counts into `metrics` as prefix_cache_hits,
-    _misses (requests with a chunk to look up that found none), _hit_tokens, _hit_images (vision
+    """KV chunks by `chunk_keys` and prompt ends by `prompt_key`, LRU by bytes; counts into
+    `metrics` as prefix_cache_hits, _misses (requests with a chunk or a whole prompt to look up
+    that found none), _hit_tokens, _hit_prompts (whole prompts held), _hit_images (vision
     passes skipped, counted by the runner), _evictions and _bytes."""
 
     def __init__(self, capacity: int, metrics: Metrics) -> None:
@@ -129,14 +130,15 @@ class PrefixCache:
             if not isinstance(chunk, KVChunk):
                 break
             held.append(chunk)
-        end = self._chunks.get(whole) if whole is not None and len(held) == len(usable) else None
-        if not isinstance(end, PromptEnd):
-            end = None
+        end = None
+        if whole is not None and len(held) == len(usable):
+            found = self._chunks.touch(whole)  # before its chain: eviction takes the end first
+            end = found if isinstance(found, PromptEnd) else None
         if not held and end is None:
             if usable or whole is not None:
                 self._counters["prefix_cache_misses"] += 1
             return 0, None
-        self._refresh(usable[: len(held)], whole if end is not None else None)
+        self._refresh(usable[: len(held)])
         parts = [*held, end.kv] if end is not None else held
         for layer, layer_keys in enumerate(zip(*(part.keys for part in parts), strict=True)):
             values = [part.values[layer] for part in parts]
@@ -159,9 +161,9 @@ class PrefixCache:
         start = (prompt_len - 1) // chunk_tokens * chunk_tokens
         end = PromptEnd(_sliced(cache, start, prompt_len - start), logits.clone())
         chain = keys[: start // chunk_tokens]
-        self._refresh(chain, None)  # as `store`: the put evicts other chains, not this one
+        self._refresh(chain)  # as `store`: the put evicts other chains, not this one
         self._chunks.put(whole, end.nbytes, end)
-        self._refresh(chain, None)  # and the end goes before its chain
+        self._refresh(chain)  # and the end goes before its chain
         self._count()
 
     def store(self, keys: list[str], chunk_tokens: int, cache: DynamicCache) -> None:
@@ -172,21 +174,20 @@ class PrefixCache:
                   for index, key in enumerate(keys)]
         if sum(chunk.nbytes for chunk in chunks) > self._chunks.capacity:
             return
-        self._refresh(keys, None)  # the held ones are most recent: a put evicts other chains
+        self._refresh(keys)  # the held ones are most recent: a put evicts only other chains
         for key, chunk in zip(keys, chunks, strict=True):
             if key not in self._chunks:
                 self._chunks.put(key, chunk.nbytes, chunk)
-        self._refresh(keys, None)
+        self._refresh(keys)
         self._count()
 
     def _count(self) -> None:
         self._counters["prefix_cache_evictions"] = self._chunks.evictions
         self._counters["prefix_cache_bytes"] = self._chunks.nbytes
 
-    def _refresh(self, keys: list[str], whole: str | None) -> None:
-        """Make a chain's chunks the most recently used, its first chunk most of all, and its
-        prompt's end (`whole`, unless None) least of them: eviction takes it first."""
-        for key in ([whole] if whole is not None else []) + list(reversed(keys)):
+    def _refresh(self, keys: list[str]) -> None:
+        """Make a chain's chunks the most recently used, its first chunk most of all."""
+        for key in reversed(keys):
             self._chunks.touch(key)
 
 
