@@ -760,6 +760,8 @@ class TestErrors:
         status, body = _post(server, None, raw=raw)
         assert status == 400
         assert "not valid JSON" in json.loads(body)["error"]["message"]
+        assert _post(server, {"model": server.model, "max_tokens": 1,  # and it still serves
+                              "messages": [{"role": "user", "content": "hi"}]})[0] == 200
 
     def test_body_over_the_limit(self, server: Server) -> None:
         status, body = _post(server, None, raw=b" " * (MAX_BODY_BYTES + 1))
