@@ -37,7 +37,7 @@ from services.client import Client, user_message
 from services.common.config import ipc
 from services.common.lifecycle import RESTARTS_ENV
 from services.common.prometheus import metric_name
-from services.common.sockets import CURVE_REFUSED
+from services.common.sockets import CURVE_REFUSED, free_tcp_port
 from services.common.stats import count_full_collections
 from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from services.ops.discovery import Targets, endpoint_label
@@ -367,6 +367,13 @@ def test_top_once_shows_a_row_per_process_and_the_lanes(
 ])
 def test_endpoint_label(endpoint: str, label: str) -> None:
     assert endpoint_label(endpoint) == label
+
+
+def test_a_free_port_is_never_given_twice() -> None:
+    """Two servers started together each pick a port before either binds it: they must not
+    get the same one (vLLM alone and mmlane once did, in test_vllm_families)."""
+    ports = [free_tcp_port() for _ in range(200)]  # none bound: each one free again at once
+    assert len(set(ports)) == len(ports)
 
 
 @pytest.mark.parametrize(("name", "expected"), [

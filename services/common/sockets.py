@@ -272,12 +272,21 @@ def bound_endpoint(sock: zmq.Socket) -> str:
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (for benchmarks and local runs). Another
+    """A TCP port that is free on `host` right now (for benchmarks and local runs), and none
+    this process was given before: two servers started together (vLLM alone and mmlane, in a
+    test) would otherwise both get one port, free until the first of them binds it. Another
     process may take it before it is bound: where the race matters, bind port 0 and read the
     port back (`bound_endpoint`)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port not in _GIVEN_PORTS:  # at most the host's ports: bounded
+            _GIVEN_PORTS.add(port)
+            return port
+
+
+_GIVEN_PORTS: set[int] = set()
 
 
 def _prepare_ipc_dir(endpoint: str) -> None:
