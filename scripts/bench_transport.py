@@ -1,28 +1,28 @@
 """Pixels from one process to another on one host: ZMQ frames against shared memory, against a
 plain memcpy of the same bytes, and over loopback tcp plain and with CURVE, in one run.
 
-    python scripts/bench_transport.py [--messages 40] [--rounds 3] [--mb 5.79]
+    python scripts/bench_transport.py [--messages 40] [--rounds 3] [--mb 2.9]
 
-Each message is an EngineRequest with one image's uint8 pixel_values (5.79 MB: a 12 MP photo for
-the embedded tiny Qwen2-VL), encoded by the real codec and sent over a real ipc PUSH/PULL pair to a
-second process, which decodes it and reads one byte of every page of the pixels (so that a
-mapping's pages are in, as whoever uses the tensor would fault them in). `frames` is the codec as
-over tcp; `shm` gives the sender's codec a ShmWriter (protocol/shm.py), as the MM worker does for
-an ipc engine without a pool. `pool slot` is the way of an MM worker with a pool (`--mm-processes`
-2 or more): the pixels already lie in a slot of a pool process's own writer, where the process put
-them as it made them (that copy replaced the pool's earlier copy into a block of its own, and is
-not timed: before each pass, every message's pixels are put into a slot of their own); the sender
-takes each as a view (`ShmViews.adopt`) and its codec hands the slot on, so the transport copies
-once, in the receiver. `tcp` is frames over tcp://127.0.0.1, `curve` the same with the roles'
-CURVE (services/common/sockets.py `Security`, keys made by `write_keys`): what the encryption
-between hosts costs per image, without a network's own limits. `memcpy` copies the same bytes
-into a new array in one process (`np.copyto`), the bound the issue measures against. Per round
-the six alternate. The sender sends its messages back to back, at most WINDOW (4) not yet read by
-the receiver, a first pass to warm up (the sockets; the slots, which an MM worker reuses), then
-the timed one; throughput is the bytes of all over the time from the first encode to the
-receiver's last read (CLOCK_MONOTONIC is one clock for both processes); latency is one message's
-encode-to-read time. Prints, per mode, median latency, GB/s, and the throughput as a share of
-memcpy's; asserts nothing.
+Each message is an EngineRequest with one image's uint8 pixel_values (2.9 MB: a 12 MP photo for the
+embedded tiny Qwen2-VL, one frame of its two; 5.79 MB before the MM worker sent one frame), encoded
+by the real codec and sent over a real ipc PUSH/PULL pair to a second process, which decodes it and
+reads one byte of every page of the pixels (so that a mapping's pages are in, as whoever uses the
+tensor would fault them in). `frames` is the codec as over tcp; `shm` gives the sender's codec a
+ShmWriter (protocol/shm.py), as the MM worker does for an ipc engine without a pool. `pool slot` is
+the way of an MM worker with a pool (`--mm-processes` 2 or more): the pixels already lie in a slot
+of a pool process's own writer, where the process put them as it made them (that copy replaced the
+pool's earlier copy into a block of its own, and is not timed: before each pass, every message's
+pixels are put into a slot of their own); the sender takes each as a view (`ShmViews.adopt`) and
+its codec hands the slot on, so the transport copies once, in the receiver. `tcp` is frames over
+tcp://127.0.0.1, `curve` the same with the roles' CURVE (services/common/sockets.py `Security`,
+keys made by `write_keys`): what the encryption between hosts costs per image, without a network's
+own limits. `memcpy` copies the same bytes into a new array in one process (`np.copyto`), the bound
+the issue measures against. Per round the six alternate. The sender sends its messages back to
+back, at most WINDOW (4) not yet read by the receiver, a first pass to warm up (the sockets; the
+slots, which an MM worker reuses), then the timed one; throughput is the bytes of all over the time
+from the first encode to the receiver's last read (CLOCK_MONOTONIC is one clock for both
+processes); latency is one message's encode-to-read time. Prints, per mode, median latency, GB/s,
+and the throughput as a share of memcpy's; asserts nothing.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=40, help="per mode and round (40)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, modes alternating (3)")
-    parser.add_argument("--mb", type=float, default=5.79, help="pixel bytes per message, in MB "
-                        "(5.79: a 12 MP photo's uint8 pixels for the tiny Qwen2-VL)")
+    parser.add_argument("--mb", type=float, default=2.9, help="pixel bytes per message, in MB "
+                        "(2.9: a 12 MP photo's uint8 pixels for the tiny Qwen2-VL)")
     args = parser.parse_args()
     pixels = np.random.default_rng(0).integers(0, 256, int(args.mb * 1e6), np.uint8)
     latencies: dict[str, list[float]] = {"memcpy": [], "frames": [], "shm": [], "pool slot": [],

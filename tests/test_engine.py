@@ -371,7 +371,7 @@ BAD_REQUESTS = {
     "tensor_extra": (tensors_with(_set("extra", lambda t: np.zeros(3, "f4"))), r"has \['extra'"),
     "pixel_rows_short": (
         tensors_with(_set("pixel_values", lambda t: t["pixel_values"][:-4])),
-        r"pixel_values has shape \(\d+, 1176\), grid \(1, \d+, \d+\) needs \(\d+, 1176\)",
+        r"pixel_values has shape \(\d+, 588\), grid \(1, \d+, \d+\) needs \(\d+, 588\)",
     ),
     "pixel_values_float": (
         tensors_with(_set("pixel_values", lambda t: t["pixel_values"].astype("f4"))),

@@ -531,8 +531,9 @@ SHM_CASES = {
 """Each hostile case of a shared-memory tensor, and the engine's one reply to its request:
 served, or an error of that code (`expected_reply`)."""
 _REF_KEY = 3  # a TensorHeader's field, as msgpack carries it: [dtype, shape, frame, shm]
-PIXEL_BYTES = 4 * 1176
-"""The uint8 pixel_values of a 32x32 image for the tiny Qwen2-VL: 4 patches of 1176 bytes."""
+PIXEL_BYTES = 4 * 588
+"""The uint8 pixel_values of a 32x32 image for the tiny Qwen2-VL: 4 patches of 588 bytes (one
+frame of 3 x 14 x 14)."""
 
 
 class ShmFuzz:

@@ -896,10 +896,11 @@ class TestJpegDraft:
 # ---------------------------------------------------------------- end to end: shared memory
 
 
-SHM_IMAGE = (504, 504)
-"""1,296 patches: 1.5 MB of uint8 pixel_values, over SHM_MIN_BYTES (1 MiB)."""
-SHM_IMAGE_BIG = (700, 700)
-"""2,500 patches: 2.9 MB."""
+SHM_IMAGE = (728, 728)
+"""2,704 patches: 1.6 MB of uint8 pixel_values (one frame of 588 bytes each), over SHM_MIN_BYTES
+(1 MiB)."""
+SHM_IMAGE_BIG = (868, 868)
+"""3,844 patches: 2.3 MB."""
 
 
 def shm_slots(endpoint: str | None) -> dict[str, bool]:
@@ -948,7 +949,7 @@ class TestSharedMemory:
             got, frames = peers.next_request()
             assert_rendered(preprocessor, job, [rgb_from(png)], got, frames, via_shm=via_shm)
             arrived.append(frames)
-        # 1.5 MB takes a 2 MiB slot, reused for the second; 2.9 MB needs a 3 MiB one: 5 > 3
+        # 1.6 MB takes a 2 MiB slot, reused for the second; 2.3 MB needs a 3 MiB one: 5 > 3
         assert arrived == [2, 2, 3]
         assert list(shm_slots(bounded_worker.endpoint).values()) == [False]
 

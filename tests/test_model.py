@@ -382,7 +382,8 @@ def test_model_forward_on_processed_image(model_dirs, preprocessors, family):
     item = preprocessor.process_image(noise_image(90, 60, seed=0))
     [token_ids] = preprocessor.tokenize_batch([preprocessor.render_prompt(chat(1))])
     input_ids = torch.tensor([preprocessor.expand_placeholders(token_ids, [item])])
-    inputs = {name: torch.from_numpy(tensor) for name, tensor in item.tensors.items()}
+    tensors = as_processor_output(item.tensors, preprocessor.pixel_norm)  # the model's layout
+    inputs = {name: torch.from_numpy(tensor) for name, tensor in tensors.items()}
     if family == "qwen2_vl":
         # transformers 5's Qwen2-VL needs each token's modality to build its 3D (M-RoPE) positions.
         inputs["mm_token_type_ids"] = (input_ids == preprocessor.image_token_id).long()

@@ -10,7 +10,7 @@ from PIL import Image
 
 from conftest import as_processor_output
 from services.bench.images import make_image, noise_image
-from services.model import FAMILIES, PixelNorm, Preprocessor, normalize
+from services.model import FAMILIES, PixelNorm, Preprocessor, model_layout, normalize
 from services.model.families import processor_uint8
 
 SIZES = [(56, 56), (333, 517), (64, 1900), (1024, 768)]
@@ -48,7 +48,9 @@ def test_a_phone_photo_normalises_exactly(preprocessors):
     item = preprocessor.process_image(image)
     got = as_processor_output(item.tensors, preprocessor.pixel_norm)["pixel_values"]
     assert np.array_equal(got, expected)
-    assert item.tensors["pixel_values"].nbytes * 4 == expected.nbytes
+    # uint8, a quarter of float32's bytes; one of the image's two identical frames, half again
+    assert preprocessor.pixel_norm.frames == 2
+    assert item.tensors["pixel_values"].nbytes * 4 * 2 == expected.nbytes
 
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
@@ -58,7 +60,8 @@ def test_qwen2_vl_uint8_layout_is_the_processors_own(preprocessors, size):
     preprocessor = preprocessors["qwen2_vl"]
     image = noise_image(*size, seed=3)
     fast = preprocessor.family.uint8_pixels(preprocessor.image_processor, image)
-    reference = processor_uint8(preprocessor.image_processor, image)
+    reference = processor_uint8(preprocessor.image_processor, image,
+                                **preprocessor.family.one_frame())
     for field in preprocessor.family.item_fields:
         assert fast[field].dtype == reference[field].dtype
         assert np.array_equal(fast[field], reference[field]), field
@@ -70,6 +73,17 @@ def test_norm_is_read_from_the_processor(preprocessors, family):
     assert norm.rescale_factor == pytest.approx(1 / 255)
     assert norm.mean == tuple(float(v) for v in processor.image_mean)
     assert norm.std == tuple(float(v) for v in processor.image_std)
+
+
+def test_model_layout_repeats_each_channel_block_per_frame():
+    """Qwen2-VL's rows are channel x frame x patch x patch: one frame sent, each channel's
+    block repeated in place; a layout of one frame is the tensor itself."""
+    pixels = torch.arange(2 * 3 * 4, dtype=torch.uint8).reshape(2, 12)  # 3 channels of 4
+    got = model_layout(pixels, PixelNorm(None, None, None, frames=2))
+    expected = pixels.reshape(2, 3, 1, 4).repeat(1, 1, 2, 1).reshape(2, 24)
+    assert torch.equal(got, expected)
+    assert got[0, :8].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert model_layout(pixels, PixelNorm(None, None, None)) is pixels
 
 
 def test_normalize_without_rescale_or_normalise_only_casts():

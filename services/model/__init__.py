@@ -18,7 +18,7 @@ from services.model.loading import (
     load_preprocessor,
     resolve_model_dir,
 )
-from services.model.pixels import PixelNorm, normalize
+from services.model.pixels import PixelNorm, model_layout, normalize
 from services.model.tiny import build_tiny_model, default_model_dir, ensure_default_model
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "family_for",
     "load_model",
     "load_preprocessor",
+    "model_layout",
     "normalize",
     "resolve_model_dir",
 ]

@@ -80,6 +80,20 @@ class Family:
     # crop_to_patches, Idefics3's return_row_col_info: each image's rows and columns of
     # tiles, which the HF processor drops from its own output).
     image_processor_settings: Callable[[Path, Any], dict[str, Any]] = lambda model_dir, config: {}
+    # The image processor's setting that counts an image's identical frames in the model's
+    # layout (Qwen2-VL's temporal_patch_size: a video's patch spans that many frames). The
+    # pixels sent hold one frame (the processor called with the setting at 1); the engine
+    # repeats it (services/model/pixels.py, `model_layout`). None: one frame, sent as it is.
+    frames_setting: str | None = None
+
+    def frames(self, image_processor: Any) -> int:
+        """The identical frames of an image in the model's layout (one of them is sent)."""
+        return 1 if self.frames_setting is None else int(getattr(image_processor,
+                                                                 self.frames_setting))
+
+    def one_frame(self) -> dict[str, int]:
+        """The image processor's call settings that lay out one frame of an image."""
+        return {} if self.frames_setting is None else {self.frames_setting: 1}
 
     def join_items(self, items: list[Tensors]) -> dict[str, np.ndarray]:
         """The inverse of `split_items`: the batched tensors the model takes for these images,
@@ -121,7 +135,7 @@ def _qwen2_vl_token_counter(model_dir: Path, config: Any, image_processor: Any) 
 def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
     vision = config.vision_config
     merge = vision.spatial_merge_size
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    patch_dim = vision.in_channels * vision.patch_size**2  # one frame (`Family.frames`)
 
     def check_tensors(where: str, tensors: Tensors) -> None:
         grid = _tensor(tensors, where, "image_grid_thw", ndim=2, kind="iu")
@@ -154,11 +168,13 @@ def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
 
     return check_items
 
-def processor_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
-    """Any family: the processor itself with its rescale and normalise turned off. Its resize
-    works in uint8, so the values it returns (float32 for some families) are whole 0-255."""
+def processor_uint8(image_processor: Any, image: Image.Image,
+                    **settings: Any) -> dict[str, np.ndarray]:
+    """Any family: the processor itself with its rescale and normalise turned off (and any
+    `settings` of the call). Its resize works in uint8, so the values it returns (float32 for
+    some families) are whole 0-255."""
     batch = image_processor(
-        images=[image], do_rescale=False, do_normalize=False, return_tensors="np"
+        images=[image], do_rescale=False, do_normalize=False, return_tensors="np", **settings
     )
     tensors = dict(batch)
     tensors["pixel_values"] = np.asarray(tensors["pixel_values"]).astype(np.uint8, copy=False)
@@ -177,7 +193,8 @@ def _qwen2_vl_resized_size(image_processor: Any, width: int, height: int) -> tup
 
 
 def _qwen2_vl_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.ndarray]:
-    """Qwen2VLImageProcessorPil's resize and patch layout, done in uint8 on the PIL image.
+    """Qwen2VLImageProcessorPil's resize and patch layout, done in uint8 on the PIL image,
+    one frame of the image (`Family.frames`).
 
     The processor turns the image into a channel-first array, back into a PIL image to resize
     it, and lays the patches out in float32: two copies of the full-size image and a float
@@ -191,14 +208,8 @@ def _qwen2_vl_uint8(image_processor: Any, image: Image.Image) -> dict[str, np.nd
     # (H, W, C) -> (h/m, w/m, m, m, C, patch, patch), as the processor's patchify orders it
     patches = resized.reshape(grid_h // merge, merge, patch, grid_w // merge, merge, patch, -1)
     patches = patches.transpose(0, 3, 1, 4, 6, 2, 5)
-    channels = patches.shape[4]
-    # One image is `temporal_patch_size` identical frames.
-    frames = np.broadcast_to(
-        patches[:, :, :, :, :, None], (*patches.shape[:5], p.temporal_patch_size, patch, patch)
-    )
-    pixel_values = frames.reshape(grid_h * grid_w, channels * p.temporal_patch_size * patch**2)
     return {
-        "pixel_values": np.ascontiguousarray(pixel_values),
+        "pixel_values": patches.reshape(grid_h * grid_w, -1),  # a contiguous copy
         "image_grid_thw": np.array([[1, grid_h, grid_w]], dtype=np.int64),
     }
 
@@ -659,6 +670,7 @@ QWEN2_VL = Family(
     item_checker=_qwen2_vl_item_checker,
     uint8_pixels=_qwen2_vl_uint8,
     resized_size=_qwen2_vl_resized_size,
+    frames_setting="temporal_patch_size",
 )
 
 LLAVA = Family(

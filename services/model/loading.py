@@ -145,8 +145,8 @@ class Preprocessor:
             if self.image_backend == "pil":
                 batch = self.family.uint8_pixels(self.image_processor, image)
             else:
-                [batch] = self.family.split_items(
-                    self.image_processor, processor_uint8(self.image_processor, image))
+                [batch] = self.family.split_items(self.image_processor, processor_uint8(
+                    self.image_processor, image, **self.family.one_frame()))
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}
@@ -220,7 +220,7 @@ def load_preprocessor(model_dir: str | Path, image_backend: ImageBackend = "pil"
             family, model_dir, config, image_processor, tokenizer, image_token_id,
             count_image_tokens,
         ),
-        pixel_norm=PixelNorm.of(image_processor),
+        pixel_norm=PixelNorm.of(image_processor, family.frames(image_processor)),
         special_prefix=special_prefix,
         special_suffix=special_suffix,
         image_backend=backend,

@@ -14,6 +14,11 @@ both steps on, folds the rescale into the mean and std (`(x - mean / factor) / (
 Every family's layout is channel-major after the first axis: reshaped to (N, channels, -1),
 each channel's values are one block (Qwen2-VL patch rows are channel x time x patch x patch;
 LLaVA's are (1, channels, height, width), LLaVA-NeXT's (tiles, channels, height, width)).
+
+Qwen2-VL lays an image out as `temporal_patch_size` identical frames (a video's patch spans that
+many frames): its rows hold each channel's patch twice. The MM worker sends one frame (half the
+bytes, through the transport and the receiver cache) and the engine repeats it (`model_layout`),
+after normalising where it normalises (half the work): copying values changes no bit either.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+RGB = 3
+"""Channels of every image the processor sees (the MM worker converts each to RGB)."""
 
 
 @dataclass(frozen=True)
@@ -36,16 +44,20 @@ class PixelNorm:
     std: tuple[float, ...] | None
     torchvision: bool = False
     """The steps as transformers' torchvision backend runs them (the module docstring)."""
+    frames: int = 1
+    """How many times the model's layout holds each channel's values of an image, of which
+    the pixels sent hold one (Qwen2-VL's temporal_patch_size; the module docstring)."""
 
     @classmethod
-    def of(cls, image_processor: Any) -> PixelNorm:
-        """The steps `image_processor` runs after its resize, with its own settings."""
+    def of(cls, image_processor: Any, frames: int = 1) -> PixelNorm:
+        """The steps `image_processor` runs after its resize, with its own settings; `frames`
+        as the family lays its images out."""
         rescale = float(image_processor.rescale_factor) if image_processor.do_rescale else None
         torchvision = getattr(image_processor, "backend", "pil") == "torchvision"
         if not image_processor.do_normalize:
-            return cls(rescale, None, None, torchvision)
+            return cls(rescale, None, None, torchvision, frames)
         return cls(rescale, _per_channel(image_processor.image_mean),
-                   _per_channel(image_processor.image_std), torchvision)
+                   _per_channel(image_processor.image_std), torchvision, frames)
 
 
 def _per_channel(values: Any) -> tuple[float, ...]:
@@ -53,7 +65,21 @@ def _per_channel(values: Any) -> tuple[float, ...]:
 
 
 def normalize(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
-    """The float32 tensor the HF processor would have produced from these uint8 pixels."""
+    """The float32 tensor the HF processor would have produced from these uint8 pixels, in
+    the model's layout."""
+    return model_layout(_normalized(pixels, norm), norm)
+
+
+def model_layout(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
+    """Pixels as sent, in the model's layout: each row's channel blocks `norm.frames` times
+    (a new tensor), or the same tensor when the layout has one frame."""
+    if norm.frames == 1:
+        return pixels
+    rows = pixels.reshape(pixels.shape[0], RGB, 1, -1)
+    return rows.expand(-1, -1, norm.frames, -1).reshape(pixels.shape[0], -1)
+
+
+def _normalized(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     if norm.torchvision:
         return _normalize_as_torchvision(pixels, norm)
     if norm.rescale_factor is None:

@@ -194,7 +194,7 @@ class Qwen2VLAdapter(Adapter):
         super().__init__(model, pixel_norm)
         vision = model.config.vision_config
         self.merge = vision.spatial_merge_size
-        self.patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        self.patch_dim = vision.in_channels * vision.patch_size**2  # as sent: one frame
         self.image_token_id = model.config.image_token_id
         self.embed_keys = 1.0
         """What a patch-embedding row costs, in attention keys (`Spent`), timed at startup."""

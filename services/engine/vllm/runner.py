@@ -13,8 +13,9 @@ tensors take the layout vLLM's own processor gives each family's model (`_VLLM_I
 range whose span holds other tokens besides the image's marks its image tokens (`is_embed`), as
 vLLM's processors do. Pixels stay uint8 where vLLM normalises on the device (Qwen2-VL and
 Mistral 3 in vLLM 0.32); for a model where it does not, the runner normalises them as the HF
-processor would (services/model/pixels.py). vLLM always gets full tensors: mmlane's receiver
-cache (in the engine) has filled them in.
+processor would (services/model/pixels.py). Either way they go in the model's layout: a
+Qwen2-VL image, sent as one of its identical frames, is laid out as all of them. vLLM always
+gets full tensors: mmlane's receiver cache (in the engine) has filled them in.
 
 Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go ahead of image
 requests (priority 0 before 1).
@@ -49,7 +50,13 @@ from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.runner import ModelSpec, StepOutput
 from services.engine.vllm import leftovers
-from services.model import Preprocessor, load_preprocessor, normalize, resolve_model_dir
+from services.model import (
+    Preprocessor,
+    load_preprocessor,
+    model_layout,
+    normalize,
+    resolve_model_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -263,13 +270,15 @@ class VLLMRunner:
                         {"image": placeholders})
 
     def _item_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """An item's tensors as torch's, its pixels normalised unless vLLM does it. Arrays
-        that came in ZMQ frames are read-only views of them: those are copied; those taken out
-        of a shared-memory slot are copies already, and go as they are."""
+        """An item's tensors as torch's, its pixels in the model's layout (`model_layout`) and
+        normalised unless vLLM does it. Arrays that came in ZMQ frames are read-only views of
+        them: those are copied; those taken out of a shared-memory slot are copies already,
+        and go as they are."""
         item = {name: torch.from_numpy(array if array.flags.writeable else array.copy())
                 for name, array in tensors.items()}
-        if self._normalize_pixels:
-            item["pixel_values"] = normalize(item["pixel_values"], self._pre.pixel_norm)
+        pixels, norm = item["pixel_values"], self._pre.pixel_norm
+        item["pixel_values"] = (normalize(pixels, norm) if self._normalize_pixels
+                                else model_layout(pixels, norm))
         return item
 
 
