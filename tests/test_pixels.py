@@ -84,6 +84,8 @@ def test_model_layout_repeats_each_channel_block_per_frame():
     assert torch.equal(got, expected)
     assert got[0, :8].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     assert model_layout(pixels, PixelNorm(None, None, None)) is pixels
+    as_numpy = model_layout(pixels.numpy(), PixelNorm(None, None, None, frames=2))  # vLLM's way
+    assert isinstance(as_numpy, np.ndarray) and np.array_equal(as_numpy, expected.numpy())
 
 
 def test_normalize_without_rescale_or_normalise_only_casts():

@@ -24,7 +24,7 @@ after normalising where it normalises (half the work): copying values changes no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -70,13 +70,19 @@ def normalize(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     return model_layout(_normalized(pixels, norm), norm)
 
 
-def model_layout(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
+Pixels = TypeVar("Pixels", np.ndarray, torch.Tensor)
+
+
+def model_layout(pixels: Pixels, norm: PixelNorm) -> Pixels:
     """Pixels as sent, in the model's layout: each row's channel blocks `norm.frames` times
-    (a new tensor), or the same tensor when the layout has one frame."""
+    (a new array or tensor), or the same one when the layout has one frame."""
     if norm.frames == 1:
         return pixels
-    rows = pixels.reshape(pixels.shape[0], RGB, 1, -1)
-    return rows.expand(-1, -1, norm.frames, -1).reshape(pixels.shape[0], -1)
+    rows = pixels.reshape(len(pixels), RGB, 1, -1)
+    shape = (len(pixels), RGB, norm.frames, rows.shape[3])
+    if isinstance(rows, np.ndarray):
+        return np.broadcast_to(rows, shape).reshape(len(pixels), -1)
+    return rows.expand(shape).reshape(len(pixels), -1)
 
 
 def _normalized(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:

@@ -274,11 +274,13 @@ class VLLMRunner:
         normalised unless vLLM does it. Arrays that came in ZMQ frames are read-only views of
         them: those are copied; those taken out of a shared-memory slot are copies already,
         and go as they are."""
-        item = {name: torch.from_numpy(array if array.flags.writeable else array.copy())
-                for name, array in tensors.items()}
-        pixels, norm = item["pixel_values"], self._pre.pixel_norm
-        item["pixel_values"] = (normalize(pixels, norm) if self._normalize_pixels
-                                else model_layout(pixels, norm))
+        arrays = {name: array if array.flags.writeable else array.copy()
+                  for name, array in tensors.items()}
+        item = {name: torch.from_numpy(array) for name, array in arrays.items()}
+        norm = self._pre.pixel_norm
+        item["pixel_values"] = (  # laid out by numpy: torch's copy would wake an OpenMP team
+            normalize(item["pixel_values"], norm) if self._normalize_pixels  # that spins here
+            else torch.from_numpy(model_layout(arrays["pixel_values"], norm)))
         return item
 
 
