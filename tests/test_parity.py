@@ -21,7 +21,7 @@ from protocol.messages import EngineRequest
 from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.launcher import stop_all
-from services.model import PixelNorm
+from services.model import PixelNorm, family_for
 
 
 @dataclass
@@ -95,7 +95,9 @@ def test_engine_receives_what_the_hf_processor_makes(
     assert got.prompt_token_ids == expected["input_ids"][0].tolist()
     # Image by image: a batch may pad its images to one shape (LLaVA-NeXT's tiles).
     wanted = reference_items(family, processor, expected, images)
-    norm = PixelNorm.of(processor.image_processor)
+    # One frame of a Qwen2-VL image travels; the engine lays it out as the model takes it.
+    norm = PixelNorm.of(processor.image_processor,
+                        family_for(family).frames(processor.image_processor))
     for item, want in zip(got.mm_items, wanted, strict=True):
         tensors = as_processor_output(item.tensors, norm)
         assert tensors.keys() == want.keys()
