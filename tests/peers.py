@@ -60,6 +60,9 @@ from services.ops.feed import StatsFeed
 
 PATIENCE_S = 60.0
 """The longest any wait for a peer may take."""
+SERVE_READY = "mmlane ready:"
+"""What `mmlane serve` prints on stdout once every role is ready (each role logs its own 'ready
+on' line before that, on stderr)."""
 
 T = TypeVar("T")
 InboxT = TypeVar("InboxT", bound="Inbox")

@@ -429,8 +429,8 @@ class TestLogprobs:
         assert all(len(piece) == 1 for piece in pieces)  # one token per chunk, text or not
 
     def test_raw_http_shape(self, server: Server) -> None:
-        body = {"model": server.model, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
-                "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": server.model, "max_tokens": 3, "ignore_eos": True, "logprobs": True,
+                "top_logprobs": 2, "messages": [{"role": "user", "content": "hi"}]}
         status, raw = _post(server, body)
         assert status == 200, raw
         logprobs = json.loads(raw)["choices"][0]["logprobs"]

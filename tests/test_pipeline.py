@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, free_port
+from peers import SERVE_READY
 from protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
 from services.bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
@@ -41,7 +42,7 @@ def start_serve(extra: list[str], run_dir: Path, port: int) -> tuple[subprocess.
     def read() -> None:
         for line in process.stdout:  # type: ignore[union-attr]
             lines.append(line)
-            if "ready" in line:
+            if SERVE_READY in line:
                 ready.set()
         ready.set()
 
@@ -59,7 +60,7 @@ def served(module_run_dir: Path, qwen_dir: Path) -> Iterator[Served]:
         ["--allowed-media-dir", str(media), "--max-images-per-request", "4"],
         module_run_dir / "run", port,
     )
-    assert any("ready" in line for line in lines), f"serve did not start: {lines}"
+    assert any(SERVE_READY in line for line in lines), f"serve did not start: {lines}"
     yield Served(f"tcp://127.0.0.1:{port}", media, process, lines)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
@@ -267,7 +268,7 @@ def test_serve_exits_nonzero_with_the_childs_error(tmp_path: Path) -> None:
 
 def test_serve_stops_all_children_on_sigterm(qwen_dir: Path, run_dir: Path) -> None:
     process, lines = start_serve(["--model", str(qwen_dir)], run_dir, free_port())
-    assert any("ready" in line for line in lines)
+    assert any(SERVE_READY in line for line in lines)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -287,7 +288,7 @@ def test_a_model_dir_whose_images_have_spans_serves_as_hf_generates(
     model_dir = model_dirs[family]
     port = free_port()
     process, lines = start_serve(["--model", str(model_dir)], run_dir, port)
-    assert any("ready" in line for line in lines), f"serve did not start: {lines}"
+    assert any(SERVE_READY in line for line in lines), f"serve did not start: {lines}"
     try:
         with Client(f"tcp://127.0.0.1:{port}", timeout_s=120) as client:
             image = png_uri(make_image(100, 60, seed=0))

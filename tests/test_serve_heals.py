@@ -30,6 +30,7 @@ from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
 from peers import (
     PATIENCE_S,
+    SERVE_READY,
     StandInEngine,
     all_ok,
     image_request,
@@ -79,10 +80,10 @@ def serving(where: Path, model: Path, *flags: str) -> Iterator[Served]:
              "--port", str(port), "--http-port", "0", "--run-dir", str(run_dir),
              "--request-timeout", str(REQUEST_TIMEOUT_S), "--stats-interval", "0.2",
              "--drain-timeout", "1", *flags],
-            cwd=REPO, stderr=stderr,
+            cwd=REPO, stdout=stderr, stderr=stderr,
         )
     served = Served(process, f"tcp://127.0.0.1:{port}", run_dir, model, log)
-    wait_until(lambda: "ready" in log.read_text() or process.poll() is not None,
+    wait_until(lambda: SERVE_READY in log.read_text() or process.poll() is not None,
                "serve ready", timeout_s=180)
     assert process.poll() is None, log.read_text()
     try:

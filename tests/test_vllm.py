@@ -28,7 +28,14 @@ import zmq
 from test_http import SCHEMAS, json_schema
 
 from conftest import FAILED, REPO, free_port
-from peers import StandInFrontend, counters, one_reply_each, wait_for_stats, wait_until
+from peers import (
+    SERVE_READY,
+    StandInFrontend,
+    counters,
+    one_reply_each,
+    wait_for_stats,
+    wait_until,
+)
 from protocol.errors import RequestError, RetryableError
 from protocol.messages import (
     ChatMessage,
@@ -116,7 +123,7 @@ def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None =
         wait_until(lambda: _healthy(alone[1]) or alone[0].process.poll() is not None,
                    "vllm serve ready", timeout_s=STARTUP_S)
         assert alone[0].process.poll() is None, alone[0].log.read_text()
-        wait_until(lambda: "ready" in ours[0].log.read_text() or ours[0].process.poll()
+        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
                    is not None, "mmlane serve ready", timeout_s=STARTUP_S)
         assert ours[0].process.poll() is None, ours[0].log.read_text()
         wait_until(lambda: _logprobs_compiled(ours[1]), "vLLM's logprobs kernel compiled",
