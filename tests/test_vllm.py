@@ -350,7 +350,8 @@ def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
     with Client(mmlane_vllm[1], timeout_s=300) as client:
         first = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
         second = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
-        # A new cache epoch: the tensors travel again, vLLM gets them whole under the same hash.
+        # A new cache epoch: the tensors travel to the engine role again; vLLM's own cache,
+        # which mirrors its engine core's, still holds the image, so vLLM gets it as its hash.
         client.reset_cache()
         third = client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
     assert first.error is None and second.error is None and third.error is None
@@ -364,6 +365,12 @@ def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
     wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
                    and s.counters["vllm_prefix_cache_hit_tokens"]
                    > before["vllm_prefix_cache_hit_tokens"], "vLLM's prefix cache hits")
+    # vLLM's processor cache held the image for the second and third: each went as its hash
+    after = wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
+                           and s.counters["vllm_mm_cache_hit_items"]
+                           >= before["vllm_mm_cache_hit_items"] + 2, "vLLM's MM cache hits")
+    assert (after.counters["vllm_mm_cache_queried_items"]
+            >= before["vllm_mm_cache_queried_items"] + 3)
 
 
 def test_cancel_mid_stream_and_bad_input_each_get_one_reply(
@@ -617,3 +624,57 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=120) == 0
     assert not pids.exists()  # a clean stop leaves nothing behind
+
+
+def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """vLLM's processor cache (P0) says its engine core holds an image the core lacks (the
+    mirror drifted): vLLM ends the request with an error before any token, and the runner
+    sends it once more with the image in full: the tokens of the image sent in full at once,
+    one resend counted. The runner runs in this process; the drift is made with its own code."""
+    from msgspec.structs import replace
+    from test_engine import make_request
+
+    from services.common.config import run_dir_defaults
+    from services.common.stats import Metrics
+    from services.engine.config import EngineConfig
+    from services.engine.vllm.config import VLLMConfig
+    from services.engine.vllm.runner import load
+
+    with run_dir_defaults(tmp_path):
+        config = EngineConfig(backend="vllm", model=str(qwen_dir), vllm=VLLMConfig(
+            vllm_arg=[f"{key}={_arg(value)}" for key, value in VLLM_ARGS.items()]))
+        metrics = Metrics("engine", config.ops.name)
+        runner = load(config, metrics)
+    try:
+        fresh = make_request(load_preprocessor(qwen_dir, "auto"), "what is it?", ((320, 240),),
+                             max_tokens=MAX_TOKENS, ignore_eos=True)
+        lost = replace(fresh, request_id="lost",
+                       mm_items=[replace(fresh.mm_items[0], mm_hash="lost")])
+
+        async def only_in_p0() -> None:  # rendered for vLLM, never sent to its engine core
+            runner._vllm_items(lost.mm_items, ["lost"])
+
+        runner._call(only_in_p0())
+        assert runner.engine.renderer.mm_processor_cache.is_cached_item("lost")
+        replies = {request.request_id: _tokens_alone(runner, handle, request)
+                   for handle, request in enumerate((fresh, lost))}
+        assert replies["lost"] == replies[fresh.request_id]
+        assert len(replies["lost"]) == MAX_TOKENS
+        assert metrics.counters["vllm_mm_cache_resends"] == 1
+    finally:
+        runner.close()
+
+
+def _tokens_alone(runner: Any, handle: int, request: EngineRequest) -> list[int]:
+    """The tokens of `request` run alone on an in-process runner; fails on an error."""
+    runner.add(handle, request)
+    tokens: list[int] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for output in runner.step(1.0):
+            tokens += output.token_ids
+            if output.finished:
+                assert output.error is None, f"{request.request_id}: {output.error!r}"
+                return tokens
+    raise AssertionError(f"{request.request_id}: not finished within 300 s")

@@ -3,7 +3,8 @@
 vLLM's AsyncLLM lives on this process's `vllm-loop` thread (an asyncio loop); it starts vLLM's
 engine core and workers in their own processes, so tensor, pipeline and data parallelism are
 vLLM's (engine arguments pass through unchanged, see config.py). The engine's main thread calls
-`add`, `step` and `abort`, which hand work to the loop thread and take outputs from a queue.
+`add`, `step` and `abort`, which hand work to the loop thread and take outputs from a queue;
+requests are rendered for vLLM on the loop thread, which alone touches vLLM's processor cache.
 
 Every request reaches vLLM already rendered: token ids with the image placeholders expanded,
 the MM worker's tensors as vLLM's per-item kwargs, mmlane's mm_hash as vLLM's hash (so a
@@ -14,8 +15,15 @@ range whose span holds other tokens besides the image's marks its image tokens (
 vLLM's processors do. Pixels stay uint8 where vLLM normalises on the device (Qwen2-VL and
 Mistral 3 in vLLM 0.32); for a model where it does not, the runner normalises them as the HF
 processor would (services/model/pixels.py). Either way they go in the model's layout: a
-Qwen2-VL image, sent as one of its identical frames, is laid out as all of them. vLLM always
-gets full tensors: mmlane's receiver cache (in the engine) has filled them in.
+Qwen2-VL image, sent as one of its identical frames, is laid out as all of them.
+
+vLLM keeps its own mirrored cache of items: its processor cache (P0, in this process) tracks
+what its engine core's cache (P1) holds, and an item P0 holds goes to the engine core as its
+hash alone. Rendered requests update P0 as vLLM's own processor does (`_vllm_items`), so a
+repeated image costs no layout here and no transfer there, as in `vllm serve`. What vLLM's P0
+lacks goes in full: mmlane's receiver cache (in the engine) has filled the tensors in. Should
+the two drift (P0 holds an image the core lacks), vLLM ends the request with an error before
+any token and drops the hashes from P0; the runner then sends it again, once, in full.
 
 Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go ahead of image
 requests (priority 0 before 1).
@@ -43,7 +51,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
-from protocol.messages import EngineRequest, SamplingParams, TokenLogprobs
+from protocol.messages import EngineRequest, MMItem, SamplingParams, TokenLogprobs
 from services.common import cpu_wheels
 from services.common.config import default_run_dir
 from services.common.stats import Metrics
@@ -123,8 +131,8 @@ class VLLMRunner:
         """A vLLM stat logger that keeps each engine core's latest scheduler stats here, for
         the gauges (stats, health, top), and adds up the prompt tokens vLLM's prefix cache
         was asked for and held (`vllm_prefix_cache_queried_tokens`, `_hit_tokens`; an image's
-        blocks are keyed by mmlane's hash). (vLLM's multimodal processor cache counts nothing
-        here: rendered inputs do not go through its processor.)"""
+        blocks are keyed by mmlane's hash) and the images its processor cache was asked for
+        and held (`vllm_mm_cache_queried_items`, `_hit_items`: those went as their hash)."""
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         latest = self._scheduler
@@ -143,6 +151,9 @@ class VLLMRunner:
                     prefix = scheduler_stats.prefix_cache_stats
                     counters["vllm_prefix_cache_queried_tokens"] += prefix.queries
                     counters["vllm_prefix_cache_hit_tokens"] += prefix.hits
+                if mm_cache_stats is not None:
+                    counters["vllm_mm_cache_queried_items"] += mm_cache_stats.queries
+                    counters["vllm_mm_cache_hit_items"] += mm_cache_stats.hits
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -158,12 +169,10 @@ class VLLMRunner:
     # ------------------------------------------------------------ the ModelRunner interface
 
     def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
-        prompt = self._prompt(request)
         params = _sampling_params(request.sampling)
         priority = 1 if self._priority and request.mm_items else 0
         self._live.add(handle)
-        self._loop.call_soon_threadsafe(self._spawn, handle, request.request_id, prompt, params,
-                                        priority)
+        self._loop.call_soon_threadsafe(self._spawn, handle, request, params, priority)
 
     def step(self, timeout: float) -> list[StepOutput]:
         outputs = self._ready(timeout)
@@ -209,33 +218,28 @@ class VLLMRunner:
 
     # ------------------------------------------------------------ on the loop thread
 
-    def _spawn(self, handle: int, request_id: str, prompt: Any, params: Any,
-               priority: int) -> None:
-        self._tasks[handle] = self._loop.create_task(
-            self._run(handle, request_id, prompt, params, priority)
-        )
+    def _spawn(self, handle: int, request: EngineRequest, params: Any, priority: int) -> None:
+        self._tasks[handle] = self._loop.create_task(self._run(handle, request, params, priority))
 
     def _cancel(self, handle: int) -> None:
         task = self._tasks.pop(handle, None)
         if task is not None:
             task.cancel()  # generate() aborts the request in vLLM as it unwinds
 
-    async def _run(self, handle: int, request_id: str, prompt: Any, params: Any,
+    async def _run(self, handle: int, request: EngineRequest, params: Any,
                    priority: int) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
-            async for output in self.engine.generate(prompt, params, request_id,
-                                                     priority=priority):
-                completion = output.outputs[0]
-                reason = completion.finish_reason if output.finished else None
-                if output.finished and reason not in _FINISH_REASONS:
-                    self._outputs.put(StepOutput(handle, list(completion.token_ids), error=(
-                        RetryableError(f"vLLM ended the request: {reason}", code="aborted"))))
-                    return
-                self._outputs.put(StepOutput(
-                    handle, list(completion.token_ids), finish_reason=reason,
-                    logprobs=_logprobs(completion, params.logprobs)))
+            if await self._generate(handle, request, params, priority,
+                                    retry=bool(request.mm_items)):
+                # vLLM's engine core lacked an image its processor cache said it held (the
+                # mirror drifted, e.g. a request cancelled on its way to the core); vLLM has
+                # dropped those hashes from its processor cache, so they go in full now.
+                log.warning("request %s: vLLM's engine core lacked a cached image; sent again "
+                            "with its images in full", request.request_id)
+                self.metrics.counters["vllm_mm_cache_resends"] += 1
+                await self._generate(handle, request, params, priority, retry=False)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -248,26 +252,85 @@ class VLLMRunner:
         finally:
             self._tasks.pop(handle, None)
 
+    async def _generate(self, handle: int, request: EngineRequest, params: Any, priority: int,
+                        *, retry: bool) -> bool:
+        """Run the request on vLLM and put its outputs; True, with nothing put, when `retry`
+        and vLLM ended it with an error before any token (its answer to a drifted cache)."""
+        first = True
+        try:
+            prompt = self._prompt(request)  # vLLM's processor cache updated: see _vllm_items
+            async for output in self.engine.generate(prompt, params, request.request_id,
+                                                     priority=priority):
+                completion = output.outputs[0]
+                reason = completion.finish_reason if output.finished else None
+                if output.finished and reason not in _FINISH_REASONS:
+                    if retry and first and reason == "error" and not completion.token_ids:
+                        return True
+                    self._outputs.put(StepOutput(handle, list(completion.token_ids), error=(
+                        RetryableError(f"vLLM ended the request: {reason}", code="aborted"))))
+                    return False
+                first = False
+                self._outputs.put(StepOutput(
+                    handle, list(completion.token_ids), finish_reason=reason,
+                    logprobs=_logprobs(completion, params.logprobs)))
+        except BaseException:
+            # Failed, refused or cancelled before its first output, it may never have reached
+            # vLLM's engine core: its processor cache forgets the request's images (a forgotten
+            # image is only sent again; one held there but not in the core fails a request).
+            cache = self.engine.renderer.mm_processor_cache
+            if first and cache is not None:
+                for mm_hash in _hashes(request):
+                    cache.invalidate(mm_hash)
+            raise
+        return False
+
     # ------------------------------------------------------------ rendering for vLLM
 
     def _prompt(self, request: EngineRequest) -> Any:
         if not request.mm_items:
             return {"type": "token", "prompt_token_ids": list(request.prompt_token_ids)}
-        from transformers import BatchFeature
         from vllm.inputs import mm_input
-        from vllm.multimodal.inputs import MultiModalKwargsItems, PlaceholderRange
+        from vllm.multimodal.inputs import PlaceholderRange
 
-        items = [self._item_tensors(item.tensors) for item in request.mm_items]
-        batch = BatchFeature(_VLLM_INPUTS[self._pre.family.name](items, self._pre.image_token_id))
-        kwargs = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))
-        hashes = [item.mm_hash or f"{request.request_id}:{index}"  # "": cache nothing
-                  for index, item in enumerate(request.mm_items)]
+        hashes = _hashes(request)
+        kwargs = self._vllm_items(request.mm_items, hashes)
         prompt = torch.tensor(request.prompt_token_ids)
         placeholders = [PlaceholderRange(item.offset, item.length, _is_embed(
             prompt[item.offset:item.offset + item.length], self._pre.image_token_id))
             for item in request.mm_items]
         return mm_input(list(request.prompt_token_ids), kwargs, {"image": hashes},
                         {"image": placeholders})
+
+    def _vllm_items(self, items: list[MMItem], hashes: list[str]) -> Any:
+        """The items as vLLM's kwargs, each in full or, where vLLM's processor cache (P0, which
+        mirrors its engine core's) holds its hash, as None: the engine core takes that one
+        from its cache. P0 is updated as vLLM's processor updates it (`_merge_mm_kwargs`):
+        every hash touched first, then each looked up or added, in order; only the items it
+        lacks are laid out. No P0 (`mm_processor_cache_gb=0`): every item in full."""
+        from transformers import BatchFeature
+        from vllm.multimodal.inputs import MultiModalKwargsItems
+
+        cache = self.engine.renderer.mm_processor_cache
+        held = cache.is_cached(hashes) if cache is not None else [False] * len(hashes)
+        missing = [self._item_tensors(item.tensors)
+                   for item, hit in zip(items, held, strict=True) if not hit]
+        built: list[Any] = []
+        if missing:
+            batch = BatchFeature(_VLLM_INPUTS[self._pre.family.name](
+                missing, self._pre.image_token_id))
+            built = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))["image"]
+        if cache is None:
+            return MultiModalKwargsItems({"image": built})
+        new = iter(built)
+        for mm_hash in hashes:
+            cache.touch_sender_cache_item(mm_hash)
+        try:
+            sent = [cache.get_and_update_item(None if hit else (next(new), []), mm_hash)[0]
+                    for mm_hash, hit in zip(hashes, held, strict=True)]
+        finally:
+            cache.release_sender_touches()
+        self.engine.renderer.update_mm_cache_stats()
+        return MultiModalKwargsItems({"image": sent})
 
     def _item_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """An item's tensors as torch's, its pixels in the model's layout (`model_layout`) and
@@ -284,7 +347,14 @@ class VLLMRunner:
         return item
 
 
-_VLLM_CACHE_COUNTERS = ("vllm_prefix_cache_queried_tokens", "vllm_prefix_cache_hit_tokens")
+_VLLM_CACHE_COUNTERS = ("vllm_prefix_cache_queried_tokens", "vllm_prefix_cache_hit_tokens",
+                        "vllm_mm_cache_queried_items", "vllm_mm_cache_hit_items")
+
+
+def _hashes(request: EngineRequest) -> list[str]:
+    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own."""
+    return [item.mm_hash or f"{request.request_id}:{index}"
+            for index, item in enumerate(request.mm_items)]
 
 
 def _is_embed(span: torch.Tensor, image_token_id: int) -> torch.Tensor | None:
