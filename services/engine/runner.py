@@ -24,6 +24,7 @@ import numpy as np
 
 from protocol.errors import MMLaneError
 from protocol.messages import EngineRequest, MMItem, TokenLogprobs
+from services.common import cpu_wheels
 
 if TYPE_CHECKING:
     from services.common.stats import Metrics
@@ -139,7 +140,10 @@ RunnerFactory = Callable[["EngineConfig", "Metrics"], ModelRunner]
 
 
 def backend_factory(backend: str) -> RunnerFactory:
-    """The factory BACKENDS names for `backend`, imported now (and only now)."""
+    """The factory BACKENDS names for `backend`, imported now (and only now), after
+    `cpu_wheels.apply()`: every backend imports transformers' model code, which imports
+    torchvision, before anything else of ours would apply it."""
+    cpu_wheels.apply()
     module, _, function = BACKENDS[backend].partition(":")
     factory: RunnerFactory = getattr(importlib.import_module(module), function)
     return factory

