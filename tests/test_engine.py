@@ -536,13 +536,35 @@ def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
 
 
 def _tokens_alone(runner: HFRunner, request: EngineRequest) -> list[int]:
+    return _served_alone(runner, request)[0]
+
+
+def _served_alone(runner: HFRunner, request: EngineRequest) -> tuple[list[int], list[object]]:
+    """The request's tokens and their logprobs, run alone."""
     runner.add(0, request)
-    tokens = []
+    tokens: list[int] = []
+    logprobs: list[object] = []
     while runner.has_work():
         for output in runner.step():
             assert output.error is None, output.error
             tokens += output.token_ids
-    return tokens
+            logprobs += output.logprobs or []
+    return tokens, logprobs
+
+
+def test_vision_passes_on_more_threads_give_the_same_tokens_and_logprobs(qwen_dir,
+                                                                         prep) -> None:
+    """--vision-threads 2: the startup probe finds the same bits on this CPU, so the vision
+    passes run on 2 threads, and a request gets the same tokens and logprobs as on 1."""
+    request = make_request(prep, *BIG_IMAGE, max_tokens=6, logprobs=3)
+    served = []
+    for threads in (1, 2):
+        runner = HFRunner.load(str(qwen_dir), DEVICE, threads=1, vision_threads=threads,
+                               max_unit_ms=1)  # the passes in many slices, sized by the load
+        assert runner.vision_threads == threads
+        served.append(_served_alone(runner, request))
+        assert runner.metrics.histograms["engine_step:vision"].count > 2
+    assert served[0] == served[1]
 
 
 def test_a_repeated_image_takes_its_features_from_the_encoder_cache(qwen_dir, prep,

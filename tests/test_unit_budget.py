@@ -19,7 +19,12 @@ from test_batching import CASES
 from test_engine import DEVICE, generate_greedy, make_request
 
 from protocol.messages import EngineRequest
-from services.engine.hf.budget import MIN_CHUNK_TOKENS, chunk_sizes, derive_chunk_tokens
+from services.engine.hf.budget import (
+    MIN_CHUNK_TOKENS,
+    ThreadChoice,
+    chunk_sizes,
+    derive_chunk_tokens,
+)
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_model, load_preprocessor
 
@@ -68,6 +73,22 @@ def unit_counts(runner: HFRunner, since: tuple[int, ...] = (0, 0, 0, 0)) -> tupl
 
 
 # ---------------------------------------------------------------- calibration
+
+
+def test_vision_slices_take_the_thread_count_faster_lately_and_try_the_other() -> None:
+    choice = ThreadChoice(1, 2)
+    assert choice.pick() == 2  # each is tried once first, more threads first
+    choice.observe(2, work=100, seconds=0.5)
+    assert choice.pick() == 1
+    choice.observe(1, work=100, seconds=1.0)
+    picks = [choice.pick() for _ in range(2 * ThreadChoice.EXPLORE_EVERY)]
+    assert picks.count(1) == 2 and picks.count(2) == len(picks) - 2  # 1 only to explore
+    for _ in range(20):  # the cores get busy: 2 threads wait for a core at every operation
+        choice.observe(2, work=100, seconds=3.0)
+    picks = [choice.pick() for _ in range(2 * ThreadChoice.EXPLORE_EVERY)]
+    assert picks.count(2) == 2 and picks.count(1) == len(picks) - 2
+    choice.observe(1, work=0, seconds=1.0)  # a slice that did no sized work teaches nothing
+    assert choice.pick() == 1
 
 
 def test_the_chunk_size_is_the_largest_power_of_two_that_fits() -> None:

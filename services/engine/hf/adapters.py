@@ -30,7 +30,8 @@ transformers' own; Idefics3's with the image's tiles as one sample).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,6 +43,20 @@ from services.engine.hf.budget import seconds_on
 from services.model import PixelNorm, normalize
 
 log = logging.getLogger(__name__)
+
+@contextmanager
+def torch_threads_for(threads: int) -> Iterator[None]:
+    """Run with `threads` torch threads per CPU operation for a while."""
+    saved = torch.get_num_threads()
+    if threads == saved:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
 
 class Spent(NamedTuple):
     """What a slice of a vision pass ran."""
@@ -164,6 +179,11 @@ class Adapter:
 
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         return Positions(prompt.device)
+
+    def same_bits_with(self, threads: int) -> bool:
+        """Whether a vision pass gives the same bits with `threads` torch threads as with the
+        current number, on a probe image (here: no probe image, so not known: False)."""
+        return False
 
     def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The uint8 pixel_values normalised on the device, as the HF processor would have
@@ -308,6 +328,21 @@ class Qwen2VLAdapter(Adapter):
             log.warning("the sliced vision pass is close to the model's but not the same bits: "
                         "each image is sliced the same way whatever the load")
         return True, elastic
+
+    @torch.inference_mode()
+    def same_bits_with(self, threads: int) -> bool:
+        """The probe image's pass, in slices of each of PROBE_TOKENS' sizes, gives the same
+        bits with `threads` threads as with the current number."""
+        tensors = random_image(self.PROBE_SIDE, self.patch_dim)
+        sizes = [tokens * self.merge**2 * self.PROBE_SIDE**2 for tokens in self.PROBE_TOKENS]
+
+        def passes() -> list[torch.Tensor]:
+            return [_run(self.vision_pass(tensors), work) for work in sizes]
+
+        current = passes()
+        with torch_threads_for(threads):
+            other = passes()
+        return all(torch.equal(a, b) for a, b in zip(current, other, strict=True))
 
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         if not items:  # text: the same position on all three axes. Explicit, so the model never

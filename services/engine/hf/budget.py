@@ -114,6 +114,41 @@ class UnitBudget:
         return self.unit_s(busy=busy) / work_s if work_s > 0 else math.inf
 
 
+class ThreadChoice:
+    """Which of two torch thread counts runs the next vision slice: the one whose slices have
+    cost less per unit of work lately (an EWMA per count), and the other every EXPLORE_EVERY-th
+    slice, so that its estimate follows the load too. Both give the same bits (the runner
+    checks at startup), so the choice changes speed only. More threads win while the cores are
+    free; one wins while another process holds the other cores (decoding large images in the
+    MM worker): a parallel operation then waits for a core at every step (BENCHMARKS.md, "A
+    vision pass on more threads")."""
+
+    EXPLORE_EVERY = 16
+
+    def __init__(self, fewer: int, more: int) -> None:
+        self._counts = (more, fewer)
+        self._work_s: dict[int, float] = {}
+        """Seconds per unit of vision work, by thread count, once observed."""
+        self._slices = 0
+
+    def pick(self) -> int:
+        """The thread count for the next slice: each tried once first (more threads first)."""
+        self._slices += 1
+        untried = [count for count in self._counts if count not in self._work_s]
+        if untried:
+            return untried[0]
+        best, other = sorted(self._counts, key=self._work_s.__getitem__)
+        return other if self._slices % self.EXPLORE_EVERY == 0 else best
+
+    def observe(self, threads: int, work: float, seconds: float) -> None:
+        """A slice of `work` (adapters.Spent) run on `threads` took `seconds`."""
+        if work <= 0:
+            return
+        observed = seconds / work
+        held = self._work_s.get(threads)
+        self._work_s[threads] = observed if held is None else _ewma(held, observed)
+
+
 def _fitting(budget_s: float, each_s: float) -> int:
     if each_s <= 0:
         return 1 << 30  # nothing measured costs anything: everything fits

@@ -41,6 +41,12 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Threads torch may use for one CPU operation. 0: every core this process may run on but
     two, and at least one, since an MM worker and a frontend on the same machine need theirs:
     torch threads that wait for a busy core make each unit many times slower."""
+    vision_threads: int = 0
+    """The most threads torch may use for one CPU operation of a vision pass, the largest share
+    of an image's work. 0: every core this process may run on. Each slice of a pass runs with
+    this or --torch-threads, whichever has been faster lately: more threads while the cores
+    are free, fewer while another process holds them. Used only where the vision pass of a
+    probe image gives the same bits with both (checked at startup, logged)."""
     grammar_cache_size: int = GRAMMAR_CACHE_SIZE
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""
@@ -67,6 +73,7 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              f"got {self.prefill_chunk_tokens}")
         capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
         capacity_bytes(self.prefix_cache_gb, "prefix_cache_gb")
-        if self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be 0 (automatic) or more, "
-                             f"got {self.torch_threads}")
+        for name in ("torch_threads", "vision_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (automatic) or more, "
+                                 f"got {getattr(self, name)}")

@@ -6,7 +6,11 @@ request's own KV cache; or a decode step of up to `max_batch` requests together,
 With `max_unit_ms` (budget.py), a vision slice or a run of prefill chunks is sized to take about
 that long while another interactive request is held, and about `idle_unit_ms` while none is;
 the prefill chunk size is derived at startup from the same budget, by timing the loaded model,
-unless `prefill_chunk_tokens` pins it.
+unless `prefill_chunk_tokens` pins it. Units run with the process's torch threads (every core
+but two: text and decode units must not wait for a core the MM worker or the frontend holds);
+a vision-pass slice may run with `vision_threads` (every core) instead, where a probe image
+shows the pass gives the same bits either way: whichever has been faster lately
+(budget.ThreadChoice).
 
 A request's tokens must not depend on what else the engine is running, so a batched decode step
 gives each request the same bits as it would get alone:
@@ -45,9 +49,15 @@ from protocol.sampling import StructuredOutputs
 from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
-from services.engine.hf.adapters import Adapter, adapter_for
+from services.engine.hf.adapters import Adapter, adapter_for, torch_threads_for
 from services.engine.hf.attention import PER_SEQUENCE
-from services.engine.hf.budget import UnitBudget, derive_chunk_tokens, seconds_on, synchronize
+from services.engine.hf.budget import (
+    ThreadChoice,
+    UnitBudget,
+    derive_chunk_tokens,
+    seconds_on,
+    synchronize,
+)
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
 from services.engine.hf.prefix_cache import PrefixCache, chunk_keys, prompt_key
 from services.engine.hf.sampling import token_logprobs
@@ -87,7 +97,7 @@ class HFRunner:
         idle_unit_ms: float | None = None, max_batch: int = MAX_BATCH,
         metrics: Metrics | None = None,
         grammars: Grammars | None = None, encoder_cache_bytes: int = 0,
-        prefix_cache_bytes: int = 0,
+        prefix_cache_bytes: int = 0, vision_threads: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
@@ -100,7 +110,8 @@ class HFRunner:
         request keeps the size it arrived with."""
         self.metrics = metrics or Metrics("engine", "engine")
         """Where unit times (engine_step:KIND), first-unit waits (queue_wait:KIND) and the
-        decode_steps and decode_tokens counters (their ratio: the mean batch) go."""
+        decode_steps and decode_tokens counters (their ratio: the mean batch) go; and
+        vision_slices_more_threads, the slices run with `vision_threads`."""
         self._text_config = model.config.get_text_config()
         self._cache_keyword = _cache_keyword(model)
         """The forward's name for the KV cache it extends (transformers renamed it)."""
@@ -118,6 +129,12 @@ class HFRunner:
         self._prefix = self._prefix_cache(prefix_cache_bytes)
         """KV of prompt prefixes by what they were computed from (prefix_cache_gb; None: off):
         a request whose prompt starts as a recent one's prefills only the rest."""
+        self.vision_threads = self._vision_threads(vision_threads)
+        """The most torch threads a vision-pass slice runs with (other units: the process's
+        setting)."""
+        self._threads = (None if self.vision_threads == torch.get_num_threads() else
+                         ThreadChoice(torch.get_num_threads(), self.vision_threads))
+        """Which thread count the next vision slice runs with (None: always the one)."""
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._budget = None if max_unit_ms is None else self._calibrate(
@@ -132,7 +149,7 @@ class HFRunner:
         max_unit_ms: float | None = None, idle_unit_ms: float | None = None,
         max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
         grammar_cache_size: int = GRAMMAR_CACHE_SIZE, encoder_cache_bytes: int = 0,
-        prefix_cache_bytes: int = 0,
+        prefix_cache_bytes: int = 0, vision_threads: int = 0,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`); units of about
@@ -140,7 +157,9 @@ class HFRunner:
         while none does (None: the same); a decode step runs up to
         `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
         grammars stay compiled, up to `encoder_cache_bytes` of vision-encoder outputs and up
-        to `prefix_cache_bytes` of prompt prefixes' KV."""
+        to `prefix_cache_bytes` of prompt prefixes' KV; a vision pass runs with
+        `vision_threads` threads (0: every core this process may run on) where that gives the
+        same bits."""
         torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
@@ -157,9 +176,11 @@ class HFRunner:
                      max_batch=max_batch, metrics=metrics,
                      grammars=Grammars(tokenizer, grammar_cache_size),
                      encoder_cache_bytes=encoder_cache_bytes,
-                     prefix_cache_bytes=prefix_cache_bytes)
-        log.info("loaded %s (%s) on %s, %d torch threads, decode steps of up to %d requests",
-                 model_dir, spec.family, network.device, torch.get_num_threads(), runner.max_batch)
+                     prefix_cache_bytes=prefix_cache_bytes,
+                     vision_threads=vision_threads or len(os.sched_getaffinity(0)))
+        log.info("loaded %s (%s) on %s, %d torch threads (%d in vision passes), decode steps "
+                 "of up to %d requests", model_dir, spec.family, network.device,
+                 torch.get_num_threads(), runner.vision_threads, runner.max_batch)
         return runner
 
     # ------------------------------------------------------------ the ModelRunner interface
@@ -352,7 +373,14 @@ class HFRunner:
                 self.metrics.counters["encoder_cache_misses"] += 1
             seq.vision = self.adapter.vision_pass(item.tensors)
         vision = seq.vision
-        features = vision.step(self._vision_work(busy=busy))
+        threads = torch.get_num_threads() if self._threads is None else self._threads.pick()
+        started = time.monotonic()
+        with torch_threads_for(threads):
+            features = vision.step(self._vision_work(busy=busy))
+        if self._threads is not None:
+            synchronize(self.model.device)
+            self._threads.observe(threads, vision.spent.work, time.monotonic() - started)
+            self.metrics.counters["vision_slices_more_threads"] += threads == self.vision_threads
         seq.unit_work = vision.spent.work
         self.metrics.counters["vision_rows"] += vision.spent.rows
         if features is None:
@@ -518,6 +546,20 @@ class HFRunner:
             return None
         return PrefixCache(capacity, self.metrics)
 
+    def _vision_threads(self, threads: int | None) -> int:
+        """`threads` (None: the process's setting) where a vision pass gives the same bits with
+        it as with the process's setting on this device, else the process's setting; logs why
+        not."""
+        current = torch.get_num_threads()
+        if threads is None or threads == current or self.model.device.type != "cpu":
+            return current
+        if self.adapter.same_bits_with(threads):
+            return threads
+        log.warning("vision passes run with %d torch threads, not %d: with %d, a probe image's "
+                    "features differ (or there is no probe image for this family)",
+                    current, threads, threads)
+        return current
+
     @torch.inference_mode()
     def _check_cache(self) -> None:
         """Refuse a model whose forward leaves the KV cache it is given empty: each prefill
@@ -587,6 +629,7 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
         grammar_cache_size=hf.grammar_cache_size,
         encoder_cache_bytes=capacity_bytes(hf.encoder_cache_gb, "encoder_cache_gb"),
         prefix_cache_bytes=capacity_bytes(hf.prefix_cache_gb, "prefix_cache_gb"),
+        vision_threads=hf.vision_threads,
     )
 
 
