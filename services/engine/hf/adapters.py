@@ -44,6 +44,7 @@ from services.model import PixelNorm, normalize
 
 log = logging.getLogger(__name__)
 
+
 @contextmanager
 def torch_threads_for(threads: int) -> Iterator[None]:
     """Run with `threads` torch threads per CPU operation for a while."""
@@ -332,7 +333,9 @@ class Qwen2VLAdapter(Adapter):
     @torch.inference_mode()
     def same_bits_with(self, threads: int) -> bool:
         """The probe image's pass, in slices of each of PROBE_TOKENS' sizes, gives the same
-        bits with `threads` threads as with the current number."""
+        bits with `threads` threads as with the current number: evidence from one probe, as
+        for `elastic` (a 1024x1024 image's pass was the same bits on 1 and 2 threads too,
+        BENCHMARKS.md)."""
         tensors = random_image(self.PROBE_SIDE, self.patch_dim)
         sizes = [tokens * self.merge**2 * self.PROBE_SIDE**2 for tokens in self.PROBE_TOKENS]
 
