@@ -181,10 +181,10 @@ class Adapter:
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         return Positions(prompt.device)
 
-    def same_bits_with(self, threads: int) -> bool:
+    def same_bits_with(self, threads: int) -> bool | None:
         """Whether a vision pass gives the same bits with `threads` torch threads as with the
-        current number, on a probe image (here: no probe image, so not known: False)."""
-        return False
+        current number, on a probe image (None: this family has none)."""
+        return None
 
     def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The uint8 pixel_values normalised on the device, as the HF processor would have
@@ -331,7 +331,7 @@ class Qwen2VLAdapter(Adapter):
         return True, elastic
 
     @torch.inference_mode()
-    def same_bits_with(self, threads: int) -> bool:
+    def same_bits_with(self, threads: int) -> bool | None:
         """The probe image's pass, in slices of each of PROBE_TOKENS' sizes, gives the same
         bits with `threads` threads as with the current number: evidence from one probe, as
         for `elastic` (a 1024x1024 image's pass was the same bits on 1 and 2 threads too,

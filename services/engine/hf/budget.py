@@ -120,8 +120,8 @@ class ThreadChoice:
     slice, so that its estimate follows the load too. Both give the same bits (the runner
     checks at startup), so the choice changes speed only. More threads win while the cores are
     free; one wins while another process holds the other cores (decoding large images in the
-    MM worker): a parallel operation then waits for a core at every step (BENCHMARKS.md, "A
-    vision pass on more threads")."""
+    MM worker): a parallel operation then waits for a core at every step (BENCHMARKS.md, "The
+    embedded engine against vLLM alone, and vision passes on more threads")."""
 
     EXPLORE_EVERY = 16
 

@@ -553,11 +553,15 @@ class HFRunner:
         current = torch.get_num_threads()
         if threads is None or threads == current or self.model.device.type != "cpu":
             return current
-        if self.adapter.same_bits_with(threads):
+        same = self.adapter.same_bits_with(threads)
+        if same:
             return threads
-        log.warning("vision passes run with %d torch threads, not %d: with %d, a probe image's "
-                    "features differ (or there is no probe image for this family)",
-                    current, threads, threads)
+        if same is None:
+            log.info("vision passes run with %d torch threads: this family's runner has no "
+                     "probe image to check %d against", current, threads)
+        else:
+            log.warning("vision passes run with %d torch threads, not %d: with %d, a probe "
+                        "image's features differ", current, threads, threads)
         return current
 
     @torch.inference_mode()
