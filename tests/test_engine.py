@@ -536,10 +536,10 @@ def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
 
 
 def _tokens_alone(runner: HFRunner, request: EngineRequest) -> list[int]:
-    return _served_alone(runner, request)[0]
+    return served_alone(runner, request)[0]
 
 
-def _served_alone(runner: HFRunner, request: EngineRequest) -> tuple[list[int], list[object]]:
+def served_alone(runner: HFRunner, request: EngineRequest) -> tuple[list[int], list[object]]:
     """The request's tokens and their logprobs, run alone."""
     runner.add(0, request)
     tokens: list[int] = []
@@ -562,7 +562,7 @@ def test_vision_passes_on_more_threads_give_the_same_tokens_and_logprobs(qwen_di
         runner = HFRunner.load(str(qwen_dir), DEVICE, threads=1, vision_threads=threads,
                                max_unit_ms=1)  # the passes in many slices, sized by the load
         assert runner.vision_threads == threads
-        served.append(_served_alone(runner, request))
+        served.append(served_alone(runner, request))
         assert runner.metrics.histograms["engine_step:vision"].count > 2
     assert served[0] == served[1]
 

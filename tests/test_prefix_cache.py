@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from msgspec.structs import replace
-from test_engine import DEVICE, make_request, start_engine, to, tokens_of
+from test_engine import DEVICE, make_request, served_alone, start_engine, to, tokens_of
 from test_unit_budget import TINY_MS
 
 from conftest import stop_role
@@ -70,14 +70,7 @@ def request(prep: Preprocessor, text: str, *images: str, image_seed: int = 0,
 
 def serve(runner: HFRunner, req: EngineRequest) -> Served:
     """The request's tokens and per-token logprobs, served alone."""
-    runner.add(0, req)
-    tokens: list[int] = []
-    logprobs: list[object] = []
-    while runner.has_work():
-        for output in runner.step():
-            assert output.error is None, output.error
-            tokens += output.token_ids
-            logprobs += output.logprobs or []
+    tokens, logprobs = served_alone(runner, req)
     assert len(logprobs) == len(tokens)
     return tokens, logprobs
 
