@@ -377,8 +377,7 @@ class HFRunner:
         started = time.monotonic()
         with torch_threads_for(threads):
             features = vision.step(self._vision_work(busy=busy))
-        if self._threads is not None:
-            synchronize(self.model.device)
+        if self._threads is not None:  # on CPU only (_vision_threads): nothing to synchronize
             self._threads.observe(threads, vision.spent.work, time.monotonic() - started)
             self.metrics.counters["vision_slices_more_threads"] += threads == self.vision_threads
         seq.unit_work = vision.spent.work
