@@ -10,7 +10,11 @@ other clients need:
   `max_connections` with a 503 (and `Retry-After`) before aiohttp sees it. A request head (from
   the connection's opening, or from the first byte sent to an idle connection, to aiohttp
   calling a handler) must arrive within `header_timeout_s`, else a 408 and the connection is
-  closed; a connection idle after its answer is closed after `keepalive_timeout_s`. (aiohttp's
+  closed; a connection idle after its answer is closed after `keepalive_timeout_s`. An answer
+  given here closes in stages (RFC 9112 section 9.6): the write side is shut at once and what the
+  client still sends is read and dropped for up to `LINGER_S`, since closing a socket that has
+  unread bytes, or that gets more, makes the kernel send a reset, and a reset can lose the
+  answer before the client reads it. A lingering connection no longer counts as open. (aiohttp's
   own keep-alive timer is set out of the way: it runs from a connection's opening or last
   answer, so it would cut a head in progress without a word.) The body's own bound (between
   two reads) is the API's: it reads the body.
@@ -39,6 +43,9 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 """Seconds a 503 answer's `Retry-After` asks a client to wait before it tries again."""
+LINGER_S = 2.0
+"""Seconds a connection answered below aiohttp (408, 503) is still read after its write side is
+shut, unless the client closes first (the module's docstring)."""
 MAX_RATE_KEYS = 65536
 """Keys whose buckets are kept; the least recently seen is forgotten first (a forgotten key
 starts again with a full bucket, so forgetting is only ever lenient)."""
@@ -101,7 +108,8 @@ class Connections:
 
 class _Guarded(asyncio.Protocol):
     """One connection: aiohttp's protocol inside, the connection bound, and one timer: the
-    head's (a request is on its way) or the keep-alive's (idle after an answer)."""
+    head's (a request is on its way), the keep-alive's (idle after an answer) or the linger's
+    (answered here, closing)."""
 
     def __init__(self, connections: Connections, inner: Callable[[], asyncio.Protocol]) -> None:
         self._connections = connections
@@ -110,8 +118,10 @@ class _Guarded(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_for = ""
-        """"head" or "idle": what the timer bounds ("": none is armed)."""
+        """"head", "idle" or "linger": what the timer bounds ("": none is armed)."""
         self._busy = False
+        self._lingering = False
+        """Answered below aiohttp and shut for writing: what arrives is dropped."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -122,11 +132,10 @@ class _Guarded(asyncio.Protocol):
             log.warning("HTTP connection from %s refused: %d are open, the most allowed "
                         "(--http-max-connections)", transport.get_extra_info("peername"),
                         len(connections.open))
-            transport.write(raw_response(503, "Service Unavailable", connections.error_body(
+            self._answer_and_close(raw_response(503, "Service Unavailable", connections.error_body(
                 f"the HTTP API holds the most connections it takes "
                 f"({connections.max_connections}); try again", "overloaded"),
                 {"Retry-After": retry_after(RETRY_AFTER_S)}))
-            transport.close()
             return
         self._inner = self._make_inner()
         connections.open[self._inner] = self
@@ -134,14 +143,16 @@ class _Guarded(asyncio.Protocol):
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._inner is None:
+        if self._inner is None or self._lingering:
             return
         if not self._busy and self._timer_for != "head":  # a request's first byte, when idle
             self._arm("head")
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._inner is not None else None
+        if self._inner is None or self._lingering:
+            return None  # the transport closes
+        return self._inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -191,10 +202,26 @@ class _Guarded(asyncio.Protocol):
         log.warning("HTTP connection from %s sent no whole request head in %g s "
                     "(--http-header-timeout): 408, closed", transport.get_extra_info("peername"),
                     connections.header_timeout_s)
-        transport.write(raw_response(408, "Request Timeout", connections.error_body(
+        self._answer_and_close(raw_response(408, "Request Timeout", connections.error_body(
             f"no whole request head within {connections.header_timeout_s:g} s",
             "request_timeout")))
-        transport.close()
+
+    def _answer_and_close(self, response: bytes) -> None:
+        """Write `response`, shut the write side, and close once the client has or `LINGER_S`
+        has passed (the module's docstring)."""
+        transport = self._transport
+        assert transport is not None
+        self._disarm()
+        self._lingering = True
+        if self._inner is not None:
+            self._connections.open.pop(self._inner, None)
+        transport.write(response)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        self._timer_for = "linger"
 
 
 class RateLimiter:
