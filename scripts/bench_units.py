@@ -1,0 +1,98 @@
+"""Units benchmark: what slicing an image request into bounded units costs the engine, in process.
+
+    python scripts/bench_units.py [--model DIR] [--max-unit-ms none,5,20] [--size 1024x1024]
+                                  [--requests 4] [--rounds 3] [--max-tokens 16]
+                                  [--vision-threads 1]
+
+Loads `--model` (default: the embedded model) into one `HFRunner` per `--max-unit-ms` value
+(none: no budget, so a whole vision pass and a whole prompt are one unit each) with one torch
+thread, and `--vision-threads` for vision slices. Each round runs `--requests` chat requests
+with one photo-like image of `--size` (a different image each, rendered as the MM worker renders
+them) on each runner in turn, one request at a time, and prints per request: the wall time and,
+from the runner's own account, the units and milliseconds of each kind (vision, prefill,
+decode). Rounds alternate the runners so that the machine's drift hits each alike. No unit
+waits for another request here, so a unit takes `--max-unit-ms` as the idle budget: what the
+units cost is their number and each one's overhead, not the scheduling. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from protocol.messages import EngineRequest, MMJob, SamplingParams
+from services.bench.images import make_image
+from services.engine.hf.runner import HFRunner
+from services.mm_worker.render import PreparedImage, render_request
+from services.model import Preprocessor, load_preprocessor, resolve_model_dir
+
+
+def image_requests(prep: Preprocessor, count: int, size: tuple[int, int],
+                   max_tokens: int) -> list[EngineRequest]:
+    """`count` chats of one image each (seeds 0..count-1), rendered as the MM worker does."""
+    prompt = prep.render_prompt([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}])
+    [token_ids] = prep.tokenize_batch([prompt])
+    sampling = SamplingParams(max_tokens=max_tokens)
+    return [
+        render_request(
+            MMJob(request_id=f"u{seed}", reply_to="", prompt_token_ids=token_ids, images=[],
+                  sampling=sampling),
+            [PreparedImage.processed("", prep.process_image(make_image(*size, seed=seed)))],
+            prep)
+        for seed in range(count)
+    ]
+
+
+def run_alone(runner: HFRunner, requests: list[EngineRequest]) -> dict[str, float]:
+    """Run each request alone to its end: per request, the wall ms and each kind's units and
+    ms."""
+    before = {name: (h.count, h.total) for name, h in runner.metrics.histograms.items()}
+    started = time.perf_counter()
+    for handle, request in enumerate(requests):
+        runner.add(handle, request)
+        while runner.has_work():
+            runner.step()
+    figures = {"wall ms": (time.perf_counter() - started) * 1e3 / len(requests)}
+    for name, histogram in sorted(runner.metrics.histograms.items()):
+        if name.startswith("engine_step:"):
+            count, total = before.get(name, (0, 0.0))
+            kind = name.split(":")[1]
+            figures[f"{kind} units"] = (histogram.count - count) / len(requests)
+            figures[f"{kind} ms"] = (histogram.total - total) * 1e3 / len(requests)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="a model directory (default: the embedded model)")
+    parser.add_argument("--max-unit-ms", default="none,5,20",
+                        help="comma-separated budgets, 'none' for no budget")
+    parser.add_argument("--size", default="1024x1024", help="the images' WIDTHxHEIGHT")
+    parser.add_argument("--requests", type=int, default=4, help="image requests per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16, help="of each request")
+    parser.add_argument("--vision-threads", type=int, default=1,
+                        help="as the engine's --vision-threads (0: every core)")
+    args = parser.parse_args()
+    model_dir = resolve_model_dir(args.model)
+    prep = load_preprocessor(model_dir)
+    width, height = (int(side) for side in args.size.split("x"))
+    requests = image_requests(prep, args.requests, (width, height), args.max_tokens)
+    runners = {
+        budget: HFRunner.load(str(model_dir), "cpu", threads=1,
+                              vision_threads=args.vision_threads,
+                              max_unit_ms=None if budget == "none" else float(budget))
+        for budget in args.max_unit_ms.split(",")
+    }
+    for runner in runners.values():
+        run_alone(runner, requests[:1])  # warm up
+    for round_number in range(1, args.rounds + 1):
+        for budget, runner in runners.items():
+            figures = run_alone(runner, requests)
+            print(f"round {round_number}, max_unit_ms {budget}: " + ", ".join(
+                f"{name} {value:.0f}" for name, value in figures.items()))
+
+
+if __name__ == "__main__":
+    main()
