@@ -13,7 +13,9 @@ size, times text-only requests sent one after another (`--max-tokens 1`) next to
 their p50 is "text p50" in the table. The servers on vLLM get the same vLLM engine arguments.
 Prints one table; each `vllm bench serve` also leaves its JSON result under --out. Each run also
 prints the CPU time the server's processes took during it, in all and by process (vLLM's engine
-core, mmlane's roles, ...), per completed request.
+core, mmlane's roles, ...), per completed request, and what the machine did meanwhile: how busy
+its CPUs were, the share the host stole, and how much of the time some task waited for a CPU
+(/proc/pressure/cpu): a run that the machine starved shows there.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import psutil  # vLLM's own dependency: this script runs where vLLM is installed
 
@@ -76,14 +79,15 @@ def main() -> int:
                 width, height = SIZES[size_name]
                 for rate in rates:
                     probe = _TextProbe(port, model.name) if size_name == "4032x3024" else None
-                    cpu_before = _cpu_seconds(process.pid)
+                    cpu_before, machine_before = _cpu_seconds(process.pid), _Machine.now()
                     result = _bench(server, port, model, width, height, rate, args)
-                    cpu = _cpu_seconds(process.pid)
+                    cpu, machine = _cpu_seconds(process.pid), _Machine.now()
                     cpu.subtract(cpu_before)
                     text = probe.finish() if probe else []
                     rows.append((server, size_name, rate, result, text))
                     _print_row(*rows[-1])
                     _print_cpu(cpu, result["completed"])
+                    machine.print_since(machine_before)
         finally:
             _stop(process)
     print()
@@ -223,6 +227,40 @@ def _print_cpu(cpu: Counter[str], completed: int) -> None:
     parts = ", ".join(f"{label} {seconds * per_request:.0f}"
                       for label, seconds in cpu.most_common() if seconds > 0)
     print(f"    CPU ms per request: {sum(cpu.values()) * per_request:.0f} ({parts})", flush=True)
+
+
+class _Machine(NamedTuple):
+    """What the whole VM's CPUs did so far: a run's figures mean little where the host took a
+    core away (steal) or tasks queued for one (pressure; a client that took minutes to start
+    was seen once, its process runnable and hardly run)."""
+
+    at: float
+    times: Any  # psutil.cpu_times(): seconds by state, all CPUs together
+    waited_us: int | None
+    """/proc/pressure/cpu's "some" total: microseconds some task waited for a CPU (None: no
+    pressure stall information)."""
+
+    @classmethod
+    def now(cls) -> _Machine:
+        try:
+            line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+            waited = int(line.rpartition("total=")[2])
+        except (OSError, ValueError, IndexError):
+            waited = None
+        return cls(time.monotonic(), psutil.cpu_times(), waited)
+
+    def print_since(self, before: _Machine) -> None:
+        wall = self.at - before.at
+        total = sum(self.times) - sum(before.times)
+        steal = getattr(self.times, "steal", 0.0) - getattr(before.times, "steal", 0.0)
+        idle = self.times.idle - before.times.idle
+        parts = [f"{wall:.0f} s", f"busy {100 * (1 - idle / total):.0f}%" if total else "",
+                 f"steal {100 * steal / total:.1f}%" if total else ""]
+        if self.waited_us is not None and before.waited_us is not None:
+            waited = (self.waited_us - before.waited_us) / 1e6
+            parts.append(f"a task waiting for a CPU {100 * waited / wall:.0f}% of the time")
+        print(f"    the machine meanwhile: {', '.join(part for part in parts if part)}",
+              flush=True)
 
 
 def _print_row(server: str, size: str, rate: float, result: dict, text: list[float]) -> None:
