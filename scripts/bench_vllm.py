@@ -254,13 +254,13 @@ class _Machine(NamedTuple):
         total = sum(self.times) - sum(before.times)
         steal = getattr(self.times, "steal", 0.0) - getattr(before.times, "steal", 0.0)
         idle = self.times.idle - before.times.idle
-        parts = [f"{wall:.0f} s", f"busy {100 * (1 - idle / total):.0f}%" if total else "",
-                 f"steal {100 * steal / total:.1f}%" if total else ""]
+        parts = [f"{wall:.0f} s"]
+        if total:
+            parts += [f"busy {100 * (1 - idle / total):.0f}%", f"steal {100 * steal / total:.1f}%"]
         if self.waited_us is not None and before.waited_us is not None:
             waited = (self.waited_us - before.waited_us) / 1e6
             parts.append(f"a task waiting for a CPU {100 * waited / wall:.0f}% of the time")
-        print(f"    the machine meanwhile: {', '.join(part for part in parts if part)}",
-              flush=True)
+        print(f"    the machine meanwhile: {', '.join(parts)}", flush=True)
 
 
 def _print_row(server: str, size: str, rate: float, result: dict, text: list[float]) -> None:

@@ -208,7 +208,8 @@ class _Guarded(asyncio.Protocol):
 
     def _answer_and_close(self, response: bytes) -> None:
         """Write `response`, shut the write side, and close once the client has or `LINGER_S`
-        has passed (the module's docstring)."""
+        has passed (the module's docstring). The listener is plain TCP, whose transport can
+        always shut its write side."""
         transport = self._transport
         assert transport is not None
         self._disarm()
@@ -216,9 +217,6 @@ class _Guarded(asyncio.Protocol):
         if self._inner is not None:
             self._connections.open.pop(self._inner, None)
         transport.write(response)
-        if not transport.can_write_eof():
-            transport.close()
-            return
         transport.write_eof()
         self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
         self._timer_for = "linger"
