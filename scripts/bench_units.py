@@ -1,18 +1,18 @@
-"""Units benchmark: what slicing an image request into bounded units costs the engine, in process.
+"""Units benchmark: what slicing an image request's prefill into bounded units costs the engine.
 
     python scripts/bench_units.py [--model DIR] [--max-unit-ms none,5,20] [--size 1024x1024]
                                   [--requests 4] [--rounds 3] [--max-tokens 16]
                                   [--vision-threads 1]
 
 Loads `--model` (default: the embedded model) into one `HFRunner` per `--max-unit-ms` value
-(none: no budget, so a whole vision pass and a whole prompt are one unit each) with one torch
-thread, and `--vision-threads` for vision slices. Each round runs `--requests` chat requests
-with one photo-like image of `--size` (a different image each, rendered as the MM worker renders
-them) on each runner in turn, one request at a time, and prints per request: the wall time and,
-from the runner's own account, the units and milliseconds of each kind (vision, prefill,
-decode). Rounds alternate the runners so that the machine's drift hits each alike. No unit
-waits for another request here, so a unit takes `--max-unit-ms` as the idle budget: what the
-units cost is their number and each one's overhead, not the scheduling. Asserts nothing.
+(none: no budget, so a whole prompt is one unit) with one torch thread, and `--vision-threads`
+for the vision lane. Each round runs `--requests` chat requests with one photo-like image of
+`--size` (a different image each, rendered as the MM worker renders them) on each runner in
+turn, one request at a time, and prints per request: the wall time and, from the runner's own
+account, the units and milliseconds of each kind (vision: whole passes on the vision lane;
+prefill; decode). Rounds alternate the runners so that the machine's drift hits each alike. No
+unit waits for another request here, so a unit takes `--max-unit-ms` as the idle budget: what
+the units cost is their number and each one's overhead, not the scheduling. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16, help="of each request")
     parser.add_argument("--vision-threads", type=int, default=1,
-                        help="as the engine's --vision-threads (0: every core)")
+                        help="as the engine's --vision-threads (0: as its torch threads)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model)
     prep = load_preprocessor(model_dir)

@@ -27,7 +27,7 @@ from peers import StandInFrontend as Frontend
 from peers import counter, counters
 from protocol import shm
 from protocol.codec import Codec
-from protocol.errors import ErrorInfo, RequestError
+from protocol.errors import ErrorInfo, RequestError, RetryableError
 from protocol.messages import (
     EngineInput,
     EngineOutput,
@@ -552,19 +552,85 @@ def served_alone(runner: HFRunner, request: EngineRequest) -> tuple[list[int], l
     return tokens, logprobs
 
 
-def test_vision_passes_on_more_threads_give_the_same_tokens_and_logprobs(qwen_dir,
+def test_the_vision_lane_runs_whole_passes_with_its_own_torch_threads(qwen_dir, prep,
+                                                                      reference) -> None:
+    """--vision-threads 2 beside --torch-threads 1: the lane's thread keeps its own count
+    (torch keeps it per thread), the runner's stays 1; the same tokens as HF `generate`."""
+    request = make_request(prep, *BIG_IMAGE, max_tokens=6)
+    runner = HFRunner.load(str(qwen_dir), DEVICE, threads=1, vision_threads=2, max_unit_ms=1)
+    assert runner.vision_threads == 2
+    assert _tokens_alone(runner, request) == generate_greedy(reference, prep, request)
+    assert torch.get_num_threads() == 1
+    assert runner.metrics.histograms["engine_step:vision"].count == 1  # one whole pass
+    runner.close()
+
+
+def _hashed(request: EngineRequest, mm_hash: str) -> EngineRequest:
+    return replace(request, mm_items=[replace(item, mm_hash=mm_hash)
+                                      for item in request.mm_items])
+
+
+def _serve(runner: HFRunner, requests: dict[int, EngineRequest]) -> dict[int, list[object]]:
+    """Each request's outputs, all added at once and stepped to the end."""
+    for handle, request in requests.items():
+        runner.add(handle, request)
+    outputs: dict[int, list[object]] = {handle: [] for handle in requests}
+    while runner.has_work():
+        for output in runner.step():
+            outputs[output.handle].append(output)
+    return outputs
+
+
+def test_the_same_image_in_requests_arriving_together_runs_one_pass(qwen_dir, prep,
+                                                                    reference) -> None:
+    """The second waits for the first's job on the vision lane (an encoder-cache hit)."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1 << 30)
+    request = _hashed(make_request(prep, *BIG_IMAGE, max_tokens=6), "same")
+    outputs = _serve(runner, {0: request, 1: request})
+    expected = generate_greedy(reference, prep, request)
+    assert [[t for o in outputs[h] for t in o.token_ids] for h in (0, 1)] == [expected] * 2
+    assert runner.metrics.histograms["engine_step:vision"].count == 1
+    counters = runner.metrics.counters
+    assert (counters["encoder_cache_misses"], counters["encoder_cache_hits"]) == (1, 1)
+
+
+def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(qwen_dir,
                                                                          prep) -> None:
-    """--vision-threads 2: the startup probe finds the same bits on this CPU, so the vision
-    passes run on 2 threads, and a request gets the same tokens and logprobs as on 1."""
-    request = make_request(prep, *BIG_IMAGE, max_tokens=6, logprobs=3)
-    served = []
-    for threads in (1, 2):
-        runner = HFRunner.load(str(qwen_dir), DEVICE, threads=1, vision_threads=threads,
-                               max_unit_ms=1)  # the passes in many slices, sized by the load
-        assert runner.vision_threads == threads
-        served.append(served_alone(runner, request))
-        assert runner.metrics.histograms["engine_step:vision"].count > 2
-    assert served[0] == served[1]
+    """Whatever the pass raises (here, out of memory) is those requests' error, once each;
+    the lane goes on with the next image."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1 << 30)
+    broken = _hashed(make_request(prep, "look", ((90, 70),), max_tokens=3), "broken")
+    good = make_request(prep, *ONE_IMAGE, max_tokens=3)
+    encode = runner._lane._encode
+
+    def failing(tensors):
+        if tensors is broken.mm_items[0].tensors:
+            raise torch.OutOfMemoryError("no memory for this image")
+        return encode(tensors)
+
+    runner._lane._encode = failing
+    outputs = _serve(runner, {0: broken, 1: broken, 2: good})
+    for handle in (0, 1):
+        [output] = outputs[handle]
+        assert isinstance(output.error, RetryableError), output.error
+        assert "out of device memory" in output.error.message
+    assert outputs[2][-1].finish_reason == "length"
+    assert not runner._vision_jobs  # the failed job is gone: the image may come again
+    runner._lane._encode = encode
+    assert _serve(runner, {3: broken})[3][-1].finish_reason == "length"
+
+
+def test_a_request_aborted_while_its_image_is_encoded_gets_nothing(qwen_dir, prep) -> None:
+    """Its pass still runs or is skipped; no output for it, and the next request with the
+    same image is served."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1 << 30)
+    request = _hashed(make_request(prep, *BIG_IMAGE, max_tokens=3), "aborted")
+    runner.add(0, request)
+    assert runner.step() == []  # its images go to the lane
+    runner.abort(0)
+    assert not runner.has_work()
+    assert _serve(runner, {1: request})[1][-1].finish_reason == "length"
+    assert not runner._vision_jobs
 
 
 def test_a_repeated_image_takes_its_features_from_the_encoder_cache(qwen_dir, prep,

@@ -19,18 +19,13 @@ from test_batching import CASES
 from test_engine import DEVICE, generate_greedy, make_request
 
 from protocol.messages import EngineRequest
-from services.engine.hf.budget import (
-    MIN_CHUNK_TOKENS,
-    ThreadChoice,
-    chunk_sizes,
-    derive_chunk_tokens,
-)
+from services.engine.hf.budget import MIN_CHUNK_TOKENS, chunk_sizes, derive_chunk_tokens
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_model, load_preprocessor
 
 TINY_MS = 1e-6
-"""A budget no unit fits: the smallest chunks, one chunk and one image token's rows per unit
-while interactive work waits."""
+"""A budget no unit fits: the smallest chunks, one chunk per unit while interactive work
+waits."""
 HUGE_MS = 1e9
 """A budget every unit fits."""
 
@@ -43,8 +38,7 @@ def preps(model_dirs: dict[str, Path]) -> dict[str, Preprocessor]:
 @pytest.fixture(scope="module")
 def tiny_budget(model_dirs: dict[str, Path]) -> Iterator[dict[str, HFRunner]]:
     """Runners with a budget no unit fits while interactive work waits, and one every unit
-    fits while none does: Qwen2-VL (vision slices sized by the load) and LLaVA (a vision pass
-    is one slice)."""
+    fits while none does: Qwen2-VL and LLaVA."""
     yield {family: HFRunner.load(str(model_dirs[family]), DEVICE, max_unit_ms=TINY_MS,
                                  idle_unit_ms=HUGE_MS)
            for family in ("qwen2_vl", "llava")}
@@ -63,8 +57,8 @@ def run(runner: HFRunner, requests: list[EngineRequest]) -> list[list[int]]:
 
 
 def unit_counts(runner: HFRunner, since: tuple[int, ...] = (0, 0, 0, 0)) -> tuple[int, ...]:
-    """Vision units, the query rows they ran, prefill units and the chunks they ran, since the
-    counts `since`."""
+    """Vision passes (run whole on the vision lane), the feature rows they made, prefill units
+    and the chunks they ran, since the counts `since`."""
     histograms, counters = runner.metrics.histograms, runner.metrics.counters
     vision, prefill = (histograms[name].count if name in histograms else 0
                        for name in ("engine_step:vision", "engine_step:prefill"))
@@ -73,22 +67,6 @@ def unit_counts(runner: HFRunner, since: tuple[int, ...] = (0, 0, 0, 0)) -> tupl
 
 
 # ---------------------------------------------------------------- calibration
-
-
-def test_vision_slices_take_the_thread_count_faster_lately_and_try_the_other() -> None:
-    choice = ThreadChoice(1, 2)
-    assert choice.pick() == 2  # each is tried once first, more threads first
-    choice.observe(2, work=100, seconds=0.5)
-    assert choice.pick() == 1
-    choice.observe(1, work=100, seconds=1.0)
-    picks = [choice.pick() for _ in range(2 * ThreadChoice.EXPLORE_EVERY)]
-    assert picks.count(1) == 2 and picks.count(2) == len(picks) - 2  # 1 only to explore
-    for _ in range(20):  # the cores get busy: 2 threads wait for a core at every operation
-        choice.observe(2, work=100, seconds=3.0)
-    picks = [choice.pick() for _ in range(2 * ThreadChoice.EXPLORE_EVERY)]
-    assert picks.count(2) == 2 and picks.count(1) == len(picks) - 2
-    choice.observe(1, work=0, seconds=1.0)  # a slice that did no sized work teaches nothing
-    assert choice.pick() == 1
 
 
 def test_the_chunk_size_is_the_largest_power_of_two_that_fits() -> None:
@@ -114,8 +92,6 @@ def test_calibration_derives_a_chunk_size_and_logs_it(qwen_dir, caplog, max_unit
     sizes = chunk_sizes(runner.spec.max_context)
     assert chunk in sizes if which is None else chunk == sizes[which]
     assert f"prefill chunks of {chunk} tokens (derived;" in caplog.text
-    if DEVICE == "cpu":  # its kernels give whole tokens' slices the whole pass's bits
-        assert "vision slices sized by the load" in caplog.text
 
 
 def test_a_pinned_chunk_size_stays(qwen_dir, caplog) -> None:
@@ -131,8 +107,8 @@ def test_a_pinned_chunk_size_stays(qwen_dir, caplog) -> None:
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
 def test_tokens_are_the_same_alone_in_a_mix_and_from_generate(family, model_dirs, preps,
                                                               tiny_budget) -> None:
-    """Alone, every vision pass and prompt is one unit; in the mix, every unit is the smallest
-    (one chunk, one image token's rows): the same tokens."""
+    """Alone, every prompt is one unit; in the mix, every unit is the smallest (one chunk),
+    and vision passes run beside other requests' units: the same tokens."""
     prep, runner = preps[family], tiny_budget[family]
     greedy = [make_request(prep, *case, max_tokens=8) for case in CASES.values()]
     sampled = make_request(prep, *CASES["image"], max_tokens=8, temperature=1.0, seed=3)
@@ -179,20 +155,4 @@ def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
     busy, after = beside_text(runner, prep, image)
     assert busy == alone
     assert (after[1], after[3]) == (rows, chunks)  # the same work
-    assert after[0] > 1 and after[2] == chunks  # in units as small as they can be
-
-
-def test_slices_only_close_to_the_whole_pass_are_sized_by_the_image_alone(
-    qwen_dir, preps
-) -> None:
-    """Where a sliced pass is not the same bits at every size (as on some devices), an image's
-    slices are the same whatever else waits: the same tokens, the same units."""
-    runner = HFRunner.load(str(qwen_dir), DEVICE, max_unit_ms=TINY_MS, idle_unit_ms=HUGE_MS)
-    runner.adapter.elastic = False  # what the startup check finds on such a device
-    prep = preps["qwen2_vl"]
-    image = make_request(prep, *CASES["image"], max_tokens=4)
-    [alone] = run(runner, [image])
-    idle = unit_counts(runner)
-    tokens, busy = beside_text(runner, prep, image)
-    assert tokens == alone
-    assert idle[0] > 1 and busy[:2] == idle[:2]  # the smallest slices, busy or not
+    assert after[0] == 1 and after[2] == chunks  # a whole pass beside; prefill units small

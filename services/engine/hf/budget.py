@@ -8,25 +8,18 @@ for all of it: with whole vision passes and whole prompts as idle units, text re
 at random moments under a stream of 1 MP images took 8x longer at the median than with 64-token
 units (BENCHMARKS.md, "Units bounded by time"), so by default idle units grow no larger.
 
-What may be sized by the moment's load is only what gives the same bits at any size:
-- Prefill chunks may not: a chunk's shape changes its sums (and the prefix cache keys chunks by
-  their size), so a request's chunk size is fixed, for the whole engine, at startup:
-  `derive_chunk_tokens` takes the largest power of two whose prefill, timed on the loaded model,
-  fits the budget (`--prefill-chunk-tokens` pins it instead); timed from position 0, so a late
-  chunk of a long prompt costs more. What a unit varies is how many whole chunks of one
-  request it runs: the same chunks, the same bits, fewer steps.
-- Vision rows may, where the adapter checked at startup that a sliced vision pass gives the
-  same bits as the model's own call at several slice sizes of whole image tokens
-  (`Adapter.elastic`; on CPU, slices of other row counts do not): a slice is then a number of
-  attention query rows, sized from the current cost estimate. Where the
-  slices are only close, not equal, each image's slice size follows from the startup estimate
-  alone (the same for every request of that image size, whatever else runs).
+A unit may follow the moment's load only where that changes no bit. A prefill chunk's size
+would: a chunk's shape changes its sums (and the prefix cache keys chunks by their
+size), so a request's chunk size is fixed, for the whole engine, at startup:
+`derive_chunk_tokens` takes the largest power of two whose prefill, timed on the loaded model,
+fits the budget (`--prefill-chunk-tokens` pins it instead); timed from position 0, so a late
+chunk of a long prompt costs more. What a unit varies is how many whole chunks of one request it
+runs: the same chunks, the same bits, fewer steps. (Vision passes are no units: they run whole,
+on the vision lane's thread, beside the units; vision_lane.py.)
 
-The costs are estimated per unit of work (a prefill token; for vision, an attention query row
-times the keys it attends to, the image's patches, since that is how attention's cost grows,
-with patch-embedding rows weighed alike: adapters.Spent) first by timing the loaded model at
-startup, then kept current by an exponentially weighted moving average of
-the units that run: the device, its clocks and whatever else shares it set the real cost.
+The cost of a prefill token is estimated first by timing the loaded model at startup, then kept
+current by an exponentially weighted moving average of the units that run: the device, its
+clocks and whatever else shares it set the real cost.
 """
 
 from __future__ import annotations
@@ -77,8 +70,7 @@ class UnitBudget:
     """The time a unit may take while other interactive work waits, and how much of each kind
     of work fits in it, by estimates kept current from the units that run."""
 
-    def __init__(self, max_unit_s: float, *, idle_unit_s: float, prefill_token_s: float,
-                 vision_work_s: float) -> None:
+    def __init__(self, max_unit_s: float, *, idle_unit_s: float, prefill_token_s: float) -> None:
         if not (max_unit_s > 0 and idle_unit_s > 0):
             raise ValueError(f"unit budgets must be positive, got {max_unit_s}, {idle_unit_s}")
         self.max_unit_s = max_unit_s
@@ -87,17 +79,9 @@ class UnitBudget:
         """Seconds a unit may take while none does."""
         self.prefill_token_s = prefill_token_s
         """Seconds per prefill token (EWMA)."""
-        self.vision_work_s = vision_work_s
-        """Seconds per unit of vision work (EWMA; adapters.Spent)."""
-        self.startup_vision_work_s = vision_work_s
-        """The startup estimate, which alone sizes slices that must not depend on the load."""
 
     def observe_prefill(self, tokens: float, seconds: float) -> None:
         self.prefill_token_s = _ewma(self.prefill_token_s, seconds / tokens)
-
-    def observe_vision(self, work: float, seconds: float) -> None:
-        """A vision unit's time, for `work` (adapters.Spent)."""
-        self.vision_work_s = _ewma(self.vision_work_s, seconds / work)
 
     def unit_s(self, *, busy: bool) -> float:
         """The seconds a unit may take, while other interactive work waits (`busy`) or not."""
@@ -106,47 +90,6 @@ class UnitBudget:
     def prefill_chunks(self, chunk_tokens: int, *, busy: bool) -> int:
         """Whole chunks of `chunk_tokens` that fit the unit; at least one."""
         return _fitting(self.unit_s(busy=busy), chunk_tokens * self.prefill_token_s)
-
-    def vision_work(self, *, busy: bool, current: bool = True) -> float:
-        """The vision work that fits the unit, by the current estimate or (`current` False)
-        the startup one."""
-        work_s = self.vision_work_s if current else self.startup_vision_work_s
-        return self.unit_s(busy=busy) / work_s if work_s > 0 else math.inf
-
-
-class ThreadChoice:
-    """Which of two torch thread counts runs the next vision slice: the one whose slices have
-    cost less per unit of work lately (an EWMA per count), and the other every EXPLORE_EVERY-th
-    slice, so that its estimate follows the load too. Both give the same bits (the runner
-    checks at startup), so the choice changes speed only. More threads win while the cores are
-    free; one wins while another process holds the other cores (decoding large images in the
-    MM worker): a parallel operation then waits for a core at every step (BENCHMARKS.md, "The
-    embedded engine against vLLM alone, and vision passes on more threads")."""
-
-    EXPLORE_EVERY = 16
-
-    def __init__(self, fewer: int, more: int) -> None:
-        self._counts = (more, fewer)
-        self._work_s: dict[int, float] = {}
-        """Seconds per unit of vision work, by thread count, once observed."""
-        self._slices = 0
-
-    def pick(self) -> int:
-        """The thread count for the next slice: each tried once first (more threads first)."""
-        self._slices += 1
-        untried = [count for count in self._counts if count not in self._work_s]
-        if untried:
-            return untried[0]
-        best, other = sorted(self._counts, key=self._work_s.__getitem__)
-        return other if self._slices % self.EXPLORE_EVERY == 0 else best
-
-    def observe(self, threads: int, work: float, seconds: float) -> None:
-        """A slice of `work` (adapters.Spent) run on `threads` took `seconds`."""
-        if work <= 0:
-            return
-        observed = seconds / work
-        held = self._work_s.get(threads)
-        self._work_s[threads] = observed if held is None else _ewma(held, observed)
 
 
 def _fitting(budget_s: float, each_s: float) -> int:

@@ -21,10 +21,10 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
     max_unit_ms: float = MAX_UNIT_MS
-    """About how long one unit of work (a vision-pass slice, a run of prefill chunks) may take
-    while another interactive request waits for it (default 5): what a text request waits
-    behind image work. Costs are timed on the loaded model at startup and kept current from
-    the units that run (see hf/budget.py)."""
+    """About how long one unit of work (a run of prefill chunks) may take while another
+    interactive request waits for it (default 5): what a text request waits behind an image's
+    prefill (vision passes run beside, on the vision lane). Costs are timed on the loaded
+    model at startup and kept current from the units that run (see hf/budget.py)."""
     idle_unit_ms: float = 0.0
     """About how long a unit may take while no interactive request waits. 0 (the default): as
     --max-unit-ms. Larger costs less per-unit overhead, but a text request that arrives
@@ -42,11 +42,8 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     two, and at least one, since an MM worker and a frontend on the same machine need theirs:
     torch threads that wait for a busy core make each unit many times slower."""
     vision_threads: int = 0
-    """The most threads torch may use for one CPU operation of a vision pass, the largest share
-    of an image's work. 0: every core this process may run on. Each slice of a pass runs with
-    this or --torch-threads, whichever has been faster lately: more threads while the cores
-    are free, fewer while another process holds them. Used only where the vision pass of a
-    probe image gives the same bits with both (checked at startup, logged)."""
+    """Threads torch may use for one CPU operation of a vision pass, which runs on the engine's
+    vision lane, beside the other units. 0: as --torch-threads."""
     grammar_cache_size: int = GRAMMAR_CACHE_SIZE
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""

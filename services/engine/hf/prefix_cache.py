@@ -13,8 +13,8 @@ of what its forward pass got, and the key names all of it:
 - every token up to the chunk's end, and every image whose placeholder tokens overlap that
   span, by its offset, length and `mm_hash`: placeholder token ids are the same for every
   image, the hash tells the images apart, and it also fixes the image's features (the same
-  bits from the encoder cache or a vision pass, whose slices the runner sizes by the load only
-  where every size gives the same bits, budget.py) and its grid. Qwen2-VL's M-RoPE position of
+  bits from the encoder cache or a vision pass, which always runs whole on the same thread
+  count: vision_lane.py) and its grid. Qwen2-VL's M-RoPE position of
   a token follows from the tokens and the grids of the images before it, so that is named too;
   LLaVA's positions are the token's index;
 - the KV of the chunks before: each key is a hash chained over the previous chunk's key.
@@ -108,8 +108,8 @@ def chunk_keys(request: EngineRequest, chunk_tokens: int) -> list[str]:
 class PrefixCache:
     """KV chunks by `chunk_keys` and prompt ends by `prompt_key`, LRU by bytes; counts into
     `metrics` as prefix_cache_hits, _misses (requests with a chunk or a whole prompt to look up
-    that found none), _hit_tokens, _hit_prompts (whole prompts held), _hit_images (vision
-    passes skipped, counted by the runner), _evictions and _bytes."""
+    that found none), _hit_tokens, _hit_prompts (whole prompts held), _hit_images (images
+    inside reused prefixes, counted by the runner), _evictions and _bytes."""
 
     def __init__(self, capacity: int, metrics: Metrics) -> None:
         self._chunks: FeatureCache[KVChunk | PromptEnd] = FeatureCache(capacity)
@@ -124,12 +124,7 @@ class PrefixCache:
         `prompt_key`) is held after all of them: how many prompt tokens it now holds, and the
         logits after the prompt when it holds the whole prompt (else None)."""
         usable = keys[: (prompt_len - 1) // chunk_tokens]
-        held: list[KVChunk] = []
-        for key in usable:
-            chunk = self._chunks.get(key)
-            if not isinstance(chunk, KVChunk):
-                break
-            held.append(chunk)
+        held = self._held_run(usable)
         end = None
         if whole is not None and len(held) == len(usable):
             found = self._chunks.touch(whole)  # before its chain: eviction takes the end first
@@ -150,6 +145,26 @@ class PrefixCache:
             return reused, None
         self._counters["prefix_cache_hit_prompts"] += 1
         return reused, end.logits
+
+    def held_tokens(self, keys: list[str], chunk_tokens: int, prompt_len: int,
+                    whole: str | None = None) -> int:
+        """How many prompt tokens `reuse` would fill in now; nothing is used or counted."""
+        usable = keys[: (prompt_len - 1) // chunk_tokens]
+        held = len(self._held_run(usable))
+        if whole is not None and held == len(usable) and isinstance(self._chunks.get(whole),
+                                                                    PromptEnd):
+            return prompt_len
+        return held * chunk_tokens
+
+    def _held_run(self, keys: list[str]) -> list[KVChunk]:
+        """The chunks of the longest run of `keys` from the start that are held."""
+        held: list[KVChunk] = []
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if not isinstance(chunk, KVChunk):
+                break
+            held.append(chunk)
+        return held
 
     def store_end(self, keys: list[str], whole: str, chunk_tokens: int, cache: DynamicCache,
                   logits: torch.Tensor) -> None:

@@ -1,16 +1,15 @@
 """The "hf" backend's runner: a Hugging Face model run with torch, a bounded unit at a time.
 
-Each `step` runs one unit picked by the scheduler (scheduler.py): a slice of one request's image
-vision pass, or prefill chunks of one request, each a forward pass of batch size one over that
-request's own KV cache; or a decode step of up to `max_batch` requests together, one token each.
-With `max_unit_ms` (budget.py), a vision slice or a run of prefill chunks is sized to take about
-that long while another interactive request is held, and about `idle_unit_ms` while none is;
-the prefill chunk size is derived at startup from the same budget, by timing the loaded model,
-unless `prefill_chunk_tokens` pins it. Units run with the process's torch threads (every core
-but two: text and decode units must not wait for a core the MM worker or the frontend holds);
-a vision-pass slice may run with `vision_threads` (every core) instead, where a probe image
-shows the pass gives the same bits either way: whichever has been faster lately
-(budget.ThreadChoice).
+Each `step` runs one unit picked by the scheduler (scheduler.py): prefill chunks of one
+request, each a forward pass of batch size one over that request's own KV cache; or a decode
+step of up to `max_batch` requests together, one token each. With `max_unit_ms` (budget.py), a
+run of prefill chunks is sized to take about that long while another interactive request is
+held, and about `idle_unit_ms` while none is; the prefill chunk size is derived at startup from
+the same budget, by timing the loaded model, unless `prefill_chunk_tokens` pins it. Units run
+with the process's torch threads (every core but two: text and decode units must not wait for a
+core the MM worker or the frontend holds). Images' vision passes run beside them, on the vision
+lane's thread (vision_lane.py), with `vision_threads`: a request waits for its images' features
+there, off the scheduler, and runs units again once they are in.
 
 A request's tokens must not depend on what else the engine is running, so a batched decode step
 gives each request the same bits as it would get alone:
@@ -31,11 +30,12 @@ turn into a different token.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,25 +49,24 @@ from protocol.sampling import StructuredOutputs
 from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
-from services.engine.hf.adapters import Adapter, adapter_for, torch_threads_for
+from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE
-from services.engine.hf.budget import (
-    ThreadChoice,
-    UnitBudget,
-    derive_chunk_tokens,
-    seconds_on,
-    synchronize,
-)
+from services.engine.hf.budget import UnitBudget, derive_chunk_tokens, seconds_on, synchronize
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
 from services.engine.hf.prefix_cache import PrefixCache, chunk_keys, prompt_key
 from services.engine.hf.sampling import token_logprobs
 from services.engine.hf.scheduler import Lane, Scheduler, lane_of
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
+from services.engine.hf.vision_lane import VisionLane, VisionResult
 from services.engine.runner import ModelSpec, StepOutput
 from services.model import load_model, load_preprocessor, resolve_model_dir
 from services.model.grammar import Grammar, Grammars, hf_tokenizer
 
 log = logging.getLogger(__name__)
+
+STEP_WAIT_S = 0.05
+"""How long `step` waits, unless told, when no unit can run: a caller that steps in a loop
+(tests, benchmarks) then waits for the vision lane instead of spinning against it."""
 
 
 def pick_device(setting: str) -> str:
@@ -87,9 +86,22 @@ def torch_threads(setting: int) -> int:
     return setting or max(1, len(os.sched_getaffinity(0)) - 2)
 
 
+class _VisionJob:
+    """An image's pass on the vision lane, and the requests' images that wait for it (the same
+    image in several requests runs once)."""
+
+    def __init__(self, mm_hash: str) -> None:
+        self.mm_hash = mm_hash
+        self.waiting: list[tuple[Sequence, int]] = []
+        """(request, index of the image in it)."""
+        self.cancelled = False
+        """No request waits for it any more: the lane skips it if it has not started, and a
+        request with the same image that comes meanwhile gets a job of its own."""
+
+
 class HFRunner:
-    """Runs requests on a transformers model: vision and prefill units of one request, decode
-    steps of up to `max_batch` requests."""
+    """Runs requests on a transformers model: prefill units of one request, decode steps of up
+    to `max_batch` requests, and images' vision passes beside them on the vision lane."""
 
     def __init__(
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,
@@ -110,8 +122,8 @@ class HFRunner:
         request keeps the size it arrived with."""
         self.metrics = metrics or Metrics("engine", "engine")
         """Where unit times (engine_step:KIND), first-unit waits (queue_wait:KIND) and the
-        decode_steps and decode_tokens counters (their ratio: the mean batch) go; and
-        vision_slices_more_threads, the slices run with `vision_threads`."""
+        decode_steps and decode_tokens counters (their ratio: the mean batch) go; and each
+        vision pass's time (engine_step:vision)."""
         self._text_config = model.config.get_text_config()
         self._cache_keyword = _cache_keyword(model)
         """The forward's name for the KV cache it extends (transformers renamed it)."""
@@ -129,19 +141,23 @@ class HFRunner:
         self._prefix = self._prefix_cache(prefix_cache_bytes)
         """KV of prompt prefixes by what they were computed from (prefix_cache_gb; None: off):
         a request whose prompt starts as a recent one's prefills only the rest."""
-        self.vision_threads = self._vision_threads(vision_threads)
-        """The most torch threads a vision-pass slice runs with (other units: the process's
-        setting)."""
-        self._threads = (None if self.vision_threads == torch.get_num_threads() else
-                         ThreadChoice(torch.get_num_threads(), self.vision_threads))
-        """Which thread count the next vision slice runs with (None: always the one)."""
         self._sequences: dict[int, Sequence] = {}
         self._scheduler = Scheduler()
         self._budget = None if max_unit_ms is None else self._calibrate(
             max_unit_ms / 1000, (idle_unit_ms or max_unit_ms) / 1000)
-        """How much work a unit takes (None: one prefill chunk, or a whole vision pass)."""
+        """How many prefill chunks a unit takes (None: one)."""
         self._units = 0  # units run so far: the scheduler's round-robin clock
         self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
+        self._lane = VisionLane(adapter.image_features, device=model.device, wake=self.wake,
+                                threads=vision_threads or torch.get_num_threads())
+        self.vision_threads = self._lane.threads
+        """The torch threads a vision pass runs with."""
+        self._vision_jobs: dict[int, _VisionJob] = {}
+        """The vision lane's jobs not yet finished, by number."""
+        self._job_of_image: dict[str, int] = {}
+        """Those of them with an image hash, by it: a second request's same image waits for the
+        same job."""
+        self._job_numbers = itertools.count()
 
     @classmethod
     def load(
@@ -158,8 +174,7 @@ class HFRunner:
         `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
         grammars stay compiled, up to `encoder_cache_bytes` of vision-encoder outputs and up
         to `prefix_cache_bytes` of prompt prefixes' KV; a vision pass runs with
-        `vision_threads` threads (0: every core this process may run on) where that gives the
-        same bits."""
+        `vision_threads` threads (0: as many as the other units)."""
         torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
@@ -176,8 +191,7 @@ class HFRunner:
                      max_batch=max_batch, metrics=metrics,
                      grammars=Grammars(tokenizer, grammar_cache_size),
                      encoder_cache_bytes=encoder_cache_bytes,
-                     prefix_cache_bytes=prefix_cache_bytes,
-                     vision_threads=vision_threads or len(os.sched_getaffinity(0)))
+                     prefix_cache_bytes=prefix_cache_bytes, vision_threads=vision_threads)
         log.info("loaded %s (%s) on %s, %d torch threads (%d in vision passes), decode steps "
                  "of up to %d requests", model_dir, spec.family, network.device,
                  torch.get_num_threads(), runner.vision_threads, runner.max_batch)
@@ -208,13 +222,18 @@ class HFRunner:
     def _reuse_prefix(self, seq: Sequence) -> torch.Tensor | None:
         """Start `seq` from the longest prefix of its prompt the prefix cache holds; the images
         wholly inside it need no vision pass. When it holds the whole prompt, the logits after
-        it (else None). Called at the request's first unit, not at its arrival: image requests
-        run in arrival order, so the second of two that arrive together with the same image
-        finds what the first stored."""
+        it (else None). Looked up once, at the request's first unit if what is held there
+        spares an image's vision pass, else at its first prefill unit, after its images'
+        passes on the vision lane: image prompts prefill in arrival order, so the second of
+        two that arrive together with the same image then finds all that the first stored."""
         if self._prefix is None or seq.chunk_tokens is None:
-            return None  # one prefill unit per prompt: no chunk is the same shape as another's
+            seq.prefix_looked_up = True  # one prefill unit per prompt: no chunk is the same
+            return None  # shape as another's
         seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
         seq.prompt_key = prompt_key(seq.request, seq.chunk_tokens)
+        if not seq.request_images_sent and not self._spares_a_pass(seq):
+            return None
+        seq.prefix_looked_up = True
         seq.num_cached, logits = self._prefix.reuse(
             seq.prefix_keys, seq.chunk_tokens, seq.prompt_len, seq.cache, seq.prompt_key)
         self.metrics.counters["prefix_cache_hit_images"] += sum(
@@ -225,6 +244,16 @@ class HFRunner:
             seq.image_features = []
         return logits
 
+    def _spares_a_pass(self, seq: Sequence) -> bool:
+        """Whether the prefix cache now holds an image of `seq` that needs its features, or
+        `seq` has none that does."""
+        assert self._prefix is not None and seq.chunk_tokens is not None
+        items = [item for index, item in enumerate(seq.request.mm_items)
+                 if seq.needs_features(index)]
+        held = self._prefix.held_tokens(seq.prefix_keys, seq.chunk_tokens, seq.prompt_len,
+                                        seq.prompt_key) if items else 0
+        return not items or any(item.offset + item.length <= held for item in items)
+
     def _grammar(self, structured: StructuredOutputs | None) -> Grammar | None:
         if structured is None:
             return None
@@ -232,15 +261,19 @@ class HFRunner:
             raise RequestError("structured_outputs: this runner was built without grammars")
         return self._grammars.matcher(structured)
 
-    def step(self, timeout: float = 0.0) -> list[StepOutput]:
-        """Run the unit the scheduler picks; with no request held, wait up to `timeout`
-        seconds for `wake` instead (nothing runs in the background, so nothing else comes)."""
-        picked = self._scheduler.pick(self._sequences.values(), max_batch=self.max_batch)
-        if picked is None:
+    def step(self, timeout: float = STEP_WAIT_S) -> list[StepOutput]:
+        """Take what the vision lane has finished, then run the unit the scheduler picks among
+        the requests that wait for no image's features; with none, wait up to `timeout`
+        seconds for `wake` instead (an arrival, or the lane's next result)."""
+        outputs = self._take_vision()
+        ready = [seq for seq in self._sequences.values() if not seq.images_waiting]
+        picked = self._scheduler.pick(ready, max_batch=self.max_batch)
+        if picked is not None:
+            return outputs + self._step(*picked)
+        if not outputs:
             self._woken.wait(timeout)
             self._woken.clear()  # after the wait: a wake that came before this step counts
-            return []
-        return self._step(*picked)
+        return outputs
 
     def wake(self) -> None:
         self._woken.set()
@@ -251,12 +284,15 @@ class HFRunner:
         for seq in batch:
             if seq.last_run < 0:
                 self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
-                logits = self._reuse_prefix(seq)
-                if logits is not None:  # a first unit runs alone; this one needs none
-                    seq.last_run = self._units
-                    return [self._emit(seq, logits)]
             seq.last_run = self._units
-        unit = batch[0].next_unit()
+        seq = batch[0]  # a batch of several is a decode step, after every prefix lookup
+        if not seq.prefix_looked_up:
+            logits = self._reuse_prefix(seq)
+            if logits is not None:  # the whole prompt was held: no unit to run
+                return [self._emit(seq, logits)]
+        unit = seq.next_unit()
+        if unit.kind is UnitKind.VISION:  # not a unit of this thread's: the lane runs it
+            return self._start_vision(seq)
         self._units += 1
         outputs = self._advance(batch, unit, busy=self._others_wait(batch))
         synchronize(self.model.device)
@@ -273,19 +309,24 @@ class HFRunner:
                    if seq not in batch)
 
     def _learn(self, unit: Unit, seq: Sequence, seconds: float) -> None:
-        """Keep the unit budget's cost estimates current with what the unit took."""
-        if self._budget is None or not seq.unit_work:
-            return
-        if unit.kind is UnitKind.PREFILL:
+        """Keep the unit budget's cost estimate current with what a prefill unit took."""
+        if self._budget is not None and seq.unit_work and unit.kind is UnitKind.PREFILL:
             self._budget.observe_prefill(seq.unit_work, seconds)
-        elif unit.kind is UnitKind.VISION:
-            self._budget.observe_vision(seq.unit_work, seconds)
 
     def abort(self, handle: int) -> None:
-        self._sequences.pop(handle, None)
+        seq = self._sequences.pop(handle, None)
+        if seq is None or not seq.images_waiting:
+            return
+        for number, job in self._vision_jobs.items():  # a job no request waits for is skipped
+            job.waiting = [(held, index) for held, index in job.waiting if held is not seq]
+            if not job.waiting and not job.cancelled:
+                job.cancelled = True
+                self._forget_image(job, number)
+                self._lane.cancel(number)
 
     def close(self) -> None:
-        """Nothing to free: the model lives in this process's memory."""
+        """End the vision lane's thread (the model lives in this process's memory)."""
+        self._lane.close()
 
     def has_work(self) -> bool:
         """Whether it holds a request: what callers that drive it themselves (tests,
@@ -316,9 +357,6 @@ class HFRunner:
             return self._decode(batch)
         (seq,) = batch
         seq.unit_work = 0
-        if unit.kind is UnitKind.VISION:
-            self._encode_image(seq, unit.image, busy=busy)
-            return None
         logits = self._prefill_chunks(seq, busy=busy)
         return logits if seq.decoding else None
 
@@ -360,53 +398,88 @@ class HFRunner:
         self.abort(seq.handle)
         return StepOutput(seq.handle, [], error=_model_error(exc))
 
-    def _encode_image(self, seq: Sequence, index: int, *, busy: bool) -> None:
-        """Run the next slice of image `index`'s vision pass (starting it if need be, unless
-        the encoder cache has come to hold its features since the request arrived), of the
-        size `_vision_work` gives."""
-        item = seq.request.mm_items[index]
-        if seq.vision is None:
-            seq.image_features[index] = self._encoded_before(seq, index)
-            if seq.image_features[index] is not None:
-                return
-            if item.mm_hash:
-                self.metrics.counters["encoder_cache_misses"] += 1
-            seq.vision = self.adapter.vision_pass(item.tensors)
-        vision = seq.vision
-        threads = torch.get_num_threads() if self._threads is None else self._threads.pick()
-        started = time.monotonic()
-        with torch_threads_for(threads):
-            features = vision.step(self._vision_work(busy=busy))
-        if self._threads is not None:  # on CPU only (_vision_threads): nothing to synchronize
-            self._threads.observe(threads, vision.spent.work, time.monotonic() - started)
-            self.metrics.counters["vision_slices_more_threads"] += threads == self.vision_threads
-        seq.unit_work = vision.spent.work
-        self.metrics.counters["vision_rows"] += vision.spent.rows
-        if features is None:
+    # ------------------------------------------------------------ the vision lane
+
+    def _start_vision(self, seq: Sequence) -> list[StepOutput]:
+        """Hand each image of `seq` that still needs its features to the vision lane (or to the
+        job its same image already has there), unless the encoder cache has come to hold them
+        since the request arrived; `seq` runs no unit until they are in. Its output if it
+        fails here."""
+        try:
+            for index, item in enumerate(seq.request.mm_items):
+                if not seq.needs_features(index):
+                    continue
+                seq.image_features[index] = self._encoded_before(seq, index)
+                if seq.image_features[index] is None:
+                    self._vision_job(item.mm_hash, item.tensors).waiting.append((seq, index))
+                    seq.images_waiting += 1
+            seq.request_images_sent = True
+        except RequestError as exc:
+            return [self._fail(seq, exc)]
+        return []
+
+    def _vision_job(self, mm_hash: str, tensors: Mapping[str, Any]) -> _VisionJob:
+        """The lane's job for this image: the one under way for its hash, else a new one."""
+        number = self._job_of_image.get(mm_hash) if mm_hash else None
+        if number is not None:  # its features will be the same bits: as from the cache
+            self.metrics.counters["encoder_cache_hits"] += 1
+            return self._vision_jobs[number]
+        if mm_hash:
+            self.metrics.counters["encoder_cache_misses"] += 1
+        number = next(self._job_numbers)
+        job = self._vision_jobs[number] = _VisionJob(mm_hash)
+        if mm_hash:
+            self._job_of_image[mm_hash] = number
+        self._lane.submit(number, tensors)
+        return job
+
+    def _take_vision(self) -> list[StepOutput]:
+        """Give the vision lane's finished passes to the requests that wait for them; the
+        outputs of those that failed."""
+        failed: dict[int, StepOutput] = {}
+        for result in self._lane.finished():
+            job = self._vision_jobs.pop(result.job)
+            self._forget_image(job, result.job)
+            if result.features is None:  # cancelled: no request waits for it
+                continue
+            self.metrics.observe("engine_step:vision", result.seconds)
+            self._keep_features(job, result)
+            for seq, index in job.waiting:
+                seq.images_waiting -= 1
+                if seq.handle not in failed:
+                    error = self._take_features(seq, index, result.features)
+                    if error is not None:
+                        failed[seq.handle] = self._fail(seq, error)
+        return list(failed.values())
+
+    def _forget_image(self, job: _VisionJob, number: int) -> None:
+        """A request that comes with job's image from now on gets a job of its own."""
+        if job.mm_hash and self._job_of_image.get(job.mm_hash) == number:
+            del self._job_of_image[job.mm_hash]
+
+    def _keep_features(self, job: _VisionJob, result: VisionResult) -> None:
+        features = result.features
+        if not isinstance(features, torch.Tensor):
             return
-        seq.vision = None
-        if features.shape[0] != len(seq.image_positions[index]):
-            raise RequestError(
-                f"mm_items[{index}] made {features.shape[0]} image embeddings "
-                f"for its {len(seq.image_positions[index])} image tokens"
-            )
-        seq.image_features[index] = features
-        if item.mm_hash:
-            self._encoded.put(item.mm_hash, features.numel() * features.element_size(),
+        self.metrics.counters["vision_rows"] += features.shape[0]
+        if job.mm_hash:
+            self._encoded.put(job.mm_hash, features.numel() * features.element_size(),
                               features)
             self.metrics.counters["encoder_cache_evictions"] = self._encoded.evictions
 
-    def _vision_work(self, *, busy: bool) -> float | None:
-        """The most work the next slice of a vision pass does (adapters.Spent; None: the rest
-        of its pass, without a budget): what fits the unit, by the current
-        estimate where any slice size gives the same bits (the adapter's `elastic`); else what
-        fits `max_unit_ms` by the startup estimate, for every slice of the image alike,
-        whatever the load."""
-        if self._budget is None:
-            return None
-        if not self.adapter.elastic:
-            return self._budget.vision_work(busy=True, current=False)
-        return self._budget.vision_work(busy=busy)
+    def _take_features(self, seq: Sequence, index: int,
+                       features: torch.Tensor | Exception) -> Exception | None:
+        """Put image `index`'s features into `seq`; what fails it instead, if anything."""
+        if isinstance(features, Exception):
+            log.error("request %s failed in its vision pass: %s", seq.request.request_id,
+                      features)
+            return features
+        if features.shape[0] != len(seq.image_positions[index]):
+            return RequestError(
+                f"mm_items[{index}] made {features.shape[0]} image embeddings "
+                f"for its {len(seq.image_positions[index])} image tokens")
+        seq.image_features[index] = features
+        return None
 
     def _encoded_before(self, seq: Sequence, index: int) -> torch.Tensor | None:
         """Image `index`'s features from the encoder cache (None: not held, or no hash)."""
@@ -520,15 +593,10 @@ class HFRunner:
             self.prefill_chunk_tokens, how = chunk, "derived"
         else:
             token_s = self._time_prefill(chunk) / chunk
-        adapter = self.adapter
-        slices = ("sized by the load" if adapter.elastic else "sized by the image alone"
-                  if adapter.sliced else "whole passes")
         log.info("units of about %g ms while interactive work waits, %g ms while none does: "
-                 "prefill chunks of %d tokens (%s; %.2f ms each on this device), vision "
-                 "slices %s", max_unit_s * 1000, idle_unit_s * 1000, chunk, how,
-                 chunk * token_s * 1000, slices)
-        return UnitBudget(max_unit_s, idle_unit_s=idle_unit_s, prefill_token_s=token_s,
-                          vision_work_s=adapter.work_s)
+                 "prefill chunks of %d tokens (%s; %.2f ms each on this device)",
+                 max_unit_s * 1000, idle_unit_s * 1000, chunk, how, chunk * token_s * 1000)
+        return UnitBudget(max_unit_s, idle_unit_s=idle_unit_s, prefill_token_s=token_s)
 
     @torch.inference_mode()
     def _time_prefill(self, tokens: int) -> float:
@@ -544,24 +612,6 @@ class HFRunner:
             log.warning("the prefix cache is off: the model has sliding-window layers")
             return None
         return PrefixCache(capacity, self.metrics)
-
-    def _vision_threads(self, threads: int | None) -> int:
-        """`threads` (None: the process's setting) where a vision pass gives the same bits with
-        it as with the process's setting on this device, else the process's setting; logs why
-        not."""
-        current = torch.get_num_threads()
-        if threads is None or threads == current or self.model.device.type != "cpu":
-            return current
-        same = self.adapter.same_bits_with(threads)
-        if same:
-            return threads
-        if same is None:
-            log.info("vision passes run with %d torch threads: this family's runner has no "
-                     "probe image to check %d against", current, threads)
-        else:
-            log.warning("vision passes run with %d torch threads, not %d: with %d, a probe "
-                        "image's features differ", current, threads, threads)
-        return current
 
     @torch.inference_mode()
     def _check_cache(self) -> None:

@@ -3,7 +3,8 @@
 Two lanes share the engine's time:
 
     interactive  the prefill chunks of text-only requests, and every request's decode steps
-    bulk         the vision-pass slices and prefill chunks of requests with images
+    bulk         the prefill chunks of requests with images (and handing their images to the
+                 vision lane, which runs the passes beside both: runner.py)
 
 While only one lane has work, it runs. While both have, the lane that has had less than its
 share of the time runs next: the bulk lane's share is BULK_SHARE, so image work always progresses
@@ -16,7 +17,7 @@ Within the interactive lane, a request that has not run yet goes first (a new te
 for no decode step), then the one that advanced least recently (round robin over decode steps and
 the chunks of long text prompts). When that one is decoding, the decode steps of up to `max_batch`
 decoding requests of the lane, least recently advanced first, run together as one unit (one
-batched forward pass); a prefill chunk or a vision slice is always one request's. Within the bulk
+batched forward pass); a prefill chunk is always one request's. Within the bulk
 lane, requests go in arrival order, so each image finishes as early as it can. The scheduler only
 chooses whose unit runs next: a request's own units always run in order.
 """

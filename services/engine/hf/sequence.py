@@ -1,12 +1,11 @@
 """One request's state inside the HF runner, and the bounded units of work it is run in.
 
-A request advances one unit at a time: a vision-encoder pass per image (in slices, see
-adapters.py), then prompt prefill in chunks (one or more per unit, budget.py), then one decode
-step per output token; the decode
-steps of several requests may run together, as one batched step (runner.py). Everything a
-unit needs is kept here, per request (its own KV cache, its own position ids, its image
-embeddings, its half-done vision pass), so units of different requests can run in any
-interleaving and give the same tokens.
+A request advances one unit at a time: its images' vision-encoder passes (handed to the vision
+lane as one step, vision_lane.py; it waits for their features), then prompt prefill in chunks
+(one or more per unit, budget.py), then one decode step per output token; the decode steps of
+several requests may run together, as one batched step (runner.py). Everything a unit needs is
+kept here, per request (its own KV cache, its own position ids, its image embeddings), so units
+of different requests can run in any interleaving and give the same tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from protocol.messages import EngineRequest
-from services.engine.hf.adapters import Positions, VisionPass
+from services.engine.hf.adapters import Positions
 from services.engine.hf.sampling import Sampler
 from services.model.grammar import Grammar
 
@@ -40,7 +39,8 @@ class Unit:
     kind: UnitKind
     tokens: int
     """Tokens the unit puts through the model (for PREFILL: those of the next chunk, the first
-    of the unit's; for VISION: the image's placeholder tokens)."""
+    of the unit's; for VISION, handing its images to the vision lane: the first one's placeholder
+    tokens)."""
     image: int = -1
     """For VISION: which of the request's images."""
 
@@ -68,7 +68,12 @@ class Sequence:
         self.image_features: list[torch.Tensor | None] = [None] * len(request.mm_items)
         self.image_positions: list[torch.Tensor] = []
         """Each image's token positions in the prompt, where its features go (the runner's)."""
-        self.vision: VisionPass | None = None  # the image being encoded, between its slices
+        self.images_waiting = 0
+        """Its images whose features the vision lane is computing: it runs no unit meanwhile."""
+        self.request_images_sent = False
+        """Whether its images have gone to the vision lane (those that needed to)."""
+        self.prefix_looked_up = False
+        """Whether the prefix cache was looked up for the last time (runner._reuse_prefix)."""
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
         self.chunk_tokens = chunk_tokens
         """The most prompt tokens a prefill chunk takes (None: the whole prompt), fixed at
@@ -86,8 +91,7 @@ class Sequence:
         self.last_run = -1
         """The runner's unit number when this request last advanced (-1: never)."""
         self.unit_work = 0.0
-        """What its latest unit ran, in the unit budget's measures (budget.py): prefill tokens,
-        or vision work (adapters.Spent; 0: none it sized)."""
+        """The prefill tokens its latest unit ran (budget.py; 0: none it sized)."""
         sampling = request.sampling
         ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_token_ids)
         self._stop_token_ids = frozenset(ends)
