@@ -55,8 +55,8 @@ from services.model import Preprocessor, load_model
 
 SMALL_CHUNK = 4  # splits every image's prompt mid-way
 TINY_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e9")
-"""While text waits, each unit is the smallest: one chunk, one image token's rows of a vision
-pass; while none does, a whole pass or prompt (hf/budget.py)."""
+"""While text waits, each unit is the smallest: one prefill chunk; while none does, a whole
+prompt (hf/budget.py). Vision passes run whole, beside, on the vision lane."""
 SMALLEST_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e-6")
 """Every unit the smallest, whether text waits or not: an image takes many units, so what
 arrives while it runs finds it still running (with whole idle units, the rest of an image can
@@ -343,7 +343,7 @@ def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> Non
 
 
 def sequence(handle: int, *, image: bool, prefilled: bool | None = None) -> Sequence:
-    """A request for the scheduler alone: by default an image one still in its vision pass, or a
+    """A request for the scheduler alone: by default an image one still in its prefill, or a
     text one decoding."""
     items = [MMItem(offset=0, length=4, tensors={})] if image else []
     request = EngineRequest(request_id=f"s{handle}", reply_to="", prompt_token_ids=[1] * 4,

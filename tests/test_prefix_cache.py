@@ -128,9 +128,10 @@ def test_the_same_image_asked_again_skips_its_vision_pass(family, model_dirs, pr
 def test_a_request_that_arrived_with_another_shares_what_that_one_stored(
     family, model_dirs, preps, uncached, max_unit_ms
 ) -> None:
-    """Image requests run in arrival order: the second looks its prefix up at its first unit,
+    """Image prompts prefill in arrival order: the second looks its prefix up at its first
+    prefill unit, after its image's pass on the vision lane (the first's job: one pass), and
     after the first has stored it. With a unit budget, a text request beside them makes their
-    units the smallest (one chunk, one image token's rows) while it decodes."""
+    units the smallest (one chunk) while it decodes."""
     prep, runner = preps[family], cached(model_dirs, family, max_unit_ms=max_unit_ms)
     requests = [request(prep, LEAD_IN + question, "photo")
                 for question in ("what is in it?", "which colours does it have?")]
