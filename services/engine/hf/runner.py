@@ -231,7 +231,7 @@ class HFRunner:
             return None  # shape as another's
         seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
         seq.prompt_key = prompt_key(seq.request, seq.chunk_tokens)
-        if not seq.request_images_sent and not self._spares_a_pass(seq):
+        if not self._spares_a_pass(seq):  # after the lane, none needs one: looked up then
             return None
         seq.prefix_looked_up = True
         seq.num_cached, logits = self._prefix.reuse(
@@ -413,7 +413,6 @@ class HFRunner:
                 if seq.image_features[index] is None:
                     self._vision_job(item.mm_hash, item.tensors).waiting.append((seq, index))
                     seq.images_waiting += 1
-            seq.request_images_sent = True
         except RequestError as exc:
             return [self._fail(seq, exc)]
         return []

@@ -39,10 +39,7 @@ class Unit:
     kind: UnitKind
     tokens: int
     """Tokens the unit puts through the model (for PREFILL: those of the next chunk, the first
-    of the unit's; for VISION, handing its images to the vision lane: the first one's placeholder
-    tokens)."""
-    image: int = -1
-    """For VISION: which of the request's images."""
+    of the unit's; for VISION, handing its images to the vision lane: none)."""
 
 
 class Sequence:
@@ -70,8 +67,6 @@ class Sequence:
         """Each image's token positions in the prompt, where its features go (the runner's)."""
         self.images_waiting = 0
         """Its images whose features the vision lane is computing: it runs no unit meanwhile."""
-        self.request_images_sent = False
-        """Whether its images have gone to the vision lane (those that needed to)."""
         self.prefix_looked_up = False
         """Whether the prefix cache was looked up for the last time (runner._reuse_prefix)."""
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
@@ -113,9 +108,8 @@ class Sequence:
 
     def next_unit(self) -> Unit:
         if not self.decoding:
-            for index in range(len(self.image_features)):
-                if self.needs_features(index):  # every image is encoded before the prefill
-                    return Unit(UnitKind.VISION, self.request.mm_items[index].length, index)
+            if any(map(self.needs_features, range(len(self.image_features)))):
+                return Unit(UnitKind.VISION, 0)  # every image is encoded before the prefill
             remaining = self.prompt_len - self.num_cached
             return Unit(UnitKind.PREFILL, min(remaining, self.chunk_tokens or remaining))
         return Unit(UnitKind.DECODE, 1)
