@@ -8,14 +8,18 @@ For each server in turn (`vllm serve MODEL` with vLLM's own preprocessing; `mmla
 --backend vllm`, which preprocesses in its MM worker and hands vLLM rendered requests; `mmlane
 serve`, the embedded engine, on the same weights) it starts the server, runs vLLM's own client
 (`vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --dataset-name
-random-mm --ignore-eos`) once per image size and request rate, and meanwhile, at the 12 MP image
-size, times text-only requests sent one after another (`--max-tokens 1`) next to the image load:
-their p50 is "text p50" in the table. The servers on vLLM get the same vLLM engine arguments.
-Prints one table; each `vllm bench serve` also leaves its JSON result under --out. Each run also
-prints the CPU time the server's processes took during it, in all and by process (vLLM's engine
-core, mmlane's roles, ...), per completed request, and what the machine did meanwhile: how busy
-its CPUs were, the share the host stole, and how much of the time some task waited for a CPU
-(/proc/pressure/cpu): a run that the machine starved shows there.
+random-mm --ignore-eos`) once per image size and request rate. Each run's figures below count
+from the moment the client starts sending its load, not while it imports and draws its images.
+Meanwhile, at the 12 MP image size, it times text-only requests sent one after another
+(`--max-tokens 1`) next to the image load: their p50 is "text p50" in the table. The servers on
+vLLM get the same vLLM engine arguments. Prints one table; each `vllm bench serve` also leaves
+its JSON result under --out. Each run also prints the CPU time the server's processes took
+during it, in all and by process (vLLM's engine core, mmlane's roles, ...), per completed
+request, and what the machine did meanwhile: how busy its CPUs were, the share the host stole,
+and how much of the time some task waited for a CPU (/proc/pressure/cpu): a run that the
+machine starved shows there. `--mmlane-arg` adds an
+argument to every mmlane server's command line (e.g. `--mmlane-arg=--vision-threads=2`), to
+try a setting in the same harness.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ def main() -> int:
     parser.add_argument("--servers", default="vllm,mmlane",
                         help="which to run: vllm, mmlane, mmlane-priority, mmlane-hf (the "
                         "embedded engine instead of vLLM) (comma-separated)")
+    parser.add_argument("--mmlane-arg", action="append", default=[], metavar="ARG",
+                        help="an argument added to every mmlane server's `mmlane serve` "
+                        "(repeatable; e.g. --mmlane-arg=--mm-processes=2)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
                         help="where the JSON results and server logs go")
     args = parser.parse_args()
@@ -72,18 +79,22 @@ def main() -> int:
     rows = []
     for server in args.servers.split(","):
         port = free_tcp_port()
-        process = _start(server, model, port, args.out)
+        process = _start(server, model, port, args.out, args.mmlane_arg)
         try:
             _wait_healthy(port, model, process, args.out / f"{server}.log")
             for size_name in args.sizes.split(","):
                 width, height = SIZES[size_name]
                 for rate in rates:
+                    client, log = _start_client(server, port, model, width, height, rate, args)
+                    _wait_for_load(client, log)
                     probe = _TextProbe(port, model.name) if size_name == "4032x3024" else None
                     cpu_before, machine_before = _cpu_seconds(process.pid), _Machine.now()
-                    result = _bench(server, port, model, width, height, rate, args)
+                    if client.wait() != 0:
+                        raise SystemExit(f"vllm bench serve failed; see {log}")
                     cpu, machine = _cpu_seconds(process.pid), _Machine.now()
                     cpu.subtract(cpu_before)
                     text = probe.finish() if probe else []
+                    result = dict(json.loads(log.with_suffix("").read_text()))
                     rows.append((server, size_name, rate, result, text))
                     _print_row(*rows[-1])
                     _print_cpu(cpu, result["completed"])
@@ -95,7 +106,8 @@ def main() -> int:
     return 0
 
 
-def _start(server: str, model: Path, port: int, out: Path) -> subprocess.Popen:
+def _start(server: str, model: Path, port: int, out: Path,
+           mmlane_args: list[str]) -> subprocess.Popen:
     log = (out / f"{server}.log").open("w")
     if server == "vllm":
         args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
@@ -113,6 +125,8 @@ def _start(server: str, model: Path, port: int, out: Path) -> subprocess.Popen:
         command = [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
                    "--model", str(model), "--port", str(free_tcp_port()),
                    "--http-port", str(port), "--run-dir", str(out / f"run-{server}")]
+    if server != "vllm":
+        command += mmlane_args
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=cpu_wheels.child_env())
 
@@ -176,8 +190,10 @@ class _TextProbe:
         return self._latencies
 
 
-def _bench(server: str, port: int, model: Path, width: int, height: int, rate: float,
-           args: argparse.Namespace) -> dict:
+def _start_client(server: str, port: int, model: Path, width: int, height: int, rate: float,
+                  args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
+    """`vllm bench serve` started against the server, and its log; its JSON result is the
+    log's name without `.log`."""
     name = f"{server}-{width}x{height}-{rate:g}.json"
     command = [
         str(Path(sys.executable).with_name("vllm")), "bench", "serve",
@@ -192,10 +208,22 @@ def _bench(server: str, port: int, model: Path, width: int, height: int, rate: f
         "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(args.out),
         "--result-filename", name,
     ]
-    with (args.out / f"{name}.log").open("w") as log:
-        subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True,
-                       env=cpu_wheels.child_env())
-    return dict(json.loads((args.out / name).read_text()))
+    log = args.out / f"{name}.log"
+    with log.open("w") as output:
+        client = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+                                  env=cpu_wheels.child_env())
+    return client, log
+
+
+_LOAD_STARTS = "Starting main benchmark run"
+"""What `vllm bench serve` prints once it has made its requests (images included) and sends
+them: the CPU figures and the text probe start there, not while it imports and draws images,
+which took minutes in some runs (BENCHMARKS.md)."""
+
+
+def _wait_for_load(client: subprocess.Popen, log: Path) -> None:
+    while _LOAD_STARTS not in log.read_text(errors="replace") and client.poll() is None:
+        time.sleep(0.1)
 
 
 _VLLM_PROCESSES = ("EngineCore", "Worker", "APIServer")  # in the names vLLM gives them
