@@ -17,9 +17,8 @@ its JSON result under --out. Each run also prints the CPU time the server's proc
 during it, in all and by process (vLLM's engine core, mmlane's roles, ...), per completed
 request, and what the machine did meanwhile: how busy its CPUs were, the share the host stole,
 and how much of the time some task waited for a CPU (/proc/pressure/cpu): a run that the
-machine starved shows there. `--mmlane-arg` adds an
-argument to every mmlane server's command line (e.g. `--mmlane-arg=--vision-threads=2`), to
-try a setting in the same harness.
+machine starved shows there. `--mmlane-arg` adds an argument to every mmlane server's command
+line (e.g. `--mmlane-arg=--vision-threads=2`), to try a setting in the same harness.
 """
 
 from __future__ import annotations
