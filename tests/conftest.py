@@ -38,6 +38,7 @@ from image_server import ImageServer
 from protocol.errors import FatalError
 from services.cli import config_from_argv
 from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
+from services.engine.hf.adapters import to_device
 from services.launcher import Child, start_roles, stop_all
 from services.model import PixelNorm, Preprocessor, family_for, load_preprocessor, normalize
 
@@ -50,6 +51,9 @@ os.environ.setdefault("MMLANE_HOME", str(REPO / ".mmlane"))
 # Frontends started by tests serve no HTTP API unless a test asks for one with --http-port:
 # the default port 8000 would clash between concurrent frontends and concurrent test runs.
 os.environ.setdefault("MMLANE_HTTP_PORT", "0")
+# The engine's device in the tests that run one (scripts/device_check runs them on CUDA). An
+# engine and the in-process reference it is compared with run on the same device.
+DEVICE = os.environ.get("MMLANE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +180,10 @@ def reference_items(family: str, processor, expected, images: list) -> list[dict
 
 def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict[str, np.ndarray]:
     """An item's tensors as the HF processor returns them: its uint8 pixels normalised the way
-    the engine does it (services/model/pixels.py)."""
+    the engine does it (services/model/pixels.py), on the engine's DEVICE."""
     assert tensors["pixel_values"].dtype == np.uint8, tensors["pixel_values"].dtype
-    pixels = normalize(torch.from_numpy(np.array(tensors["pixel_values"])), norm)
-    return {**tensors, "pixel_values": pixels.numpy()}
+    pixels = normalize(to_device(tensors["pixel_values"], torch.device(DEVICE)), norm)
+    return {**tensors, "pixel_values": pixels.cpu().numpy()}
 
 
 @pytest.fixture(scope="session")

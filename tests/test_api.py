@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from test_engine import DEVICE, make_request
+from test_engine import make_request
 from test_http import (
     _answered,
     _assert_error,
@@ -28,7 +28,7 @@ from test_http import (
     own_metrics,
 )
 
-from conftest import REPO, free_port
+from conftest import DEVICE, REPO, free_port
 from protocol.errors import FatalError
 from protocol.messages import EngineOutput, EngineRequest
 from services.cli import EXIT_BROKEN_PIPE, config_from_argv

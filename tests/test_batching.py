@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 from msgspec.structs import replace
-from test_engine import DEVICE, generate_greedy, make_request
+from test_engine import generate_greedy, make_request
 
+from conftest import DEVICE
 from protocol.errors import FatalError
 from protocol.messages import EngineRequest
 from services.engine.hf.config import MAX_BATCH

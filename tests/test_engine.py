@@ -8,7 +8,6 @@ reply socket. Greedy outputs are checked against the same Hugging Face model's `
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import zmq
 from msgspec.structs import replace
 from transformers import AutoConfig
 
-from conftest import as_processor_output, start_role, stop_role
+from conftest import DEVICE, as_processor_output, start_role, stop_role
 from peers import StandInFrontend as Frontend
 from peers import counter, counters
 from protocol import shm
@@ -49,8 +48,6 @@ from services.launcher import Child
 from services.mm_worker.render import placeholder_offsets
 from services.model import Preprocessor, load_model, load_preprocessor
 
-# The engine and the in-process reference must run on the same device for greedy to match.
-DEVICE = os.environ.get("MMLANE_TEST_DEVICE", "cpu")
 REPLY_TIMEOUT_S = 60
 _ids = itertools.count()
 

@@ -81,14 +81,26 @@ class Adapter:
     def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         """The uint8 pixel_values normalised on the device, as the HF processor would have
         (services/model/pixels.py), in the model's dtype."""
-        pixels = torch.from_numpy(np.array(tensors["pixel_values"])).to(self.model.device)
+        pixels = to_device(tensors["pixel_values"], self.model.device)
         return normalize(pixels, self.pixel_norm).to(self.model.dtype)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        # Received arrays are read-only views of ZMQ frames; torch wants its own copy anyway.
-        tensor = torch.from_numpy(np.array(array))
+        tensor = to_device(array, self.model.device)
         dtype = self.model.dtype if tensor.is_floating_point() else torch.long
-        return tensor.to(self.model.device, dtype)
+        return tensor.to(dtype)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A received array (a read-only view of a ZMQ frame or a shared-memory slot) as a tensor
+    of its own on `device`, on the calling thread's current stream. On CUDA it is copied once
+    into pinned host memory and from there without blocking the thread (torch's pinned-memory
+    cache keeps the block until the copy has run); on the CPU it is one plain copy."""
+    if device.type != "cuda":
+        return torch.from_numpy(np.array(array))
+    dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype
+    staging = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    staging.numpy()[...] = array
+    return staging.to(device, non_blocking=True)
 
 
 class Qwen2VLAdapter(Adapter):

@@ -11,7 +11,10 @@ engine has one core, the OS shares it between the two).
 
 The lane's thread has its own torch thread count (torch keeps the count per thread). A pass is
 the model's own `get_image_features`, on the same thread count every time: the same bits
-whatever else runs.
+whatever else runs. On CUDA the lane queues its kernels on a stream of its own, so that a pass
+and the runner's units run on the GPU at once as they do on two cores; the lane waits for its
+stream before a result leaves, and marks the features as used on the runner's stream, so their
+memory is not reused while the runner's kernels still read it.
 
 The lane holds no request state. The runner's thread submits jobs by number, cancels the ones no
 request waits for any more, and takes the results (`finished`); the lane calls `wake` after each
@@ -57,6 +60,8 @@ class VisionLane:
         self.threads = threads
         self._device = device
         self._wake = wake
+        self._runner_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        """The creating thread's (the runner's) stream, which reads the features (CUDA only)."""
         self._jobs: queue.SimpleQueue[tuple[int, Mapping[str, np.ndarray]] | None] = (
             queue.SimpleQueue())
         self._results: queue.SimpleQueue[VisionResult] = queue.SimpleQueue()
@@ -93,7 +98,8 @@ class VisionLane:
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
-        with torch.inference_mode():
+        stream = None if self._runner_stream is None else torch.cuda.Stream(self._device)
+        with torch.inference_mode(), torch.cuda.stream(stream):  # None: no stream (the CPU)
             while (job := self._jobs.get()) is not None:
                 self._results.put(self._pass(*job))
                 self._wake()
@@ -104,8 +110,11 @@ class VisionLane:
             return VisionResult(job, None, 0.0)
         started = time.monotonic()
         try:
-            features: torch.Tensor | Exception = self._encode(tensors)
+            encoded = self._encode(tensors)
             synchronize(self._device)  # the time is the pass's, not its launch's
+            if self._runner_stream is not None:
+                encoded.record_stream(self._runner_stream)
+            features: torch.Tensor | Exception = encoded
         except Exception as exc:  # the runner fails the requests that wait for it
             log.warning("a vision pass failed", exc_info=True)
             features = exc
