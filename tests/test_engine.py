@@ -562,6 +562,35 @@ def test_the_vision_lane_runs_whole_passes_with_its_own_torch_threads(qwen_dir, 
     runner.close()
 
 
+def test_a_pass_takes_every_core_only_while_no_other_request_can_run(qwen_dir, prep,
+                                                                     reference) -> None:
+    """--vision-idle-threads 2 beside --vision-threads 1: the first request's pass starts while
+    no request could run a unit meanwhile, so it runs on 2 threads; the second's starts while
+    the first decodes, on 1. Each gets HF `generate`'s tokens: at load, a probe image's
+    features were the same bits on both counts."""
+    first, second = (make_request(prep, *BIG_IMAGE, image_seed=seed, max_tokens=6)
+                     for seed in (0, 1))
+    runner = HFRunner.load(str(qwen_dir), DEVICE, threads=1, vision_threads=1,
+                           vision_idle_threads=2)
+    assert (runner.vision_threads, runner.vision_idle_threads) == (1, 2)
+    runner.add(0, first)
+    outputs: dict[int, list[int]] = {0: [], 1: []}
+    while not outputs[0]:  # until the first request decodes
+        for output in runner.step():
+            outputs[output.handle] += output.token_ids
+    assert runner.metrics.counters["vision_passes_idle_threads"] == 1
+    runner.add(1, second)
+    while runner.has_work():
+        for output in runner.step():
+            assert output.error is None, output.error
+            outputs[output.handle] += output.token_ids
+    assert runner.metrics.counters["vision_passes_idle_threads"] == 1  # the second's: on 1
+    assert runner.metrics.histograms["engine_step:vision"].count == 2
+    assert outputs[0] == generate_greedy(reference, prep, first)
+    assert outputs[1] == generate_greedy(reference, prep, second)
+    runner.close()
+
+
 def _hashed(request: EngineRequest, mm_hash: str) -> EngineRequest:
     return replace(request, mm_items=[replace(item, mm_hash=mm_hash)
                                       for item in request.mm_items])

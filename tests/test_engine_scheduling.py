@@ -310,15 +310,15 @@ def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
 def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> None:
     serve = serve_config(SERVE_SETTINGS.parse(
         ["--prefill-chunk-tokens", "64", "--torch-threads", "3", "--vision-threads", "5",
-         "--max-batch", "4",
+         "--vision-idle-threads", "6", "--max-batch", "4",
          "--max-unit-ms", "2.5", "--idle-unit-ms", "20", "--run-dir", str(run_dir)]
     ))
     config_json = msgspec.json.encode(serve.engine).decode()
     args = build_parser().parse_args(["engine", "--config-json", config_json])
     config = role_config("engine", args)
     hf = config.hf
-    assert (hf.prefill_chunk_tokens, hf.torch_threads, hf.vision_threads, hf.max_batch) == (
-        64, 3, 5, 4)
+    assert (hf.prefill_chunk_tokens, hf.torch_threads, hf.vision_threads,
+            hf.vision_idle_threads, hf.max_batch) == (64, 3, 5, 6, 4)
     assert (hf.max_unit_ms, hf.idle_unit_ms) == (2.5, 20)
     defaults = load_config(EngineConfig, {}).hf
     assert (defaults.prefill_chunk_tokens, defaults.max_unit_ms, defaults.idle_unit_ms) == (
@@ -334,7 +334,7 @@ def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> Non
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(FatalError, match=r"idle_unit_ms must be 0 \(as max_unit_ms\)"):
             load_config(EngineConfig, {"hf": {"idle_unit_ms": bad}})
-    for name in ("torch_threads", "vision_threads"):
+    for name in ("torch_threads", "vision_threads", "vision_idle_threads"):
         with pytest.raises(FatalError, match=f"{name} must be 0"):
             load_config(EngineConfig, {"hf": {name: -1}})
 

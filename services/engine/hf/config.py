@@ -44,6 +44,12 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vision_threads: int = 0
     """Threads torch may use for one CPU operation of a vision pass, which runs on the engine's
     vision lane, beside the other units. 0: as --torch-threads."""
+    vision_idle_threads: int = 0
+    """The same for a pass that starts while no request could run a unit meanwhile (each waits
+    for an image's features, as one request at a time does): the pass is then all that stands
+    between a request and its first token, and the cores the other units would take are free.
+    0: every core this process may run on. Only where a probe image's features are the same
+    bits on both counts (checked at startup on the CPU; else as --vision-threads)."""
     grammar_cache_size: int = GRAMMAR_CACHE_SIZE
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""
@@ -70,7 +76,7 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              f"got {self.prefill_chunk_tokens}")
         capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
         capacity_bytes(self.prefix_cache_gb, "prefix_cache_gb")
-        for name in ("torch_threads", "vision_threads"):
+        for name in ("torch_threads", "vision_threads", "vision_idle_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 (automatic) or more, "
                                  f"got {getattr(self, name)}")

@@ -8,8 +8,9 @@ held, and about `idle_unit_ms` while none is; the prefill chunk size is derived 
 the same budget, by timing the loaded model, unless `prefill_chunk_tokens` pins it. Units run
 with the process's torch threads (every core but two: text and decode units must not wait for a
 core the MM worker or the frontend holds). Images' vision passes run beside them, on the vision
-lane's thread (vision_lane.py), with `vision_threads`: a request waits for its images' features
-there, off the scheduler, and runs units again once they are in.
+lane's thread (vision_lane.py), with `vision_threads`, or `vision_idle_threads` (every core)
+for a pass that starts while no request could run a unit meanwhile: a request waits for its
+images' features there, off the scheduler, and runs units again once they are in.
 
 A request's tokens must not depend on what else the engine is running, so a batched decode step
 gives each request the same bits as it would get alone:
@@ -39,8 +40,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
+from PIL import Image
 from transformers import DynamicCache
 
 from protocol.errors import FatalError, MMLaneError, RequestError, translate
@@ -59,7 +62,7 @@ from services.engine.hf.scheduler import Lane, Scheduler, lane_of
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.hf.vision_lane import VisionLane, VisionResult
 from services.engine.runner import ModelSpec, StepOutput
-from services.model import load_model, load_preprocessor, resolve_model_dir
+from services.model import Preprocessor, load_model, load_preprocessor, resolve_model_dir
 from services.model.grammar import Grammar, Grammars, hf_tokenizer
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,7 @@ class HFRunner:
         metrics: Metrics | None = None,
         grammars: Grammars | None = None, encoder_cache_bytes: int = 0,
         prefix_cache_bytes: int = 0, vision_threads: int | None = None,
+        vision_idle_threads: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
@@ -148,10 +152,16 @@ class HFRunner:
         """How many prefill chunks a unit takes (None: one)."""
         self._units = 0  # units run so far: the scheduler's round-robin clock
         self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
+        lane_threads = vision_threads or torch.get_num_threads()
         self._lane = VisionLane(adapter.image_features, device=model.device, wake=self.wake,
-                                threads=vision_threads or torch.get_num_threads())
+                                threads=lane_threads,
+                                idle_threads=vision_idle_threads or lane_threads,
+                                spare=self._spare)
         self.vision_threads = self._lane.threads
         """The torch threads a vision pass runs with."""
+        self.vision_idle_threads = self._lane.idle_threads
+        """Those of a pass that starts while no request could run a unit (the caller checked
+        that they give the same bits: `vision_idle_threads` in `load`)."""
         self._vision_jobs: dict[int, _VisionJob] = {}
         """The vision lane's jobs not yet finished, by number."""
         self._job_of_image: dict[str, int] = {}
@@ -165,7 +175,7 @@ class HFRunner:
         max_unit_ms: float | None = None, idle_unit_ms: float | None = None,
         max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
         grammar_cache_size: int = GRAMMAR_CACHE_SIZE, encoder_cache_bytes: int = 0,
-        prefix_cache_bytes: int = 0, vision_threads: int = 0,
+        prefix_cache_bytes: int = 0, vision_threads: int = 0, vision_idle_threads: int = 0,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`); units of about
@@ -174,7 +184,9 @@ class HFRunner:
         `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
         grammars stay compiled, up to `encoder_cache_bytes` of vision-encoder outputs and up
         to `prefix_cache_bytes` of prompt prefixes' KV; a vision pass runs with
-        `vision_threads` threads (0: as many as the other units)."""
+        `vision_threads` threads (0: as many as the other units), with
+        `vision_idle_threads` (0: every core) while no request could run a unit meanwhile,
+        where a probe image's features are the same bits with both."""
         torch.set_num_threads(torch_threads(threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
@@ -191,10 +203,14 @@ class HFRunner:
                      max_batch=max_batch, metrics=metrics,
                      grammars=Grammars(tokenizer, grammar_cache_size),
                      encoder_cache_bytes=encoder_cache_bytes,
-                     prefix_cache_bytes=prefix_cache_bytes, vision_threads=vision_threads)
-        log.info("loaded %s (%s) on %s, %d torch threads (%d in vision passes), decode steps "
-                 "of up to %d requests", model_dir, spec.family, network.device,
-                 torch.get_num_threads(), runner.vision_threads, runner.max_batch)
+                     prefix_cache_bytes=prefix_cache_bytes, vision_threads=vision_threads,
+                     vision_idle_threads=_idle_vision_threads(
+                         adapter, preprocessor, vision_threads or torch.get_num_threads(),
+                         vision_idle_threads or len(os.sched_getaffinity(0))))
+        log.info("loaded %s (%s) on %s, %d torch threads (%d in vision passes, %d while "
+                 "nothing else can run), decode steps of up to %d requests", model_dir,
+                 spec.family, network.device, torch.get_num_threads(), runner.vision_threads,
+                 runner.vision_idle_threads, runner.max_batch)
         return runner
 
     # ------------------------------------------------------------ the ModelRunner interface
@@ -411,11 +427,17 @@ class HFRunner:
                     continue
                 seq.image_features[index] = self._encoded_before(seq, index)
                 if seq.image_features[index] is None:
+                    seq.images_waiting += 1  # before the lane may look (`_spare`)
                     self._vision_job(item.mm_hash, item.tensors).waiting.append((seq, index))
-                    seq.images_waiting += 1
         except RequestError as exc:
             return [self._fail(seq, exc)]
         return []
+
+    def _spare(self) -> bool:
+        """Whether every request waits for an image's features, so none could run a unit now.
+        The vision lane's thread asks at a pass's start: a snapshot, one unit old at most
+        (`list` copies the values under the GIL; a request's count is one attribute)."""
+        return all(seq.images_waiting for seq in list(self._sequences.values()))
 
     def _vision_job(self, mm_hash: str, tensors: Mapping[str, Any]) -> _VisionJob:
         """The lane's job for this image: the one under way for its hash, else a new one."""
@@ -442,6 +464,8 @@ class HFRunner:
             if result.features is None:  # cancelled: no request waits for it
                 continue
             self.metrics.observe("engine_step:vision", result.seconds)
+            if result.threads != self.vision_threads:
+                self.metrics.counters["vision_passes_idle_threads"] += 1
             self._keep_features(job, result)
             for seq, index in job.waiting:
                 seq.images_waiting -= 1
@@ -681,8 +705,37 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
         grammar_cache_size=hf.grammar_cache_size,
         encoder_cache_bytes=capacity_bytes(hf.encoder_cache_gb, "encoder_cache_gb"),
         prefix_cache_bytes=capacity_bytes(hf.prefix_cache_gb, "prefix_cache_gb"),
-        vision_threads=hf.vision_threads,
+        vision_threads=hf.vision_threads, vision_idle_threads=hf.vision_idle_threads,
     )
+
+
+PROBE_IMAGE_SIZE = 448
+"""The sides of the image whose vision pass `_idle_vision_threads` runs on both counts."""
+
+
+@torch.inference_mode()
+def _idle_vision_threads(adapter: Adapter, preprocessor: Preprocessor, threads: int,
+                         wanted: int) -> int:
+    """`wanted` where a probe image's features are the same bits with it as with `threads`
+    (evidence from one image, as for decode batching), else `threads`; logs why not. On CUDA
+    the count is the CPU's alone: `threads`."""
+    if wanted == threads or adapter.model.device.type != "cpu":
+        return threads
+    pixels = np.random.default_rng(0).integers(
+        0, 256, (PROBE_IMAGE_SIZE, PROBE_IMAGE_SIZE, 3), dtype=np.uint8)
+    tensors = preprocessor.process_image(Image.fromarray(pixels)).tensors
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        features = adapter.image_features(tensors)
+        torch.set_num_threads(wanted)
+        same = torch.equal(features, adapter.image_features(tensors))
+    finally:
+        torch.set_num_threads(before)
+    if not same:
+        log.warning("vision passes keep %d torch threads while nothing else runs, not %d: "
+                    "with %d a probe image's features differ", threads, wanted, wanted)
+    return wanted if same else threads
 
 
 def _cache_keyword(model: Any) -> str:

@@ -9,9 +9,11 @@ runner's thread goes on with prefill chunks and decode steps: torch releases the
 operations, so both run at once on two cores, and no text request waits for a pass (where the
 engine has one core, the OS shares it between the two).
 
-The lane's thread has its own torch thread count (torch keeps the count per thread). A pass is
-the model's own `get_image_features`, on the same thread count every time: the same bits
-whatever else runs. On CUDA the lane queues its kernels on a stream of its own, so that a pass
+The lane's thread has its own torch thread count (torch keeps the count per thread): `threads`,
+or `idle_threads` for a pass that starts while `spare()` says that the runner has nothing to
+run meanwhile. A pass is the model's own `get_image_features`; the runner gives the lane two
+counts only where a probe image's features are the same bits on both, so a pass gives the same
+bits whatever else runs. On CUDA the lane queues its kernels on a stream of its own, so that a pass
 and the runner's units run on the GPU at once as they do on two cores; the lane waits for its
 stream before a result leaves, and marks the features as used on the runner's stream, so their
 memory is not reused while the runner's kernels still read it.
@@ -48,16 +50,22 @@ class VisionResult(NamedTuple):
     """The image's features; the exception its pass raised; None: cancelled before it ran."""
     seconds: float
     """How long its pass took (0 when it did not run)."""
+    threads: int
+    """The torch threads it ran with."""
 
 
 class VisionLane:
     """Runs `encode` (an image's tensors to its features) for each submitted job, in order, on a
-    thread with `threads` torch threads; `wake` is called after each result."""
+    thread with `threads` torch threads (`idle_threads` for a pass that starts while `spare()`
+    is true); `wake` is called after each result."""
 
     def __init__(self, encode: Callable[[Mapping[str, np.ndarray]], torch.Tensor], *,
-                 threads: int, device: torch.device, wake: Callable[[], None]) -> None:
+                 threads: int, idle_threads: int, spare: Callable[[], bool],
+                 device: torch.device, wake: Callable[[], None]) -> None:
         self._encode = encode
         self.threads = threads
+        self.idle_threads = idle_threads
+        self._spare = spare
         self._device = device
         self._wake = wake
         self._runner_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -97,7 +105,6 @@ class VisionLane:
         self._thread.join(CLOSE_TIMEOUT_S)
 
     def _run(self) -> None:
-        torch.set_num_threads(self.threads)
         stream = None if self._runner_stream is None else torch.cuda.Stream(self._device)
         with torch.inference_mode(), torch.cuda.stream(stream):  # None: no stream (the CPU)
             while (job := self._jobs.get()) is not None:
@@ -107,7 +114,10 @@ class VisionLane:
     def _pass(self, job: int, tensors: Mapping[str, np.ndarray]) -> VisionResult:
         if job in self._cancelled:
             self._cancelled.discard(job)
-            return VisionResult(job, None, 0.0)
+            return VisionResult(job, None, 0.0, 0)
+        threads = self.idle_threads if self._spare() else self.threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         started = time.monotonic()
         try:
             encoded = self._encode(tensors)
@@ -119,4 +129,4 @@ class VisionLane:
             log.warning("a vision pass failed", exc_info=True)
             features = exc
         self._cancelled.discard(job)
-        return VisionResult(job, features, time.monotonic() - started)
+        return VisionResult(job, features, time.monotonic() - started, threads)
