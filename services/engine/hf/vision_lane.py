@@ -13,10 +13,12 @@ The lane's thread has its own torch thread count (torch keeps the count per thre
 or `idle_threads` for a pass that starts while `spare()` says that the runner has nothing to
 run meanwhile. A pass is the model's own `get_image_features`; the runner gives the lane two
 counts only where a probe image's features are the same bits on both, so a pass gives the same
-bits whatever else runs. On CUDA the lane queues its kernels on a stream of its own, so that a pass
-and the runner's units run on the GPU at once as they do on two cores; the lane waits for its
-stream before a result leaves, and marks the features as used on the runner's stream, so their
-memory is not reused while the runner's kernels still read it.
+bits whatever else runs.
+
+On CUDA the lane queues its kernels on a stream of its own, so that a pass and the runner's
+units run on the GPU at once, as they do on two cores; the lane waits for its stream before a
+result leaves, and marks the features as used on the runner's stream, so that their memory is
+not reused while the runner's kernels still read it.
 
 The lane holds no request state. The runner's thread submits jobs by number, cancels the ones no
 request waits for any more, and takes the results (`finished`); the lane calls `wake` after each
