@@ -188,6 +188,7 @@ class HFRunner:
         `vision_idle_threads` (0: every core) while no request could run a unit meanwhile,
         where a probe image's features are the same bits with both."""
         torch.set_num_threads(torch_threads(threads))
+        vision_threads = vision_threads or torch.get_num_threads()
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
         network: Any = load_model(model_dir, pick_device(device))
@@ -205,7 +206,7 @@ class HFRunner:
                      encoder_cache_bytes=encoder_cache_bytes,
                      prefix_cache_bytes=prefix_cache_bytes, vision_threads=vision_threads,
                      vision_idle_threads=_idle_vision_threads(
-                         adapter, preprocessor, vision_threads or torch.get_num_threads(),
+                         adapter, preprocessor, vision_threads,
                          vision_idle_threads or len(os.sched_getaffinity(0))))
         log.info("loaded %s (%s) on %s, %d torch threads (%d in vision passes, %d while "
                  "nothing else can run), decode steps of up to %d requests", model_dir,
