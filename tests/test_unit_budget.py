@@ -4,8 +4,9 @@ Which sizes a unit takes depends on timings, so what is checked is never a time:
 chunk size is one of the sizes the calibration may pick (the smallest for a budget nothing fits,
 the largest for one everything fits), units grow while nothing interactive waits and shrink
 while something does (counted in units, not measured), and a request's tokens are the same
-whatever ran beside it: alone (with an idle budget everything fits: whole passes, whole prompts
-per unit), in a mix (the smallest units), and as HF `generate` makes them.
+whatever ran beside it: alone (with an idle budget everything fits: whole passes, a prompt's
+whole chunks in one forward pass), in a mix (the smallest units), and as HF `generate` makes
+them.
 """
 
 from __future__ import annotations
@@ -101,6 +102,18 @@ def test_a_pinned_chunk_size_stays(qwen_dir, caplog) -> None:
     assert "prefill chunks of 37 tokens (pinned;" in caplog.text
 
 
+def test_chunks_merge_only_where_the_runner_s_attention_stands_in(qwen_dir, caplog) -> None:
+    """PER_CHUNK attention calls SDPA: over a model with another text attention, the startup
+    check keeps one forward pass per chunk, and says why."""
+    runner = HFRunner.load(str(qwen_dir), DEVICE, max_unit_ms=5.0)
+    assert runner.merges_chunks
+    runner.model.config.get_text_config()._attn_implementation_internal = "eager"
+    with caplog.at_level(logging.WARNING, logger="services.engine.hf.runner"):
+        assert not runner._chunks_merge()
+    assert "prefill units run one chunk per forward pass: its text attention is 'eager'" in (
+        caplog.text)
+
+
 # ---------------------------------------------------------------- the same tokens
 
 
@@ -149,8 +162,10 @@ def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
     start = unit_counts(runner)
     [alone] = run(runner, [image])
     vision, rows, prefills, chunks = unit_counts(runner, start)
-    assert (vision, prefills) == (1, 1)  # a whole pass, a whole prompt
-    assert chunks > 1 and rows > 0  # of several chunks, in one unit
+    assert runner.merges_chunks  # the startup check found merged chunks the same bits
+    tail = len(image.prompt_token_ids) % runner.prefill_chunk_tokens > 0
+    assert (vision, prefills) == (1, 1 + tail)  # a whole pass; whole chunks, a short last one
+    assert chunks > 1 + tail and rows > 0  # of several chunks, in one unit
 
     busy, after = beside_text(runner, prep, image)
     assert busy == alone

@@ -1,7 +1,9 @@
-"""The attention a batched decode step runs: each row attends to its own request's KV cache.
+"""The attentions the runner switches a model's text layers to: a batched decode step's, where
+each row attends to its own request's KV cache (PER_SEQUENCE), and a prefill forward's of several
+chunks, where each chunk attends as in a forward of its own (PER_CHUNK).
 
-Importing this registers it with transformers (as PER_SEQUENCE); only the "hf" backend's runner
-imports it, so an engine on another backend registers nothing.
+Importing this registers them with transformers; only the "hf" backend's runner imports it, so
+an engine on another backend registers nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from transformers.modeling_utils import AttentionInterface
 
 PER_SEQUENCE = "mmlane_per_sequence"
 """The attention implementation a batched decode step switches the model's text layers to."""
+PER_CHUNK = "mmlane_per_chunk"
+"""The one a prefill forward switches them to where it runs several chunks at once."""
 
 
 def per_sequence_attention(
@@ -36,4 +40,29 @@ def per_sequence_attention(
     return torch.cat(rows), None
 
 
+def per_chunk_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, *, prefill_chunk: int, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One request's prefill attention, chunk by chunk: the queries of each `prefill_chunk`
+    tokens (the forward starts a chunk) attend to the keys up to their chunk's end, with a
+    causal mask, through SDPA exactly as in a forward of that chunk alone. The key length a
+    kernel sees sets how it blocks its sums, so a forward of several chunks then gives each
+    the same bits as a forward of its own (the runner checks the layers around it at startup).
+    `key` and `value` hold the cache and the forward's tokens; `attention_mask` is None (no
+    mask function has this implementation's name)."""
+    length = query.shape[2]
+    past = key.shape[2] - length
+    chunks = []
+    for start in range(0, length, prefill_chunk):
+        end = min(length, start + prefill_chunk)
+        mask = torch.ones(end - start, past + end, dtype=torch.bool, device=query.device)
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, start:end], key[:, :, : past + end], value[:, :, : past + end],
+            mask.tril(past + start)[None, None], **kwargs)
+        chunks.append(out)
+    return torch.cat(chunks, dim=1), None
+
+
 AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
+AttentionInterface.register(PER_CHUNK, per_chunk_attention)

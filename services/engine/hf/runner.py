@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -53,7 +54,7 @@ from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
-from services.engine.hf.attention import PER_SEQUENCE
+from services.engine.hf.attention import PER_CHUNK, PER_SEQUENCE
 from services.engine.hf.budget import UnitBudget, derive_chunk_tokens, seconds_on, synchronize
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
 from services.engine.hf.prefix_cache import PrefixCache, chunk_keys, prompt_key
@@ -150,6 +151,10 @@ class HFRunner:
         self._budget = None if max_unit_ms is None else self._calibrate(
             max_unit_ms / 1000, (idle_unit_ms or max_unit_ms) / 1000)
         """How many prefill chunks a unit takes (None: one)."""
+        self.merges_chunks = self._budget is not None and self._chunks_merge()
+        """Whether a prefill unit of several chunks runs them as one forward pass, each chunk
+        with PER_CHUNK attention: where the startup check found that it gives each chunk the
+        same bits as a forward of its own. Else one forward per chunk."""
         self._units = 0  # units run so far: the scheduler's round-robin clock
         self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
         lane_threads = vision_threads or torch.get_num_threads()
@@ -378,16 +383,33 @@ class HFRunner:
         return logits if seq.decoding else None
 
     def _prefill_chunks(self, seq: Sequence, *, busy: bool) -> torch.Tensor:
-        """Prefill as many of `seq`'s chunks as `_chunks_now` gives: each is the same chunk,
-        the same bits, however many a unit runs. The last chunk's logits."""
+        """Prefill as many of `seq`'s chunks as `_chunks_now` gives, as one forward pass where
+        chunks merge, else one by one: each is the same chunk, the same bits, however many a
+        unit runs. The last chunk's logits."""
         start = seq.num_cached
-        for _ in range(self._chunks_now(seq, busy=busy)):
-            logits = self._prefill(seq, seq.next_unit().tokens)
-            self.metrics.counters["prefill_chunks"] += 1
-            if seq.decoding:
-                break
+        chunks = self._chunks_now(seq, busy=busy)
+        if self.merges_chunks:
+            logits = self._prefill(seq, self._merged_tokens(seq, chunks))
+        else:
+            for _ in range(chunks):
+                logits = self._prefill(seq, seq.next_unit().tokens)
+                if seq.decoding:
+                    break
         seq.unit_work = seq.num_cached - start
+        self.metrics.counters["prefill_chunks"] += math.ceil(
+            seq.unit_work / (seq.chunk_tokens or seq.prompt_len))
         return logits
+
+    @staticmethod
+    def _merged_tokens(seq: Sequence, chunks: int) -> int:
+        """The prompt tokens one forward pass of up to `chunks` chunks of `seq` takes: whole
+        chunks, or else the prompt's short last chunk alone. That one is always a forward of
+        its own, as when chunks run one by one: a matrix product may sum a row in another order
+        when it has fewer rows than some count (BENCHMARKS.md)."""
+        chunk = seq.chunk_tokens or seq.prompt_len
+        remaining = seq.prompt_len - seq.num_cached
+        whole = remaining - remaining % chunk
+        return min(chunks * chunk, whole) or remaining
 
     def _chunks_now(self, seq: Sequence, *, busy: bool) -> int:
         """The most prefill chunks of `seq` this unit runs: one without a budget, else as many
@@ -524,8 +546,12 @@ class HFRunner:
         if seq.positions is None:
             seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
         embeds = self._prompt_embeddings(seq, start, end)
-        out = self._forward(seq.cache, inputs_embeds=embeds,
-                            position_ids=seq.positions.prompt(start, end), logits_to_keep=1)
+        inputs = {"inputs_embeds": embeds, "position_ids": seq.positions.prompt(start, end),
+                  "logits_to_keep": 1}
+        if self.merges_chunks and seq.chunk_tokens:
+            out = self._forward_chunks(seq.cache, seq.chunk_tokens, **inputs)
+        else:
+            out = self._forward(seq.cache, **inputs)
         seq.num_cached = end
         self._store_prefix(seq)
         if end == seq.prompt_len:
@@ -579,6 +605,12 @@ class HFRunner:
     def _forward(self, cache: DynamicCache, **inputs: Any) -> Any:
         """The model's forward over one request's KV cache, which it extends."""
         return self.model(**inputs, **{self._cache_keyword: cache}, use_cache=True)
+
+    def _forward_chunks(self, cache: DynamicCache, chunk: int, **inputs: Any) -> Any:
+        """A prefill forward of one or more chunks of `chunk` tokens (the first starts at a
+        chunk boundary) over one request's KV cache, with PER_CHUNK attention."""
+        with self._attention(PER_CHUNK):
+            return self._forward(cache, **inputs, prefill_chunk=chunk)
 
     def _forward_rows(
         self, caches: list[DynamicCache], tokens: list[int], positions: list[torch.Tensor]
@@ -650,17 +682,60 @@ class HFRunner:
 
     def _can_batch(self) -> bool:
         """Whether decode steps can run batched, bit for bit as alone; logs why not."""
-        config = self._text_config
-        if config._attn_implementation != "sdpa":
-            reason = f"its text attention is {config._attn_implementation!r}, not 'sdpa'"
-        elif _has_sliding_window(config):
-            reason = "it has sliding-window layers"  # per_sequence_attention has no window
-        elif not self._rows_are_independent():
+        reason = _not_sdpa(self._text_config)
+        if reason is None and not self._rows_are_independent():
             reason = "a row's logits depend on the other rows on this device"
-        else:
+        if reason is None:
             return True
         log.warning("decode steps run one request at a time: %s", reason)
         return False
+
+    def _chunks_merge(self) -> bool:
+        """Whether prefill units of several chunks can run them as one forward pass, each chunk
+        bit for bit as in a forward of its own; logs why not."""
+        chunk = self.prefill_chunk_tokens
+        assert chunk is not None  # set by the calibration
+        if 2 * chunk >= self.spec.max_context:
+            return False  # no prompt has two chunks and more: nothing to merge
+        reason = _not_sdpa(self._text_config)
+        if reason is None and not self._merged_chunks_equal(chunk):
+            reason = "a chunk's bits depend on the chunks beside it on this device"
+        if reason is None:
+            return True
+        log.warning("prefill units run one chunk per forward pass: %s", reason)
+        return False
+
+    @torch.inference_mode()
+    def _merged_chunks_equal(self, chunk: int) -> bool:
+        """Whether a random prompt of two chunks and a few tokens more leaves the same KV cache
+        and logits prefilled as two chunks in one forward, then the rest, as chunk by chunk.
+        True of the CPU's kernels as far as measured (BENCHMARKS.md), but nothing promises it."""
+        length = 2 * chunk + 3
+        generator = torch.Generator().manual_seed(length)
+        prompt = torch.randint(self.spec.vocab_size, (1, length), generator=generator)
+        prompt = prompt.to(self.model.device)
+        positions = self.adapter.positions(prompt, [])
+
+        def prefill(ends: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+            cache, start = DynamicCache(config=self._text_config), 0
+            for end in ends:
+                out = self._forward_chunks(
+                    cache, chunk, input_ids=prompt[:, start:end],
+                    position_ids=positions.prompt(start, end), logits_to_keep=1)
+                start = end
+            return cache, out.logits[0, -1]
+
+        try:  # it follows transformers' attention interface, which a new release may change
+            (apart, apart_logits) = prefill([chunk, 2 * chunk, length])
+            (merged, merged_logits) = prefill([2 * chunk, length])
+        except Exception:
+            log.warning("a prefill forward of two chunks failed on a probe prompt",
+                        exc_info=True)
+            return False
+        layers: list[tuple[Any, Any]] = list(zip(apart.layers, merged.layers, strict=True))
+        return torch.equal(apart_logits, merged_logits) and all(
+            torch.equal(one.keys, other.keys) and torch.equal(one.values, other.values)
+            for one, other in layers)
 
     @torch.inference_mode()
     def _rows_are_independent(self) -> bool:
@@ -745,6 +820,16 @@ def _cache_keyword(model: Any) -> str:
     know would go into its **kwargs, ignored, and the cache stay empty."""
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _not_sdpa(text_config: Any) -> str | None:
+    """Why the runner's own attentions (attention.py) cannot stand in for the model's text
+    attention, or None where they can."""
+    if text_config._attn_implementation != "sdpa":
+        return f"its text attention is {text_config._attn_implementation!r}, not 'sdpa'"
+    if _has_sliding_window(text_config):
+        return "it has sliding-window layers"  # the runner's attentions have no window
+    return None
 
 
 def _has_sliding_window(text_config: Any) -> bool:
