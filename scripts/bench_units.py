@@ -2,17 +2,19 @@
 
     python scripts/bench_units.py [--model DIR] [--max-unit-ms none,5,20] [--size 1024x1024]
                                   [--requests 4] [--rounds 3] [--max-tokens 16]
-                                  [--vision-threads 1]
+                                  [--vision-threads 1] [--idle-unit-ms MS]
+                                  [--prefill-chunk-tokens N]
 
 Loads `--model` (default: the embedded model) into one `HFRunner` per `--max-unit-ms` value
 (none: no budget, so a whole prompt is one unit) with one torch thread, and `--vision-threads`
-for the vision lane. Each round runs `--requests` chat requests with one photo-like image of
+for the vision lane; `--idle-unit-ms` and `--prefill-chunk-tokens` as the engine's (default:
+as --max-unit-ms; derived). Each round runs `--requests` chat requests with one photo-like image of
 `--size` (a different image each, rendered as the MM worker renders them) on each runner in
 turn, one request at a time, and prints per request: the wall time and, from the runner's own
 account, the units and milliseconds of each kind (vision: whole passes on the vision lane;
 prefill; decode). Rounds alternate the runners so that the machine's drift hits each alike. No
-unit waits for another request here, so a unit takes `--max-unit-ms` as the idle budget: what
-the units cost is their number and each one's overhead, not the scheduling. Asserts nothing.
+unit waits for another request here, so a unit takes the idle budget: what the units cost is
+their number and each one's overhead, not the scheduling. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="of each request")
     parser.add_argument("--vision-threads", type=int, default=1,
                         help="as the engine's --vision-threads (0: as its torch threads)")
+    parser.add_argument("--idle-unit-ms", type=float, default=None,
+                        help="as the engine's (default: as --max-unit-ms)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help="as the engine's (default: derived from --max-unit-ms)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model)
     prep = load_preprocessor(model_dir)
@@ -82,7 +88,9 @@ def main() -> None:
     runners = {
         budget: HFRunner.load(str(model_dir), "cpu", threads=1,
                               vision_threads=args.vision_threads,
-                              max_unit_ms=None if budget == "none" else float(budget))
+                              max_unit_ms=None if budget == "none" else float(budget),
+                              idle_unit_ms=args.idle_unit_ms,
+                              prefill_chunk_tokens=args.prefill_chunk_tokens)
         for budget in args.max_unit_ms.split(",")
     }
     for runner in runners.values():

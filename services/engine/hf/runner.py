@@ -1,19 +1,28 @@
 """The "hf" backend's runner: a Hugging Face model run with torch, a bounded unit at a time.
 
 Each `step` runs one unit picked by the scheduler (scheduler.py): prefill chunks of one
-request, each a forward pass of batch size one over that request's own KV cache; or a decode
-step of up to `max_batch` requests together, one token each. With `max_unit_ms` (budget.py), a
-run of prefill chunks is sized to take about that long while another interactive request is
-held, and about `idle_unit_ms` while none is; the prefill chunk size is derived at startup from
-the same budget, by timing the loaded model, unless `prefill_chunk_tokens` pins it. Units run
+request, as one forward pass of batch size one over that request's own KV cache (one per chunk
+where the startup check below fails); or a decode step of up to `max_batch` requests together,
+one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is sized to take about
+that long while another interactive request is held, and about `idle_unit_ms` while none is;
+the prefill chunk size is derived at startup from the same budget, by timing the loaded model,
+unless `prefill_chunk_tokens` pins it. Units run
 with the process's torch threads (every core but two: text and decode units must not wait for a
 core the MM worker or the frontend holds). Images' vision passes run beside them, on the vision
 lane's thread (vision_lane.py), with `vision_threads`, or `vision_idle_threads` (every core)
 for a pass that starts while no request could run a unit meanwhile: a request waits for its
 images' features there, off the scheduler, and runs units again once they are in.
 
-A request's tokens must not depend on what else the engine is running, so a batched decode step
-gives each request the same bits as it would get alone:
+A request's tokens must not depend on what else the engine is running. A prefill unit gives each
+chunk the same bits however many chunks it runs:
+- Each chunk's queries attend through SDPA to the keys up to the chunk's end, as in a forward of
+  that chunk alone (`per_chunk_attention`, attention.py): the key length sets how the attention
+  kernel blocks its sums.
+- The other layers work row by row, and their matrix products give a row the same bits for any
+  number of rows from a chunk's up (measured on CPU, BENCHMARKS.md): a prompt's short last
+  chunk, which may have too few, is always a forward of its own. The runner checks both on the
+  loaded model at startup, and else runs one forward per chunk.
+And a batched decode step gives each request the same bits as it would get alone:
 - Every decode step has the same shape: `max_batch` rows, the rows no request uses filled with a
   dummy token. A matrix kernel may sum in a different order for a different number of rows (a
   step of 8 rows differs from a step of one by up to 3e-7 on CPU), but for a fixed shape a row's
