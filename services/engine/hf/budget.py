@@ -15,8 +15,8 @@ size), so a request's chunk size is fixed, for the whole engine, at startup:
 fits the budget (`--prefill-chunk-tokens` pins it instead); timed from position 0, so a late
 chunk of a long prompt costs more. What a unit varies is how many whole chunks of one request it
 runs: the same chunks, the same bits, fewer steps; where the runner's startup check allows, as
-one forward pass (runner.py), so a larger unit also costs less per token. (Vision passes are no units: they run whole,
-on the vision lane's thread, beside the units; vision_lane.py.)
+one forward pass (runner.py), so a larger unit also costs less per token. (Vision passes are
+no units: they run whole, on the vision lane's thread, beside the units; vision_lane.py.)
 
 The cost of a prefill token is estimated first by timing the loaded model at startup, then kept
 current by an exponentially weighted moving average of the units that run: the device, its
