@@ -6,12 +6,12 @@ where the startup check below fails); or a decode step of up to `max_batch` requ
 one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is sized to take about
 that long while another interactive request is held, and about `idle_unit_ms` while none is;
 the prefill chunk size is derived at startup from the same budget, by timing the loaded model,
-unless `prefill_chunk_tokens` pins it. Units run
-with the process's torch threads (every core but two: text and decode units must not wait for a
-core the MM worker or the frontend holds). Images' vision passes run beside them, on the vision
-lane's thread (vision_lane.py), with `vision_threads`, or `vision_idle_threads` (every core)
-for a pass that starts while no request could run a unit meanwhile: a request waits for its
-images' features there, off the scheduler, and runs units again once they are in.
+unless `prefill_chunk_tokens` pins it. Units run with the process's torch threads (every core
+but two: text and decode units must not wait for a core the MM worker or the frontend holds).
+Images' vision passes run beside them, on the vision lane's thread (vision_lane.py), with
+`vision_threads`, or `vision_idle_threads` (every core) for a pass that starts while no request
+could run a unit meanwhile: a request waits for its images' features there, off the scheduler,
+and runs units again once they are in.
 
 A request's tokens must not depend on what else the engine is running. A prefill unit gives each
 chunk the same bits however many chunks it runs:
