@@ -114,6 +114,10 @@ def test_stats_once_json_lists_every_process_with_its_histograms(
         by_role["frontend"]["histograms"])
     assert {"decode", "process", "mm_job"} <= set(by_role["mm-worker"]["histograms"])
     assert any(name.startswith("engine_step:") for name in by_role["engine"]["histograms"])
+    # from the engine's receipt of a request to its first token, one per request that had one
+    first_token = [by_role["engine"]["histograms"][f"first_token:{kind}"]
+                   for kind in ("text", "image")]
+    assert all(sum(histogram["counts"]) >= 1 for histogram in first_token)
     tokenize = by_role["frontend"]["histograms"]["tokenize"]
     assert sum(tokenize["counts"]) >= 4 and len(tokenize["counts"]) == len(tokenize["bounds"]) + 1
     assert by_role["frontend"]["counters"]["requests"] >= 4

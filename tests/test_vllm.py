@@ -361,6 +361,8 @@ def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
     assert stats.counters["cache_hits"] >= 1
     # vLLM's scheduler, as stats, health and top show it
     assert {"vllm_running", "vllm_waiting"} <= set(stats.queues)
+    # the engine role's own latency, on either backend
+    assert sum(stats.histograms["first_token:image"].counts) >= 1
     # mmlane's hash keys the image's blocks in vLLM's prefix cache: the repeats hit it
     wait_for_stats(mmlane_vllm[2], lambda s: s.role == "engine"
                    and s.counters["vllm_prefix_cache_hit_tokens"]

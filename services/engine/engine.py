@@ -91,9 +91,11 @@ _REPLY_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 @dataclass
 class _Held:
-    """An admitted request the runner holds, and whether its first output (with the prompt) went."""
+    """An admitted request the runner holds, when it was received (`time.monotonic()`), and
+    whether its first output (with the prompt) went."""
 
     request: EngineRequest
+    received_at: float
     replied: bool = False
 
 
@@ -248,7 +250,7 @@ class Engine:
             self._fail(request, translate(exc, f"cannot admit the request: {type(exc).__name__}"))
             self._capacity.release()
             return
-        self._held[handle] = _Held(request)
+        self._held[handle] = _Held(request, received_at)
         self._by_id[request.request_id] = handle
         if request.deadline:
             heapq.heappush(self._deadlines, (request.deadline, handle))
@@ -304,6 +306,9 @@ class Engine:
                 prompt_token_ids=None if held.replied else request.prompt_token_ids,
                 logprobs=output.logprobs,
             )
+        if not held.replied and output.token_ids:  # whichever backend runs the model
+            kind = "image" if request.mm_items else "text"
+            self.metrics.observe(f"first_token:{kind}", time.monotonic() - held.received_at)
         held.replied = True
         self._replies.put((request.reply_to, message))
         if output.finished:

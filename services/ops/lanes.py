@@ -15,7 +15,8 @@ from services.ops.feed import ProcessSnapshots, process_order
 
 # Lanes in the order a request meets them; a histogram not named here comes after these.
 LANE_ORDER = (
-    "tokenize", "fetch", "decode", "process", "mm_job", "queue_wait", "engine_step", "end_to_end"
+    "tokenize", "fetch", "decode", "process", "mm_job", "queue_wait", "engine_step", "first_token",
+    "end_to_end",
 )
 QUANTILES = (0.5, 0.9, 0.99)
 
