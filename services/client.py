@@ -130,10 +130,19 @@ class Client:
         """Wait for whichever request finishes next (replies to others are kept meanwhile)."""
         deadline = deadline or time.monotonic() + self._timeout_s
         while True:
-            reply = self._recv(deadline)
-            result = self._partial.setdefault(reply.request_id, ChatResult(reply.request_id))
-            if _apply(result, reply):
-                return self._partial.pop(reply.request_id)
+            result, ended = self.receive(deadline)
+            if ended:
+                return result
+
+    def receive(self, deadline: float | None = None) -> tuple[ChatResult, bool]:
+        """Wait for the next reply to any request (a streamed piece or its end): that request's
+        result so far, and whether the reply ended it."""
+        reply = self._recv(deadline or time.monotonic() + self._timeout_s)
+        result = self._partial.setdefault(reply.request_id, ChatResult(reply.request_id))
+        ended = _apply(result, reply)
+        if ended:
+            del self._partial[reply.request_id]
+        return result, ended
 
     def reset_cache(self) -> None:
         """Empty the feature caches of the engine and of every MM worker; raises on error.
