@@ -1,12 +1,12 @@
 """Engine scheduling benchmark: text latency idle and while clients stream 12 MP images.
 
-    python scripts/bench_engine.py [--chunks 0,64] [--serve-arg=--FLAG=VALUE ...]
+    python scripts/bench_engine.py [--chunks 128,0] [--serve-arg=--FLAG=VALUE ...]
                                    [--text-requests 100]
                                    [--image-clients 2] [--max-tokens 1] [--rate 0]
                                    [--torch-threads N]
 
-For each `--prefill-chunk-tokens` value in `--chunks` (0: derived from `--max-unit-ms` at the
-engine's startup, as by default; 1000000: every prompt one chunk), runs `mmlane serve
+For each `--prefill-chunk-tokens` value in `--chunks` (128: the default; 0: derived from
+`--max-unit-ms` at the engine's startup; 1000000: every prompt one chunk), runs `mmlane serve
 --prefill-chunk-tokens N --mm-cache-gb 0` (and each `--serve-arg`, e.g. `--max-unit-ms=10`)
 on the embedded model twice: once idle, once while
 `--image-clients` clients each keep a 4032x3024 JPEG request in flight back to back (the
@@ -114,9 +114,9 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--chunks", default="0,64",
+    parser.add_argument("--chunks", default="128,0",
                         help="comma-separated --prefill-chunk-tokens values to compare "
-                             "(0: derived)")
+                             "(0: derived; default: %(default)s)")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="a further `mmlane serve` flag, as --serve-arg=--FLAG=VALUE")
     parser.add_argument("--text-requests", type=int, default=100)

@@ -7,14 +7,14 @@
 
 Loads `--model` (default: the embedded model) into one `HFRunner` per `--max-unit-ms` value
 (none: no budget, so a whole prompt is one unit) with one torch thread, and `--vision-threads`
-for the vision lane; `--idle-unit-ms` and `--prefill-chunk-tokens` as the engine's (default:
-as --max-unit-ms; derived). Each round runs `--requests` chat requests with one photo-like image of
-`--size` (a different image each, rendered as the MM worker renders them) on each runner in
-turn, one request at a time, and prints per request: the wall time and, from the runner's own
-account, the units and milliseconds of each kind (vision: whole passes on the vision lane;
-prefill; decode). Rounds alternate the runners so that the machine's drift hits each alike. No
-unit waits for another request here, so a unit takes the idle budget: what the units cost is
-their number and each one's overhead, not the scheduling. Asserts nothing.
+for the vision lane; `--idle-unit-ms` and `--prefill-chunk-tokens` as the engine's (default: as
+--max-unit-ms; 128, 0: derived). Each round runs `--requests` chat requests with one photo-like
+image of `--size` (a different image each, rendered as the MM worker renders them) on each
+runner in turn, one request at a time, and prints per request: the wall time and, from the
+runner's own account, the units and milliseconds of each kind (vision: whole passes on the
+vision lane; prefill; decode). Rounds alternate the runners so that the machine's drift hits
+each alike. No unit waits for another request here, so a unit takes the idle budget: what the
+units cost is their number and each one's overhead, not the scheduling. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 
 from protocol.messages import EngineRequest, MMJob, SamplingParams
 from services.bench.images import make_image
+from services.engine.hf.config import PREFILL_CHUNK_TOKENS
 from services.engine.hf.runner import HFRunner
 from services.mm_worker.render import PreparedImage, render_request
 from services.model import Preprocessor, load_preprocessor, resolve_model_dir
@@ -78,8 +79,9 @@ def main() -> None:
                         help="as the engine's --vision-threads (0: as its torch threads)")
     parser.add_argument("--idle-unit-ms", type=float, default=None,
                         help="as the engine's (default: as --max-unit-ms)")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                        help="as the engine's (default: derived from --max-unit-ms)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=PREFILL_CHUNK_TOKENS,
+                        help="as the engine's (default: %(default)s; 0: derived from "
+                             "--max-unit-ms)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model)
     prep = load_preprocessor(model_dir)
@@ -90,7 +92,7 @@ def main() -> None:
                               vision_threads=args.vision_threads,
                               max_unit_ms=None if budget == "none" else float(budget),
                               idle_unit_ms=args.idle_unit_ms,
-                              prefill_chunk_tokens=args.prefill_chunk_tokens)
+                              prefill_chunk_tokens=args.prefill_chunk_tokens or None)
         for budget in args.max_unit_ms.split(",")
     }
     for runner in runners.values():

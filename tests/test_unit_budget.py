@@ -95,11 +95,11 @@ def test_calibration_derives_a_chunk_size_and_logs_it(qwen_dir, caplog, max_unit
     assert f"prefill chunks of {chunk} tokens (derived;" in caplog.text
 
 
-def test_a_pinned_chunk_size_stays(qwen_dir, caplog) -> None:
+def test_a_fixed_chunk_size_stays(qwen_dir, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="services.engine.hf.runner"):
         runner = HFRunner.load(str(qwen_dir), DEVICE, prefill_chunk_tokens=37, max_unit_ms=5.0)
     assert runner.prefill_chunk_tokens == 37
-    assert "prefill chunks of 37 tokens (pinned;" in caplog.text
+    assert "prefill chunks of 37 tokens (fixed;" in caplog.text
 
 
 def test_chunks_merge_only_where_the_runner_s_attention_stands_in(qwen_dir, caplog) -> None:

@@ -15,6 +15,10 @@ GRAMMAR_CACHE_SIZE = 64
 """Structured-output grammars kept compiled by default."""
 MAX_UNIT_MS = 5.0
 """About how long a unit may take while interactive work waits, by default."""
+PREFILL_CHUNK_TOKENS = 128
+"""The prefill chunk size by default: the same in every engine, so that every start and replica
+gives a request the same bits. On the 2-core CPU VM a chunk of the tiny model took 4.2-4.4 ms,
+about --max-unit-ms; a unit runs as many whole chunks as fit its budget (hf/budget.py)."""
 
 
 class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -29,11 +33,12 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """About how long a unit may take while no interactive request waits. 0 (the default): as
     --max-unit-ms. Larger costs less per-unit overhead, but a text request that arrives
     during such a unit waits for all of it."""
-    prefill_chunk_tokens: int = 0
+    prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS
     """The tokens of one prefill chunk, fixed for every request (chunk boundaries change a
-    prompt's bits, and the prefix cache shares chunks of one size). 0 (the default): derived at
-    startup, the largest power of two from 16 to 4096 whose prefill takes at most
-    --max-unit-ms on this device (logged); a number pins it."""
+    prompt's bits, and the prefix cache shares chunks of one size). 0: derived at startup, the
+    largest power of two from 16 to 4096 whose prefill takes at most --max-unit-ms on this
+    device (logged); timed, so it may differ between starts and replicas, and a request's
+    tokens with it."""
     max_batch: int = MAX_BATCH
     """The most requests one decode step runs together (1: one at a time). A batched step
     gives each request the same logits, bit for bit, as a step of its own (see runner.py)."""

@@ -9,7 +9,7 @@ of what its forward pass got, and the key names all of it:
 - the chunk size: a chunk's KV depends on its shape (a matmul over 64 rows may sum in another
   order than one over 100), so only chunks of the same size, at the same boundaries (multiples
   of the chunk size from 0), are ever shared; the size is in every key, as
-  `HFRunner.prefill_chunk_tokens` may change (each engine derives its own at startup);
+  `HFRunner.prefill_chunk_tokens` may change (configured per engine, or derived at startup);
 - every token up to the chunk's end, and every image whose placeholder tokens overlap that
   span, by its offset, length and `mm_hash`: placeholder token ids are the same for every
   image, the hash tells the images apart, and it also fixes the image's features (the same

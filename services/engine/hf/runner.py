@@ -5,9 +5,10 @@ request, as one forward pass of batch size one over that request's own KV cache 
 where the startup check below fails); or a decode step of up to `max_batch` requests together,
 one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is sized to take about
 that long while another interactive request is held, and about `idle_unit_ms` while none is;
-the prefill chunk size is derived at startup from the same budget, by timing the loaded model,
-unless `prefill_chunk_tokens` pins it. Units run with the process's torch threads (every core
-but two: text and decode units must not wait for a core the MM worker or the frontend holds).
+the prefill chunk size is `prefill_chunk_tokens` (the engine's is 128 unless configured), or,
+where none is given, derived at startup from the same budget by timing the loaded model. Units
+run with the process's torch threads (every core but two: text and decode units must not wait
+for a core the MM worker or the frontend holds).
 Images' vision passes run beside them, on the vision lane's thread (vision_lane.py), with
 `vision_threads`, or `vision_idle_threads` (every core) for a pass that starts while no request
 could run a unit meanwhile: a request waits for its images' features there, off the scheduler,
@@ -650,8 +651,8 @@ class HFRunner:
 
     def _calibrate(self, max_unit_s: float, idle_unit_s: float) -> UnitBudget:
         """The unit budget, with its costs timed on the loaded model; the prefill chunk size
-        derived from it unless pinned. Logs what it found."""
-        chunk, how = self.prefill_chunk_tokens, "pinned"
+        derived from it unless given. Logs what it found."""
+        chunk, how = self.prefill_chunk_tokens, "fixed"
         if chunk is None:
             chunk, token_s = derive_chunk_tokens(self._time_prefill, max_unit_s,
                                                  self.spec.max_context)
