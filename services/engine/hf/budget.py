@@ -10,15 +10,15 @@ units (BENCHMARKS.md, "Units bounded by time"), so by default idle units grow no
 
 A unit may follow the moment's load only where that changes no bit. A prefill chunk's size
 would: a chunk's shape changes its sums (and the prefix cache keys chunks by their size), so a
-request's chunk size is fixed for the whole engine: `--prefill-chunk-tokens` (default 128), or,
-with 0, `derive_chunk_tokens` at startup, which takes the largest power of two whose prefill,
-timed on the loaded model from position 0, fits the budget. Derived, it follows the moment's
-timing (one VM derived 64 in one start and 128 in the next; BENCHMARKS.md), and a request's
-tokens with it: so deriving is opt-in. What a unit varies is how many whole chunks of one
-request it runs: the same chunks, the same bits, fewer steps; where the runner's startup check
-allows, as one forward pass (runner.py), so a larger unit also costs less per token. (Vision
-passes are no units: they run whole, on the vision lane's thread, beside the units;
-vision_lane.py.)
+request's chunk size is fixed for the whole engine: `--prefill-chunk-tokens` (default
+PREFILL_CHUNK_TOKENS, config.py), or, with 0, `derive_chunk_tokens` at startup, which takes the
+largest power of two whose prefill, timed on the loaded model from position 0, fits the budget.
+Derived, it follows the moment's timing (one VM derived 64 in one start and 128 in the next;
+BENCHMARKS.md), and a request's tokens with it: so deriving is opt-in. What a unit varies is how
+many whole chunks of one request it runs: the same chunks, the same bits, fewer steps; where the
+runner's startup check allows, as one forward pass (runner.py), so a larger unit also costs less
+per token. (Vision passes are no units: they run whole, on the vision lane's thread, beside the
+units; vision_lane.py.)
 
 The cost of a prefill token is estimated first by timing the loaded model at startup, then kept
 current by an exponentially weighted moving average of the units that run: the device, its

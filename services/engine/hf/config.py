@@ -17,7 +17,7 @@ MAX_UNIT_MS = 5.0
 """About how long a unit may take while interactive work waits, by default."""
 PREFILL_CHUNK_TOKENS = 128
 """The prefill chunk size by default: the same in every engine, so that every start and replica
-gives a request the same bits. On the 2-core CPU VM a chunk of the tiny model took 4.2-4.4 ms,
+gives a request the same bits. On the 2-core CPU VM a chunk of the tiny model took 3.7-4.4 ms,
 about --max-unit-ms; a unit runs as many whole chunks as fit its budget (hf/budget.py)."""
 
 

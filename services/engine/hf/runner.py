@@ -4,11 +4,11 @@ Each `step` runs one unit picked by the scheduler (scheduler.py): prefill chunks
 request, as one forward pass of batch size one over that request's own KV cache (one per chunk
 where the startup check below fails); or a decode step of up to `max_batch` requests together,
 one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is sized to take about
-that long while another interactive request is held, and about `idle_unit_ms` while none is;
-the prefill chunk size is `prefill_chunk_tokens` (the engine's is 128 unless configured), or,
-where none is given, derived at startup from the same budget by timing the loaded model. Units
-run with the process's torch threads (every core but two: text and decode units must not wait
-for a core the MM worker or the frontend holds).
+that long while another interactive request is held, and about `idle_unit_ms` while none is; the
+prefill chunk size is `prefill_chunk_tokens` (the engine's: PREFILL_CHUNK_TOKENS unless
+configured, config.py), or, where none is given, derived at startup from the same budget by
+timing the loaded model. Units run with the process's torch threads (every core but two: text
+and decode units must not wait for a core the MM worker or the frontend holds).
 Images' vision passes run beside them, on the vision lane's thread (vision_lane.py), with
 `vision_threads`, or `vision_idle_threads` (every core) for a pass that starts while no request
 could run a unit meanwhile: a request waits for its images' features there, off the scheduler,
