@@ -110,6 +110,19 @@ def test_same_request_same_greedy_reply(client: Client) -> None:
     assert first.token_ids == second.token_ids and first.text == second.text
 
 
+def test_a_reply_streams_in_pieces_that_add_up_to_the_whole(client: Client) -> None:
+    messages = [user_message("Count to eight, please.", [])]
+    whole = client.chat(messages, max_tokens=8, ignore_eos=True)
+    request_id = client.submit(messages, max_tokens=8, ignore_eos=True)
+    pieces, ended = [], False
+    while not ended:
+        result, ended = client.receive()
+        assert result.request_id == request_id
+        pieces.append(len(result.token_ids))
+    assert len(pieces) > 1 and pieces == sorted(pieces)
+    assert result.token_ids == whole.token_ids and result.finish_reason == "length"
+
+
 def test_text_is_answered_before_an_earlier_large_image(served: Served) -> None:
     big = jpeg_uri(4032, 3024, seed=1)
     with Client(served.endpoint, timeout_s=120) as c:
