@@ -418,12 +418,12 @@ def test_a_new_text_request_runs_before_a_decode_batch_and_alone() -> None:
     assert handles(picked) == [[3], [0, 1, 2, 4], [3]]
 
 
-def test_image_work_is_never_batched_and_keeps_its_share() -> None:
+def test_image_work_goes_in_arrival_order_and_keeps_its_share() -> None:
     images = [sequence(handle, image=True) for handle in range(2)]
     texts = [sequence(handle, image=False) for handle in range(2, 6)]
     picked = run_batches(Scheduler(), [*images, *texts], 400, max_batch=8)
     bulk = [batch for batch in picked if batch[0] in images]
-    assert all(len(batch) == 1 and batch[0] is images[0] for batch in bulk)  # arrival order
+    assert all(batch == images for batch in bulk)  # arrival order; the runner may fill in
     share = 4 * len(bulk) / (4 * len(bulk) + len(picked) - len(bulk))
     assert share == pytest.approx(BULK_SHARE, abs=0.01)
     assert all(len(batch) == 4 for batch in picked if batch[0] in texts)

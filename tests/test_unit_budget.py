@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_batching import CASES
+from msgspec.structs import replace
+from test_batching import CASES, LONG_TEXT
 from test_engine import DEVICE, generate_greedy, make_request
 
 from protocol.messages import EngineRequest
@@ -112,6 +113,11 @@ def test_chunks_merge_only_where_the_runner_s_attention_stands_in(qwen_dir, capl
         assert not runner._chunks_merge()
     assert "prefill units run one chunk per forward pass: its text attention is 'eager'" in (
         caplog.text)
+    runner._across_equal = lambda chunk: False  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="services.engine.hf.runner"):
+        assert not runner._requests_batch()
+    assert "prefill forwards run one request's chunks: a request's chunks get other bits" in (
+        caplog.text)
 
 
 # ---------------------------------------------------------------- the same tokens
@@ -131,6 +137,46 @@ def test_tokens_are_the_same_alone_in_a_mix_and_from_generate(family, model_dirs
     assert [together[handle] for handle in range(len(requests))] == alone
     model = load_model(model_dirs[family], DEVICE)
     assert alone[: len(greedy)] == [generate_greedy(model, prep, r) for r in greedy]
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "llava", "llava_next", "mistral3", "internvl", "idefics3"])
+def test_requests_prefill_together_with_the_tokens_they_get_alone(family, model_dirs) -> None:
+    """With room in a unit after one request's whole chunks, the next requests' whole chunks
+    (never a prompt's last) go into the same forward pass: each request's tokens are those it
+    gets alone. Of two requests that share a prefix, the second does not join the first: it
+    reuses the first's chunks."""
+    prep = load_preprocessor(model_dirs[family])
+
+    def load(**caches: int) -> HFRunner:
+        return HFRunner.load(str(model_dirs[family]), DEVICE, prefill_chunk_tokens=16,
+                             max_unit_ms=HUGE_MS, **caches)
+
+    runner = load(encoder_cache_bytes=1 << 30)
+    assert runner.batches_prefill  # the startup check found them the same bits
+    texts = [make_request(prep, f"{number} {LONG_TEXT}", max_tokens=6) for number in range(3)]
+    images = [make_request(prep, "what is this?", ((224, 168),), image_seed=seed, max_tokens=6)
+              for seed in range(2)]
+    images = [replace(request, mm_items=[replace(item, mm_hash=f"image{seed}")
+                                         for item in request.mm_items])
+              for seed, request in enumerate(images)]  # their features cached when alone
+    requests = [*texts, *images]
+    alone = [run(runner, [request])[0] for request in requests]
+    counters = runner.metrics.counters
+    for group in (texts, images, requests):
+        before = counters["prefill_forwards_across_requests"]
+        assert run(runner, group) == [alone[requests.index(request)] for request in group]
+        assert counters["prefill_forwards_across_requests"] > before
+
+    system = f"You answer briefly. {LONG_TEXT}"
+    requests = [*(make_request(prep, question, system=system, max_tokens=6)
+                  for question in ("first?", "second?")), texts[0]]
+    alone = [run(runner, [request])[0] for request in requests]
+    runner = load(prefix_cache_bytes=1 << 30)
+    assert run(runner, requests) == alone
+    counters = runner.metrics.counters
+    assert counters["prefill_forwards_across_requests"] > 0  # the first and third
+    assert counters["prefix_cache_hits"] == 1  # the second, of the first's chunks
 
 
 # ---------------------------------------------------------------- unit sizes

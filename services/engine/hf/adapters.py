@@ -27,14 +27,15 @@ from services.model import PixelNorm, normalize
 
 
 class Positions:
-    """Plain position ids of one request. A prompt's are None: the model counts them from the
-    request's KV cache."""
+    """Plain position ids of one request."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
 
-    def prompt(self, start: int, end: int) -> torch.Tensor | None:
-        return None
+    def prompt(self, start: int, end: int) -> torch.Tensor:
+        """The ids of prompt tokens [start, end), shaped as one batch row: (1, end - start); a
+        forward of several requests' chunks joins theirs on dimension -1."""
+        return torch.arange(start, end, device=self._device)[None]
 
     def decode(self, position: int) -> torch.Tensor:
         """The ids of the token at `position` (the KV cache's length), shaped as one batch row:

@@ -1,6 +1,8 @@
 """The attentions the runner switches a model's text layers to: a batched decode step's, where
-each row attends to its own request's KV cache (PER_SEQUENCE), and a prefill forward's of several
-chunks, where each chunk attends as in a forward of its own (PER_CHUNK).
+each row attends to its own request's KV cache (PER_SEQUENCE), a prefill forward's of several
+chunks, where each chunk attends as in a forward of its own (PER_CHUNK), and a prefill forward's
+of several requests' chunks, where each request's chunks do so over its own KV cache
+(PER_REQUEST).
 
 Importing this registers them with transformers; only the "hf" backend's runner imports it, so
 an engine on another backend registers nothing.
@@ -19,6 +21,8 @@ PER_SEQUENCE = "mmlane_per_sequence"
 """The attention implementation a batched decode step switches the model's text layers to."""
 PER_CHUNK = "mmlane_per_chunk"
 """The one a prefill forward switches them to where it runs several chunks at once."""
+PER_REQUEST = "mmlane_per_request"
+"""The one a prefill forward switches them to where it runs chunks of several requests."""
 
 
 def per_sequence_attention(
@@ -64,5 +68,28 @@ def per_chunk_attention(
     return torch.cat(chunks, dim=1), None
 
 
+def per_request_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, *, prefill_parts: list[tuple[DynamicCache, int]],
+    prefill_chunk: int, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Several requests' prefill attention: the forward's tokens are `prefill_parts`' in turn,
+    (request's KV cache, its whole chunks' token count). Each part's keys and values go into
+    its request's cache, and its queries attend over that cache as `per_chunk_attention` has
+    them attend in a forward of that request alone (its chunks start at a chunk boundary).
+    `attention_mask` is None: the forward runs without a cache of the model's own."""
+    parts, start = [], 0
+    for cache, length in prefill_parts:
+        end = start + length
+        keys, values = cache.update(key[:, :, start:end], value[:, :, start:end],
+                                    module.layer_idx)
+        out, _ = per_chunk_attention(module, query[:, :, start:end], keys, values, None,
+                                     prefill_chunk=prefill_chunk, **kwargs)
+        parts.append(out)
+        start = end
+    return torch.cat(parts, dim=1), None
+
+
 AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
 AttentionInterface.register(PER_CHUNK, per_chunk_attention)
+AttentionInterface.register(PER_REQUEST, per_request_attention)

@@ -2,13 +2,15 @@
 
 Each `step` runs one unit picked by the scheduler (scheduler.py): prefill chunks of one
 request, as one forward pass of batch size one over that request's own KV cache (one per chunk
-where the startup check below fails); or a decode step of up to `max_batch` requests together,
-one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is sized to take about
-that long while another interactive request is held, and about `idle_unit_ms` while none is; the
-prefill chunk size is `prefill_chunk_tokens` (the engine's: PREFILL_CHUNK_TOKENS unless
-configured, config.py), or, where none is given, derived at startup from the same budget by
-timing the loaded model. Units run with the process's torch threads (every core but two: text
-and decode units must not wait for a core the MM worker or the frontend holds).
+where the startup check below fails), and where they leave room in the unit, whole chunks of the
+next requests of its lane in the same forward (`_across`); or a decode step of up to `max_batch`
+requests together, one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is
+sized to take about that long while another interactive request is held, and about
+`idle_unit_ms` while none is; the prefill chunk size is `prefill_chunk_tokens` (the engine's:
+PREFILL_CHUNK_TOKENS unless configured, config.py), or, where none is given, derived at startup
+from the same budget by timing the loaded model. Units run with the process's torch threads
+(every core but two: text and decode units must not wait for a core the MM worker or the
+frontend holds).
 Images' vision passes run beside them, on the vision lane's thread (vision_lane.py), with
 `vision_threads`, or `vision_idle_threads` (every core) for a pass that starts while no request
 could run a unit meanwhile: a request waits for its images' features there, off the scheduler,
@@ -23,6 +25,11 @@ chunk the same bits however many chunks it runs:
   number of rows from a chunk's up (measured on CPU, BENCHMARKS.md): a prompt's short last
   chunk, which may have too few, is always a forward of its own. The runner checks both on the
   loaded model at startup, and else runs one forward per chunk.
+- A forward that also takes other requests' chunks runs each request's through its own KV cache
+  (`per_request_attention`), and its first request's part last, so that the logits it keeps are
+  of one row, as alone; the others' parts never include a prompt's last token. The runner checks
+  at startup that two requests' chunks so get the same KV caches and logits as alone, and else
+  runs one request's chunks per forward.
 And a batched decode step gives each request the same bits as it would get alone:
 - Every decode step has the same shape: `max_batch` rows, the rows no request uses filled with a
   dummy token. A matrix kernel may sum in a different order for a different number of rows (a
@@ -64,7 +71,7 @@ from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
-from services.engine.hf.attention import PER_CHUNK, PER_SEQUENCE
+from services.engine.hf.attention import PER_CHUNK, PER_REQUEST, PER_SEQUENCE
 from services.engine.hf.budget import UnitBudget, derive_chunk_tokens, seconds_on, synchronize
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
 from services.engine.hf.prefix_cache import PrefixCache, chunk_keys, prompt_key
@@ -165,6 +172,10 @@ class HFRunner:
         """Whether a prefill unit of several chunks runs them as one forward pass, each chunk
         with PER_CHUNK attention: where the startup check found that it gives each chunk the
         same bits as a forward of its own. Else one forward per chunk."""
+        self.batches_prefill = self.merges_chunks and max_batch > 1 and self._requests_batch()
+        """Whether a prefill forward may also take whole chunks of other requests (up to
+        `max_batch` in all; `_across`), with PER_REQUEST attention: where the startup check
+        found that each request's chunks get the same bits as in a forward of its own."""
         self._units = 0  # units run so far: the scheduler's round-robin clock
         self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
         lane_threads = vision_threads or torch.get_num_threads()
@@ -261,8 +272,7 @@ class HFRunner:
         if self._prefix is None or seq.chunk_tokens is None:
             seq.prefix_looked_up = True  # one prefill unit per prompt: no chunk is the same
             return None  # shape as another's
-        seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
-        seq.prompt_key = prompt_key(seq.request, seq.chunk_tokens)
+        self._prefix_keys(seq)
         if not self._spares_a_pass(seq):  # after the lane, none needs one: looked up then
             return None
         seq.prefix_looked_up = True
@@ -275,6 +285,13 @@ class HFRunner:
             seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
             seq.image_features = []
         return logits
+
+    @staticmethod
+    def _prefix_keys(seq: Sequence) -> None:
+        """Name `seq`'s chunks and whole prompt as the prefix cache keys them."""
+        assert seq.chunk_tokens is not None
+        seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
+        seq.prompt_key = prompt_key(seq.request, seq.chunk_tokens)
 
     def _spares_a_pass(self, seq: Sequence) -> bool:
         """Whether the prefix cache now holds an image of `seq` that needs its features, or
@@ -313,26 +330,39 @@ class HFRunner:
     @torch.inference_mode()
     def _step(self, batch: list[Sequence], lane: Lane) -> list[StepOutput]:
         started = time.monotonic()
-        for seq in batch:
-            if seq.last_run < 0:
-                self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
-            seq.last_run = self._units
-        seq = batch[0]  # a batch of several is a decode step, after every prefix lookup
-        if not seq.prefix_looked_up:
-            logits = self._reuse_prefix(seq)
-            if logits is not None:  # the whole prompt was held: no unit to run
-                return [self._emit(seq, logits)]
+        seq = batch[0]  # a decode step's first row, or the request whose prefill unit it is
+        if not seq.decoding:
+            self._ran([seq], started)
+            if not seq.prefix_looked_up:
+                logits = self._reuse_prefix(seq)
+                if logits is not None:  # the whole prompt was held: no unit to run
+                    return [self._emit(seq, logits)]
         unit = seq.next_unit()
         if unit.kind is UnitKind.VISION:  # not a unit of this thread's: the lane runs it
             return self._start_vision(seq)
+        if unit.kind is UnitKind.DECODE:
+            busy, across = self._others_wait(batch), []
+        else:  # the others after `seq` only where they fill its unit (`_across`)
+            busy = self._others_wait([seq])
+            parts = self._across(batch, busy=busy)
+            batch = [part for part, _ in parts] or [seq]
+            across = [tokens for _, tokens in parts]
+        self._ran(batch, started)
         self._units += 1
-        outputs = self._advance(batch, unit, busy=self._others_wait(batch))
+        outputs = self._advance(batch, unit, across, busy=busy)
         synchronize(self.model.device)
         elapsed = time.monotonic() - started
         self._scheduler.charge(lane, elapsed)
         self.metrics.observe(f"engine_step:{unit.kind.label}", elapsed)
         self._learn(unit, batch[0], elapsed)
         return outputs
+
+    def _ran(self, batch: list[Sequence], started: float) -> None:
+        """Note that `batch` runs a unit now (the first of a request's: its queue wait)."""
+        for seq in batch:
+            if seq.last_run < 0:
+                self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
+            seq.last_run = self._units
 
     def _others_wait(self, batch: list[Sequence]) -> bool:
         """Whether an interactive request other than `batch`'s is held: then a unit takes
@@ -367,26 +397,32 @@ class HFRunner:
 
     # ------------------------------------------------------------ units
 
-    def _advance(self, batch: list[Sequence], unit: Unit, *, busy: bool) -> list[StepOutput]:
-        """Run the unit (`batch` is one request unless it is a decode step), within the budget
-        for while other interactive work waits if `busy`; an output for each request that
-        produced a token or failed."""
+    def _advance(self, batch: list[Sequence], unit: Unit, across: list[int], *,
+                 busy: bool) -> list[StepOutput]:
+        """Run the unit (a decode step of `batch`; else the prefill of `batch`'s first request,
+        or of each by `across`), within the budget for while other interactive work waits if
+        `busy`; an output for each request that produced a token or failed."""
         try:
-            logits = self._run(batch, unit, busy=busy)
+            logits = self._run(batch, unit, across, busy=busy)
         except Exception as exc:  # a failed forward pass fails only the requests it ran
             log.exception("requests %s failed in the model",
                           [seq.request.request_id for seq in batch])
             return [self._fail(seq, exc) for seq in batch]
         if logits is None:
             return []
-        return [self._emit(seq, row) for seq, row in zip(batch, logits, strict=True)]
+        makers = batch if unit.kind is UnitKind.DECODE else batch[:1]  # a prefill: the first's
+        return [self._emit(seq, row) for seq, row in zip(makers, logits, strict=True)]
 
-    def _run(self, batch: list[Sequence], unit: Unit, *, busy: bool) -> torch.Tensor | None:
+    def _run(self, batch: list[Sequence], unit: Unit, across: list[int], *,
+             busy: bool) -> torch.Tensor | None:
         """The unit's next-token logits, a row per request; None when it makes no token yet."""
         if unit.kind is UnitKind.DECODE:
             self.metrics.counters["decode_steps"] += 1
             self.metrics.counters["decode_tokens"] += len(batch)
             return self._decode(batch)
+        if across:
+            logits = self._prefill_across(batch, across)
+            return logits if batch[0].decoding else None
         (seq,) = batch
         seq.unit_work = 0
         logits = self._prefill_chunks(seq, busy=busy)
@@ -420,6 +456,55 @@ class HFRunner:
         remaining = seq.prompt_len - seq.num_cached
         whole = remaining - remaining % chunk
         return min(chunks * chunk, whole) or remaining
+
+    def _across(self, batch: list[Sequence], *, busy: bool) -> list[tuple[Sequence, int]]:
+        """The requests of `batch` one prefill forward takes, and how many prompt tokens of
+        each, where it takes several requests' (else none: the first request's unit runs
+        alone). It does where the first request's whole chunks (to its prompt's end, or to
+        its short last chunk, which is a forward of its own) leave room in the unit: the next
+        requests' whole chunks fill it, in the scheduler's order, never a prompt's last one
+        (only the first request's may make a token). Only requests that could run a prefill
+        unit of their own now take part."""
+        seq, chunk = batch[0], batch[0].chunk_tokens
+        if not self.batches_prefill or len(batch) == 1 or chunk is None:
+            return []
+        room = self._chunks_now(seq, busy=busy)
+        first = self._merged_tokens(seq, room)
+        if first < chunk or first == room * chunk:
+            return []  # its short last chunk, or it fills the unit
+        parts, room, firsts = [(seq, first)], room - first // chunk, set(seq.prefix_keys[:1])
+        for other in batch[1:]:
+            if not self._joins(other, firsts):
+                continue
+            whole = (other.prompt_len - other.num_cached - 1) // chunk  # before its last
+            parts.append((other, min(whole, room) * chunk))
+            room -= parts[-1][1] // chunk
+            firsts.update(other.prefix_keys[:1])
+            if not room:
+                break
+        return parts if len(parts) > 1 else []
+
+    def _joins(self, seq: Sequence, firsts: set[str]) -> bool:
+        """Whether `seq` may put whole chunks into another request's prefill forward: it could
+        run a prefill unit of its own now; its first chunk's key is none of `firsts` (those
+        of the requests in the forward: it shares their prefix, so it reuses what they store
+        instead); and after its prefix lookup (here, if not done: as at its own first prefill
+        unit) a whole chunk is left before its last. A prompt the prefix cache holds whole is
+        not looked up here: it makes a token at once, in a unit of its own."""
+        chunk = seq.chunk_tokens
+        if chunk is None or seq.next_unit().kind is not UnitKind.PREFILL:
+            return False
+        if not seq.prefix_looked_up:
+            if self._prefix is not None:
+                self._prefix_keys(seq)
+                if seq.prompt_len == self._prefix.held_tokens(
+                        seq.prefix_keys, chunk, seq.prompt_len, seq.prompt_key):
+                    return False
+            if not firsts.intersection(seq.prefix_keys[:1]):
+                held_whole = self._reuse_prefix(seq)
+                assert held_whole is None
+        return (not firsts.intersection(seq.prefix_keys[:1])
+                and (seq.prompt_len - seq.num_cached - 1) // chunk > 0)
 
     def _chunks_now(self, seq: Sequence, *, busy: bool) -> int:
         """The most prefill chunks of `seq` this unit runs: one without a budget, else as many
@@ -552,24 +637,53 @@ class HFRunner:
     def _prefill(self, seq: Sequence, count: int) -> torch.Tensor:
         """Put prompt tokens [num_cached, num_cached + count) into the cache; the last logits,
         (1, vocab)."""
-        start, end = seq.num_cached, seq.num_cached + count
-        if seq.positions is None:
-            seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
-        embeds = self._prompt_embeddings(seq, start, end)
-        inputs = {"inputs_embeds": embeds, "position_ids": seq.positions.prompt(start, end),
-                  "logits_to_keep": 1}
+        embeds, positions = self._prompt_inputs(seq, count)
+        inputs = {"inputs_embeds": embeds, "position_ids": positions, "logits_to_keep": 1}
         if self.merges_chunks and seq.chunk_tokens:
             out = self._forward_chunks(seq.cache, seq.chunk_tokens, **inputs)
         else:
             out = self._forward(seq.cache, **inputs)
-        seq.num_cached = end
+        self._prefilled(seq, count, out.logits[0, -1])
+        return out.logits[:, -1]
+
+    def _prompt_inputs(self, seq: Sequence, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embeddings and position ids of `seq`'s next `count` prompt tokens."""
+        if seq.positions is None:
+            seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
+        start, end = seq.num_cached, seq.num_cached + count
+        return self._prompt_embeddings(seq, start, end), seq.positions.prompt(start, end)
+
+    def _prefilled(self, seq: Sequence, count: int, logits: torch.Tensor) -> None:
+        """`count` more prompt tokens of `seq` are in its cache: the prefix cache keeps their
+        chunks, and, where the prompt ends, its `logits` (after the last token; (vocab,))."""
+        seq.num_cached += count
         self._store_prefix(seq)
-        if end == seq.prompt_len:
+        if seq.decoding:
             seq.image_features = []  # in the KV cache now
             if self._prefix is not None and seq.prompt_key is not None:
                 assert seq.chunk_tokens is not None  # a prompt key is made only with chunks
                 self._prefix.store_end(seq.prefix_keys, seq.prompt_key, seq.chunk_tokens,
-                                       seq.cache, out.logits[0, -1])
+                                       seq.cache, logits)
+
+    def _prefill_across(self, batch: list[Sequence], tokens: list[int]) -> torch.Tensor:
+        """Put the next `tokens[i]` prompt tokens of each `batch[i]` (whole chunks) into its
+        cache, as one forward pass with PER_REQUEST attention: the same bits as in forwards
+        of each alone (the startup check). The first request's part goes last: the logits
+        after it, (1, vocab), are those of a forward of its own (one row through the head)."""
+        chunk = batch[0].chunk_tokens
+        assert chunk is not None  # requests run chunks of the engine's size
+        parts = [*zip(batch[1:], tokens[1:], strict=True), (batch[0], tokens[0])]
+        inputs = [self._prompt_inputs(seq, count) for seq, count in parts]
+        out = self._forward_across(
+            [seq.cache for seq, _ in parts], [count for _, count in parts], chunk,
+            inputs_embeds=torch.cat([embeds for embeds, _ in inputs], dim=1),
+            position_ids=torch.cat([positions for _, positions in inputs], dim=-1))
+        for seq, count in parts:  # only the last part's prompt may end here
+            self._prefilled(seq, count, out.logits[0, -1])
+            seq.unit_work = 0
+        batch[0].unit_work = sum(tokens)  # what the unit ran, for the budget's estimate
+        self.metrics.counters["prefill_chunks"] += sum(tokens) // chunk
+        self.metrics.counters["prefill_forwards_across_requests"] += 1
         return out.logits[:, -1]
 
     def _store_prefix(self, seq: Sequence) -> None:
@@ -621,6 +735,14 @@ class HFRunner:
         chunk boundary) over one request's KV cache, with PER_CHUNK attention."""
         with self._attention(PER_CHUNK):
             return self._forward(cache, **inputs, prefill_chunk=chunk)
+
+    def _forward_across(self, caches: list[DynamicCache], tokens: list[int], chunk: int,
+                        **inputs: Any) -> Any:
+        """A prefill forward of several requests' chunks of `chunk` tokens: `tokens[i]` of
+        them go into `caches[i]`, in turn, with PER_REQUEST attention."""
+        with self._attention(PER_REQUEST):
+            return self.model(**inputs, use_cache=False, logits_to_keep=1, prefill_chunk=chunk,
+                              prefill_parts=list(zip(caches, tokens, strict=True)))
 
     def _forward_rows(
         self, caches: list[DynamicCache], tokens: list[int], positions: list[torch.Tensor]
@@ -721,9 +843,7 @@ class HFRunner:
         and logits prefilled as two chunks in one forward, then the rest, as chunk by chunk.
         True of the CPU's kernels as far as measured (BENCHMARKS.md), but nothing promises it."""
         length = 2 * chunk + 3
-        generator = torch.Generator().manual_seed(length)
-        prompt = torch.randint(self.spec.vocab_size, (1, length), generator=generator)
-        prompt = prompt.to(self.model.device)
+        prompt = self._random_prompt(length)
         positions = self.adapter.positions(prompt, [])
 
         def prefill(ends: list[int]) -> tuple[DynamicCache, torch.Tensor]:
@@ -742,10 +862,44 @@ class HFRunner:
             log.warning("a prefill forward of two chunks failed on a probe prompt",
                         exc_info=True)
             return False
-        layers: list[tuple[Any, Any]] = list(zip(apart.layers, merged.layers, strict=True))
-        return torch.equal(apart_logits, merged_logits) and all(
-            torch.equal(one.keys, other.keys) and torch.equal(one.values, other.values)
-            for one, other in layers)
+        return torch.equal(apart_logits, merged_logits) and _same(apart, merged)
+
+    def _requests_batch(self) -> bool:
+        """Whether prefill forwards may take several requests' chunks; logs why not."""
+        chunk = self.prefill_chunk_tokens
+        assert chunk is not None  # set by the calibration
+        try:  # it follows transformers' attention interface, which a new release may change
+            if self._across_equal(chunk):
+                return True
+            reason = "a request's chunks get other bits beside another's on this device"
+        except Exception:
+            log.warning("a prefill forward of two requests failed on probe prompts",
+                        exc_info=True)
+            reason = "the probe failed"
+        log.warning("prefill forwards run one request's chunks: %s", reason)
+        return False
+
+    @torch.inference_mode()
+    def _across_equal(self, chunk: int) -> bool:
+        """Whether two random prompts' whole chunks (two and one) leave the same KV caches
+        prefilled in one forward with PER_REQUEST attention as each in a forward of its own,
+        and the same logits after the forward's last part. True of the CPU's kernels as far as
+        measured, but nothing promises it."""
+        prompts = [self._random_prompt(length) for length in (2 * chunk + 3, chunk + 5)]
+        counts = [2 * chunk, chunk]
+        positions = [self.adapter.positions(prompt, []).prompt(0, count)
+                     for prompt, count in zip(prompts, counts, strict=True)]
+        alone = [DynamicCache(config=self._text_config) for _ in prompts]
+        for cache, prompt, count, ids in zip(alone, prompts, counts, positions, strict=True):
+            out = self._forward_chunks(cache, chunk, input_ids=prompt[:, :count],
+                                       position_ids=ids, logits_to_keep=1)
+        across = [DynamicCache(config=self._text_config) for _ in prompts]
+        joined = self._forward_across(
+            across, counts, chunk, position_ids=torch.cat(positions, dim=-1),
+            input_ids=torch.cat([prompt[:, :count] for prompt, count
+                                 in zip(prompts, counts, strict=True)], dim=1))
+        return torch.equal(out.logits, joined.logits) and all(
+            _same(one, other) for one, other in zip(alone, across, strict=True))
 
     @torch.inference_mode()
     def _rows_are_independent(self) -> bool:
@@ -767,9 +921,7 @@ class HFRunner:
         prefilled: their caches, last tokens and next position ids."""
         caches, tokens, positions = [], [], []
         for length in lengths:
-            generator = torch.Generator().manual_seed(length)
-            prompt = torch.randint(self.spec.vocab_size, (1, length), generator=generator)
-            prompt = prompt.to(self.model.device)
+            prompt = self._random_prompt(length)
             cache = DynamicCache(config=self._text_config)
             prompt_positions = self.adapter.positions(prompt, [])
             self._forward(cache, input_ids=prompt,
@@ -778,6 +930,20 @@ class HFRunner:
             tokens.append(int(prompt[0, -1]))
             positions.append(prompt_positions.decode(length))
         return caches, tokens, positions
+
+
+    def _random_prompt(self, length: int) -> torch.Tensor:
+        """A random prompt of `length` tokens, the same for the same length; (1, length)."""
+        generator = torch.Generator().manual_seed(length)
+        prompt = torch.randint(self.spec.vocab_size, (1, length), generator=generator)
+        return prompt.to(self.model.device)
+
+
+def _same(one: DynamicCache, other: DynamicCache) -> bool:
+    """Whether two KV caches hold the same bits."""
+    layers: list[tuple[Any, Any]] = list(zip(one.layers, other.layers, strict=True))
+    return all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+               for a, b in layers)
 
 
 def load(config: EngineConfig, metrics: Metrics) -> HFRunner:

@@ -17,9 +17,11 @@ Within the interactive lane, a request that has not run yet goes first (a new te
 for no decode step), then the one that advanced least recently (round robin over decode steps and
 the chunks of long text prompts). When that one is decoding, the decode steps of up to `max_batch`
 decoding requests of the lane, least recently advanced first, run together as one unit (one
-batched forward pass); a prefill chunk is always one request's. Within the bulk
-lane, requests go in arrival order, so each image finishes as early as it can. The scheduler only
-chooses whose unit runs next: a request's own units always run in order.
+batched forward pass). Within the bulk lane, requests go in arrival order, so each image
+finishes as early as it can. A prefill unit is the first request's; the lane's other requests in
+their prefill come after it, in the lane's order, up to `max_batch` in all: the runner may fill
+what the unit's budget leaves with their chunks (runner.py). The scheduler only chooses whose
+unit runs next: a request's own units always run in order.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class Scheduler:
         self, sequences: Iterable[Sequence], *, max_batch: int = 1
     ) -> tuple[list[Sequence], Lane] | None:
         """The requests whose next unit runs now, and their lane; None when there is no work.
-        Several only for a decode batch, of `max_batch` at most."""
+        A decode batch, or a prefill unit's request and the others in their prefill after it;
+        `max_batch` at most."""
         lanes: dict[Lane, list[Sequence]] = {Lane.INTERACTIVE: [], Lane.BULK: []}
         for seq in sequences:
             lanes[lane_of(seq)].append(seq)
@@ -64,13 +67,12 @@ class Scheduler:
         self._start_even(active - self._active, active & self._active)
         self._active = active
         lane = min(active, key=lambda lane: (self._vtime[lane], lane is Lane.BULK))
-        if lane is Lane.BULK:  # arrival order
-            return [min(lanes[lane], key=lambda seq: seq.handle)], lane
+        if lane is Lane.BULK:  # arrival order; none is decoding
+            return sorted(lanes[lane], key=lambda seq: seq.handle)[:max_batch], lane
         # New requests (last_run -1) first, then round robin.
         waiting = sorted(lanes[lane], key=lambda seq: (seq.last_run, seq.handle))
-        if not waiting[0].decoding:
-            return waiting[:1], lane
-        return [seq for seq in waiting if seq.decoding][:max_batch], lane
+        decoding = waiting[0].decoding
+        return [seq for seq in waiting if seq.decoding is decoding][:max_batch], lane
 
     def _start_even(self, woken: set[Lane], running: set[Lane]) -> None:
         """A lane that gets work after having none starts even with the running one: neither
