@@ -8,7 +8,9 @@ For each server in turn (`vllm serve MODEL` with vLLM's own preprocessing; `mmla
 --backend vllm`, which preprocesses in its MM worker and hands vLLM rendered requests; `mmlane
 serve`, the embedded engine, on the same weights) it starts the server, runs vLLM's own client
 (`vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --dataset-name
-random-mm --ignore-eos`) once per image size and request rate. Each run's figures below count
+random-mm --ignore-eos`) once per image size and request rate. Each of a server's runs draws
+its own requests (the client's `--seed` is the run's number: the same requests for every
+server), so no run is served from the caches an earlier one filled. Each run's figures below count
 from the moment the client starts sending its load, not while it imports and draws its images.
 Meanwhile, at the 12 MP image size, it times text-only requests sent one after another
 (`--max-tokens 1`) next to the image load: their p50 is "text p50" in the table. The servers on
@@ -81,10 +83,13 @@ def main() -> int:
         process = _start(server, model, port, args.out, args.mmlane_arg)
         try:
             _wait_healthy(port, model, process, args.out / f"{server}.log")
+            seed = 0  # each run its own images, so none is served from an earlier run's caches
             for size_name in args.sizes.split(","):
                 width, height = SIZES[size_name]
                 for rate in rates:
-                    client, log = _start_client(server, port, model, width, height, rate, args)
+                    client, log = _start_client(server, port, model, width, height, rate, seed,
+                                                args)
+                    seed += 1
                     _wait_for_load(client, log)
                     probe = _TextProbe(port, model.name) if size_name == "4032x3024" else None
                     cpu_before, machine_before = _cpu_seconds(process.pid), _Machine.now()
@@ -190,9 +195,9 @@ class _TextProbe:
 
 
 def _start_client(server: str, port: int, model: Path, width: int, height: int, rate: float,
-                  args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
-    """`vllm bench serve` started against the server, and its log; its JSON result is the
-    log's name without `.log`."""
+                  seed: int, args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
+    """`vllm bench serve` started against the server, drawing its requests from `seed`, and its
+    log; its JSON result is the log's name without `.log`."""
     name = f"{server}-{width}x{height}-{rate:g}.json"
     command = [
         str(Path(sys.executable).with_name("vllm")), "bench", "serve",
@@ -204,7 +209,7 @@ def _start_client(server: str, port: int, model: Path, width: int, height: int, 
         "--random-mm-bucket-config", f"{{({height}, {width}, 1): 1.0}}",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}",
-        "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(args.out),
+        "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(args.out),
         "--result-filename", name,
     ]
     log = args.out / f"{name}.log"
