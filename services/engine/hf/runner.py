@@ -474,9 +474,9 @@ class HFRunner:
             return []  # its short last chunk, or it fills the unit
         parts, room, firsts = [(seq, first)], room - first // chunk, set(seq.prefix_keys[:1])
         for other in batch[1:]:
-            if not self._joins(other, firsts):
+            whole = self._joinable(other, firsts)
+            if not whole:
                 continue
-            whole = (other.prompt_len - other.num_cached - 1) // chunk  # before its last
             parts.append((other, min(whole, room) * chunk))
             room -= parts[-1][1] // chunk
             firsts.update(other.prefix_keys[:1])
@@ -484,27 +484,28 @@ class HFRunner:
                 break
         return parts if len(parts) > 1 else []
 
-    def _joins(self, seq: Sequence, firsts: set[str]) -> bool:
-        """Whether `seq` may put whole chunks into another request's prefill forward: it could
-        run a prefill unit of its own now; its first chunk's key is none of `firsts` (those
-        of the requests in the forward: it shares their prefix, so it reuses what they store
-        instead); and after its prefix lookup (here, if not done: as at its own first prefill
-        unit) a whole chunk is left before its last. A prompt the prefix cache holds whole is
-        not looked up here: it makes a token at once, in a unit of its own."""
+    def _joinable(self, seq: Sequence, firsts: set[str]) -> int:
+        """How many whole chunks `seq` may put into another request's prefill forward: those
+        before its last, after its prefix lookup (here, if not done: as at its own first
+        prefill unit). None if it could not run a prefill unit of its own now, or its first
+        chunk's key is one of `firsts` (those of the requests in the forward: it shares their
+        prefix, so it reuses what they store instead), or the prefix cache holds its prompt
+        whole (not looked up here: it makes a token at once, in a unit of its own)."""
         chunk = seq.chunk_tokens
         if chunk is None or seq.next_unit().kind is not UnitKind.PREFILL:
-            return False
+            return 0
         if not seq.prefix_looked_up:
             if self._prefix is not None:
                 self._prefix_keys(seq)
-                if seq.prompt_len == self._prefix.held_tokens(
-                        seq.prefix_keys, chunk, seq.prompt_len, seq.prompt_key):
-                    return False
-            if not firsts.intersection(seq.prefix_keys[:1]):
-                held_whole = self._reuse_prefix(seq)
-                assert held_whole is None
-        return (not firsts.intersection(seq.prefix_keys[:1])
-                and (seq.prompt_len - seq.num_cached - 1) // chunk > 0)
+                if firsts.intersection(seq.prefix_keys[:1]) or seq.prompt_len == (
+                        self._prefix.held_tokens(seq.prefix_keys, chunk, seq.prompt_len,
+                                                 seq.prompt_key)):
+                    return 0
+            held_whole = self._reuse_prefix(seq)
+            assert held_whole is None
+        if firsts.intersection(seq.prefix_keys[:1]):
+            return 0
+        return (seq.prompt_len - seq.num_cached - 1) // chunk
 
     def _chunks_now(self, seq: Sequence, *, busy: bool) -> int:
         """The most prefill chunks of `seq` this unit runs: one without a budget, else as many
@@ -893,6 +894,7 @@ class HFRunner:
         for cache, prompt, count, ids in zip(alone, prompts, counts, positions, strict=True):
             out = self._forward_chunks(cache, chunk, input_ids=prompt[:, :count],
                                        position_ids=ids, logits_to_keep=1)
+        # `out`: the last prompt's, which is the forward's last part below
         across = [DynamicCache(config=self._text_config) for _ in prompts]
         joined = self._forward_across(
             across, counts, chunk, position_ids=torch.cat(positions, dim=-1),
@@ -930,7 +932,6 @@ class HFRunner:
             tokens.append(int(prompt[0, -1]))
             positions.append(prompt_positions.decode(length))
         return caches, tokens, positions
-
 
     def _random_prompt(self, length: int) -> torch.Tensor:
         """A random prompt of `length` tokens, the same for the same length; (1, length)."""
