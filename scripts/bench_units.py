@@ -1,13 +1,15 @@
 """Units benchmark: what slicing an image request's prefill into bounded units costs the engine.
 
-    python scripts/bench_units.py [--model DIR] [--max-unit-ms none,5,20] [--size 1024x1024]
+    python scripts/bench_units.py [--model DIR] [--device cpu] [--max-unit-ms none,5,20]
+                                  [--size 1024x1024]
                                   [--requests 4] [--rounds 3] [--max-tokens 16]
                                   [--vision-threads 1] [--idle-unit-ms MS]
                                   [--prefill-chunk-tokens N] [--together]
                                   [--text-words N]
 
-Loads `--model` (default: the embedded model) into one `HFRunner` per `--max-unit-ms` value
-(none: no budget, so a whole prompt is one unit) with one torch thread, and `--vision-threads`
+Loads `--model` (default: the embedded model) onto `--device` (default: the CPU, with one
+torch thread) into one `HFRunner` per `--max-unit-ms` value
+(none: no budget, so a whole prompt is one unit), and `--vision-threads`
 for the vision lane; `--idle-unit-ms` and `--prefill-chunk-tokens` as the engine's (default: as
 --max-unit-ms; 128, 0: derived). Each round runs `--requests` chat requests with one photo-like
 image of `--size` (a different image each, rendered as the MM worker renders them; or with
@@ -101,6 +103,7 @@ def run_round(runner: HFRunner, requests: list[EngineRequest], *,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="a model directory (default: the embedded model)")
+    parser.add_argument("--device", default="cpu", help="as the engine's --device")
     parser.add_argument("--max-unit-ms", default="none,5,20",
                         help="comma-separated budgets, 'none' for no budget")
     parser.add_argument("--size", default="1024x1024", help="the images' WIDTHxHEIGHT")
@@ -126,7 +129,7 @@ def main() -> None:
         text_requests(prep, args.requests, args.text_words, args.max_tokens) if args.text_words
         else image_requests(prep, args.requests, (width, height), args.max_tokens))
     runners = {
-        budget: HFRunner.load(str(model_dir), "cpu", threads=1,
+        budget: HFRunner.load(str(model_dir), args.device, threads=1,
                               vision_threads=args.vision_threads,
                               max_unit_ms=None if budget == "none" else float(budget),
                               idle_unit_ms=args.idle_unit_ms,
