@@ -12,8 +12,11 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,6 +158,55 @@ def test_throughput_run_reports_every_design(module_run_dir: Path,
     assert (result.image_size, result.images, result.rounds) == ("320x240", 2, 2)
     assert chart_path.read_bytes().startswith(b"\x89PNG")
     assert "mm-worker, 2 procs" in capsys.readouterr().out
+
+
+def _sessions_started_by(bench: subprocess.Popen[str], run_dir: Path) -> set[int]:
+    """The sessions of the processes the bench started: each role runs in a session of its own
+    (with its pool processes), and its command line names the run's folder."""
+    marker = str(run_dir).encode()
+    return {session for pid, session, cmdline in _processes()
+            if marker in cmdline and pid != bench.pid}
+
+
+def _processes() -> Iterator[tuple[int, int, bytes]]:
+    """(pid, session id, command line) of every process."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # it has just ended
+            continue
+        yield int(entry.name), int(stat.rsplit(")", 1)[1].split()[3]), cmdline
+
+
+@pytest.mark.parametrize(("workload", "after_s"), [
+    (["--throughput", "--throughput-size", "64x64", "--throughput-images", "400",
+      "--throughput-processes", "2", "--throughput-rounds", "5"], 3.0),
+    (TINY, 0.0),
+], ids=["throughput, while measuring", "modes, while starting"])
+def test_sigterm_stops_every_process_the_bench_started(
+    workload: list[str], after_s: float, module_run_dir: Path
+) -> None:
+    run_dir = module_run_dir / f"sigterm-{len(workload)}"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "bench", *workload, "--run-dir", str(run_dir),
+         "--json", str(run_dir.with_suffix(".json")), "--chart", str(run_dir.with_suffix(".png"))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sessions := _sessions_started_by(bench, run_dir)):
+            assert bench.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(after_s)
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=90)
+    finally:
+        bench.kill()
+    assert bench.returncode == 128 + signal.SIGTERM, stderr
+    assert "mmlane bench: stopped by SIGTERM" in stderr
+    assert not [pid for pid, session, _ in _processes() if session in sessions]
 
 
 def test_schema_flag_prints_json_schema(capsys: pytest.CaptureFixture[str]) -> None:

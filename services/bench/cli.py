@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import shutil
+import signal
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +68,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     config = bench_config(args)
     _check_extra()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="mmb-"))
     try:
         if config.throughput:
@@ -79,7 +82,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
             result = run(config, run_dir, progress=not args.no_progress)
             outputs = (report.chart, report.table)
+    except KeyboardInterrupt as exc:  # the processes it started are stopped by now
+        signum = exc.args[0] if exc.args else signal.SIGINT
+        print(f"mmlane bench: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if args.run_dir is None:
             shutil.rmtree(run_dir, ignore_errors=True)
     args.json.write_bytes(msgspec.json.format(msgspec.json.encode(result)) + b"\n")
@@ -88,6 +96,13 @@ def run_bench(args: argparse.Namespace) -> int:
     print(table(result))
     print(f"\nresults: {args.json}, chart: {args.chart}")
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM ends a bench as Ctrl-C does, through its `finally` blocks: they stop the
+    processes it started, which run in sessions of their own, so that no signal to the bench or
+    its process group reaches them."""
+    raise KeyboardInterrupt(signum)
 
 
 def _check_extra() -> None:

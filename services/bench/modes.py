@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,12 +117,20 @@ def deploy_all(
     process fails to start, every other one is stopped and the error names it, with its log.
     """
     groups = _groups(modes, config, model_dir, run_dir)
+    stop = threading.Event()
     with ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="bench-start") as pool:
         futures = {
             name: pool.submit(start_roles, group.roles, run_dir, config.startup_timeout_s,
-                              log_dir=run_dir / "logs" / name)
+                              stop, log_dir=run_dir / "logs" / name)
             for name, group in groups.items()
         }
+        try:
+            wait(futures.values())
+        except BaseException:  # a signal: the starts give up waiting, and all are stopped
+            stop.set()
+            wait(futures.values())
+            stop_all([c for f in futures.values() if f.exception() is None for c in f.result()])
+            raise
     children = [c for f in futures.values() if f.exception() is None for c in f.result()]
     for name, future in futures.items():
         exc = future.exception()

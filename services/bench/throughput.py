@@ -69,23 +69,25 @@ class LoneMMWorker:
     def __init__(self, run_dir: Path, model_dir: Path, *worker_args: str) -> None:
         engine, jobs = f"ipc://{run_dir}/bench-engine.sock", f"ipc://{run_dir}/bench-jobs.sock"
         run_dir.mkdir(parents=True, exist_ok=True)
-        ctx: zmq.Context = zmq.Context.instance()
-        self._sink = ctx.socket(zmq.PULL)
-        self._sink.bind(engine)
-        argv = ["--model", str(model_dir), "--engine-endpoint", engine,
-                "--mm-worker-endpoint", jobs, *worker_args]
-        with run_dir_defaults(run_dir):  # as `mmlane mm-worker ARGV` started there builds it
-            config = load_config(MMWorkerConfig, Settings(MMWorkerConfig).parse(argv))
-        self._children = start_roles({"mm-worker": config}, run_dir, 300,
-                                     log_dir=run_dir / "logs")
-        self._source = ctx.socket(zmq.PUSH)
-        self._source.connect(jobs)
-        self._codec: Codec = Codec(EngineInput, accept_shm=True)  # an ipc socket, as an engine's
-        self._reply_to = f"ipc://{run_dir}/bench-none.sock"
         self.preprocessor = load_preprocessor(model_dir)
         self._prompt = self.preprocessor.tokenize_batch([self.preprocessor.render_prompt(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
         )])[0]
+        self._codec: Codec = Codec(EngineInput, accept_shm=True)  # an ipc socket, as an engine's
+        self._reply_to = f"ipc://{run_dir}/bench-none.sock"
+        argv = ["--model", str(model_dir), "--engine-endpoint", engine,
+                "--mm-worker-endpoint", jobs, *worker_args]
+        with run_dir_defaults(run_dir):  # as `mmlane mm-worker ARGV` started there builds it
+            config = load_config(MMWorkerConfig, Settings(MMWorkerConfig).parse(argv))
+        ctx: zmq.Context = zmq.Context.instance()
+        self._sink = ctx.socket(zmq.PULL)
+        self._sink.bind(engine)
+        self._source = ctx.socket(zmq.PUSH)
+        self._source.connect(jobs)
+        # Last: once its process starts, only __exit__ stops it (start_roles stops it itself
+        # if it is interrupted before the worker is ready).
+        self._children = start_roles({"mm-worker": config}, run_dir, 300,
+                                     log_dir=run_dir / "logs")
 
     def __enter__(self) -> LoneMMWorker:
         return self
