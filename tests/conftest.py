@@ -10,6 +10,7 @@ import tempfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 # ruff: noqa: E402
 from services.common import cpu_wheels
@@ -273,6 +274,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     if report.failed:
         item.stash[FAILED] = True
     return report
+
+
+class Process(NamedTuple):
+    pid: int
+    parent: int
+    session: int
+    cmdline: bytes
+
+
+def processes() -> Iterator[Process]:
+    """Every process of the machine, as /proc lists it now."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # it has just ended
+            continue
+        # After the command's name, in parentheses: state, parent, process group, session.
+        fields = stat.rsplit(")", 1)[1].split()
+        yield Process(int(entry.name), int(fields[1]), int(fields[3]), cmdline)
 
 
 def role_log(child: Child) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import processes
 from protocol.errors import FatalError, RequestError
 from services.bench.config import BenchConfig, ImageSpec, load_bench_config
 from services.bench.images import ImageSource, jpeg_uri, make_image
@@ -164,21 +165,8 @@ def _sessions_started_by(bench: subprocess.Popen[str], run_dir: Path) -> set[int
     """The sessions of the processes the bench started: each role runs in a session of its own
     (with its pool processes), and its command line names the run's folder."""
     marker = str(run_dir).encode()
-    return {session for pid, session, cmdline in _processes()
-            if marker in cmdline and pid != bench.pid}
-
-
-def _processes() -> Iterator[tuple[int, int, bytes]]:
-    """(pid, session id, command line) of every process."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:  # it has just ended
-            continue
-        yield int(entry.name), int(stat.rsplit(")", 1)[1].split()[3]), cmdline
+    return {process.session for process in processes()
+            if marker in process.cmdline and process.pid != bench.pid}
 
 
 @pytest.mark.parametrize(("workload", "after_s"), [
@@ -206,7 +194,7 @@ def test_sigterm_stops_every_process_the_bench_started(
         bench.kill()
     assert bench.returncode == 128 + signal.SIGTERM, stderr
     assert "mmlane bench: stopped by SIGTERM" in stderr
-    assert not [pid for pid, session, _ in _processes() if session in sessions]
+    assert not [process for process in processes() if process.session in sessions]
 
 
 def test_schema_flag_prints_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
