@@ -1,27 +1,25 @@
 """Units benchmark: what slicing an image request's prefill into bounded units costs the engine.
 
     python scripts/bench_units.py [--model DIR] [--device cpu] [--max-unit-ms none,5,20]
-                                  [--size 1024x1024]
-                                  [--requests 4] [--rounds 3] [--max-tokens 16]
-                                  [--vision-threads 1] [--idle-unit-ms MS]
+                                  [--size 1024x1024] [--requests 4] [--rounds 3]
+                                  [--max-tokens 16] [--vision-threads 1] [--idle-unit-ms MS]
                                   [--prefill-chunk-tokens N] [--together]
                                   [--text-words N]
 
-Loads `--model` (default: the embedded model) onto `--device` (default: the CPU, with one
-torch thread) into one `HFRunner` per `--max-unit-ms` value
-(none: no budget, so a whole prompt is one unit), and `--vision-threads`
-for the vision lane; `--idle-unit-ms` and `--prefill-chunk-tokens` as the engine's (default: as
---max-unit-ms; 128, 0: derived). Each round runs `--requests` chat requests with one photo-like
-image of `--size` (a different image each, rendered as the MM worker renders them; or with
-`--text-words`, text-only chats of that many words, each a different text) on each
-runner in turn, one request at a time, and prints per request: the wall time and, from the
-runner's own account, the units and milliseconds of each kind (vision: whole passes on the
-vision lane; prefill; decode), the milliseconds from its arrival to its first token, and the
-prefill forwards that took several requests' chunks. Rounds alternate the runners so that the
-machine's drift hits each alike. Without `--together` no unit waits for another request, so a
-unit takes the idle budget: what the units cost is their number and each one's overhead, not
-the scheduling. With it, a round's requests arrive at once, and a unit may take chunks of
-several (HFRunner._across). Asserts nothing.
+Loads `--model` (default: the embedded model) onto `--device` (default: the CPU) with one torch
+thread, into one `HFRunner` per `--max-unit-ms` value (none: no budget, so a whole prompt is one
+unit), and `--vision-threads` for the vision lane; `--idle-unit-ms` and `--prefill-chunk-tokens`
+as the engine's (default: as --max-unit-ms; 128, 0: derived). Each round runs `--requests` chat
+requests with one photo-like image of `--size` (a different image each, rendered as the MM
+worker renders them; or with `--text-words`, text-only chats of that many words, each a
+different text) on each runner in turn, one request at a time, and prints per request: the wall
+time and, from the runner's own account, the units and milliseconds of each kind (vision: whole
+passes on the vision lane; prefill; decode), the milliseconds from its arrival to its first
+token, and the prefill forwards that took several requests' chunks. Rounds alternate the runners
+so that the machine's drift hits each alike. Without `--together` no unit waits for another
+request, so a unit takes the idle budget: what the units cost is their number and each one's
+overhead, not the scheduling. With it, a round's requests arrive at once, and a unit may take
+chunks of several (HFRunner._across). Asserts nothing.
 """
 
 from __future__ import annotations
