@@ -487,7 +487,7 @@ class HFRunner:
     def _joinable(self, seq: Sequence, firsts: set[str]) -> int:
         """How many whole chunks `seq` may put into another request's prefill forward: those
         before its last, after its prefix lookup (here, if not done: as at its own first
-        prefill unit). None if it could not run a prefill unit of its own now, or its first
+        prefill unit). 0 if it could not run a prefill unit of its own now, or its first
         chunk's key is one of `firsts` (those of the requests in the forward: it shares their
         prefix, so it reuses what they store instead), or the prefix cache holds its prompt
         whole (not looked up here: it makes a token at once, in a unit of its own)."""
@@ -495,7 +495,7 @@ class HFRunner:
         if chunk is None or seq.next_unit().kind is not UnitKind.PREFILL:
             return 0
         if not seq.prefix_looked_up:
-            if self._prefix is not None:
+            if self._prefix is not None:  # else it has no keys, and no lookup to do
                 self._prefix_keys(seq)
                 if firsts.intersection(seq.prefix_keys[:1]) or seq.prompt_len == (
                         self._prefix.held_tokens(seq.prefix_keys, chunk, seq.prompt_len,
@@ -503,7 +503,7 @@ class HFRunner:
                     return 0
             held_whole = self._reuse_prefix(seq)
             assert held_whole is None
-        if firsts.intersection(seq.prefix_keys[:1]):
+        elif firsts.intersection(seq.prefix_keys[:1]):
             return 0
         return (seq.prompt_len - seq.num_cached - 1) // chunk
 
