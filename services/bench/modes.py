@@ -12,7 +12,8 @@ import os
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,11 @@ class _Group:
     port: int = 0
 
 
+def _started(starts: Iterable[Future[list[Child]]]) -> list[Child]:
+    """The processes of the starts that succeeded."""
+    return [child for start in starts if start.exception() is None for child in start.result()]
+
+
 def deploy_all(
     modes: list[str], config: BenchConfig, model_dir: Path, run_dir: Path
 ) -> tuple[dict[str, Deployment], list[Child]]:
@@ -129,9 +135,9 @@ def deploy_all(
         except BaseException:  # a signal: the starts give up waiting, and all are stopped
             stop.set()
             wait(futures.values())
-            stop_all([c for f in futures.values() if f.exception() is None for c in f.result()])
+            stop_all(_started(futures.values()))
             raise
-    children = [c for f in futures.values() if f.exception() is None for c in f.result()]
+    children = _started(futures.values())
     for name, future in futures.items():
         exc = future.exception()
         if exc is not None:
