@@ -47,7 +47,7 @@ from services.cli import build_parser, role_config
 from services.client import Client, user_message
 from services.common.config import load_config
 from services.engine.config import EngineConfig
-from services.engine.hf.config import MAX_UNIT_MS, PREFILL_CHUNK_TOKENS
+from services.engine.hf.config import IDLE_UNIT_MS, MAX_UNIT_MS, PREFILL_CHUNK_TOKENS
 from services.engine.hf.scheduler import BULK_SHARE, Lane, Scheduler
 from services.engine.hf.sequence import Sequence
 from services.launcher import SERVE_SETTINGS, Child, serve_config, stop_all
@@ -322,7 +322,7 @@ def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> Non
     assert (hf.max_unit_ms, hf.idle_unit_ms) == (2.5, 20)
     defaults = load_config(EngineConfig, {}).hf
     assert (defaults.prefill_chunk_tokens, defaults.max_unit_ms, defaults.idle_unit_ms) == (
-        PREFILL_CHUNK_TOKENS, MAX_UNIT_MS, 0)  # fixed, not derived; as max_unit_ms
+        PREFILL_CHUNK_TOKENS, MAX_UNIT_MS, IDLE_UNIT_MS)  # fixed, not derived
     with pytest.raises(FatalError, match="max_batch must be positive"):
         load_config(EngineConfig, {"hf": {"max_batch": 0}})
     with pytest.raises(FatalError, match=r"prefill_chunk_tokens must be 0 \(derived\) or more"):

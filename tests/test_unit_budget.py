@@ -12,6 +12,7 @@ them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,13 @@ from test_batching import CASES, LONG_TEXT
 from test_engine import DEVICE, generate_greedy, make_request
 
 from protocol.messages import EngineRequest
-from services.engine.hf.budget import MIN_CHUNK_TOKENS, chunk_sizes, derive_chunk_tokens
+from services.engine.hf.budget import (
+    MIN_CHUNK_TOKENS,
+    QUIET_S,
+    UnitBudget,
+    chunk_sizes,
+    derive_chunk_tokens,
+)
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_model, load_preprocessor
 
@@ -200,11 +207,25 @@ def beside_text(runner: HFRunner, prep: Preprocessor,
     return tokens, unit_counts(runner, start)
 
 
+def test_the_idle_budget_waits_for_text_to_be_quiet() -> None:
+    budget = UnitBudget(0.005, idle_unit_s=0.1, prefill_token_s=1e-4)
+    assert budget.unit_s(busy=False) == 0.1  # no text yet
+    assert budget.unit_s(busy=True) == 0.005
+    budget.text_arrived(time.monotonic() - QUIET_S)
+    assert budget.unit_s(busy=False) == 0.1
+    budget.text_arrived(time.monotonic())
+    assert budget.unit_s(busy=False) == 0.005
+    assert budget.prefill_chunks(10, busy=False) == 5  # 5 ms of 1 ms chunks
+    budget.text_arrived(time.monotonic() - QUIET_S)  # an older arrival changes nothing
+    assert budget.unit_s(busy=False) == 0.005
+
+
 def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
     preps, tiny_budget
 ) -> None:
     prep, runner = preps["qwen2_vl"], tiny_budget["qwen2_vl"]
     image = make_request(prep, *CASES["image"], max_tokens=4)
+    time.sleep(QUIET_S)  # text requests of earlier tests keep units small until then
     start = unit_counts(runner)
     [alone] = run(runner, [image])
     vision, rows, prefills, chunks = unit_counts(runner, start)
@@ -217,3 +238,23 @@ def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
     assert busy == alone
     assert (after[1], after[3]) == (rows, chunks)  # the same work
     assert after[0] == 1 and after[2] == chunks  # a whole pass beside; prefill units small
+
+
+def test_units_stay_small_for_a_while_after_a_text_request_arrives(preps, tiny_budget) -> None:
+    """A text request that has come and gone still keeps units small for QUIET_S (the next
+    may come while a large unit runs); then they grow again."""
+    prep, runner = preps["qwen2_vl"], tiny_budget["qwen2_vl"]
+    first, later = (make_request(prep, *CASES["image"], max_tokens=1, image_seed=seed)
+                    for seed in (7, 8))
+    run(runner, [make_request(prep, "hi", max_tokens=1)])
+    start = unit_counts(runner)
+    run(runner, [first])
+    _, _, prefills, chunks = unit_counts(runner, start)
+    assert prefills == chunks > 1  # one chunk per unit, though nothing interactive was held
+
+    time.sleep(QUIET_S)
+    start = unit_counts(runner)
+    run(runner, [later])
+    _, _, prefills, chunks = unit_counts(runner, start)
+    tail = len(later.prompt_token_ids) % runner.prefill_chunk_tokens > 0
+    assert prefills == 1 + tail < chunks  # whole chunks in one unit, a short last one

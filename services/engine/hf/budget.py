@@ -2,11 +2,16 @@
 
 A unit is what the runner does between two scheduling decisions (runner.py): while it runs, a
 text request that has just arrived waits. So while other interactive work is held, a unit is
-sized to take about `max_unit_ms`; while none is, about `idle_unit_ms`, by default the same.
-Larger idle units cost less per-unit overhead, but a text request that arrives during one waits
-for all of it: with whole vision passes and whole prompts as idle units, text requests arriving
-at random moments under a stream of 1 MP images took 8x longer at the median than with 64-token
-units (BENCHMARKS.md, "Units bounded by time"), so by default idle units grow no larger.
+sized to take about `max_unit_ms`; while none is, about `idle_unit_ms` (default IDLE_UNIT_MS,
+config.py), which costs less per token (a whole 1024x1024 prompt in one forward pass rather
+than ten), but a text request that arrives during such a unit waits for all of it: with whole
+vision passes and prompts as idle units (before passes had a lane of their own), text requests
+arriving at random moments under a stream of 1 MP images took 8x longer at the median than
+with small units (BENCHMARKS.md, "Units bounded by time"). So a
+unit takes the idle budget only while text has been quiet: no text-only request has arrived for
+QUIET_S. Under a stream of text, units stay small; the first text request after a quiet spell
+waits for one idle unit at most, and while images come alone, their prompts prefill in a few
+large units (BENCHMARKS.md, "Idle units while text is quiet").
 
 A unit may follow the moment's load only where that changes no bit. A prefill chunk's size
 would: a chunk's shape changes its sums (and the prefix cache keys chunks by their size), so a
@@ -43,6 +48,9 @@ TIMED_RUNS = 5
 cost without whatever else shares the device at that moment."""
 EWMA_WEIGHT = 0.25
 """The weight of a unit's observed cost in the running estimate."""
+QUIET_S = 1.0
+"""How long after a text-only request's arrival units keep to `max_unit_ms` while nothing
+interactive is held: text arriving at 1/s or more keeps them small nearly all the time."""
 
 
 def chunk_sizes(max_tokens: int) -> list[int]:
@@ -79,16 +87,25 @@ class UnitBudget:
         self.max_unit_s = max_unit_s
         """Seconds a unit may take while other interactive work waits."""
         self.idle_unit_s = idle_unit_s
-        """Seconds a unit may take while none does."""
+        """Seconds a unit may take while none does and text has been quiet."""
         self.prefill_token_s = prefill_token_s
         """Seconds per prefill token (EWMA)."""
+        self._text_arrived = -math.inf
+        """When the latest text-only request arrived (`time.monotonic()`)."""
+
+    def text_arrived(self, at: float) -> None:
+        """A text-only request arrived at `at` (`time.monotonic()`): units keep to
+        `max_unit_s` until QUIET_S after it."""
+        self._text_arrived = max(self._text_arrived, at)
 
     def observe_prefill(self, tokens: float, seconds: float) -> None:
         self.prefill_token_s = _ewma(self.prefill_token_s, seconds / tokens)
 
     def unit_s(self, *, busy: bool) -> float:
         """The seconds a unit may take, while other interactive work waits (`busy`) or not."""
-        return self.max_unit_s if busy else self.idle_unit_s
+        if busy or time.monotonic() - self._text_arrived < QUIET_S:
+            return self.max_unit_s
+        return self.idle_unit_s
 
     def prefill_chunks(self, chunk_tokens: int, *, busy: bool) -> int:
         """Whole chunks of `chunk_tokens` that fit the unit; at least one."""

@@ -15,6 +15,9 @@ GRAMMAR_CACHE_SIZE = 64
 """Structured-output grammars kept compiled by default."""
 MAX_UNIT_MS = 5.0
 """About how long a unit may take while interactive work waits, by default."""
+IDLE_UNIT_MS = 100.0
+"""About how long a unit may take while none waits and text is quiet, by default: a whole
+1024x1024 or 12 MP prompt of the tiny model (about 1,300 tokens) on the 2-core CPU VM."""
 PREFILL_CHUNK_TOKENS = 128
 """The prefill chunk size by default: the same in every engine, so that every start and replica
 gives a request the same bits. On the 2-core CPU VM a chunk of the tiny model took 3.7-4.4 ms,
@@ -29,10 +32,12 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     interactive request waits for it (default 5): what a text request waits behind an image's
     prefill (vision passes run beside, on the vision lane). Costs are timed on the loaded
     model at startup and kept current from the units that run (see hf/budget.py)."""
-    idle_unit_ms: float = 0.0
-    """About how long a unit may take while no interactive request waits. 0 (the default): as
-    --max-unit-ms. Larger costs less per-unit overhead, but a text request that arrives
-    during such a unit waits for all of it."""
+    idle_unit_ms: float = IDLE_UNIT_MS
+    """About how long a unit may take while no interactive request waits and no text-only
+    request has arrived for a second (default 100): an image's prompt prefills in a few large
+    units, which cost less per token, while images come alone; a text request that arrives
+    during one waits for all of it, so under a stream of text units keep to --max-unit-ms.
+    0: always as --max-unit-ms."""
     prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS
     """The tokens of one prefill chunk, fixed for every request (chunk boundaries change a
     prompt's bits, and the prefix cache shares chunks of one size). 0: derived at startup, the
