@@ -219,6 +219,15 @@ def test_the_idle_budget_waits_for_text_to_be_quiet() -> None:
     budget.text_arrived(time.monotonic() - QUIET_S)  # an older arrival changes nothing
     assert budget.unit_s(busy=False) == 0.005
 
+    budget = UnitBudget(0.005, idle_unit_s=0.1, prefill_token_s=1e-4)
+    budget.text_arrived(long_ago := time.monotonic() - QUIET_S)
+    budget.text_arrived(now := time.monotonic())
+    assert budget.unit_s(busy=False, own_arrival=now) == 0.1  # its own arrival keeps none small
+    assert budget.unit_s(busy=False, own_arrival=long_ago) == 0.005  # another's does
+    assert budget.unit_s(busy=True, own_arrival=now) == 0.005
+    budget.text_arrived(time.monotonic())
+    assert budget.unit_s(busy=False, own_arrival=now) == 0.005
+
 
 def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
     preps, tiny_budget
@@ -242,7 +251,7 @@ def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
 
 def test_units_stay_small_for_a_while_after_a_text_request_arrives(preps, tiny_budget) -> None:
     """A text request that has come and gone still keeps units small for QUIET_S (the next
-    may come while a large unit runs); then they grow again."""
+    may come while a large unit runs); then they grow again, for a long text prompt too."""
     prep, runner = preps["qwen2_vl"], tiny_budget["qwen2_vl"]
     first, later = (make_request(prep, *CASES["image"], max_tokens=1, image_seed=seed)
                     for seed in (7, 8))
@@ -258,3 +267,10 @@ def test_units_stay_small_for_a_while_after_a_text_request_arrives(preps, tiny_b
     _, _, prefills, chunks = unit_counts(runner, start)
     tail = len(later.prompt_token_ids) % runner.prefill_chunk_tokens > 0
     assert prefills == 1 + tail < chunks  # whole chunks in one unit, a short last one
+
+    long_text = make_request(prep, LONG_TEXT, max_tokens=1)  # its own arrival keeps none small
+    start = unit_counts(runner)
+    run(runner, [long_text])
+    _, _, prefills, chunks = unit_counts(runner, start)
+    tail = len(long_text.prompt_token_ids) % runner.prefill_chunk_tokens > 0
+    assert prefills == 1 + tail < chunks

@@ -3,15 +3,15 @@
 A unit is what the runner does between two scheduling decisions (runner.py): while it runs, a
 text request that has just arrived waits. So while other interactive work is held, a unit is
 sized to take about `max_unit_ms`; while none is, about `idle_unit_ms` (default IDLE_UNIT_MS,
-config.py), which costs less per token (a whole 1024x1024 prompt in one forward pass rather
-than ten), but a text request that arrives during such a unit waits for all of it: with whole
-vision passes and prompts as idle units (before passes had a lane of their own), text requests
-arriving at random moments under a stream of 1 MP images took 8x longer at the median than
-with small units (BENCHMARKS.md, "Units bounded by time"). So a
-unit takes the idle budget only while text has been quiet: no text-only request has arrived for
+config.py), which costs less per token (a whole 1024x1024 prompt in a few forward passes rather
+than eleven), but a text request that arrives during such a unit waits for all of it: with
+whole vision passes and prompts as idle units (before passes had a lane of their own), text
+requests arriving at random moments under a stream of 1 MP images took 8x longer at the median
+than with small units (BENCHMARKS.md, "Units bounded by time"). So a unit takes the idle budget
+only while text has been quiet: no text-only request but the unit's own has arrived for
 QUIET_S. Under a stream of text, units stay small; the first text request after a quiet spell
-waits for one idle unit at most, and while images come alone, their prompts prefill in a few
-large units (BENCHMARKS.md, "Idle units while text is quiet").
+waits for one idle unit at most; and while images (or long text prompts) come alone, their
+prompts prefill in a few large units (BENCHMARKS.md, "Idle units while text is quiet").
 
 A unit may follow the moment's load only where that changes no bit. A prefill chunk's size
 would: a chunk's shape changes its sums (and the prefix cache keys chunks by their size), so a
@@ -90,26 +90,36 @@ class UnitBudget:
         """Seconds a unit may take while none does and text has been quiet."""
         self.prefill_token_s = prefill_token_s
         """Seconds per prefill token (EWMA)."""
-        self._text_arrived = -math.inf
-        """When the latest text-only request arrived (`time.monotonic()`)."""
+        self._text_arrivals = (-math.inf, -math.inf)
+        """When the latest two text-only requests arrived (`time.monotonic()`), latest last."""
 
     def text_arrived(self, at: float) -> None:
-        """A text-only request arrived at `at` (`time.monotonic()`): units keep to
-        `max_unit_s` until QUIET_S after it."""
-        self._text_arrived = max(self._text_arrived, at)
+        """A text-only request arrived at `at` (`time.monotonic()`): other requests' units
+        keep to `max_unit_s` until QUIET_S after it."""
+        earlier, latest = self._text_arrivals
+        if at >= latest:
+            self._text_arrivals = (latest, at)
+        elif at > earlier:
+            self._text_arrivals = (at, latest)
 
     def observe_prefill(self, tokens: float, seconds: float) -> None:
         self.prefill_token_s = _ewma(self.prefill_token_s, seconds / tokens)
 
-    def unit_s(self, *, busy: bool) -> float:
-        """The seconds a unit may take, while other interactive work waits (`busy`) or not."""
-        if busy or time.monotonic() - self._text_arrived < QUIET_S:
+    def unit_s(self, *, busy: bool, own_arrival: float | None = None) -> float:
+        """The seconds a unit may take, while other interactive work waits (`busy`) or not.
+        `own_arrival`: when the unit's request arrived, if it is a text-only one: a long text
+        prompt that came alone prefills in idle units too."""
+        earlier, latest = self._text_arrivals
+        other = earlier if latest == own_arrival else latest
+        if busy or time.monotonic() - other < QUIET_S:
             return self.max_unit_s
         return self.idle_unit_s
 
-    def prefill_chunks(self, chunk_tokens: int, *, busy: bool) -> int:
-        """Whole chunks of `chunk_tokens` that fit the unit; at least one."""
-        return _fitting(self.unit_s(busy=busy), chunk_tokens * self.prefill_token_s)
+    def prefill_chunks(self, chunk_tokens: int, *, busy: bool,
+                       own_arrival: float | None = None) -> int:
+        """Whole chunks of `chunk_tokens` that fit the unit (`unit_s`); at least one."""
+        return _fitting(self.unit_s(busy=busy, own_arrival=own_arrival),
+                        chunk_tokens * self.prefill_token_s)
 
 
 def _fitting(budget_s: float, each_s: float) -> int:

@@ -16,8 +16,9 @@ GRAMMAR_CACHE_SIZE = 64
 MAX_UNIT_MS = 5.0
 """About how long a unit may take while interactive work waits, by default."""
 IDLE_UNIT_MS = 100.0
-"""About how long a unit may take while none waits and text is quiet, by default: a whole
-1024x1024 or 12 MP prompt of the tiny model (about 1,300 tokens) on the 2-core CPU VM."""
+"""About how long a unit may take while none waits and text is quiet, by default: the tiny
+model's 1024x1024 prompt (1,267 tokens) prefilled in about 4 units instead of 11 on the 2-core
+CPU VM, 29-32 ms sooner (BENCHMARKS.md, "Idle units while text is quiet")."""
 PREFILL_CHUNK_TOKENS = 128
 """The prefill chunk size by default: the same in every engine, so that every start and replica
 gives a request the same bits. On the 2-core CPU VM a chunk of the tiny model took 3.7-4.4 ms,

@@ -5,12 +5,12 @@ request, as one forward pass of batch size one over that request's own KV cache 
 where the startup check below fails), and where they leave room in the unit, whole chunks of the
 next requests of its lane in the same forward (`_across`); or a decode step of up to `max_batch`
 requests together, one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is
-sized to take about that long while another interactive request is held or a text request
-arrived less than QUIET_S ago, and about `idle_unit_ms` otherwise; the prefill chunk size is
-`prefill_chunk_tokens` (the engine's: PREFILL_CHUNK_TOKENS unless configured, config.py), or,
-where none is given, derived at startup from the same budget by timing the loaded model. Units
-run with the process's torch threads (every core but two: text and decode units must not wait
-for a core the MM worker or the frontend holds).
+sized to take about that long while another interactive request is held or another text
+request arrived less than QUIET_S ago, and about `idle_unit_ms` otherwise; the prefill chunk
+size is `prefill_chunk_tokens` (the engine's: PREFILL_CHUNK_TOKENS unless configured,
+config.py), or, where none is given, derived at startup from the same budget by timing the
+loaded model. Units run with the process's torch threads (every core but two: text and decode
+units must not wait for a core the MM worker or the frontend holds).
 Images' vision passes run beside them, on the vision lane's thread (vision_lane.py), with
 `vision_threads`, or `vision_idle_threads` (every core) for a pass that starts while no request
 could run a unit meanwhile: a request waits for its images' features there, off the scheduler,
@@ -514,7 +514,9 @@ class HFRunner:
         as fit it."""
         if self._budget is None:
             return 1
-        return self._budget.prefill_chunks(seq.chunk_tokens or seq.prompt_len, busy=busy)
+        own = None if seq.request.mm_items else seq.arrived  # a text request's own arrival
+        return self._budget.prefill_chunks(seq.chunk_tokens or seq.prompt_len, busy=busy,
+                                           own_arrival=own)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample `seq`'s next token from its logits (vocab,); its output, with the token's
