@@ -34,11 +34,11 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill (vision passes run beside, on the vision lane). Costs are timed on the loaded
     model at startup and kept current from the units that run (see hf/budget.py)."""
     idle_unit_ms: float = IDLE_UNIT_MS
-    """About how long a unit may take while no interactive request waits and no text-only
-    request has arrived for a second (default 100): an image's prompt prefills in a few large
-    units, which cost less per token, while images come alone; a text request that arrives
-    during one waits for all of it, so under a stream of text units keep to --max-unit-ms.
-    0: always as --max-unit-ms."""
+    """About how long a unit may take while no other interactive request waits and no other
+    text-only request has arrived for a second (default 100): a prompt that comes alone (an
+    image's, a long text's) prefills in a few large units, which cost less per token; a text
+    request that arrives during one waits for all of it, so under a stream of text units keep
+    to --max-unit-ms. 0: always as --max-unit-ms."""
     prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS
     """The tokens of one prefill chunk, fixed for every request (chunk boundaries change a
     prompt's bits, and the prefix cache shares chunks of one size). 0: derived at startup, the
