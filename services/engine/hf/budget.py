@@ -49,8 +49,9 @@ cost without whatever else shares the device at that moment."""
 EWMA_WEIGHT = 0.25
 """The weight of a unit's observed cost in the running estimate."""
 QUIET_S = 1.0
-"""How long after a text-only request's arrival units keep to `max_unit_ms` while nothing
-interactive is held: text arriving at 1/s or more keeps them small nearly all the time."""
+"""How long after a text-only request's arrival other requests' units keep to `max_unit_ms`
+while nothing interactive is held: under text arriving at random at 5/s, a second passes
+without one less than 1% of the time (e^-5), so units stay small."""
 
 
 def chunk_sizes(max_tokens: int) -> list[int]:
