@@ -48,10 +48,12 @@ TIMED_RUNS = 5
 cost without whatever else shares the device at that moment."""
 EWMA_WEIGHT = 0.25
 """The weight of a unit's observed cost in the running estimate."""
-QUIET_S = 1.0
+QUIET_S = 5.0
 """How long after a text-only request's arrival other requests' units keep to `max_unit_ms`
-while nothing interactive is held: under text arriving at random at 5/s, a second passes
-without one less than 1% of the time (e^-5), so units stay small."""
+while nothing interactive is held. Under text arriving at random at R/s, a text request comes
+after such a quiet spell with odds e^(-5R): 8% at 0.5/s, under 1% at 1/s. With 1 s, sparse
+text under a stream of 12 MP images waited twice as long at p99 (BENCHMARKS.md, "Idle units
+while text is quiet")."""
 
 
 def chunk_sizes(max_tokens: int) -> list[int]:

@@ -35,7 +35,7 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model at startup and kept current from the units that run (see hf/budget.py)."""
     idle_unit_ms: float = IDLE_UNIT_MS
     """About how long a unit may take while no other interactive request waits and no other
-    text-only request has arrived for a second (default 100): a prompt that comes alone (an
+    text-only request has arrived for 5 s (default 100): a prompt that comes alone (an
     image's, a long text's) prefills in a few large units, which cost less per token; a text
     request that arrives during one waits for all of it, so under a stream of text units keep
     to --max-unit-ms. 0: always as --max-unit-ms."""
