@@ -17,9 +17,10 @@ time and, from the runner's own account, the units and milliseconds of each kind
 passes on the vision lane; prefill; decode), the milliseconds from its arrival to its first
 token, and the prefill forwards that took several requests' chunks. Rounds alternate the runners
 so that the machine's drift hits each alike. Without `--together` no unit waits for another
-request, so a unit takes the idle budget: what the units cost is their number and each one's
-overhead, not the scheduling. With it, a round's requests arrive at once, and a unit may take
-chunks of several (HFRunner._across). Asserts nothing.
+request, so a unit takes the idle budget (with `--text-words`, only once no other text request
+has arrived for budget.QUIET_S, so units stay small there): what the units cost is their
+number and each one's overhead, not the scheduling. With it, a round's requests arrive at
+once, and a unit may take chunks of several (HFRunner._across). Asserts nothing.
 """
 
 from __future__ import annotations

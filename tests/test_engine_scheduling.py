@@ -55,8 +55,9 @@ from services.model import Preprocessor, load_model
 
 SMALL_CHUNK = 4  # splits every image's prompt mid-way
 TINY_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e9")
-"""While text waits, each unit is the smallest: one prefill chunk; while none does, a whole
-prompt (hf/budget.py). Vision passes run whole, beside, on the vision lane."""
+"""While text waits, each unit is the smallest: one prefill chunk; while none does and no
+other text request has arrived for QUIET_S, a whole prompt (hf/budget.py). Vision passes run
+whole, beside, on the vision lane."""
 SMALLEST_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e-6")
 """Every unit the smallest, whether text waits or not: an image takes many units, so what
 arrives while it runs finds it still running (with whole idle units, the rest of an image can

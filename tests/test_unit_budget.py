@@ -47,7 +47,7 @@ def preps(model_dirs: dict[str, Path]) -> dict[str, Preprocessor]:
 @pytest.fixture(scope="module")
 def tiny_budget(model_dirs: dict[str, Path]) -> Iterator[dict[str, HFRunner]]:
     """Runners with a budget no unit fits while interactive work waits, and one every unit
-    fits while none does: Qwen2-VL and LLaVA."""
+    fits while none does and text is quiet: Qwen2-VL and LLaVA."""
     yield {family: HFRunner.load(str(model_dirs[family]), DEVICE, max_unit_ms=TINY_MS,
                                  idle_unit_ms=HUGE_MS)
            for family in ("qwen2_vl", "llava")}

@@ -206,7 +206,7 @@ class HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`); units of about
         `max_unit_ms` while interactive work waits (None: no budget), about `idle_unit_ms`
-        while none does (None: the same); a decode step runs up to
+        while none does and text is quiet (None: the same; budget.py); a decode step runs up to
         `max_batch` requests (1: one at a time); up to `grammar_cache_size` structured-output
         grammars stay compiled, up to `encoder_cache_bytes` of vision-encoder outputs and up
         to `prefix_cache_bytes` of prompt prefixes' KV; a vision pass runs with
@@ -368,7 +368,7 @@ class HFRunner:
 
     def _others_wait(self, batch: list[Sequence]) -> bool:
         """Whether an interactive request other than `batch`'s is held: then a unit takes
-        `max_unit_ms`, else `idle_unit_ms`."""
+        `max_unit_ms`, else `idle_unit_ms` where text is quiet (budget.py)."""
         return any(lane_of(seq) is Lane.INTERACTIVE for seq in self._sequences.values()
                    if seq not in batch)
 
@@ -786,8 +786,9 @@ class HFRunner:
             self.prefill_chunk_tokens, how = chunk, "derived"
         else:
             token_s = self._time_prefill(chunk) / chunk
-        log.info("units of about %g ms while interactive work waits, %g ms while none does: "
-                 "prefill chunks of %d tokens (%s; %.2f ms each on this device)",
+        log.info("units of about %g ms while interactive work waits, %g ms while none does "
+                 "and text is quiet: prefill chunks of %d tokens (%s; %.2f ms each on this "
+                 "device)",
                  max_unit_s * 1000, idle_unit_s * 1000, chunk, how, chunk * token_s * 1000)
         return UnitBudget(max_unit_s, idle_unit_s=idle_unit_s, prefill_token_s=token_s)
 
