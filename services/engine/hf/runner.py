@@ -255,7 +255,7 @@ class HFRunner:
         for index in range(len(request.mm_items)):  # an image seen before needs no vision unit
             seq.image_features[index] = self._encoded_before(seq, index)
         self._sequences[handle] = seq
-        if self._budget is not None and lane_of(seq) is Lane.INTERACTIVE:
+        if self._budget is not None and not request.mm_items:  # a text-only request
             self._budget.text_arrived(seq.arrived)
 
     def _image_positions(self, prompt: torch.Tensor, item: MMItem) -> torch.Tensor:
