@@ -254,6 +254,9 @@ class HFRunner:
         seq.image_positions = [self._image_positions(prompt, item) for item in request.mm_items]
         for index in range(len(request.mm_items)):  # an image seen before needs no vision unit
             seq.image_features[index] = self._encoded_before(seq, index)
+        if self._prefix is not None and seq.chunk_tokens is not None:  # named once, here
+            seq.prefix_keys = chunk_keys(request, seq.chunk_tokens)
+            seq.prompt_key = prompt_key(request, seq.chunk_tokens)
         self._sequences[handle] = seq
         if self._budget is not None and not request.mm_items:  # a text-only request
             self._budget.text_arrived(seq.arrived)
@@ -274,7 +277,6 @@ class HFRunner:
         if self._prefix is None or seq.chunk_tokens is None:
             seq.prefix_looked_up = True  # one prefill unit per prompt: no chunk is the same
             return None  # shape as another's
-        self._prefix_keys(seq)
         if not self._spares_a_pass(seq):  # after the lane, none needs one: looked up then
             return None
         seq.prefix_looked_up = True
@@ -287,13 +289,6 @@ class HFRunner:
             seq.positions = self.adapter.positions(seq.prompt, seq.request.mm_items)
             seq.image_features = []
         return logits
-
-    @staticmethod
-    def _prefix_keys(seq: Sequence) -> None:
-        """Name `seq`'s chunks and whole prompt as the prefix cache keys them."""
-        assert seq.chunk_tokens is not None
-        seq.prefix_keys = chunk_keys(seq.request, seq.chunk_tokens)
-        seq.prompt_key = prompt_key(seq.request, seq.chunk_tokens)
 
     def _spares_a_pass(self, seq: Sequence) -> bool:
         """Whether the prefix cache now holds an image of `seq` that needs its features, or
@@ -497,12 +492,11 @@ class HFRunner:
         if chunk is None or seq.next_unit().kind is not UnitKind.PREFILL:
             return 0
         if not seq.prefix_looked_up:
-            if self._prefix is not None:  # else it has no keys, and no lookup to do
-                self._prefix_keys(seq)
-                if firsts.intersection(seq.prefix_keys[:1]) or seq.prompt_len == (
-                        self._prefix.held_tokens(seq.prefix_keys, chunk, seq.prompt_len,
-                                                 seq.prompt_key)):
-                    return 0
+            if self._prefix is not None and (  # else it has no keys, and no lookup to do
+                    firsts.intersection(seq.prefix_keys[:1]) or seq.prompt_len
+                    == self._prefix.held_tokens(seq.prefix_keys, chunk, seq.prompt_len,
+                                                seq.prompt_key)):
+                return 0
             held_whole = self._reuse_prefix(seq)
             assert held_whole is None
         elif firsts.intersection(seq.prefix_keys[:1]):
