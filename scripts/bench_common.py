@@ -24,7 +24,13 @@ from services.bench.images import data_uri, encode, make_image
 from services.bench.stats import percentile
 from services.client import Client, user_message
 from services.common.sockets import free_tcp_port
-from services.launcher import SERVE_SETTINGS, serve_config, start_roles, stop_all
+from services.launcher import (
+    SERVE_SETTINGS,
+    serve_config,
+    sigterm_as_interrupt,
+    start_roles,
+    stop_all,
+)
 from services.model import resolve_model_dir
 
 BIG = (4032, 3024)
@@ -41,17 +47,20 @@ def big_jpeg_url() -> str:
 
 @contextlib.contextmanager
 def serving(run_dir: Path, *serve_args: str, log_dir: Path | None = None) -> Iterator[str]:
-    """`mmlane serve SERVE_ARGS` on a free port; yields the client endpoint, stops at exit."""
+    """`mmlane serve SERVE_ARGS` on a free port; yields the client endpoint, stops at exit
+    (also when SIGTERM ends the benchmark: it raises KeyboardInterrupt meanwhile)."""
     port = free_tcp_port()
     argv = ["--port", str(port), "--run-dir", str(run_dir), *serve_args]
     config = serve_config(SERVE_SETTINGS.parse(argv))
     model_dir = str(resolve_model_dir(config.engine.model))
     config.engine.model = config.mm_worker.model = config.frontend.model = model_dir
-    children = start_roles(config.roles(), run_dir, config.startup_timeout_s, log_dir=log_dir)
-    try:
-        yield config.frontend.client_endpoint
-    finally:
-        stop_all(children)
+    with sigterm_as_interrupt():
+        children = start_roles(config.roles(), run_dir, config.startup_timeout_s,
+                               log_dir=log_dir)
+        try:
+            yield config.frontend.client_endpoint
+        finally:
+            stop_all(children)
 
 
 def text_latencies(endpoint: str, count: int, max_tokens: int = 1) -> list[float]:

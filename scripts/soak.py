@@ -255,7 +255,8 @@ def main() -> None:
             load = Load(http_port, model, args.seed)
             started = time.monotonic()
             deadline = started + args.minutes * 60
-            loader = threading.Thread(target=load.run, args=(args.clients, deadline))
+            # A daemon (so are the clients it starts): SIGTERM or Ctrl-C ends the soak at once.
+            loader = threading.Thread(target=load.run, args=(args.clients, deadline), daemon=True)
             loader.start()
             samples = [sample(feed, started)]
             while loader.is_alive():

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -415,6 +416,22 @@ def _backoff(child: Child, config: ServeConfig, now: float, log: logging.Logger)
     delay = config.restart_backoff_s * 2 ** (count - 1)
     log.error("%s exited with status %s; restarting it in %.1f s", child.role, status, delay)
     return delay
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Meanwhile SIGTERM raises KeyboardInterrupt(signum), as Ctrl-C does, so that a tool that
+    started roles (each in a session of its own, which no signal to the tool's process group
+    reaches) stops them in its `finally` blocks when `timeout` or a supervisor ends it."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signum)
 
 
 def stop_all(children: list[Child]) -> None:

@@ -4,13 +4,14 @@ samples of every role's RSS and fds (the ten-minute run's figures are in BENCHMA
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, processes
 
 pytest.importorskip("matplotlib", reason="the soak's chart needs the 'bench' extra")
 
@@ -33,3 +34,25 @@ def test_a_short_soak_answers_every_request_as_expected(tmp_path: Path) -> None:
     actions = {outcome.split(":")[0] for outcome in result["outcomes"]}
     assert actions >= {"text", "new image", "repeated image", "bad input"}, actions
     assert not any("UNEXPECTED" in outcome for outcome in result["outcomes"])
+
+
+def test_sigterm_stops_the_roles_the_soak_started(tmp_path: Path) -> None:
+    """The benchmark scripts start `mmlane serve`'s roles in sessions of their own
+    (bench_common.serving), which no signal to the script's process group reaches: SIGTERM
+    (`timeout`'s) must stop them on its way out, as Ctrl-C does."""
+    soak = subprocess.Popen(
+        [sys.executable, "scripts/soak.py", "--minutes", "5", "--sample-s", "1",
+         "--out", str(tmp_path / "soak")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert soak.stdout is not None
+        soak.stdout.readline()  # its first sample: the roles serve, the load runs
+        sessions = {process.session for process in processes()
+                    if process.parent == soak.pid and process.session == process.pid}
+        assert len(sessions) == 3, sessions  # frontend, MM worker, engine
+        soak.send_signal(signal.SIGTERM)
+        _, stderr = soak.communicate(timeout=90)
+    finally:
+        soak.kill()
+    assert "KeyboardInterrupt" in stderr, stderr[-3000:]
+    assert not [process for process in processes() if process.session in sessions]

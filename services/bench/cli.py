@@ -21,6 +21,7 @@ import msgspec
 from protocol.errors import FatalError
 from services.bench.config import BenchConfig, load_bench_config
 from services.common.settings import Settings
+from services.launcher import sigterm_as_interrupt
 
 Outputs = tuple[Callable[[Any, Path], None], Callable[[Any], str]]
 """A run's chart(result, path) and table(result)."""
@@ -68,26 +69,25 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     config = bench_config(args)
     _check_extra()
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="mmb-"))
     try:
-        if config.throughput:
-            from services.bench import throughput
+        with sigterm_as_interrupt():  # the processes it started are stopped on the way out
+            if config.throughput:
+                from services.bench import throughput
 
-            result: Any = throughput.run_throughput(config, run_dir)
-            outputs: Outputs = (throughput.chart, throughput.table)
-        else:
-            from services.bench import report
-            from services.bench.run import run_bench as run
+                result: Any = throughput.run_throughput(config, run_dir)
+                outputs: Outputs = (throughput.chart, throughput.table)
+            else:
+                from services.bench import report
+                from services.bench.run import run_bench as run
 
-            result = run(config, run_dir, progress=not args.no_progress)
-            outputs = (report.chart, report.table)
-    except KeyboardInterrupt as exc:  # the processes it started are stopped by now
+                result = run(config, run_dir, progress=not args.no_progress)
+                outputs = (report.chart, report.table)
+    except KeyboardInterrupt as exc:
         signum = exc.args[0] if exc.args else signal.SIGINT
         print(f"mmlane bench: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
     finally:
-        signal.signal(signal.SIGTERM, previous)
         if args.run_dir is None:
             shutil.rmtree(run_dir, ignore_errors=True)
     args.json.write_bytes(msgspec.json.format(msgspec.json.encode(result)) + b"\n")
@@ -96,13 +96,6 @@ def run_bench(args: argparse.Namespace) -> int:
     print(table(result))
     print(f"\nresults: {args.json}, chart: {args.chart}")
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM ends a bench as Ctrl-C does, through its `finally` blocks: they stop the
-    processes it started, which run in sessions of their own, so that no signal to the bench or
-    its process group reaches them."""
-    raise KeyboardInterrupt(signum)
 
 
 def _check_extra() -> None:
