@@ -92,8 +92,8 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
         return text_latencies(endpoint, args.text_requests, args.max_tokens)
 
     name = f"chunk {chunk}, " + (f"{args.image_clients} image clients" if url else "idle")
-    run_dir, log_dir = tmp / f"{chunk}-{bool(url)}", tmp / f"{chunk}-{bool(url)}-logs"
-    run_dir.mkdir()
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{chunk}-{bool(url)}-", dir=tmp))  # repeats apart
+    log_dir = run_dir.with_name(f"{run_dir.name}-logs")
     serve_args = ["--prefill-chunk-tokens", str(chunk), "--mm-cache-gb", "0"]
     serve_args += args.serve_arg
     if args.torch_threads is not None:
