@@ -12,10 +12,11 @@ on the embedded model twice: once idle, once while
 `--image-clients` clients each keep a 4032x3024 JPEG request in flight back to back (the
 feature cache is off, so every image is decoded, processed and encoded as a stream of distinct
 photos would be). Each time it sends `--text-requests`
-text-only chat requests and prints their latency p50/p90/p99, then the engine's own account from
-its log: the unit sizes it settled on at startup, unit times by kind and queue wait (receipt to
-first unit) by request kind. Asserts nothing. Run it in another checkout (an older commit) to
-compare code, as its flags allow.
+text-only chat requests and prints their latency p50/p90/p99, then the roles' own account from
+their logs: the unit sizes the engine settled on at startup, its unit times by kind, its queue
+wait (receipt to first unit) and first token (receipt to first token) by request kind, and
+the frontend's tokenize and end-to-end (accepted to reply) times by kind. Asserts nothing.
+Run it in another checkout (an older commit) to compare code, as its flags allow.
 
 Text requests go one at a time by default (closed loop, as bench_pipeline.py sends them). That
 under-samples busy moments when waits are long: a request that waits 100 ms for a vision pass is
@@ -59,30 +60,38 @@ def open_loop_latencies(endpoint: str, count: int, rate: float, max_tokens: int)
     return latencies
 
 
-def engine_account(log_dir: Path) -> dict:
-    """The engine's latency summaries, from the line it logs at stop."""
+ACCOUNTS = {"engine": ("engine_step", "queue_wait", "first_token"),
+            "frontend": ("tokenize", "end_to_end")}
+"""What `print_account` shows of each role's latency summaries."""
+
+
+def latency_account(log_dir: Path, role: str) -> dict:
+    """A role's latency summaries, from the line it logs at stop."""
     marker = "latencies (ms) "
-    for line in engine_log(log_dir):
+    for line in role_log(log_dir, role):
         if marker in line:
             return json.loads(line.split(marker, 1)[1])
     return {}
 
 
-def engine_log(log_dir: Path) -> list[str]:
-    return (log_dir / "engine.log").read_text(errors="replace").splitlines()
+def role_log(log_dir: Path, role: str) -> list[str]:
+    return (log_dir / f"{role}.log").read_text(errors="replace").splitlines()
 
 
 def print_account(log_dir: Path) -> None:
-    for line in engine_log(log_dir):
+    for line in role_log(log_dir, "engine"):
         if "units of about" in line:  # the unit budget's startup calibration
             print("    engine " + line[line.index("units of about"):])
-    account = engine_account(log_dir)
-    for group in ("engine_step", "queue_wait"):
-        parts = [
-            f"{name.partition(':')[2]} n={s['n']} mean {s['mean']:.2f} max {s['max']:.1f}"
-            for name, s in account.items() if name.startswith(f"{group}:") and s["n"]
-        ]
-        print(f"    engine {group:<10} (ms)  " + "; ".join(parts))
+    for role, groups in ACCOUNTS.items():
+        account = latency_account(log_dir, role)
+        for group in groups:
+            parts = [
+                f"{name.partition(':')[2] or name} n={s['n']} mean {s['mean']:.2f} "
+                f"max {s['max']:.1f}"
+                for name, s in account.items()
+                if name.partition(":")[0] == group and s["n"]
+            ]
+            print(f"    {role} {group:<11} (ms)  " + "; ".join(parts))
 
 
 def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) -> None:

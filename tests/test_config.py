@@ -4,12 +4,14 @@ serve handing each child its validated config."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 import pytest
 
+from conftest import processes
 from protocol.errors import FatalError
 from services.bench.cli import BENCH_SETTINGS
 from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
@@ -215,6 +217,36 @@ def test_serves_child_runs_with_the_config_it_was_handed(qwen_dir: Path, run_dir
         assert b"--config-json" in command_line and not any(b"handed" in a for a in command_line)
     finally:
         stop_all([child])
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Each thread of process `pid`, by id: its niceness (Linux counts it per thread)."""
+    return {int(task.name): os.getpriority(os.PRIO_PROCESS, int(task.name))
+            for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def test_image_work_runs_image_nice_below_text_work(qwen_dir: Path, run_dir: Path) -> None:
+    config = serve_config(SERVE_SETTINGS.parse(
+        ["--model", str(qwen_dir), "--run-dir", str(run_dir), "--image-nice", "7",
+         "--mm-processes", "2"]))
+    children = start_roles({"engine": config.engine, "mm-worker": config.mm_worker}, run_dir,
+                           180, log_dir=run_dir / "logs")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(19, base + 7)
+    try:
+        pids = {child.role: child.process.pid for child in children}
+        # The engine: its vision lane's thread alone; text units run on others, at the start's.
+        engine = thread_nices(pids["engine"])
+        assert sorted(engine.values()).count(lowered) == 1, engine
+        assert set(engine.values()) == {base, lowered}, engine
+        # The MM worker: its thread that loads and processes images, and its pool processes.
+        assert thread_nices(pids["mm-worker"])[pids["mm-worker"]] == lowered
+        pool = [p.pid for p in processes() if p.parent == pids["mm-worker"]
+                and b"spawn_main" in p.cmdline]
+        assert len(pool) == 2
+        assert all(set(thread_nices(pid).values()) == {lowered} for pid in pool)
+    finally:
+        stop_all(children)
 
 
 def test_a_child_refuses_a_config_that_is_not_its_roles(run_dir: Path) -> None:

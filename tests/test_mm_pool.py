@@ -114,7 +114,7 @@ class PipelineHistories(RuleBasedStateMachine):
         config = MMWorkerConfig(
             model=self.model_dir, mm_worker_endpoint=f"ipc://{self.run_dir}/w{tag}.sock",
             engine_endpoint=self.engine.endpoint, mm_cache_gb=capacity / (1 << 30),
-            mm_processes=1,
+            mm_processes=1, image_nice=0,  # built here: it would lower the test's own thread
         )
         self.worker = MMWorker(config)
         self.pool = HeldPool()

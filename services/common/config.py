@@ -113,6 +113,19 @@ class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"curve_keys {self.curve_keys!r} is not a directory")
 
 
+IMAGE_NICE = 10
+"""How many nice steps below the text lanes image work runs by default (`image_nice`): on the
+2-core CPU VM, text under a stream of 12 MP photos took 1.5-2 ms less at the median, with as
+many images done (BENCHMARKS.md, "Image work below text on shared cores"). Linux's SCHED_IDLE
+measured no better, and would starve images while text fills the cores: at 10 they keep about
+a tenth of a core."""
+
+
+def check_nice(config: msgspec.Struct, name: str) -> None:
+    if not 0 <= getattr(config, name) <= 19:
+        raise ValueError(f"{name} must be 0 (off) to 19, got {getattr(config, name)}")
+
+
 ImageBackend = Literal["auto", "pil", "torchvision"]
 """Which of transformers' image-processor backends renders images. 'pil' is the reference and
 needs no torchvision; 'torchvision' is what vLLM's renderer uses, so pixels made with it equal
@@ -175,11 +188,17 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     the engine through shared-memory slots (/dev/shm, reused) rather than as ZMQ frames: at
     most this many MiB of slots; a tensor that finds none free and no room goes as a frame.
     0: frames only."""
+    image_nice: int = IMAGE_NICE
+    """Nice steps (0-19) below its own start this worker runs (every thread, and its image
+    processes): where it shares cores with a frontend or an engine, their text work takes a
+    core first, and images get what text leaves idle (at 10 about a tenth of a core that text
+    fills). 0: off. Linux counts niceness per thread."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         capacity_bytes(self.mm_cache_gb)
+        check_nice(self, "image_nice")
         if self.shm_transport_mb < 0:
             raise ValueError(f"shm_transport_mb must be 0 or more, got {self.shm_transport_mb}")
         self.allowed_media_schemes = [s.lower() for s in self.allowed_media_schemes]

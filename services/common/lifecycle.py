@@ -162,6 +162,14 @@ def run_role(
     return 0
 
 
+def lower_priority(steps: int) -> None:
+    """Run the calling thread `steps` nice steps lower (at most 19). On Linux niceness is per
+    thread: the others keep theirs, and threads and processes started from this one later
+    inherit it."""
+    if steps:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + steps))
+
+
 def _freeze_startup_heap(log: logging.Logger) -> None:
     """Take what the role built (its modules, model, tokenizer: hundreds of thousands of
     objects that live as long as it does) out of garbage collection, as vLLM's API server does:

@@ -73,6 +73,7 @@ from services.common.feature_cache import capacity_bytes
 from services.common.lifecycle import (
     Stop,
     drain,
+    lower_priority,
     refused_while_draining,
     unfinished_at_drain_timeout,
 )
@@ -121,6 +122,7 @@ class MMWorker:
     """The MM worker role (`endpoint`, `serve(stop)`, `close()`), built from its config."""
 
     def __init__(self, config: MMWorkerConfig) -> None:
+        lower_priority(config.image_nice)  # first: the threads and processes it starts inherit
         self.config = config
         self.endpoint = config.mm_worker_endpoint
         model_dir = resolve_model_dir(config.model)

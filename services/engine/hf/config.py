@@ -6,7 +6,7 @@ import math
 
 import msgspec
 
-from services.common.config import _positive
+from services.common.config import IMAGE_NICE, _positive, check_nice
 from services.common.feature_cache import capacity_bytes
 
 MAX_BATCH = 16
@@ -61,6 +61,11 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     between a request and its first token, and the cores the other units would take are free.
     0: every core this process may run on. Only where a probe image's features are the same
     bits on both counts (checked at startup on the CPU; else as --vision-threads)."""
+    image_nice: int = IMAGE_NICE
+    """Nice steps (0-19) below text work that image work runs: here the vision lane's thread
+    (`mmlane serve` sets the MM worker's --image-nice too). Where cores are shared, a text
+    request's unit takes one first, and image work gets what text leaves idle (at 10 about a
+    tenth of a core that text fills). 0: off. Linux counts niceness per thread."""
     grammar_cache_size: int = GRAMMAR_CACHE_SIZE
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""
@@ -87,6 +92,7 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              f"got {self.prefill_chunk_tokens}")
         capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
         capacity_bytes(self.prefix_cache_gb, "prefix_cache_gb")
+        check_nice(self, "image_nice")
         for name in ("torch_threads", "vision_threads", "vision_idle_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 (automatic) or more, "

@@ -131,7 +131,7 @@ class HFRunner:
         metrics: Metrics | None = None,
         grammars: Grammars | None = None, encoder_cache_bytes: int = 0,
         prefix_cache_bytes: int = 0, vision_threads: int | None = None,
-        vision_idle_threads: int | None = None,
+        vision_idle_threads: int | None = None, image_nice: int = 0,
     ) -> None:
         if max_batch < 1:
             raise FatalError(f"max_batch must be at least 1, got {max_batch}", code="bad_config")
@@ -182,7 +182,7 @@ class HFRunner:
         self._lane = VisionLane(adapter.image_features, device=model.device, wake=self.wake,
                                 threads=lane_threads,
                                 idle_threads=vision_idle_threads or lane_threads,
-                                spare=self._spare)
+                                spare=self._spare, nice=image_nice)
         self.vision_threads = self._lane.threads
         """The torch threads a vision pass runs with."""
         self.vision_idle_threads = self._lane.idle_threads
@@ -202,6 +202,7 @@ class HFRunner:
         max_batch: int = MAX_BATCH, threads: int = 0, metrics: Metrics | None = None,
         grammar_cache_size: int = GRAMMAR_CACHE_SIZE, encoder_cache_bytes: int = 0,
         prefix_cache_bytes: int = 0, vision_threads: int = 0, vision_idle_threads: int = 0,
+        image_nice: int = 0,
     ) -> HFRunner:
         """Load the model directory (None: the embedded tiny model) onto `device`; torch gets
         `threads` threads per CPU operation (see `torch_threads`); units of about
@@ -212,7 +213,8 @@ class HFRunner:
         to `prefix_cache_bytes` of prompt prefixes' KV; a vision pass runs with
         `vision_threads` threads (0: as many as the other units), with
         `vision_idle_threads` (0: every core) while no request could run a unit meanwhile,
-        where a probe image's features are the same bits with both."""
+        where a probe image's features are the same bits with both, on a thread `image_nice`
+        steps below the others."""
         torch.set_num_threads(torch_threads(threads))
         vision_threads = vision_threads or torch.get_num_threads()
         model_dir = resolve_model_dir(model)
@@ -233,7 +235,8 @@ class HFRunner:
                      prefix_cache_bytes=prefix_cache_bytes, vision_threads=vision_threads,
                      vision_idle_threads=_idle_vision_threads(
                          adapter, preprocessor, vision_threads,
-                         vision_idle_threads or len(os.sched_getaffinity(0))))
+                         vision_idle_threads or len(os.sched_getaffinity(0))),
+                     image_nice=image_nice)
         log.info("loaded %s (%s) on %s, %d torch threads (%d in vision passes, %d while "
                  "nothing else can run), decode steps of up to %d requests", model_dir,
                  spec.family, network.device, torch.get_num_threads(), runner.vision_threads,
@@ -958,6 +961,7 @@ def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
         encoder_cache_bytes=capacity_bytes(hf.encoder_cache_gb, "encoder_cache_gb"),
         prefix_cache_bytes=capacity_bytes(hf.prefix_cache_gb, "prefix_cache_gb"),
         vision_threads=hf.vision_threads, vision_idle_threads=hf.vision_idle_threads,
+        image_nice=hf.image_nice,
     )
 
 

@@ -9,6 +9,9 @@ runner's thread goes on with prefill chunks and decode steps: torch releases the
 operations, so both run at once on two cores, and no text request waits for a pass (where the
 engine has one core, the OS shares it between the two).
 
+The lane's thread runs `nice` steps below the runner's (`--image-nice`): where the cores are
+shared, a text request's unit takes one first, and passes get what it leaves idle.
+
 The lane's thread has its own torch thread count (torch keeps the count per thread): `threads`,
 or `idle_threads` for a pass that starts while `spare()` says that the runner has nothing to
 run meanwhile. A pass is the model's own `get_image_features`; the runner gives the lane two
@@ -38,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from services.common.lifecycle import lower_priority
 from services.engine.hf.budget import synchronize
 
 log = logging.getLogger(__name__)
@@ -58,13 +62,14 @@ class VisionResult(NamedTuple):
 
 class VisionLane:
     """Runs `encode` (an image's tensors to its features) for each submitted job, in order, on a
-    thread with `threads` torch threads (`idle_threads` for a pass that starts while `spare()`
-    is true); `wake` is called after each result."""
+    thread `nice` steps below its creator's, with `threads` torch threads (`idle_threads` for a
+    pass that starts while `spare()` is true); `wake` is called after each result."""
 
     def __init__(self, encode: Callable[[Mapping[str, np.ndarray]], torch.Tensor], *,
                  threads: int, idle_threads: int, spare: Callable[[], bool],
-                 device: torch.device, wake: Callable[[], None]) -> None:
+                 device: torch.device, wake: Callable[[], None], nice: int = 0) -> None:
         self._encode = encode
+        self._nice = nice
         self.threads = threads
         self.idle_threads = idle_threads
         self._spare = spare
@@ -107,6 +112,7 @@ class VisionLane:
         self._thread.join(CLOSE_TIMEOUT_S)
 
     def _run(self) -> None:
+        lower_priority(self._nice)
         stream = None if self._runner_stream is None else torch.cuda.Stream(self._device)
         with torch.inference_mode(), torch.cuda.stream(stream):  # None: no stream (the CPU)
             while (job := self._jobs.get()) is not None:
