@@ -125,6 +125,8 @@ def test_flags_that_are_not_one_field_keep_their_meaning(run_dir: Path) -> None:
     (["frontend", "--http-port", "70000"], {}, "http_port must be 0"),
     (["mm-worker"], {"MMLANE_ALLOWED_MEDIA_SCHEMES": "gopher"}, "allowed_media_schemes"),
     (["serve", "--startup-timeout", "0"], {}, "startup_timeout_s must be positive"),
+    (["serve", "--image-nice", "20"], {}, "image_nice must be 0 (off) to 19, got 20"),
+    (["mm-worker"], {"MMLANE_IMAGE_NICE": "-1"}, "image_nice must be 0 (off) to 19, got -1"),
     (["frontend"], {"MMLANE_HTTP_PORT": "eighty"}, "$MMLANE_HTTP_PORT: invalid literal for int"),
 ])
 def test_a_bad_value_names_the_setting(
