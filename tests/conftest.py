@@ -298,6 +298,12 @@ def processes() -> Iterator[Process]:
         yield Process(int(entry.name), int(fields[1]), int(fields[3]), cmdline)
 
 
+def pool_pids(worker_pid: int) -> list[int]:
+    """An MM worker's pool processes: its children that run multiprocessing's spawn_main."""
+    return sorted(process.pid for process in processes()
+                  if process.parent == worker_pid and b"spawn_main" in process.cmdline)
+
+
 def role_log(child: Child) -> str:
     """What a role started with a `log_dir` has logged so far."""
     assert child.log_path is not None, f"{child.role} was started without a log_dir"

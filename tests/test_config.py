@@ -11,7 +11,7 @@ from typing import Literal
 import msgspec
 import pytest
 
-from conftest import processes
+from conftest import pool_pids
 from protocol.errors import FatalError
 from services.bench.cli import BENCH_SETTINGS
 from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
@@ -239,12 +239,11 @@ def test_image_work_runs_image_nice_below_text_work(qwen_dir: Path, run_dir: Pat
         pids = {child.role: child.process.pid for child in children}
         # The engine: its vision lane's thread alone; text units run on others, at the start's.
         engine = thread_nices(pids["engine"])
-        assert sorted(engine.values()).count(lowered) == 1, engine
+        assert list(engine.values()).count(lowered) == 1, engine
         assert set(engine.values()) == {base, lowered}, engine
         # The MM worker: its thread that loads and processes images, and its pool processes.
         assert thread_nices(pids["mm-worker"])[pids["mm-worker"]] == lowered
-        pool = [p.pid for p in processes() if p.parent == pids["mm-worker"]
-                and b"spawn_main" in p.cmdline]
+        pool = pool_pids(pids["mm-worker"])
         assert len(pool) == 2
         assert all(set(thread_nices(pid).values()) == {lowered} for pid in pool)
     finally:

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_mm_worker import shm_slots
 
-from conftest import processes, role_log, start_role, stop_role
+from conftest import pool_pids, role_log, start_role, stop_role
 from peers import LIE, PIXELS, Inbox, StandInEngine, push, send, stand_in_pool_process, wait_until
 from protocol import shm
 from protocol.errors import MMLaneError, RequestError, RetryableError
@@ -327,12 +327,6 @@ def test_an_image_guessed_held_but_evicted_since_is_sent_with_its_tensors(
 
 
 # ---------------------------------------------------------------- the real pool
-
-
-def pool_pids(worker_pid: int) -> list[int]:
-    """The worker's pool processes: its children that run multiprocessing's spawn_main."""
-    return sorted(process.pid for process in processes()
-                  if process.parent == worker_pid and b"spawn_main" in process.cmdline)
 
 
 class TestRealPool:
