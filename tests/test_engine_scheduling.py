@@ -8,9 +8,11 @@ deadline, or aborted, gets one terminal reply and frees its place.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -48,7 +50,8 @@ from services.client import Client, user_message
 from services.common.config import load_config
 from services.engine.config import EngineConfig
 from services.engine.hf.config import IDLE_UNIT_MS, MAX_UNIT_MS, PREFILL_CHUNK_TOKENS
-from services.engine.hf.scheduler import BULK_SHARE, Lane, Scheduler
+from services.engine.hf.runner import HFRunner
+from services.engine.hf.scheduler import Lane, lane_of, pick
 from services.engine.hf.sequence import Sequence
 from services.launcher import SERVE_SETTINGS, Child, serve_config, stop_all
 from services.model import Preprocessor, load_model
@@ -149,7 +152,8 @@ def test_text_arriving_during_an_image_finishes_before_it(frontend, prep) -> Non
 
 def test_an_image_completes_while_text_keeps_arriving(frontend, prep) -> None:
     """A strict text-first policy would never run the image here: four text requests are always
-    in the engine. The image's lane has a minimum share of the time, so it finishes."""
+    in the engine. The image's prompt runs on the bulk lane's thread, beside them: it
+    finishes."""
     image = to(frontend, make_request(prep, "look", ((640, 480),), max_tokens=3))
     in_flight = set()
 
@@ -170,6 +174,52 @@ def test_an_image_completes_while_text_keeps_arriving(frontend, prep) -> None:
     assert texts_done > 0  # text kept flowing meanwhile
     while in_flight:
         in_flight.discard(next_terminal(frontend))
+
+
+def test_text_runs_while_an_image_prompt_is_on_the_bulk_lane(
+    qwen_dir: Path, prep, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's thread waits for no image prompt's prefill unit: with the bulk lane held
+    inside one, a text request that arrives meanwhile still runs to its end. The image's tokens
+    are then what it gets alone."""
+    gate, held = threading.Event(), threading.Event()
+    run_bulk = HFRunner._run_bulk
+
+    def held_at_the_gate(runner: HFRunner, job: Any) -> Any:
+        held.set()
+        gate.wait(REPLY_TIMEOUT_S)
+        return run_bulk(runner, job)
+
+    monkeypatch.setattr(HFRunner, "_run_bulk", held_at_the_gate)
+    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    try:
+        image = make_request(prep, "look", ((64, 48),), max_tokens=3)
+        runner.add(0, image)
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+
+        def step() -> None:
+            for output in runner.step(0.01):
+                assert output.error is None, output.error
+                tokens[output.handle] += output.token_ids
+
+        while not held.is_set():  # its vision pass, then its first unit starts on the lane
+            step()
+        runner.add(1, make_request(prep, "quick question", max_tokens=4))
+        while len(tokens[1]) < 4:
+            step()
+        assert tokens[0] == []  # the image's unit is still held
+        gate.set()
+        while runner.has_work():
+            step()
+        monkeypatch.undo()  # the lane's thread still calls the gate: it is open
+        runner.add(2, image)
+        alone: list[int] = []
+        while runner.has_work():
+            alone += [token for output in runner.step(0.01) for token in output.token_ids]
+        assert tokens[0] == alone and len(alone) == 3
+    finally:
+        gate.set()
+        runner.close()
 
 
 # ---------------------------------------------------------------- deadlines and aborts
@@ -355,44 +405,24 @@ def sequence(handle: int, *, image: bool, prefilled: bool | None = None) -> Sequ
     return seq
 
 
-def run_batches(
-    scheduler: Scheduler, seqs: list[Sequence], count: int, max_batch: int = 1
-) -> list[list[Sequence]]:
-    """Pick `count` units, charging 1 ms per interactive unit and 4 ms per bulk unit."""
+def run_batches(seqs: list[Sequence], count: int, max_batch: int = 1) -> list[list[Sequence]]:
+    """Pick `count` interactive units, in turn."""
     picked = []
     for unit in range(count):
-        picks = scheduler.pick(seqs, max_batch=max_batch)
-        assert picks is not None
-        batch, lane = picks
+        batch = pick(seqs, max_batch=max_batch)
+        assert batch is not None
         for seq in batch:
             seq.last_run = unit
-        scheduler.charge(lane, 0.001 if lane is Lane.INTERACTIVE else 0.004)
         picked.append(batch)
     return picked
 
 
-def run_picks(scheduler: Scheduler, seqs: list[Sequence], count: int) -> list[Sequence]:
-    """`run_batches` without batching: the one request of each unit."""
-    return [seq for (seq,) in run_batches(scheduler, seqs, count)]
-
-
-def test_the_bulk_lane_gets_its_share_and_text_goes_round_robin() -> None:
+def test_text_goes_round_robin_and_image_prompts_are_bulk_work() -> None:
     image, text_a, text_b = (sequence(handle, image=handle == 0) for handle in range(3))
-    picked = run_picks(Scheduler(), [image, text_a, text_b], 1000)
-    bulk_time = 4 * picked.count(image)
-    share = bulk_time / (bulk_time + picked.count(text_a) + picked.count(text_b))
-    assert share == pytest.approx(BULK_SHARE, abs=0.01)
-    texts = [seq.handle for seq in picked if seq is not image]
-    assert texts[:6] == [1, 2, 1, 2, 1, 2]
-
-
-def test_a_lane_that_was_idle_starts_even_and_wins_the_tie() -> None:
-    scheduler = Scheduler()
-    image, text = sequence(0, image=True), sequence(1, image=False)
-    run_picks(scheduler, [image], 100)  # the bulk lane ran alone: no credit for the other
-    picked = run_picks(scheduler, [image, text], 5)
-    assert [seq.handle for seq in picked] == [1, 0, 1, 1, 1]  # text first, then the shares
-    assert scheduler.pick([]) is None
+    assert [lane_of(seq) for seq in (image, text_a)] == [Lane.BULK, Lane.INTERACTIVE]
+    picked = run_batches([text_a, text_b], 6)
+    assert handles(picked) == [[1], [2], [1], [2], [1], [2]]
+    assert pick([]) is None
 
 
 def handles(batches: list[list[Sequence]]) -> list[list[int]]:
@@ -401,9 +431,9 @@ def handles(batches: list[list[Sequence]]) -> list[list[int]]:
 
 def test_decode_steps_batch_least_recently_run_first() -> None:
     decoding = [sequence(handle, image=False) for handle in range(5)]
-    picked = run_batches(Scheduler(), decoding, 4, max_batch=2)
+    picked = run_batches(decoding, 4, max_batch=2)
     assert handles(picked) == [[0, 1], [2, 3], [4, 0], [1, 2]]  # round robin, two at a time
-    assert handles(run_batches(Scheduler(), decoding, 1, max_batch=8)) == [[3, 0, 4, 1, 2]]
+    assert handles(run_batches(decoding, 1, max_batch=8)) == [[3, 0, 4, 1, 2]]
 
 
 def test_a_new_text_request_runs_before_a_decode_batch_and_alone() -> None:
@@ -413,18 +443,8 @@ def test_a_new_text_request_runs_before_a_decode_batch_and_alone() -> None:
     new = sequence(3, image=False, prefilled=False)
     image_decoding = sequence(4, image=True, prefilled=True)
     image_decoding.last_run = 0
-    picked = run_batches(Scheduler(), [*decoding, new, image_decoding], 3, max_batch=8)
+    assert lane_of(image_decoding) is Lane.INTERACTIVE  # its decode steps are the runner's
+    picked = run_batches([*decoding, new, image_decoding], 3, max_batch=8)
     # The new request's prefill first, alone; then every decoding request, the image one too.
     # It is not decoding yet (one prefill unit of this scheduler-only test does not fill it).
     assert handles(picked) == [[3], [0, 1, 2, 4], [3]]
-
-
-def test_image_work_goes_in_arrival_order_and_keeps_its_share() -> None:
-    images = [sequence(handle, image=True) for handle in range(2)]
-    texts = [sequence(handle, image=False) for handle in range(2, 6)]
-    picked = run_batches(Scheduler(), [*images, *texts], 400, max_batch=8)
-    bulk = [batch for batch in picked if batch[0] in images]
-    assert all(batch == images for batch in bulk)  # arrival order; the runner may fill in
-    share = 4 * len(bulk) / (4 * len(bulk) + len(picked) - len(bulk))
-    assert share == pytest.approx(BULK_SHARE, abs=0.01)
-    assert all(len(batch) == 4 for batch in picked if batch[0] in texts)

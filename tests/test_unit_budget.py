@@ -232,45 +232,53 @@ def test_the_idle_budget_waits_for_text_to_be_quiet() -> None:
 def test_units_grow_while_nothing_interactive_waits_and_shrink_while_it_does(
     preps, tiny_budget
 ) -> None:
+    """A text prompt's units shrink while another request decodes; an image prompt's, on the
+    bulk lane, which no text request waits for, do not."""
     prep, runner = preps["qwen2_vl"], tiny_budget["qwen2_vl"]
+    long_text = make_request(prep, LONG_TEXT, max_tokens=4)
     image = make_request(prep, *CASES["image"], max_tokens=4)
     time.sleep(QUIET_S)  # text requests of earlier tests keep units small until then
     start = unit_counts(runner)
+    [text_alone] = run(runner, [long_text])
+    _, _, prefills, chunks = unit_counts(runner, start)
+    assert runner.merges_chunks  # the startup check found merged chunks the same bits
+    tail = len(long_text.prompt_token_ids) % runner.prefill_chunk_tokens > 0
+    assert prefills == 1 + tail < chunks  # whole chunks in one unit, a short last one
+    busy, after = beside_text(runner, prep, long_text)
+    assert busy == text_alone
+    assert after[2] == after[3] == chunks  # the same chunks, one per unit
+
+    start = unit_counts(runner)
     [alone] = run(runner, [image])
     vision, rows, prefills, chunks = unit_counts(runner, start)
-    assert runner.merges_chunks  # the startup check found merged chunks the same bits
     tail = len(image.prompt_token_ids) % runner.prefill_chunk_tokens > 0
     assert (vision, prefills) == (1, 1 + tail)  # a whole pass; whole chunks, a short last one
     assert chunks > 1 + tail and rows > 0  # of several chunks, in one unit
-
     busy, after = beside_text(runner, prep, image)
     assert busy == alone
-    assert (after[1], after[3]) == (rows, chunks)  # the same work
-    assert after[0] == 1 and after[2] == chunks  # a whole pass beside; prefill units small
+    assert after == (vision, rows, prefills, chunks)  # the same units beside text
 
 
 def test_units_stay_small_for_a_while_after_a_text_request_arrives(preps, tiny_budget) -> None:
-    """A text request that has come and gone still keeps units small for QUIET_S (the next
-    may come while a large unit runs); then they grow again, for a long text prompt too."""
+    """A text request that has come and gone still keeps a text prompt's units small for
+    QUIET_S (the next may come while a large unit runs); then they grow again. An image
+    prompt's units, on the bulk lane, are large all along; a text prompt's own arrival keeps
+    none small."""
     prep, runner = preps["qwen2_vl"], tiny_budget["qwen2_vl"]
-    first, later = (make_request(prep, *CASES["image"], max_tokens=1, image_seed=seed)
-                    for seed in (7, 8))
+    first, later = (make_request(prep, f"{number} {LONG_TEXT}", max_tokens=1)
+                    for number in (1, 2))
+    image = make_request(prep, *CASES["image"], max_tokens=1, image_seed=7)
     run(runner, [make_request(prep, "hi", max_tokens=1)])
     start = unit_counts(runner)
     run(runner, [first])
     _, _, prefills, chunks = unit_counts(runner, start)
     assert prefills == chunks > 1  # one chunk per unit, though nothing interactive was held
 
-    time.sleep(QUIET_S)
-    start = unit_counts(runner)
-    run(runner, [later])
-    _, _, prefills, chunks = unit_counts(runner, start)
-    tail = len(later.prompt_token_ids) % runner.prefill_chunk_tokens > 0
-    assert prefills == 1 + tail < chunks  # whole chunks in one unit, a short last one
-
-    long_text = make_request(prep, LONG_TEXT, max_tokens=1)  # its own arrival keeps none small
-    start = unit_counts(runner)
-    run(runner, [long_text])
-    _, _, prefills, chunks = unit_counts(runner, start)
-    tail = len(long_text.prompt_token_ids) % runner.prefill_chunk_tokens > 0
-    assert prefills == 1 + tail < chunks
+    for request in (image, later):  # the image at once, the text after QUIET_S
+        if request is later:
+            time.sleep(QUIET_S)
+        start = unit_counts(runner)
+        run(runner, [request])
+        _, _, prefills, chunks = unit_counts(runner, start)
+        tail = len(request.prompt_token_ids) % runner.prefill_chunk_tokens > 0
+        assert prefills == 1 + tail < chunks  # whole chunks in one unit, a short last one

@@ -6,10 +6,18 @@ of several requests' chunks, where each request's chunks do so over its own KV c
 
 Importing this registers them with transformers; only the "hf" backend's runner imports it, so
 an engine on another backend registers nothing.
+
+The runner's thread and the bulk lane's (bulk_lane.py) run forwards at once, each with its own
+implementation, through the same layers, which look the name up on the text config at each
+call: `attention` sets it for the calling thread alone (`per_thread` makes the config's name
+follow the thread).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -93,3 +101,35 @@ def per_request_attention(
 AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
 AttentionInterface.register(PER_CHUNK, per_chunk_attention)
 AttentionInterface.register(PER_REQUEST, per_request_attention)
+
+
+_THREAD = threading.local()
+"""The attention implementation the calling thread's forwards use (`attention`), if set."""
+
+
+def per_thread(config: Any) -> None:
+    """Make `config` (a text config) give each thread the implementation `attention` set for
+    it, and its own one elsewhere. Its class becomes a subclass of its own whose
+    `_attn_implementation` looks at the thread first; done once per config."""
+    base = type(config)
+    if getattr(base, "_per_thread", False):
+        return
+
+    def implementation(self: Any) -> Any:
+        return getattr(_THREAD, "name", None) or self._attn_implementation_internal
+
+    prop = property(implementation, base._attn_implementation.fset)
+    config.__class__ = type(base.__name__, (base,), {"_attn_implementation": prop,
+                                                      "_per_thread": True})
+
+
+@contextmanager
+def attention(implementation: str) -> Iterator[None]:
+    """Run this thread's forwards through the text layers of a `per_thread` config with
+    another attention implementation for a while (the vision tower's config is another)."""
+    saved = getattr(_THREAD, "name", None)
+    _THREAD.name = implementation
+    try:
+        yield
+    finally:
+        _THREAD.name = saved

@@ -1,17 +1,17 @@
 """How much work one unit takes: bounded by time (`--max-unit-ms`), not by a fixed token count.
 
-A unit is what the runner does between two scheduling decisions (runner.py): while it runs, a
-text request that has just arrived waits. So while other interactive work is held, a unit is
-sized to take about `max_unit_ms`; while none is, about `idle_unit_ms` (default IDLE_UNIT_MS,
-config.py), which costs less per token (a whole 1024x1024 prompt in a few forward passes rather
-than eleven), but a text request that arrives during such a unit waits for all of it: with
-whole vision passes and prompts as idle units (before passes had a lane of their own), text
-requests arriving at random moments under a stream of 1 MP images took 8x longer at the median
-than with small units (BENCHMARKS.md, "Units bounded by time"). So a unit takes the idle budget
-only while text has been quiet: no text-only request but the unit's own has arrived for
-QUIET_S. Under a stream of text, units stay small; the first text request after a quiet spell
-waits for one idle unit at most; and while images (or long text prompts) come alone, their
-prompts prefill in a few large units (BENCHMARKS.md, "Idle units while text is quiet").
+A unit is what the runner's thread does between two scheduling decisions (runner.py): while
+it runs, a text request that has just arrived waits. So while other interactive work is held, a
+unit is sized to take about `max_unit_ms`; while none is, about `idle_unit_ms` (default
+IDLE_UNIT_MS, config.py), which costs less per token (a whole 1024x1024 prompt in a few forward
+passes rather than eleven), but a text request that arrives during such a unit waits for all of
+it: with whole vision passes and prompts as idle units (before passes had a lane of their own),
+text requests arriving at random moments under a stream of 1 MP images took 8x longer at the
+median than with small units (BENCHMARKS.md, "Units bounded by time"). So a unit takes the idle
+budget only while text has been quiet: no text-only request but the unit's own has arrived for
+QUIET_S. Under a stream of text, units stay small, and the first text request after a quiet
+spell waits for one idle unit at most. An image prompt's units run on the bulk lane's thread,
+which no text request waits for: they take the idle budget always (`idle_chunks`).
 
 A unit may follow the moment's load only where that changes no bit. A prefill chunk's size
 would: a chunk's shape changes its sums (and the prefix cache keys chunks by their size), so a
@@ -26,8 +26,9 @@ per token. (Vision passes are no units: they run whole, on the vision lane's thr
 units; vision_lane.py.)
 
 The cost of a prefill token is estimated first by timing the loaded model at startup, then kept
-current by an exponentially weighted moving average of the units that run: the device, its
-clocks and whatever else shares it set the real cost.
+current by an exponentially weighted moving average of the units that run on the runner's
+thread: the device, its clocks and whatever else shares it set the real cost. The bulk lane's
+units are left out: they run below the runner's thread, so their time is also what it took.
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ class UnitBudget:
         """Whole chunks of `chunk_tokens` that fit the unit (`unit_s`); at least one."""
         return _fitting(self.unit_s(busy=busy, own_arrival=own_arrival),
                         chunk_tokens * self.prefill_token_s)
+
+
+    def idle_chunks(self, chunk_tokens: int) -> int:
+        """Whole chunks of `chunk_tokens` that fit an idle unit; at least one: the size of an
+        image prompt's unit on the bulk lane, which no text request waits for (runner.py)."""
+        return _fitting(self.idle_unit_s, chunk_tokens * self.prefill_token_s)
 
 
 def _fitting(budget_s: float, each_s: float) -> int:

@@ -35,9 +35,12 @@ prefix's tail before its head and a held chain stays reachable from position 0.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -105,16 +108,33 @@ def chunk_keys(request: EngineRequest, chunk_tokens: int) -> list[str]:
     return keys
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[PrefixCache, _P], _R]
+            ) -> Callable[Concatenate[PrefixCache, _P], _R]:
+    """`method`, run holding the cache's lock."""
+    @functools.wraps(method)
+    def locked(self: PrefixCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class PrefixCache:
     """KV chunks by `chunk_keys` and prompt ends by `prompt_key`, LRU by bytes; counts into
     `metrics` as prefix_cache_hits, _misses (requests with a chunk or a whole prompt to look up
     that found none), _hit_tokens, _hit_prompts (whole prompts held), _hit_images (images
-    inside reused prefixes, counted by the runner), _evictions and _bytes."""
+    inside reused prefixes, counted by the runner), _evictions and _bytes. The runner's thread
+    and the bulk lane's use it at once: each method holds its lock."""
 
     def __init__(self, capacity: int, metrics: Metrics) -> None:
         self._chunks: FeatureCache[KVChunk | PromptEnd] = FeatureCache(capacity)
         self._counters = metrics.counters
+        self._lock = threading.Lock()
 
+    @_locked
     def reuse(
         self, keys: list[str], chunk_tokens: int, prompt_len: int, cache: DynamicCache,
         whole: str | None = None,
@@ -146,6 +166,7 @@ class PrefixCache:
         self._counters["prefix_cache_hit_prompts"] += 1
         return reused, end.logits
 
+    @_locked
     def held_tokens(self, keys: list[str], chunk_tokens: int, prompt_len: int,
                     whole: str | None = None) -> int:
         """How many prompt tokens `reuse` would fill in now; nothing is used or counted."""
@@ -166,6 +187,7 @@ class PrefixCache:
             held.append(chunk)
         return held
 
+    @_locked
     def store_end(self, keys: list[str], whole: str, chunk_tokens: int, cache: DynamicCache,
                   logits: torch.Tensor) -> None:
         """Hold the end of the prompt `whole` names, now wholly in `cache`: its last chunk,
@@ -181,6 +203,7 @@ class PrefixCache:
         self._refresh(chain)  # and the end goes before its chain
         self._count()
 
+    @_locked
     def store(self, keys: list[str], chunk_tokens: int, cache: DynamicCache) -> None:
         """Hold the chunks `keys` name, the first len(keys) of `cache` (each one taken from it
         unless held already), unless together they are larger than the whole cache."""

@@ -1,20 +1,26 @@
 """The "hf" backend's runner: a Hugging Face model run with torch, a bounded unit at a time.
 
-Each `step` runs one unit picked by the scheduler (scheduler.py): prefill chunks of one
-request, as one forward pass of batch size one over that request's own KV cache (one per chunk
-where the startup check below fails), and where they leave room in the unit, whole chunks of the
-next requests of its lane in the same forward (`_across`); or a decode step of up to `max_batch`
-requests together, one token each. With `max_unit_ms` (budget.py), a run of prefill chunks is
-sized to take about that long while another interactive request is held or another text
-request arrived less than QUIET_S ago, and about `idle_unit_ms` otherwise; the prefill chunk
-size is `prefill_chunk_tokens` (the engine's: PREFILL_CHUNK_TOKENS unless configured,
-config.py), or, where none is given, derived at startup from the same budget by timing the
-loaded model. Units run with the process's torch threads (every core but two: text and decode
-units must not wait for a core the MM worker or the frontend holds).
-Images' vision passes run beside them, on the vision lane's thread (vision_lane.py), with
-`vision_threads`, or `vision_idle_threads` (every core) for a pass that starts while no request
-could run a unit meanwhile: a request waits for its images' features there, off the scheduler,
-and runs units again once they are in.
+The runner's work runs on three threads (scheduler.py says which is whose):
+- its own, which runs the interactive units: each `step` runs the one the scheduler picks,
+  prefill chunks of a text prompt, as one forward pass of batch size one over that request's
+  own KV cache (one per chunk where the startup check below fails), and where they leave room
+  in the unit, whole chunks of the next text prompts in the same forward (`_across`); or a
+  decode step of up to `max_batch` requests together, one token each, images' included;
+- the bulk lane's (lane_thread.py), which runs image prompts' prefill units, in arrival order,
+  one at a time, cut and batched across requests as above: a text request waits for none;
+- the vision lane's (vision_lane.py), which runs images' whole vision passes, with
+  `vision_threads`, or `vision_idle_threads` (every core) for a pass that starts while no
+  request could run a unit meanwhile: a request waits for its images' features there, then
+  prefills on the bulk lane.
+The two lanes run `image_nice` steps below the runner's thread. With `max_unit_ms`
+(budget.py), a run of a text prompt's prefill chunks is sized to take about that long while
+another interactive request is held or another text request arrived less than QUIET_S ago, and
+about `idle_unit_ms` otherwise; an image prompt's unit, which no text request waits for, takes
+about `idle_unit_ms`. The prefill chunk size is `prefill_chunk_tokens` (the engine's:
+PREFILL_CHUNK_TOKENS unless configured, config.py), or, where none is given, derived at startup
+from the same budget by timing the loaded model. Units run with the process's torch threads
+(every core but two: text and decode units must not wait for a core the MM worker or the
+frontend holds), on either thread.
 
 A request's tokens must not depend on what else the engine is running. A prefill unit gives each
 chunk the same bits however many chunks it runs:
@@ -54,8 +60,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -71,12 +77,19 @@ from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
 from services.engine.config import EngineConfig
 from services.engine.hf.adapters import Adapter, adapter_for
-from services.engine.hf.attention import PER_CHUNK, PER_REQUEST, PER_SEQUENCE
+from services.engine.hf.attention import (
+    PER_CHUNK,
+    PER_REQUEST,
+    PER_SEQUENCE,
+    attention,
+    per_thread,
+)
 from services.engine.hf.budget import UnitBudget, derive_chunk_tokens, seconds_on, synchronize
 from services.engine.hf.config import GRAMMAR_CACHE_SIZE, MAX_BATCH
+from services.engine.hf.lane_thread import LaneThread
 from services.engine.hf.prefix_cache import PrefixCache, chunk_keys, prompt_key
 from services.engine.hf.sampling import token_logprobs
-from services.engine.hf.scheduler import Lane, Scheduler, lane_of
+from services.engine.hf.scheduler import Lane, lane_of, pick
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
 from services.engine.hf.vision_lane import VisionLane, VisionResult
 from services.engine.runner import ModelSpec, StepOutput
@@ -120,6 +133,18 @@ class _VisionJob:
         request with the same image that comes meanwhile gets a job of its own."""
 
 
+@dataclass
+class _BulkUnit:
+    """A prefill unit of image prompts on the bulk lane: what it runs, and what came of it."""
+
+    batch: list[Sequence]
+    unit: Unit
+    across: list[int]
+    logits: torch.Tensor | None = None
+    error: Exception | None = None
+    seconds: float = 0.0
+
+
 class HFRunner:
     """Runs requests on a transformers model: prefill units of one request, decode steps of up
     to `max_batch` requests, and images' vision passes beside them on the vision lane."""
@@ -147,6 +172,7 @@ class HFRunner:
         decode_steps and decode_tokens counters (their ratio: the mean batch) go; and each
         vision pass's time (engine_step:vision)."""
         self._text_config = model.config.get_text_config()
+        per_thread(self._text_config)  # the bulk lane's forwards run beside the runner's
         self._cache_keyword = _cache_keyword(model)
         """The forward's name for the KV cache it extends (transformers renamed it)."""
         self._check_cache()
@@ -164,7 +190,6 @@ class HFRunner:
         """KV of prompt prefixes by what they were computed from (prefix_cache_gb; None: off):
         a request whose prompt starts as a recent one's prefills only the rest."""
         self._sequences: dict[int, Sequence] = {}
-        self._scheduler = Scheduler()
         self._budget = None if max_unit_ms is None else self._calibrate(
             max_unit_ms / 1000, (idle_unit_ms or max_unit_ms) / 1000)
         """How many prefill chunks a unit takes (None: one)."""
@@ -177,6 +202,11 @@ class HFRunner:
         `max_batch` in all; `_across`), with PER_REQUEST attention: where the startup check
         found that each request's chunks get the same bits as in a forward of its own."""
         self._units = 0  # units run so far: the scheduler's round-robin clock
+        self._threads = torch.get_num_threads()  # every unit's, on whichever thread it runs
+        self._bulk: LaneThread[_BulkUnit, _BulkUnit] = LaneThread(
+            "bulk-lane", self._run_bulk, nice=image_nice, wake=self.wake)
+        self._bulk_unit: _BulkUnit | None = None
+        """The unit the bulk lane runs now: its requests run nothing else meanwhile."""
         self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
         lane_threads = vision_threads or torch.get_num_threads()
         self._lane = VisionLane(adapter.image_features, device=model.device, wake=self.wake,
@@ -311,14 +341,17 @@ class HFRunner:
         return self._grammars.matcher(structured)
 
     def step(self, timeout: float = STEP_WAIT_S) -> list[StepOutput]:
-        """Take what the vision lane has finished, then run the unit the scheduler picks among
-        the requests that wait for no image's features; with none, wait up to `timeout`
-        seconds for `wake` instead (an arrival, or the lane's next result)."""
-        outputs = self._take_vision()
-        ready = [seq for seq in self._sequences.values() if not seq.images_waiting]
-        picked = self._scheduler.pick(ready, max_batch=self.max_batch)
+        """Take what the lanes have finished, give the bulk lane its next unit if it is free,
+        then run the interactive unit the scheduler picks; with none, wait up to `timeout`
+        seconds for `wake` instead (an arrival, or a lane's next result)."""
+        outputs = self._take_vision() + self._take_bulk()
+        outputs += self._start_bulk()
+        running = self._bulk_unit.batch if self._bulk_unit is not None else []
+        ready = [seq for seq in self._sequences.values()
+                 if lane_of(seq) is Lane.INTERACTIVE and seq not in running]
+        picked = pick(ready, max_batch=self.max_batch)
         if picked is not None:
-            return outputs + self._step(*picked)
+            return outputs + self._step(picked)
         if not outputs:
             self._woken.wait(timeout)
             self._woken.clear()  # after the wait: a wake that came before this step counts
@@ -328,7 +361,8 @@ class HFRunner:
         self._woken.set()
 
     @torch.inference_mode()
-    def _step(self, batch: list[Sequence], lane: Lane) -> list[StepOutput]:
+    def _step(self, batch: list[Sequence]) -> list[StepOutput]:
+        """Run an interactive unit: a text prompt's prefill, or a decode step of `batch`."""
         started = time.monotonic()
         seq = batch[0]  # a decode step's first row, or the request whose prefill unit it is
         if not seq.decoding:
@@ -338,8 +372,6 @@ class HFRunner:
                 if logits is not None:  # the whole prompt was held: no unit to run
                     return [self._emit(seq, logits)]
         unit = seq.next_unit()
-        if unit.kind is UnitKind.VISION:  # not a unit of this thread's: the lane runs it
-            return self._start_vision(seq)
         if unit.kind is UnitKind.DECODE:
             busy, across = self._others_wait(batch), []
         else:  # the others after `seq` only where they fill its unit (`_across`)
@@ -348,17 +380,81 @@ class HFRunner:
             batch = [part for part, _ in parts] or [seq]
             across = [tokens for _, tokens in parts]
         self._ran(batch, started)
-        self._units += 1
         outputs = self._advance(batch, unit, across, busy=busy)
         synchronize(self.model.device)
         elapsed = time.monotonic() - started
-        self._scheduler.charge(lane, elapsed)
         self.metrics.observe(f"engine_step:{unit.kind.label}", elapsed)
         self._learn(unit, batch[0], elapsed)
         return outputs
 
+    # ------------------------------------------------------------ the bulk lane
+
+    def _start_bulk(self) -> list[StepOutput]:
+        """Take the image requests that wait for no image's features, in arrival order: hand
+        the images of each that needs them to the vision lane, and, where the bulk lane is
+        free, the next prefill unit to it (the first's chunks, and the next ones' where they
+        fill it: `_across`). The outputs of requests that end here (a prefix cache hit of a
+        whole prompt, a failed image)."""
+        outputs: list[StepOutput] = []
+        bulk = sorted((seq for seq in self._sequences.values()
+                       if lane_of(seq) is Lane.BULK and not seq.images_waiting),
+                      key=lambda seq: seq.handle)
+        for place, seq in enumerate(bulk):
+            if self._bulk_unit is not None and (seq in self._bulk_unit.batch  # its unit runs
+                                                or seq.next_unit().kind is UnitKind.PREFILL):
+                continue  # it waits for the bulk lane, and looks its prefix up then
+            started = time.monotonic()
+            self._ran([seq], started)
+            if not seq.prefix_looked_up:
+                logits = self._reuse_prefix(seq)
+                if logits is not None:  # the whole prompt was held: no unit to run
+                    outputs.append(self._emit(seq, logits))
+                    continue
+            unit = seq.next_unit()
+            if unit.kind is UnitKind.VISION:
+                outputs += self._start_vision(seq)
+                continue
+            parts = self._across([seq, *bulk[place + 1:]][: self.max_batch], busy=False)
+            batch = [part for part, _ in parts] or [seq]
+            self._ran(batch, started)
+            self._bulk_unit = _BulkUnit(batch, unit, [tokens for _, tokens in parts])
+            self._bulk.submit(self._bulk_unit)
+        return outputs
+
+    def _run_bulk(self, job: _BulkUnit) -> _BulkUnit:
+        """On the bulk lane's thread: run `job`'s unit, and note what came of it."""
+        if torch.get_num_threads() != self._threads:  # the same bits as on the runner's
+            torch.set_num_threads(self._threads)
+        started = time.monotonic()
+        try:
+            job.logits = self._run(job.batch, job.unit, job.across, busy=False)
+            synchronize(self.model.device)
+        except Exception as exc:  # a failed forward pass fails only the requests it ran
+            job.error = exc
+        job.seconds = time.monotonic() - started
+        return job
+
+    def _take_bulk(self) -> list[StepOutput]:
+        """The outputs of the bulk lane's finished unit: the first request's token where its
+        prompt ended, or each request's failure. A request aborted meanwhile gets none."""
+        outputs: list[StepOutput] = []
+        for job in self._bulk.finished():
+            self._bulk_unit = None
+            live = [seq for seq in job.batch if self._sequences.get(seq.handle) is seq]
+            if job.error is not None:
+                log.error("requests %s failed in the model", [seq.request.request_id
+                          for seq in job.batch], exc_info=job.error)
+                outputs += [self._fail(seq, job.error) for seq in live]
+                continue
+            self._count_prefill(job.batch, job.across)
+            self.metrics.observe("engine_step:prefill", job.seconds)
+            if job.logits is not None and job.batch[0] in live:
+                outputs.append(self._emit(job.batch[0], job.logits[0]))
+        return outputs
+
     def _ran(self, batch: list[Sequence], started: float) -> None:
         """Note that `batch` runs a unit now (the first of a request's: its queue wait)."""
+        self._units += 1
         for seq in batch:
             if seq.last_run < 0:
                 self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
@@ -387,8 +483,9 @@ class HFRunner:
                 self._lane.cancel(number)
 
     def close(self) -> None:
-        """End the vision lane's thread (the model lives in this process's memory)."""
+        """End the lanes' threads (the model lives in this process's memory)."""
         self._lane.close()
+        self._bulk.close()
 
     def has_work(self) -> bool:
         """Whether it holds a request: what callers that drive it themselves (tests,
@@ -408,6 +505,8 @@ class HFRunner:
             log.exception("requests %s failed in the model",
                           [seq.request.request_id for seq in batch])
             return [self._fail(seq, exc) for seq in batch]
+        if unit.kind is UnitKind.PREFILL:
+            self._count_prefill(batch, across)
         if logits is None:
             return []
         makers = batch if unit.kind is UnitKind.DECODE else batch[:1]  # a prefill: the first's
@@ -442,9 +541,15 @@ class HFRunner:
                 if seq.decoding:
                     break
         seq.unit_work = seq.num_cached - start
+        return logits
+
+    def _count_prefill(self, batch: list[Sequence], across: list[int]) -> None:
+        """Count a prefill unit that ran (on the runner's thread: the counters are its)."""
+        seq = batch[0]  # its unit_work: what the unit ran, all requests' chunks included
         self.metrics.counters["prefill_chunks"] += math.ceil(
             seq.unit_work / (seq.chunk_tokens or seq.prompt_len))
-        return logits
+        if across:
+            self.metrics.counters["prefill_forwards_across_requests"] += 1
 
     @staticmethod
     def _merged_tokens(seq: Sequence, chunks: int) -> int:
@@ -511,9 +616,10 @@ class HFRunner:
         as fit it."""
         if self._budget is None:
             return 1
-        own = None if seq.request.mm_items else seq.arrived  # a text request's own arrival
-        return self._budget.prefill_chunks(seq.chunk_tokens or seq.prompt_len, busy=busy,
-                                           own_arrival=own)
+        chunk = seq.chunk_tokens or seq.prompt_len
+        if lane_of(seq) is Lane.BULK:  # the bulk lane's: no text request waits for it
+            return self._budget.idle_chunks(chunk)
+        return self._budget.prefill_chunks(chunk, busy=busy, own_arrival=seq.arrived)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         """Sample `seq`'s next token from its logits (vocab,); its output, with the token's
@@ -684,8 +790,6 @@ class HFRunner:
             self._prefilled(seq, count, out.logits[0, -1])
             seq.unit_work = 0
         batch[0].unit_work = sum(tokens)  # what the unit ran, for the budget's estimate
-        self.metrics.counters["prefill_chunks"] += sum(tokens) // chunk
-        self.metrics.counters["prefill_forwards_across_requests"] += 1
         return out.logits[:, -1]
 
     def _store_prefix(self, seq: Sequence) -> None:
@@ -735,14 +839,14 @@ class HFRunner:
     def _forward_chunks(self, cache: DynamicCache, chunk: int, **inputs: Any) -> Any:
         """A prefill forward of one or more chunks of `chunk` tokens (the first starts at a
         chunk boundary) over one request's KV cache, with PER_CHUNK attention."""
-        with self._attention(PER_CHUNK):
+        with attention(PER_CHUNK):
             return self._forward(cache, **inputs, prefill_chunk=chunk)
 
     def _forward_across(self, caches: list[DynamicCache], tokens: list[int], chunk: int,
                         **inputs: Any) -> Any:
         """A prefill forward of several requests' chunks of `chunk` tokens: `tokens[i]` of
         them go into `caches[i]`, in turn, with PER_REQUEST attention."""
-        with self._attention(PER_REQUEST):
+        with attention(PER_REQUEST):
             return self.model(**inputs, use_cache=False, logits_to_keep=1, prefill_chunk=chunk,
                               prefill_parts=list(zip(caches, tokens, strict=True)))
 
@@ -754,22 +858,10 @@ class HFRunner:
         unused = self.max_batch - len(caches)
         ids = torch.tensor(tokens + [0] * unused, device=self.model.device).view(-1, 1)
         position_ids = torch.cat(positions + [torch.zeros_like(positions[0])] * unused, dim=-2)
-        with self._attention(PER_SEQUENCE):
+        with attention(PER_SEQUENCE):
             out = self.model(input_ids=ids, position_ids=position_ids, use_cache=False,
                              decode_caches=caches)
         return out.logits[: len(caches), -1]
-
-    @contextmanager
-    def _attention(self, implementation: str) -> Iterator[None]:
-        """Run the text layers with another attention implementation for a while. The layers
-        look the name up on their config at each call; the vision tower's config is another."""
-        config = self._text_config
-        saved = config._attn_implementation_internal
-        config._attn_implementation_internal = implementation
-        try:
-            yield
-        finally:
-            config._attn_implementation_internal = saved
 
     # ------------------------------------------------------------ checks at startup
 

@@ -5,12 +5,9 @@ Qwen2-VL: about 165 ms on one CPU thread, against 45-60 ms for its prompt's pref
 runner's thread it had to be cut into slices, so that a text request waited for one slice at
 most, and it ran on that thread's core while the machine's other core was idle a third of the
 time. Here one thread runs each image's whole pass, in the order they are submitted, while the
-runner's thread goes on with prefill chunks and decode steps: torch releases the GIL inside its
-operations, so both run at once on two cores, and no text request waits for a pass (where the
-engine has one core, the OS shares it between the two).
-
-The lane's thread runs `nice` steps below the runner's (`--image-nice`): where the cores are
-shared, a text request's unit takes one first, and passes get what it leaves idle.
+runner's thread goes on with text units and decode steps, and the bulk lane's with image
+prompts' prefill: no text request waits for a pass. Like the bulk lane's, the thread is a
+LaneThread (lane_thread.py): `nice` steps below the runner's, beside it on another core.
 
 The lane's thread has its own torch thread count (torch keeps the count per thread): `threads`,
 or `idle_threads` for a pass that starts while `spare()` says that the runner has nothing to
@@ -19,7 +16,8 @@ counts only where a probe image's features are the same bits on both, so a pass 
 bits whatever else runs.
 
 On CUDA the lane queues its kernels on a stream of its own, so that a pass and the runner's
-units run on the GPU at once, as they do on two cores; the lane waits for its stream before a
+units run on the GPU at once, as they do on two cores (the bulk lane's units share the
+runner's stream); the lane waits for its stream before a
 result leaves, and marks the features as used on the runner's stream, so that their memory is
 not reused while the runner's kernels still read it.
 
@@ -31,23 +29,19 @@ result: its features, the exception its pass raised, or None if it was cancelled
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from services.common.lifecycle import lower_priority
 from services.engine.hf.budget import synchronize
+from services.engine.hf.lane_thread import LaneThread
 
 log = logging.getLogger(__name__)
-
-CLOSE_TIMEOUT_S = 10.0
-"""How long `close` waits for the pass under way to end."""
 
 
 class VisionResult(NamedTuple):
@@ -62,31 +56,26 @@ class VisionResult(NamedTuple):
 
 class VisionLane:
     """Runs `encode` (an image's tensors to its features) for each submitted job, in order, on a
-    thread `nice` steps below its creator's, with `threads` torch threads (`idle_threads` for a
-    pass that starts while `spare()` is true); `wake` is called after each result."""
+    lane thread `nice` steps below its creator's, with `threads` torch threads (`idle_threads`
+    for a pass that starts while `spare()` is true); `wake` is called after each result."""
 
     def __init__(self, encode: Callable[[Mapping[str, np.ndarray]], torch.Tensor], *,
                  threads: int, idle_threads: int, spare: Callable[[], bool],
                  device: torch.device, wake: Callable[[], None], nice: int = 0) -> None:
         self._encode = encode
-        self._nice = nice
         self.threads = threads
         self.idle_threads = idle_threads
         self._spare = spare
         self._device = device
-        self._wake = wake
         self._runner_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         """The creating thread's (the runner's) stream, which reads the features (CUDA only)."""
-        self._jobs: queue.SimpleQueue[tuple[int, Mapping[str, np.ndarray]] | None] = (
-            queue.SimpleQueue())
-        self._results: queue.SimpleQueue[VisionResult] = queue.SimpleQueue()
         self._cancelled: set[int] = set()
         """Jobs to skip if not yet started (set by the runner's thread, read by the lane's)."""
-        self._thread = threading.Thread(target=self._run, name="vision-lane", daemon=True)
-        self._thread.start()
+        self._thread: LaneThread[tuple[int, Mapping[str, np.ndarray]], VisionResult] = (
+            LaneThread("vision-lane", self._pass, nice=nice, wake=wake, context=self._stream))
 
     def submit(self, job: int, tensors: Mapping[str, np.ndarray]) -> None:
-        self._jobs.put((job, tensors))
+        self._thread.submit((job, tensors))
 
     def cancel(self, job: int) -> None:
         """Skip `job` if its pass has not started (its result is then None)."""
@@ -94,32 +83,19 @@ class VisionLane:
 
     def finished(self) -> list[VisionResult]:
         """The results that have come since the last call."""
-        results = []
-        while True:
-            try:
-                results.append(self._results.get_nowait())
-            except queue.Empty:
-                return results
+        return self._thread.finished()
 
     def close(self) -> None:
         """End the thread after the pass under way (jobs still queued are dropped)."""
-        while True:  # what is queued will not be waited for
-            try:
-                self._jobs.get_nowait()
-            except queue.Empty:
-                break
-        self._jobs.put(None)
-        self._thread.join(CLOSE_TIMEOUT_S)
+        self._thread.close()
 
-    def _run(self) -> None:
-        lower_priority(self._nice)
+    def _stream(self) -> contextlib.AbstractContextManager[Any]:
+        """A stream of the lane's own on CUDA (None: no stream, on the CPU)."""
         stream = None if self._runner_stream is None else torch.cuda.Stream(self._device)
-        with torch.inference_mode(), torch.cuda.stream(stream):  # None: no stream (the CPU)
-            while (job := self._jobs.get()) is not None:
-                self._results.put(self._pass(*job))
-                self._wake()
+        return torch.cuda.stream(stream)
 
-    def _pass(self, job: int, tensors: Mapping[str, np.ndarray]) -> VisionResult:
+    def _pass(self, job_tensors: tuple[int, Mapping[str, np.ndarray]]) -> VisionResult:
+        job, tensors = job_tensors
         if job in self._cancelled:
             self._cancelled.discard(job)
             return VisionResult(job, None, 0.0, 0)
