@@ -49,6 +49,7 @@ from services.cli import build_parser, role_config
 from services.client import Client, user_message
 from services.common.config import load_config
 from services.engine.config import EngineConfig
+from services.engine.hf.attention import PER_CHUNK, attention, per_thread
 from services.engine.hf.config import IDLE_UNIT_MS, MAX_UNIT_MS, PREFILL_CHUNK_TOKENS
 from services.engine.hf.runner import HFRunner
 from services.engine.hf.scheduler import Lane, lane_of, pick
@@ -220,6 +221,22 @@ def test_text_runs_while_an_image_prompt_is_on_the_bulk_lane(
     finally:
         gate.set()
         runner.close()
+
+
+def test_the_attention_implementation_is_per_thread(qwen_dir: Path) -> None:
+    """The bulk lane's forwards and the runner's run at once through the same text layers,
+    each with the attention implementation its thread set."""
+    config = load_model(qwen_dir, DEVICE).config.get_text_config()
+    own = config._attn_implementation
+    per_thread(config)
+    seen = {}
+    with attention(PER_CHUNK):
+        other = threading.Thread(target=lambda: seen.update(other=config._attn_implementation))
+        other.start()
+        other.join()
+        seen["this"] = config._attn_implementation
+    assert seen == {"this": PER_CHUNK, "other": own} and PER_CHUNK != own
+    assert config._attn_implementation == own
 
 
 # ---------------------------------------------------------------- deadlines and aborts

@@ -7,8 +7,8 @@ where cores are shared, a text request's unit takes one first. torch releases th
 operations, so the lanes and the runner run at once on as many cores.
 
 The creator submits jobs and takes the results (`finished`) on its own thread; the lane calls
-`wake` after each result, so that a runner waiting for work looks at once. Every submitted job
-gets exactly one result, in submission order.
+`wake` after each result, so that a runner waiting for work looks at once. Every job submitted
+before `close` gets exactly one result, in submission order, unless `close` drops it.
 """
 
 from __future__ import annotations

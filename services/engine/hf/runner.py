@@ -146,8 +146,9 @@ class _BulkUnit:
 
 
 class HFRunner:
-    """Runs requests on a transformers model: prefill units of one request, decode steps of up
-    to `max_batch` requests, and images' vision passes beside them on the vision lane."""
+    """Runs requests on a transformers model: text prompts' prefill units and decode steps of
+    up to `max_batch` requests on its own thread; image prompts' prefill units beside them on
+    the bulk lane, and images' vision passes on the vision lane."""
 
     def __init__(
         self, model: Any, spec: ModelSpec, adapter: Adapter, *,

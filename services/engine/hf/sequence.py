@@ -2,10 +2,11 @@
 
 A request advances one unit at a time: its images' vision-encoder passes (handed to the vision
 lane as one step, vision_lane.py; it waits for their features), then prompt prefill in chunks
-(one or more per unit, budget.py), then one decode step per output token; the decode steps of
-several requests may run together, as one batched step (runner.py). Everything a unit needs is
-kept here, per request (its own KV cache, its own position ids, its image embeddings), so units
-of different requests can run in any interleaving and give the same tokens.
+(one or more per unit, budget.py; an image request's on the bulk lane, runner.py), then one
+decode step per output token; the decode steps of several requests may run together, as one
+batched step (runner.py). Everything a unit needs is kept here, per request (its own KV cache,
+its own position ids, its image embeddings), so units of different requests can run in any
+interleaving, on either thread, and give the same tokens.
 """
 
 from __future__ import annotations
