@@ -29,16 +29,18 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
     max_unit_ms: float = MAX_UNIT_MS
-    """About how long one unit of work (a run of prefill chunks) may take while another
-    interactive request waits for it (default 5): what a text request waits behind an image's
-    prefill (vision passes run beside, on the vision lane). Costs are timed on the loaded
-    model at startup and kept current from the units that run (see hf/budget.py)."""
+    """About how long one unit of work (a run of a text prompt's prefill chunks) may take
+    while another interactive request waits for it (default 5): what a text request waits
+    behind another's prefill (image prompts prefill on the bulk lane and vision passes run on
+    the vision lane, beside). Costs are timed on the loaded model at startup and kept current
+    from the units that run (see hf/budget.py)."""
     idle_unit_ms: float = IDLE_UNIT_MS
     """About how long a unit may take while no other interactive request waits and no other
-    text-only request has arrived for 5 s (default 100): a prompt that comes alone (an
-    image's, a long text's) prefills in a few large units, which cost less per token; a text
-    request that arrives during one waits for all of it, so under a stream of text units keep
-    to --max-unit-ms. 0: always as --max-unit-ms."""
+    text-only request has arrived for 5 s (default 100): a long text prompt that comes alone
+    prefills in a few large units, which cost less per token; a text request that arrives
+    during one waits for all of it, so under a stream of text units keep to --max-unit-ms.
+    An image prompt's units, on the bulk lane, which no text request waits for, take this
+    long always. 0: always as --max-unit-ms."""
     prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS
     """The tokens of one prefill chunk, fixed for every request (chunk boundaries change a
     prompt's bits, and the prefix cache shares chunks of one size). 0: derived at startup, the
@@ -62,10 +64,11 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     0: every core this process may run on. Only where a probe image's features are the same
     bits on both counts (checked at startup on the CPU; else as --vision-threads)."""
     image_nice: int = IMAGE_NICE
-    """Nice steps (0-19) below text work that image work runs: here the vision lane's thread
-    (`mmlane serve` sets the MM worker's --image-nice too). Where cores are shared, a text
-    request's unit takes one first, and image work gets what text leaves idle (at 10 about a
-    tenth of a core that text fills). 0: off. Linux counts niceness per thread."""
+    """Nice steps (0-19) below text work that image work runs: here the threads of the vision
+    and bulk lanes (`mmlane serve` sets the MM worker's --image-nice too). Where cores are
+    shared, a text request's unit takes one first, and image work gets what text leaves idle
+    (at 10 about a tenth of a core that text fills). 0: off. Linux counts niceness per
+    thread."""
     grammar_cache_size: int = GRAMMAR_CACHE_SIZE
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""
