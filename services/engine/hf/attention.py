@@ -7,7 +7,7 @@ of several requests' chunks, where each request's chunks do so over its own KV c
 Importing this registers them with transformers; only the "hf" backend's runner imports it, so
 an engine on another backend registers nothing.
 
-The runner's thread and the bulk lane's (bulk_lane.py) run forwards at once, each with its own
+The runner's thread and the bulk lane's (runner.py) run forwards at once, each with its own
 implementation, through the same layers, which look the name up on the text config at each
 call: `attention` sets it for the calling thread alone (`per_thread` makes the config's name
 follow the thread).

@@ -381,6 +381,7 @@ class HFRunner:
             batch = [part for part, _ in parts] or [seq]
             across = [tokens for _, tokens in parts]
         self._ran(batch, started)
+        self._units += 1
         outputs = self._advance(batch, unit, across, busy=busy)
         synchronize(self.model.device)
         elapsed = time.monotonic() - started
@@ -418,6 +419,7 @@ class HFRunner:
             parts = self._across([seq, *bulk[place + 1:]][: self.max_batch], busy=False)
             batch = [part for part, _ in parts] or [seq]
             self._ran(batch, started)
+            self._units += 1
             self._bulk_unit = _BulkUnit(batch, unit, [tokens for _, tokens in parts])
             self._bulk.submit(self._bulk_unit)
         return outputs
@@ -455,7 +457,6 @@ class HFRunner:
 
     def _ran(self, batch: list[Sequence], started: float) -> None:
         """Note that `batch` runs a unit now (the first of a request's: its queue wait)."""
-        self._units += 1
         for seq in batch:
             if seq.last_run < 0:
                 self.metrics.observe(f"queue_wait:{seq.kind}", started - seq.arrived)
