@@ -532,6 +532,38 @@ def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
     assert [o.finish_reason for o in outputs if o.handle == 1][-1] == "length"
 
 
+def test_a_unit_that_fails_on_the_bulk_lane_fails_its_request_alone(
+    qwen_dir, prep, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception in an image prompt's prefill unit, raised on the bulk lane's thread, fails
+    that request with model_error; a text request beside it and the next image still finish."""
+    run = HFRunner._run
+
+    def failing_for_the_first(runner: HFRunner, batch: list, *args: object,
+                              **kwargs: object) -> object:
+        if batch[0].handle == 0:
+            raise ValueError("a forward pass that failed")
+        return run(runner, batch, *args, **kwargs)
+
+    monkeypatch.setattr(HFRunner, "_run", failing_for_the_first)
+    runner = HFRunner.load(str(qwen_dir), DEVICE, max_batch=1)  # the images' units: one each
+    try:
+        runner.add(0, make_request(prep, *ONE_IMAGE, max_tokens=3))
+        runner.add(1, make_request(prep, "and meanwhile?", max_tokens=3))
+        runner.add(2, make_request(prep, *ONE_IMAGE, max_tokens=3, image_seed=1))
+        outputs = []
+        while runner.has_work():
+            outputs += runner.step()
+    finally:
+        runner.close()
+    (error,) = [o.error for o in outputs if o.handle == 0]
+    assert error is not None and error.code == "model_error"
+    assert "the model failed on this request: ValueError" in error.message
+    for handle in (1, 2):
+        assert [o.finish_reason for o in outputs if o.handle == handle][-1] == "length"
+        assert all(o.error is None for o in outputs if o.handle == handle)
+
+
 def _tokens_alone(runner: HFRunner, request: EngineRequest) -> list[int]:
     return served_alone(runner, request)[0]
 
