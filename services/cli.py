@@ -15,9 +15,6 @@ import msgspec
 from protocol.errors import MMLaneError
 from services.common.config import (
     DEFAULT_HOST,
-    DEFAULT_PORT,
-    FrontendConfig,
-    MMWorkerConfig,
     default_run_dir,
     handed_config,
     load_config,
@@ -26,7 +23,9 @@ from services.common.config import (
 from services.common.lifecycle import run_role
 from services.common.settings import Settings
 from services.engine.config import EngineConfig
+from services.frontend.config import DEFAULT_PORT, FrontendConfig
 from services.launcher import SERVE_SETTINGS
+from services.mm_worker.config import MMWorkerConfig
 
 ROLE_SETTINGS: dict[str, tuple[type[msgspec.Struct], Settings]] = {
     "engine": (EngineConfig, Settings(EngineConfig)),
@@ -154,11 +153,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             "run frontend, MM worker and engine on this machine")
     SERVE_SETTINGS.add_to(p)
 
-    p = add("frontend", _cmd_role("frontend", "services.frontend", "Frontend"),
+    p = add("frontend", _cmd_role("frontend", "services.frontend.service", "Frontend"),
             "run one frontend (client API, chat template, tokenizer)")
     _add_role_args(p, ROLE_SETTINGS["frontend"][1])
 
-    p = add("mm-worker", _cmd_role("mm-worker", "services.mm_worker", "MMWorker",
+    p = add("mm-worker", _cmd_role("mm-worker", "services.mm_worker.worker", "MMWorker",
                                         MM_WORKER_ENVIRONMENT),
             "run one MM worker (FIFO image preprocessing)")
     _add_role_args(p, ROLE_SETTINGS["mm-worker"][1])

@@ -48,9 +48,6 @@ import zmq
 from protocol.errors import FatalError
 from protocol.messages import LauncherInput, StartupFailed
 from services.common.config import (
-    DEFAULT_PORT,
-    FrontendConfig,
-    MMWorkerConfig,
     OpsConfig,
     default_run_dir,
     ipc,
@@ -62,6 +59,8 @@ from services.common.settings import Settings
 from services.common.sockets import make_socket, write_keys
 from services.common.stats import Metrics, StatsServer
 from services.engine.config import EngineConfig
+from services.frontend.config import DEFAULT_PORT, FrontendConfig
+from services.mm_worker.config import MMWorkerConfig
 
 log = logging.getLogger("serve")  # the logger of `setup_logging("serve")`
 

@@ -27,11 +27,12 @@ from protocol.messages import (
     SamplingParams,
 )
 from services.bench.images import noise_image, png_uri
-from services.common.config import MMWorkerConfig, load_config
+from services.common.config import load_config
 from services.common.feature_cache import FeatureCache, capacity_bytes, commit
 from services.engine.cache import ReceiverCaches
 from services.engine.config import EngineConfig
 from services.mm_worker.cache import ImageHasher, SenderCache
+from services.mm_worker.config import MMWorkerConfig
 from services.mm_worker.jobs import JobRenderer
 from services.mm_worker.media import MediaPolicy
 from services.model import ImageItem

@@ -46,10 +46,10 @@ from protocol.messages import (
     SamplingParams,
 )
 from services.bench.images import data_uri, encode, noise_image
-from services.common.config import MMWorkerConfig
 from services.common.feature_cache import FeatureCache, commit
 from services.mm_worker import pool
 from services.mm_worker import worker as worker_module
+from services.mm_worker.config import MMWorkerConfig
 from services.mm_worker.media import MediaPolicy, decode_image
 from services.mm_worker.pool import Processed
 from services.mm_worker.worker import MMWorker

@@ -51,8 +51,8 @@ from protocol.messages import (
     RequestFailed,
 )
 from services.bench.loop import Mailbox, received
-from services.common.config import FrontendConfig
 from services.common.sockets import make_socket
+from services.frontend.config import FrontendConfig
 from services.frontend.detokenize import IncrementalDetokenizer
 from services.frontend.requests import check_request, prompt_token_ids
 from services.mm_worker.cache import ImageHasher, SenderCache

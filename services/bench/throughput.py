@@ -37,9 +37,10 @@ from protocol.codec import Codec
 from protocol.messages import EngineInput, ImageUrl, MMJob, SamplingParams
 from services.bench.config import BenchConfig, parse_size
 from services.bench.images import data_uri, generated_jpeg
-from services.common.config import MMWorkerConfig, load_config, run_dir_defaults
+from services.common.config import load_config, run_dir_defaults
 from services.common.settings import Settings
 from services.launcher import start_roles, stop_all
+from services.mm_worker.config import MMWorkerConfig
 from services.mm_worker.media import decode_image
 from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 

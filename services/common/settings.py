@@ -1,7 +1,8 @@
 """Command-line flags and `MMLANE_*` environment variables derived from a config Struct.
 
-A config Struct (services/common/config.py) is the one definition of each setting: its name,
-type, default, docstring and validation. `Settings(Config)` turns every field into a flag:
+A config Struct (each role's config.py, e.g. services/frontend/config.py) is the one definition
+of each setting: its name, type, default, docstring and validation. `Settings(Config)` turns
+every field into a flag:
 
 - the name is the field's, `_` as `-` and a trailing `_s` (seconds) dropped:
   `drain_timeout_s` is `--drain-timeout`, its environment variable `MMLANE_DRAIN_TIMEOUT`;

@@ -1,5 +1,4 @@
-"""The frontend role: client API, chat template, tokenizer pool, routing and detokenization."""
+"""The frontend role: client API, chat template, tokenizer pool, routing and detokenization.
 
-from services.frontend.service import Frontend
-
-__all__ = ["Frontend"]
+The role is `services.frontend.service.Frontend`; its settings are `config.FrontendConfig`,
+which imports without the model (this package's import loads neither)."""

@@ -90,7 +90,6 @@ from protocol.messages import (
     ResetEngineCache,
     TokenLogprob,
 )
-from services.common.config import FrontendConfig
 from services.common.feature_cache import is_epoch
 from services.common.lifecycle import (
     Stop,
@@ -101,6 +100,7 @@ from services.common.lifecycle import (
 )
 from services.common.sockets import Security, bound_endpoint, make_socket
 from services.common.stats import Metrics, log_totals
+from services.frontend.config import FrontendConfig
 from services.frontend.detokenize import OutputText, TokenTexts, space_marker
 from services.frontend.http_api import HttpApi
 from services.frontend.http_limits import HttpLimits

@@ -1,5 +1,4 @@
-"""The MM worker role: FIFO image loading, decoding and processing in front of the engine."""
+"""The MM worker role: FIFO image loading, decoding and processing in front of the engine.
 
-from services.mm_worker.worker import MMWorker
-
-__all__ = ["MMWorker"]
+The role is `services.mm_worker.worker.MMWorker`; its settings are `config.MMWorkerConfig`,
+which imports without torch (this package's import loads neither)."""

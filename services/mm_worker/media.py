@@ -39,8 +39,8 @@ import pybase64
 from PIL import ExifTags, Image, ImageOps
 
 from protocol.errors import RequestError, translated
-from services.common.config import MMWorkerConfig
 from services.common.memory import keep_freed_memory
+from services.mm_worker.config import MMWorkerConfig
 
 # Modes whose alpha channel is composited on white; other modes carrying a `transparency`
 # entry (P, L, RGB with a tRNS colour key) are composited too.

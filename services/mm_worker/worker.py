@@ -68,7 +68,6 @@ from protocol.messages import (
     MMWorkerInput,
     RequestFailed,
 )
-from services.common.config import MMWorkerConfig
 from services.common.feature_cache import capacity_bytes
 from services.common.lifecycle import (
     Stop,
@@ -80,6 +79,7 @@ from services.common.lifecycle import (
 from services.common.sockets import ReplySockets, Security, make_socket
 from services.common.stats import Metrics, log_totals
 from services.mm_worker.cache import ImageHasher, SenderCache
+from services.mm_worker.config import MMWorkerConfig
 from services.mm_worker.fetch import FetchPolicy, MediaFetcher
 from services.mm_worker.jobs import JobRenderer, StartedJob
 from services.mm_worker.media import MediaPolicy, configure_pillow, is_fetched
