@@ -87,13 +87,8 @@ from protocol.sampling import MAX_LOGPROBS
 from services.common.lifecycle import DRAINING_CODE
 from services.common.prometheus import OwnStatsCollector, registry_of
 from services.common.stats import Metrics
-from services.frontend.http_limits import (
-    RETRY_AFTER_S,
-    Connections,
-    HttpLimits,
-    RateLimiter,
-    retry_after,
-)
+from services.frontend.config import FrontendConfig
+from services.frontend.http_limits import RETRY_AFTER_S, Connections, RateLimiter, retry_after
 
 log = logging.getLogger(__name__)
 
@@ -134,23 +129,21 @@ class _Stalled(Exception):
 
 
 class HttpApi:
-    """Serves the HTTP API on `host:port` from a thread named 'frontend-http'."""
+    """Serves the HTTP API on `config.http_host:http_port` from a thread named 'frontend-http',
+    bounded by the config's `http_*` limits (http_limits.py)."""
 
     def __init__(
-        self, *, ctx: zmq.Context, client_endpoint: str, host: str, port: int, model_id: str,
-        alive: Callable[[], bool], draining: Callable[[], bool],
-        api_keys: list[str], max_n: int, metrics: Metrics, limits: HttpLimits,
+        self, config: FrontendConfig, *, ctx: zmq.Context, client_endpoint: str, model_id: str,
+        alive: Callable[[], bool], draining: Callable[[], bool], metrics: Metrics,
     ) -> None:
         self.model_id = model_id
-        self._limits = limits
-        self._rates = RateLimiter(limits.rate_limit, limits.rate_burst) if limits.rate_limit \
-            else None
-        self._max_n = max_n
+        self._config = config
+        self._rates = RateLimiter(config.http_rate_limit, config.http_rate_burst) \
+            if config.http_rate_limit else None
         self._metrics = metrics
         self._prometheus = registry_of(OwnStatsCollector(metrics.snapshot))
-        self._api_keys = [key.encode() for key in api_keys]
+        self._api_keys = [key.encode() for key in config.api_keys()]
         self._client_endpoint = client_endpoint
-        self._host, self._port = host, port
         self._alive = alive
         self._draining = draining
         self._ctx = zmq.asyncio.Context.shadow(ctx)  # inproc needs the frontend's context
@@ -172,9 +165,10 @@ class HttpApi:
         self._started.wait(30)
         if self._error is not None:
             raise FatalError(
-                f"cannot serve HTTP on {self._host}:{self._port}: {self._error}", code="bad_config"
+                f"cannot serve HTTP on {self._config.http_host}:{self._config.http_port}: "
+                f"{self._error}", code="bad_config"
             ) from self._error
-        log.info("HTTP API on http://%s:%d/v1", self._host, self.port)
+        log.info("HTTP API on http://%s:%d/v1", self._config.http_host, self.port)
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -200,7 +194,7 @@ class HttpApi:
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.connect(self._client_endpoint)
         self._reader = asyncio.create_task(self._read_replies(), name="frontend-http-replies")
-        app = web.Application(client_max_size=self._limits.max_body_bytes,
+        app = web.Application(client_max_size=self._config.http_max_body_bytes,
                               middlewares=[self._guard, self._check_api_key, self._rate_limit])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
@@ -213,15 +207,13 @@ class HttpApi:
         await self._runner.setup()
         assert self._runner.server is not None
         self._connections = Connections(
-            self._runner.server, max_connections=self._limits.max_connections,
-            header_timeout_s=self._limits.header_timeout_s,
-            keepalive_timeout_s=self._limits.keepalive_timeout_s, metrics=self._metrics,
+            self._runner.server, self._config, metrics=self._metrics,
             error_body=lambda message, code: _error_body(ApiError(message, code)))
         self._metrics.gauge("http_connections", lambda: len(self._connections.open))
         # The listening socket is ours rather than a web.TCPSite's, so that every connection
         # goes through `Connections`; the runner still closes the connections at its cleanup.
         self._server = await asyncio.get_running_loop().create_server(
-            self._connections, self._host, self._port)
+            self._connections, self._config.http_host, self._config.http_port)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _shutdown(self) -> None:
@@ -291,8 +283,8 @@ class HttpApi:
         wait = self._rates.wait_s(key)
         if wait:
             return self._refuse(ApiError(
-                f"over the rate limit of {self._limits.rate_limit:g} requests a second "
-                f"(bursts of {self._limits.rate_burst}); try again in {wait:.2f} s",
+                f"over the rate limit of {self._config.http_rate_limit:g} requests a second "
+                f"(bursts of {self._config.http_rate_burst}); try again in {wait:.2f} s",
                 "rate_limit_exceeded", retry_after_s=wait))
         return await handler(request)
 
@@ -314,7 +306,7 @@ class HttpApi:
         """The body as JSON, read with `--http-body-timeout` as the longest wait between two of
         its reads (a client that trickles its body is cut off with a 408) and no more than
         `--http-max-body-bytes` in all (a 413)."""
-        limit, timeout = self._limits.max_body_bytes, self._limits.body_timeout_s
+        limit, timeout = self._config.http_max_body_bytes, self._config.http_body_timeout_s
         if http.content_length is not None and http.content_length > limit:
             raise _too_large(limit)
         body = bytearray()
@@ -367,7 +359,7 @@ class HttpApi:
             body = await self._read_json(http)
             request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}",
                                                              route)
-            n = n_of(body, self._max_n)
+            n = n_of(body, self._config.max_n)
         except ApiError as exc:
             return self._refuse(exc)
         async with self._choices(parallel_requests(request, n)) as choices:
@@ -407,7 +399,7 @@ class HttpApi:
         except _Stalled:  # the client reads nothing: cut it off; `_choices` cancels the rest
             self._metrics.counters["http_stalled_streams"] += 1
             log.warning("HTTP stream of %s: the client read nothing for %g s; closed",
-                        request.request_id, self._limits.stream_write_timeout_s)
+                        request.request_id, self._config.http_stream_write_timeout_s)
             if http.transport is not None:
                 http.transport.abort()
         return response
@@ -442,13 +434,13 @@ class HttpApi:
             if include_usage:
                 await send(chunk.usage(_usage(prompt_tokens(firsts), completion_tokens)))
         await self._write(response, b"data: [DONE]\n\n")
-        await asyncio.wait_for(response.write_eof(), self._limits.stream_write_timeout_s)
+        await asyncio.wait_for(response.write_eof(), self._config.http_stream_write_timeout_s)
 
     async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         """Write to a stream; raises _Stalled when the client has read nothing for the write
         timeout (its connection's buffers full), so that it holds no request any longer."""
         try:
-            await asyncio.wait_for(response.write(data), self._limits.stream_write_timeout_s)
+            await asyncio.wait_for(response.write(data), self._config.http_stream_write_timeout_s)
         except TimeoutError:
             raise _Stalled from None
 

@@ -7,20 +7,21 @@ other clients need:
 
 - `Connections` is the listening socket's protocol factory. Each connection gets a
   `_Guarded` protocol that hands everything to aiohttp's own, and refuses a connection over
-  `max_connections` with a 503 (and `Retry-After`) before aiohttp sees it. A request head (from
-  the connection's opening, or from the first byte sent to an idle connection, to aiohttp
-  calling a handler) must arrive within `header_timeout_s`, else a 408 and the connection is
-  closed; a connection idle after its answer is closed after `keepalive_timeout_s`. An answer
-  given here closes in stages (RFC 9112 section 9.6): the write side is shut at once and what the
-  client still sends is read and dropped for up to `LINGER_S`, since closing a socket that has
-  unread bytes, or that gets more, makes the kernel send a reset, and a reset can lose the
-  answer before the client reads it. A lingering connection no longer counts as open. (aiohttp's
-  own keep-alive timer is set out of the way: it runs from a connection's opening or last
-  answer, so it would cut a head in progress without a word.) The body's own bound (between
-  two reads) is the API's: it reads the body.
+  `http_max_connections` with a 503 (and `Retry-After`) before aiohttp sees it. A request head
+  (from the connection's opening, or from the first byte sent to an idle connection, to aiohttp
+  calling a handler) must arrive within `http_header_timeout_s`, else a 408 and the connection
+  is closed; a connection idle after its answer is closed after `http_keepalive_timeout_s`. An
+  answer given here closes in stages (RFC 9112 section 9.6): the write side is shut at once and
+  what the client still sends is read and dropped for up to `LINGER_S`, since closing a socket
+  that has unread bytes, or that gets more, makes the kernel send a reset, and a reset can lose
+  the answer before the client reads it. A lingering connection no longer counts as open.
+  (aiohttp's own keep-alive timer is set out of the way: it runs from a connection's opening or
+  last answer, so it would cut a head in progress without a word.) The body's own bound
+  (between two reads) is the API's: it reads the body.
 - `RateLimiter` keeps a token bucket per key (API key, or client address without keys):
-  `rate` requests a second with bursts of `burst`; a request over it waits for nothing but gets
-  a 429 saying, in `Retry-After`, when a token is back.
+  `rate` requests a second with bursts of `burst` (`http_rate_limit`, `http_rate_burst`); a
+  request over it waits for nothing but gets a 429 saying, in `Retry-After`, when a token is
+  back.
 
 Everything here runs on the HTTP API's event loop, the only thread that touches it.
 """
@@ -34,10 +35,10 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from services.common.stats import Metrics
+from services.frontend.config import FrontendConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +50,6 @@ shut, unless the client closes first (the module's docstring)."""
 MAX_RATE_KEYS = 65536
 """Keys whose buckets are kept; the least recently seen is forgotten first (a forgotten key
 starts again with a full bucket, so forgetting is only ever lenient)."""
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """The frontend's `--http-*` bounds (their meanings are the settings' docstrings)."""
-
-    max_body_bytes: int
-    stream_write_timeout_s: float
-    header_timeout_s: float
-    body_timeout_s: float
-    keepalive_timeout_s: float
-    max_connections: int
-    rate_limit: float
-    rate_burst: int
 
 
 def raw_response(status: int, reason: str, body: dict[str, Any],
@@ -78,13 +65,11 @@ def raw_response(status: int, reason: str, body: dict[str, Any],
 class Connections:
     """The protocol factory of the HTTP API's listening socket (see the module's docstring)."""
 
-    def __init__(self, inner: Callable[[], asyncio.Protocol], *, max_connections: int,
-                 header_timeout_s: float, keepalive_timeout_s: float, metrics: Metrics,
-                 error_body: Callable[[str, str], dict[str, Any]]) -> None:
+    def __init__(self, inner: Callable[[], asyncio.Protocol], config: FrontendConfig, *,
+                 metrics: Metrics, error_body: Callable[[str, str], dict[str, Any]]) -> None:
         self._inner = inner
-        self.max_connections = max_connections
-        self.header_timeout_s = header_timeout_s
-        self.keepalive_timeout_s = keepalive_timeout_s
+        self.config = config
+        """Its `http_max_connections`, `http_header_timeout_s` and `http_keepalive_timeout_s`."""
         self.metrics = metrics
         self.error_body = error_body
         self.open: dict[asyncio.Protocol, _Guarded] = {}
@@ -127,14 +112,14 @@ class _Guarded(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         connections = self._connections
-        if len(connections.open) >= connections.max_connections:
+        if len(connections.open) >= connections.config.http_max_connections:
             connections.metrics.counters["http_connections_refused"] += 1
             log.warning("HTTP connection from %s refused: %d are open, the most allowed "
                         "(--http-max-connections)", transport.get_extra_info("peername"),
                         len(connections.open))
             self._answer_and_close(raw_response(503, "Service Unavailable", connections.error_body(
                 f"the HTTP API holds the most connections it takes "
-                f"({connections.max_connections}); try again", "overloaded"),
+                f"({connections.config.http_max_connections}); try again", "overloaded"),
                 {"Retry-After": retry_after(RETRY_AFTER_S)}))
             return
         self._inner = self._make_inner()
@@ -176,9 +161,9 @@ class _Guarded(asyncio.Protocol):
 
     def _arm(self, what: str) -> None:
         self._disarm()
-        connections = self._connections
-        seconds, then = (connections.header_timeout_s, self._too_slow) if what == "head" \
-            else (connections.keepalive_timeout_s, self._idle_too_long)
+        config = self._connections.config
+        seconds, then = (config.http_header_timeout_s, self._too_slow) if what == "head" \
+            else (config.http_keepalive_timeout_s, self._idle_too_long)
         self._timer = asyncio.get_running_loop().call_later(seconds, then)
         self._timer_for = what
 
@@ -201,9 +186,9 @@ class _Guarded(asyncio.Protocol):
         connections.metrics.counters["http_slow_heads"] += 1
         log.warning("HTTP connection from %s sent no whole request head in %g s "
                     "(--http-header-timeout): 408, closed", transport.get_extra_info("peername"),
-                    connections.header_timeout_s)
+                    connections.config.http_header_timeout_s)
         self._answer_and_close(raw_response(408, "Request Timeout", connections.error_body(
-            f"no whole request head within {connections.header_timeout_s:g} s",
+            f"no whole request head within {connections.config.http_header_timeout_s:g} s",
             "request_timeout")))
 
     def _answer_and_close(self, response: bytes) -> None:

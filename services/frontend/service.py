@@ -103,7 +103,6 @@ from services.common.stats import Metrics, log_totals
 from services.frontend.config import FrontendConfig
 from services.frontend.detokenize import OutputText, TokenTexts, space_marker
 from services.frontend.http_api import HttpApi
-from services.frontend.http_limits import HttpLimits
 from services.frontend.requests import (
     CheckedRequest,
     check_request,
@@ -210,21 +209,10 @@ class Frontend:
         self.http: HttpApi | None = None
         if config.http_port:
             self.http = HttpApi(
-                ctx=self._ctx, client_endpoint=self._http_endpoint, host=config.http_host,
-                port=config.http_port, model_id=self._pre.model_id,
-                limits=HttpLimits(
-                    max_body_bytes=config.http_max_body_bytes,
-                    stream_write_timeout_s=config.http_stream_write_timeout_s,
-                    header_timeout_s=config.http_header_timeout_s,
-                    body_timeout_s=config.http_body_timeout_s,
-                    keepalive_timeout_s=config.http_keepalive_timeout_s,
-                    max_connections=config.http_max_connections,
-                    rate_limit=config.http_rate_limit, rate_burst=config.http_rate_burst,
-                ),
+                config, ctx=self._ctx, client_endpoint=self._http_endpoint,
+                model_id=self._pre.model_id,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
-                draining=lambda: self._stop.is_set(), api_keys=config.api_keys(),
-                max_n=config.max_n,
-                metrics=self.metrics,
+                draining=lambda: self._stop.is_set(), metrics=self.metrics,
             )
             try:
                 self.http.start()
