@@ -1,13 +1,20 @@
-"""Shared fixtures: the tiny models (built once), run dirs, and real role processes."""
+"""Shared fixtures: the tiny models (built once), run dirs, and real role processes; the fast
+lane (FAST); and the leak check, as pyzmq's conftest has one: a test, or a module's fixtures,
+that leaves a process it started running or a ZMQ socket open fails (`no_leaks`)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import types
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +28,7 @@ cpu_wheels.apply()  # before transformers loads: a vLLM CPU install needs it (cp
 import numpy as np
 import pytest
 import torch
+import zmq
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
@@ -55,6 +63,26 @@ os.environ.setdefault("MMLANE_HTTP_PORT", "0")
 # The engine's device in the tests that run one (scripts/device_check runs them on CUDA). An
 # engine and the in-process reference it is compared with run on the same device.
 DEVICE = os.environ.get("MMLANE_TEST_DEVICE", "cpu")
+
+FAST = (
+    "test_cache.py",
+    "test_protocol.py",
+)
+"""The fast lane (`scripts/test --fast`, which is `pytest -m fast`): tests of pure logic and
+in-process code that start no process, neither a role nor `mmlane serve` (`no_leaks` fails one
+of them that does). Each name is a test file, or a test's node id (or a prefix: a class) within
+one, as in `test_x.py::TestY`; a name that matches no collected test is simply unused, so files
+may come and go."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _in_fast_lane(item.path.name + item.nodeid[item.nodeid.find("::"):]):
+            item.add_marker(pytest.mark.fast)
+
+
+def _in_fast_lane(name: str) -> bool:
+    return any(name == fast or name.startswith((f"{fast}::", f"{fast}[")) for fast in FAST)
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +309,11 @@ class Process(NamedTuple):
     parent: int
     session: int
     cmdline: bytes
+    group: int
+    state: str
+    """'Z' for a zombie: it has ended, and its parent has not reaped it yet."""
+    started: int
+    """When it started, in clock ticks since boot: with the pid, names the process for good."""
 
 
 def processes() -> Iterator[Process]:
@@ -293,9 +326,178 @@ def processes() -> Iterator[Process]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:  # it has just ended
             continue
-        # After the command's name, in parentheses: state, parent, process group, session.
+        # After the command's name, in parentheses (proc(5) counts from 1): 3 state, 4 parent,
+        # 5 process group, 6 session, 22 start time.
         fields = stat.rsplit(")", 1)[1].split()
-        yield Process(int(entry.name), int(fields[1]), int(fields[3]), cmdline)
+        yield Process(int(entry.name), int(fields[1]), int(fields[3]), cmdline,
+                      int(fields[2]), fields[0], int(fields[19]))
+
+
+# --- Leaks: a test fails if it leaves a process it started running or a ZMQ socket open -------
+
+OWNER_ENV = "MMLANE_TEST_OWNER"
+"""Every process this pytest starts inherits it, so the leak check finds one whose parent has
+died (an orphan no longer descends from pytest); another pytest beside this one sets its own."""
+os.environ[OWNER_ENV] = str(os.getpid())
+SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+"""Processes that multiprocessing starts once and keeps for the whole run, by design."""
+LEAK_GRACE_S = 5.0
+"""How long a leak may take to go away after the test (a role that is still exiting, a thread
+that closes its socket) before it counts."""
+
+PYZMQ_GARBAGE_COLLECTOR = os.path.join("zmq", "utils", "garbage.py")
+
+_open_sockets: weakref.WeakKeyDictionary[zmq.Socket, str] = weakref.WeakKeyDictionary()
+"""Every ZMQ socket made in this process and not yet collected, with where it was made."""
+_started: list[str] = []
+"""The processes the current test started (subprocess and fork), as the audit hook saw them."""
+
+
+def _note_socket(add_socket):
+    def add_and_note(context: zmq.Context, socket: zmq.Socket) -> None:
+        add_socket(context, socket)
+        if (where := _made_at(sys._getframe(1))) is not None:
+            _open_sockets[socket] = where
+    return add_and_note
+
+
+zmq.Context._add_socket = _note_socket(zmq.Context._add_socket)  # every Context.socket() calls it
+
+
+def _made_at(frame: types.FrameType | None) -> str | None:
+    """The first few frames of this repository's code that made a socket; None for one that
+    pyzmq's zero-copy garbage collector makes for itself (it lives as long as the process)."""
+    where: list[str] = []
+    while frame is not None and len(where) < 3:
+        path = frame.f_code.co_filename
+        if path.endswith(PYZMQ_GARBAGE_COLLECTOR):
+            return None
+        if path.startswith(str(REPO)) and not path.endswith("conftest.py"):
+            where.append(f"{Path(path).relative_to(REPO)}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(where) or "outside the repository"
+
+
+def _note_process_starts(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        _started.append(" ".join(map(str, args[1])) if isinstance(args[1], list) else str(args[1]))
+    elif event in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system"):
+        _started.append(event)
+
+
+sys.addaudithook(_note_process_starts)
+
+
+class Snapshot(NamedTuple):
+    """What this test run holds at one moment: its live processes and open sockets."""
+
+    processes: dict[tuple[int, int], Process]
+    sockets: weakref.WeakSet[zmq.Socket]
+
+    @classmethod
+    def now(cls) -> Snapshot:
+        return cls({(p.pid, p.started): p for p in _own_processes()},
+                   weakref.WeakSet(_sockets_open()))
+
+    def leaked_processes(self) -> list[Process]:
+        """Processes started since, and still running, that no process older than the snapshot
+        started (a role that `mmlane serve` restarted is serve's; serve is its fixture's)."""
+        older = {pid for pid, _ in self.processes}
+        return [p for p in _own_processes()
+                if (p.pid, p.started) not in self.processes and p.parent not in older]
+
+    def leaked_sockets(self) -> list[zmq.Socket]:
+        return [socket for socket in _sockets_open() if socket not in self.sockets]
+
+
+def _own_processes() -> list[Process]:
+    """This run's live processes: pytest's descendants and any that carry its OWNER_ENV."""
+    me, mark = os.getpid(), f"{OWNER_ENV}={os.getpid()}".encode()
+    every = {p.pid: p for p in processes()}
+
+    def ours(p: Process) -> bool:
+        ancestor = p
+        while ancestor.parent in every and ancestor.pid != me:
+            ancestor = every[ancestor.parent]
+        if ancestor.parent == me or ancestor.pid == me:
+            return True
+        try:
+            return mark in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+
+    return [p for p in every.values() if p.pid != me and p.state != "Z"
+            and not any(helper in p.cmdline for helper in SESSION_HELPERS) and ours(p)]
+
+
+def _sockets_open() -> list[zmq.Socket]:
+    while True:
+        try:
+            return [socket for socket in list(_open_sockets) if not socket.closed]
+        except RuntimeError:  # another thread made a socket meanwhile: look again
+            continue
+
+
+def _leaks(before: Snapshot) -> tuple[list[Process], list[zmq.Socket]]:
+    """What was leaked since `before`, once LEAK_GRACE_S has passed for it to go away."""
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while True:
+        processes_left, sockets_left = before.leaked_processes(), before.leaked_sockets()
+        if not processes_left and not sockets_left or time.monotonic() > deadline:
+            return processes_left, sockets_left
+        if sockets_left:
+            gc.collect()  # a socket in a reference cycle is closed when it is collected
+        time.sleep(0.1)
+
+
+def _end(leaked: list[Process]) -> None:
+    """SIGKILL each leaked process and its process group (a role runs in a session of its
+    own), so that the next test starts clean."""
+    for p in leaked:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if p.group == p.pid:
+                os.killpg(p.pid, signal.SIGKILL)
+            os.kill(p.pid, signal.SIGKILL)
+
+
+def _command(p: Process) -> str:
+    return p.cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _check(before: Snapshot, what: str, report: bool) -> None:
+    processes_left, sockets_left = _leaks(before)
+    _end(processes_left)
+    if not report or not (processes_left or sockets_left):
+        return
+    lines = [f"{what} left {len(processes_left)} process(es) running and "
+             f"{len(sockets_left)} ZMQ socket(s) open:"]
+    lines += [f"  process {p.pid}: {_command(p)}" for p in processes_left]
+    lines += [f"  socket {zmq.SocketType(socket.type).name} made at {_open_sockets.get(socket)}"
+              for socket in sockets_left]
+    pytest.fail("\n".join(lines), pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leaks_by_module_fixtures(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The module's fixtures (set up after this one, so torn down before) leave nothing."""
+    before = Snapshot.now()
+    yield
+    _check(before, f"{request.module.__name__}'s fixtures", report=True)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The test leaves no process it started running and no socket it made open; what the
+    module's fixtures hold (made before the test) is theirs. A test in the fast lane starts no
+    process at all. A test that failed anyway is not failed again for its leaks, but they are
+    ended all the same."""
+    before = Snapshot.now()
+    _started.clear()
+    yield
+    if _started and request.node.get_closest_marker("fast") is not None:
+        pytest.fail(f"a test of the fast lane (FAST) started processes: {_started[:3]}; "
+                    f"take it out of FAST", pytrace=False)
+    _check(before, "the test", report=not request.node.stash.get(FAILED, False))
 
 
 def pool_pids(worker_pid: int) -> list[int]:
