@@ -19,6 +19,7 @@ import statistics
 
 from protocol.messages import EngineRequest, SamplingParams
 from services.common.stats import Metrics
+from services.engine.hf.config import HFConfig
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 
@@ -61,8 +62,8 @@ def main() -> None:
     prep = load_preprocessor(model_dir)
     print(f"{'max_batch':>9} {'requests':>8} {'decode tok/s':>12} {'ms/step':>8} {'batch':>6}")
     for max_batch in (int(m) for m in args.max_batch.split(",")):
-        runner = HFRunner.load(str(model_dir), "cpu", max_batch=max_batch,
-                               threads=args.torch_threads)
+        runner = HFRunner.load(str(model_dir), HFConfig(device="cpu", max_batch=max_batch,
+                                                        torch_threads=args.torch_threads))
         for count in (int(c) for c in args.concurrency.split(",")):
             requests = text_requests(prep, count, args.max_tokens)
             decode_run(runner, requests)  # warm up

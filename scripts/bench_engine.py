@@ -1,19 +1,19 @@
 """Engine scheduling benchmark: text latency idle and while clients stream 12 MP images.
 
-    python scripts/bench_engine.py [--chunks 128,0] [--serve-arg=--FLAG=VALUE ...]
+    python scripts/bench_engine.py [--chunks 128] [--serve-arg=--FLAG=VALUE ...]
                                    [--text-requests 100]
                                    [--image-clients 2] [--max-tokens 1] [--rate 0]
                                    [--torch-threads N]
 
-For each `--prefill-chunk-tokens` value in `--chunks` (128: the default; 0: derived from
-`--max-unit-ms` at the engine's startup; 1000000: every prompt one chunk), runs `mmlane serve
---prefill-chunk-tokens N --mm-cache-gb 0` (and each `--serve-arg`, e.g. `--max-unit-ms=10`)
+For each `--prefill-chunk-tokens` value in `--chunks` (128: the default; 1000000: every prompt
+one chunk), runs `mmlane serve --prefill-chunk-tokens N --mm-cache-gb 0` (and each
+`--serve-arg`, e.g. `--image-nice=0`)
 on the embedded model twice: once idle, once while
 `--image-clients` clients each keep a 4032x3024 JPEG request in flight back to back (the
 feature cache is off, so every image is decoded, processed and encoded as a stream of distinct
 photos would be). Each time it sends `--text-requests`
 text-only chat requests and prints their latency p50/p90/p99, then the roles' own account from
-their logs: the unit sizes the engine settled on at startup, its unit times by kind, its queue
+their logs: the engine's unit times by kind, its queue
 wait (receipt to first unit) and first token (receipt to first token) by request kind, and
 the frontend's tokenize and end-to-end (accepted to reply) times by kind. Asserts nothing.
 Run it in another checkout (an older commit) to compare code, as its flags allow.
@@ -79,9 +79,6 @@ def role_log(log_dir: Path, role: str) -> list[str]:
 
 
 def print_account(log_dir: Path) -> None:
-    for line in role_log(log_dir, "engine"):
-        if "units of about" in line:  # the unit budget's startup calibration
-            print("    engine " + line[line.index("units of about"):])
     for role, groups in ACCOUNTS.items():
         account = latency_account(log_dir, role)
         for group in groups:
@@ -123,9 +120,9 @@ def run_phase(args: argparse.Namespace, tmp: Path, chunk: int, url: str | None) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--chunks", default="128,0",
+    parser.add_argument("--chunks", default="128",
                         help="comma-separated --prefill-chunk-tokens values to compare "
-                             "(0: derived; default: %(default)s)")
+                             "(default: %(default)s)")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="a further `mmlane serve` flag, as --serve-arg=--FLAG=VALUE")
     parser.add_argument("--text-requests", type=int, default=100)

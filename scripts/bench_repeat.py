@@ -3,12 +3,11 @@
     python scripts/bench_repeat.py [--repeats 10] [--rounds 2]
 
 Runs `mmlane serve` on the embedded model with each of SETTINGS in turn (`--rounds` times each,
-alternating): both engine caches off, the encoder cache alone, both on (the defaults). Sends the
+alternating): the engine's encoder cache off, and on (the default). Sends the
 same 4032x3024 JPEG (a data URI) as a chat with `max_tokens` 1, one request at a time: once (the
 first: decoded, processed, sent whole, encoded, prefilled), then `--repeats` times (feature-cache
-hits: sent as its hash; with the encoder cache on, the engine skips the vision pass; with the
-prefix cache on, it also holds the whole prompt's KV and the logits after it, so a repeat
-runs no vision pass and no prefill). Prints the first request's time, the
+hits: sent as its hash; with the encoder cache on, the engine skips the vision pass). Prints
+the first request's time, the
 repeats' median and the ratio for each serve. Asserts nothing.
 """
 
@@ -25,9 +24,8 @@ from bench_common import big_jpeg_url, serving
 from services.client import Client, user_message
 
 SETTINGS = {
-    "both caches off": ["--encoder-cache-gb", "0", "--prefix-cache-gb", "0"],
-    "encoder cache": ["--prefix-cache-gb", "0"],
-    "encoder + prefix cache": [],
+    "encoder cache off": ["--encoder-cache-gb", "0"],
+    "encoder cache": [],
 }
 
 

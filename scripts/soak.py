@@ -5,7 +5,7 @@
 Runs `mmlane serve` on the embedded model with small caches (so that they are full early) and
 its HTTP API, and sends from `--clients` threads, until the time is up, a seeded mix of:
 text chats; chats with a new image (a new picture each time) and with a repeated one (one of a
-few: feature, encoder and prefix cache hits); streams abandoned after their first event;
+few: feature and encoder cache hits); streams abandoned after their first event;
 requests whose client gives up before the answer (a cancel downstream); bad input (a broken
 image, an unknown model, invalid JSON, a negative max_tokens); a slow client whose request
 head never completes (the frontend's --http-header-timeout cuts it off). Every request must get
@@ -44,7 +44,7 @@ from services.common.sockets import free_tcp_port
 from services.ops.discovery import Targets
 from services.ops.feed import StatsFeed
 
-SERVE_ARGS = ["--mm-cache-gb", "0.05", "--encoder-cache-gb", "0.05", "--prefix-cache-gb", "0.05",
+SERVE_ARGS = ["--mm-cache-gb", "0.05", "--encoder-cache-gb", "0.05",
               "--request-timeout", "120"]
 """Caches of 50 MiB each, full within the first minutes of this load."""
 REPEATED = 4

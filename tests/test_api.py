@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from test_engine import make_request
+from test_engine import load_runner, make_request
 from test_http import (
     _answered,
     _assert_error,
@@ -28,7 +28,7 @@ from test_http import (
     own_metrics,
 )
 
-from conftest import DEVICE, REPO, free_port
+from conftest import REPO, free_port
 from protocol.errors import FatalError
 from protocol.messages import EngineOutput, EngineRequest
 from services.cli import EXIT_BROKEN_PIPE, config_from_argv
@@ -55,7 +55,7 @@ def test_eos_ends_the_output_unless_ignored_and_never_before_min_tokens(
     qwen_dir: Path, prep: Preprocessor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tiny model never picks its real eos, so the test makes a token it does pick the eos."""
-    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    runner = load_runner(qwen_dir)
     sampled = {"temperature": 1.0, "seed": 11}  # varied tokens, the same on every run
     whole, reason = _run(runner, make_request(prep, "hi", max_tokens=12, **sampled))
     assert reason == "length"
@@ -75,7 +75,7 @@ def test_eos_ends_the_output_unless_ignored_and_never_before_min_tokens(
 def test_logprobs_are_raw_not_tempered_nor_masked(qwen_dir: Path, prep: Preprocessor) -> None:
     """vLLM's default logprobs come from the model's logits before temperature, top_p and the
     min_tokens mask: so do the HF runner's, for the tokens it sampled."""
-    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    runner = load_runner(qwen_dir)
     request = make_request(prep, "hi", max_tokens=6, temperature=1.7, top_p=0.9, seed=5,
                            min_tokens=6, logprobs=2)
     runner.add(0, request)

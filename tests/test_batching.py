@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from msgspec.structs import replace
-from test_engine import generate_greedy, make_request
+from test_engine import MAX_BATCH, generate_greedy, load_runner, make_request
 
-from conftest import DEVICE
 from protocol.errors import FatalError
 from protocol.messages import EngineRequest
-from services.engine.hf.config import MAX_BATCH
+from services.common.config import load_config
+from services.engine.config import EngineConfig
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_preprocessor
 
@@ -46,7 +46,7 @@ def runners(model_dirs: dict[str, Path]) -> Iterator[dict[tuple[str, int], HFRun
     """A runner per family and max_batch: 1 (no batching), 4 (fewer rows than the cases, so
     batches change as requests rotate through them) and the default."""
     yield {
-        (family, max_batch): HFRunner.load(str(model_dirs[family]), DEVICE, max_batch=max_batch)
+        (family, max_batch): load_runner(model_dirs[family], max_batch=max_batch)
         for family in FAMILIES for max_batch in (1, 4, MAX_BATCH)
     }
 
@@ -149,6 +149,6 @@ def test_an_abort_mid_batch_leaves_the_others_unchanged(runners, preps, family) 
 # ---------------------------------------------------------------- the setting
 
 
-def test_max_batch_must_be_positive(qwen_dir: Path) -> None:
-    with pytest.raises(FatalError, match="max_batch must be at least 1, got 0"):
-        HFRunner.load(str(qwen_dir), DEVICE, max_batch=0)
+def test_max_batch_must_be_positive() -> None:
+    with pytest.raises(FatalError, match="max_batch must be positive, got 0"):
+        load_config(EngineConfig, {"hf": {"max_batch": 0}})

@@ -39,7 +39,7 @@ from protocol.messages import (
 from protocol.sampling import StructuredOutputs
 from protocol.shm import ShmWriter
 from services.bench.images import make_image
-from services.engine.hf.config import MAX_BATCH
+from services.engine.hf.config import HFConfig
 from services.engine.hf.runner import HFRunner
 from services.engine.outbox import _Waiting
 from services.engine.runner import ModelSpec
@@ -55,6 +55,14 @@ Reply = EngineOutput | RequestFailed
 
 
 # ---------------------------------------------------------------- processes and sockets
+
+
+MAX_BATCH = HFConfig().max_batch
+
+
+def load_runner(model_dir: Path, **settings: Any) -> HFRunner:
+    """An HF runner on `model_dir`, loaded as an engine with these `hf` settings would be."""
+    return HFRunner.load(str(model_dir), HFConfig(device=DEVICE, **settings))
 
 
 def start_engine(run_dir: Path, *args: str) -> Child:
@@ -478,14 +486,14 @@ def test_runner_chunked_prefill_and_interleaving_match_generate(
     family, max_batch, model_dirs
 ) -> None:
     model_dir = model_dirs[family]
-    runner = HFRunner.load(str(model_dir), DEVICE, max_batch=max_batch)
     prep = load_preprocessor(model_dir)
     requests = [make_request(prep, "look", ((90, 70),), max_tokens=10), make_request(prep, "hi")]
-    for request in requests:
-        validate_request(request, runner.spec)
-    expected = [generate_greedy(runner.model, prep, r) for r in requests]
-    for chunk in (None, 5):  # 5 splits the image's placeholders across prefill units
-        runner.prefill_chunk_tokens = chunk
+    expected = None
+    for chunk in (4096, 5):  # 5 splits the image's placeholders across prefill units
+        runner = load_runner(model_dir, max_batch=max_batch, prefill_chunk_tokens=chunk)
+        for request in requests:
+            validate_request(request, runner.spec)
+        expected = expected or [generate_greedy(runner.model, prep, r) for r in requests]
         for handle, request in enumerate(requests):
             runner.add(handle, request)
         tokens: dict[int, list[int]] = {0: [], 1: []}
@@ -494,6 +502,7 @@ def test_runner_chunked_prefill_and_interleaving_match_generate(
                 assert output.error is None
                 tokens[output.handle] += output.token_ids
         assert [tokens[0], tokens[1]] == expected
+        runner.close()
 
 
 def test_an_idefics3_span_must_be_its_tiles_expansion(model_dirs) -> None:
@@ -513,7 +522,7 @@ def test_an_idefics3_span_must_be_its_tiles_expansion(model_dirs) -> None:
 
 
 def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
-    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    runner = load_runner(qwen_dir)
     good = make_request(prep, *ONE_IMAGE, max_tokens=3)
     # NaN pixels (refused by validation, which this skips) make NaN probabilities, which
     # sampling cannot draw from: a real exception inside the model step.
@@ -532,11 +541,11 @@ def test_runner_fails_one_request_on_a_model_error(qwen_dir, prep) -> None:
     assert [o.finish_reason for o in outputs if o.handle == 1][-1] == "length"
 
 
-def test_a_unit_that_fails_on_the_bulk_lane_fails_its_request_alone(
+def test_a_prefill_chunk_that_fails_fails_its_request_alone(
     qwen_dir, prep, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An exception in an image prompt's prefill unit, raised on the bulk lane's thread, fails
-    that request with model_error; a text request beside it and the next image still finish."""
+    """An exception in an image prompt's prefill chunk fails that request with model_error; a
+    text request beside it and the next image still finish."""
     run = HFRunner._run
 
     def failing_for_the_first(runner: HFRunner, batch: list, *args: object,
@@ -546,7 +555,7 @@ def test_a_unit_that_fails_on_the_bulk_lane_fails_its_request_alone(
         return run(runner, batch, *args, **kwargs)
 
     monkeypatch.setattr(HFRunner, "_run", failing_for_the_first)
-    runner = HFRunner.load(str(qwen_dir), DEVICE, max_batch=1)  # the images' units: one each
+    runner = load_runner(qwen_dir, max_batch=1)  # the decode steps: one request each
     try:
         runner.add(0, make_request(prep, *ONE_IMAGE, max_tokens=3))
         runner.add(1, make_request(prep, "and meanwhile?", max_tokens=3))
@@ -586,41 +595,11 @@ def test_the_vision_lane_runs_whole_passes_with_its_own_torch_threads(qwen_dir, 
     """--vision-threads 2 beside --torch-threads 1: the lane's thread keeps its own count
     (torch keeps it per thread), the runner's stays 1; the same tokens as HF `generate`."""
     request = make_request(prep, *BIG_IMAGE, max_tokens=6)
-    runner = HFRunner.load(str(qwen_dir), DEVICE, threads=1, vision_threads=2, max_unit_ms=1)
-    assert runner.vision_threads == 2
+    runner = load_runner(qwen_dir, torch_threads=1, vision_threads=2)
+    assert runner._lane.threads == 2
     assert _tokens_alone(runner, request) == generate_greedy(reference, prep, request)
     assert torch.get_num_threads() == 1
     assert runner.metrics.histograms["engine_step:vision"].count == 1  # one whole pass
-    runner.close()
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="thread counts are the CPU's: on CUDA one count")
-def test_a_pass_takes_every_core_only_while_no_other_request_can_run(qwen_dir, prep,
-                                                                     reference) -> None:
-    """--vision-idle-threads 2 beside --vision-threads 1: the first request's pass starts while
-    no request could run a unit meanwhile, so it runs on 2 threads; the second's starts while
-    the first decodes, on 1. Each gets HF `generate`'s tokens: at load, a probe image's
-    features were the same bits on both counts."""
-    first, second = (make_request(prep, *BIG_IMAGE, image_seed=seed, max_tokens=6)
-                     for seed in (0, 1))
-    runner = HFRunner.load(str(qwen_dir), DEVICE, threads=1, vision_threads=1,
-                           vision_idle_threads=2)
-    assert (runner.vision_threads, runner.vision_idle_threads) == (1, 2)
-    runner.add(0, first)
-    outputs: dict[int, list[int]] = {0: [], 1: []}
-    while not outputs[0]:  # until the first request decodes
-        for output in runner.step():
-            outputs[output.handle] += output.token_ids
-    assert runner.metrics.counters["vision_passes_idle_threads"] == 1
-    runner.add(1, second)
-    while runner.has_work():
-        for output in runner.step():
-            assert output.error is None, output.error
-            outputs[output.handle] += output.token_ids
-    assert runner.metrics.counters["vision_passes_idle_threads"] == 1  # the second's: on 1
-    assert runner.metrics.histograms["engine_step:vision"].count == 2
-    assert outputs[0] == generate_greedy(reference, prep, first)
-    assert outputs[1] == generate_greedy(reference, prep, second)
     runner.close()
 
 
@@ -643,7 +622,7 @@ def _serve(runner: HFRunner, requests: dict[int, EngineRequest]) -> dict[int, li
 def test_the_same_image_in_requests_arriving_together_runs_one_pass(qwen_dir, prep,
                                                                     reference) -> None:
     """The second waits for the first's job on the vision lane (an encoder-cache hit)."""
-    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1 << 30)
+    runner = load_runner(qwen_dir)
     request = _hashed(make_request(prep, *BIG_IMAGE, max_tokens=6), "same")
     outputs = _serve(runner, {0: request, 1: request})
     expected = generate_greedy(reference, prep, request)
@@ -657,7 +636,7 @@ def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(qwen_dir
                                                                          prep) -> None:
     """Whatever the pass raises (here, out of memory) is those requests' error, once each;
     the lane goes on with the next image."""
-    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1 << 30)
+    runner = load_runner(qwen_dir)
     broken = _hashed(make_request(prep, "look", ((90, 70),), max_tokens=3), "broken")
     good = make_request(prep, *ONE_IMAGE, max_tokens=3)
     encode = runner._lane._encode
@@ -682,7 +661,7 @@ def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(qwen_dir
 def test_a_request_aborted_while_its_image_is_encoded_gets_nothing(qwen_dir, prep) -> None:
     """Its pass still runs or is skipped; no output for it, and the next request with the
     same image is served."""
-    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1 << 30)
+    runner = load_runner(qwen_dir)
     request = _hashed(make_request(prep, *BIG_IMAGE, max_tokens=3), "aborted")
     runner.add(0, request)
     assert runner.step() == []  # its images go to the lane
@@ -695,8 +674,7 @@ def test_a_request_aborted_while_its_image_is_encoded_gets_nothing(qwen_dir, pre
 def test_a_repeated_image_takes_its_features_from_the_encoder_cache(qwen_dir, prep,
                                                                       reference) -> None:
     """Same tokens as HF `generate` each time; the second request runs no vision pass."""
-    runner = HFRunner.load(str(qwen_dir), DEVICE, prefill_chunk_tokens=16,
-                           encoder_cache_bytes=1 << 30)
+    runner = load_runner(qwen_dir, prefill_chunk_tokens=16)
     request = make_request(prep, *BIG_IMAGE, max_tokens=8)
     hashed = replace(request, mm_items=[replace(item, mm_hash="big")
                                         for item in request.mm_items])
@@ -714,7 +692,7 @@ def test_a_repeated_image_takes_its_features_from_the_encoder_cache(qwen_dir, pr
 
 
 def test_an_encoder_cache_too_small_for_an_image_keeps_nothing(qwen_dir, prep) -> None:
-    runner = HFRunner.load(str(qwen_dir), DEVICE, encoder_cache_bytes=1024)
+    runner = load_runner(qwen_dir, encoder_cache_gb=1024 / 2**30)
     request = make_request(prep, *BIG_IMAGE, max_tokens=2)
     hashed = replace(request, mm_items=[replace(item, mm_hash="big")
                                         for item in request.mm_items])

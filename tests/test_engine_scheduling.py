@@ -26,6 +26,7 @@ from test_engine import (
     Reply,
     assert_streamed,
     generate_greedy,
+    load_runner,
     make_request,
     start_engine,
     to,
@@ -49,23 +50,13 @@ from services.cli import build_parser, role_config
 from services.client import Client, user_message
 from services.common.config import load_config
 from services.engine.config import EngineConfig
-from services.engine.hf.attention import PER_CHUNK, attention, per_thread
-from services.engine.hf.config import IDLE_UNIT_MS, MAX_UNIT_MS, PREFILL_CHUNK_TOKENS
-from services.engine.hf.runner import HFRunner
-from services.engine.hf.scheduler import Lane, lane_of, pick
+from services.engine.hf.config import HFConfig
+from services.engine.hf.scheduler import pick
 from services.engine.hf.sequence import Sequence
 from services.launcher import SERVE_SETTINGS, Child, serve_config, stop_all
 from services.model import Preprocessor, load_model
 
-SMALL_CHUNK = 4  # splits every image's prompt mid-way
-TINY_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e9")
-"""While text waits, each unit is the smallest: one prefill chunk; while none does and no
-other text request has arrived for QUIET_S, a whole prompt (hf/budget.py). Vision passes run
-whole, beside, on the vision lane."""
-SMALLEST_UNITS = ("--max-unit-ms", "1e-6", "--idle-unit-ms", "1e-6")
-"""Every unit the smallest, whether text waits or not: an image takes many units, so what
-arrives while it runs finds it still running (with whole idle units, the rest of an image can
-run as one unit in the gap before the next text request arrives)."""
+SMALL_CHUNK = 4  # splits every image's prompt mid-way: an image takes many units
 
 LONG_TEXT = " ".join(f"word{i}" for i in range(120))  # a text prompt of several chunks
 CASES = {
@@ -84,8 +75,7 @@ def reference(qwen_dir: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def small_chunk_engine(module_run_dir: Path, qwen_dir: Path) -> Iterator[Child]:
-    engine = start_engine(module_run_dir, "--prefill-chunk-tokens", str(SMALL_CHUNK),
-                          *SMALLEST_UNITS)
+    engine = start_engine(module_run_dir, "--prefill-chunk-tokens", str(SMALL_CHUNK))
     yield engine
     assert stop_role(engine) == 0
 
@@ -112,7 +102,7 @@ def next_terminal(fe: Frontend) -> str:
 def test_tokens_are_the_same_alone_chunked_or_interleaved(
     run_dir: Path, prep, reference, chunk: int
 ) -> None:
-    engine = start_engine(run_dir, "--prefill-chunk-tokens", str(chunk), *TINY_UNITS)
+    engine = start_engine(run_dir, "--prefill-chunk-tokens", str(chunk))
     try:
         reply_to = f"ipc://{run_dir}/reply.sock"
         with zmq.Context() as ctx, Frontend(ctx, engine.endpoint, reply_to) as fe:
@@ -153,7 +143,7 @@ def test_text_arriving_during_an_image_finishes_before_it(frontend, prep) -> Non
 
 def test_an_image_completes_while_text_keeps_arriving(frontend, prep) -> None:
     """A strict text-first policy would never run the image here: four text requests are always
-    in the engine. The image's prompt runs on the bulk lane's thread, beside them: it
+    in the engine. The image's prompt chunks take their turns with their decode steps: it
     finishes."""
     image = to(frontend, make_request(prep, "look", ((640, 480),), max_tokens=3))
     in_flight = set()
@@ -177,22 +167,20 @@ def test_an_image_completes_while_text_keeps_arriving(frontend, prep) -> None:
         in_flight.discard(next_terminal(frontend))
 
 
-def test_text_runs_while_an_image_prompt_is_on_the_bulk_lane(
-    qwen_dir: Path, prep, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The runner's thread waits for no image prompt's prefill unit: with the bulk lane held
-    inside one, a text request that arrives meanwhile still runs to its end. The image's tokens
-    are then what it gets alone."""
+def test_text_runs_while_an_image_is_on_the_vision_lane(qwen_dir: Path, prep) -> None:
+    """The model thread waits for no vision pass: with the vision lane held inside an image's
+    pass, a text request that arrives meanwhile still runs to its end. The image's tokens are
+    then what it gets alone."""
     gate, held = threading.Event(), threading.Event()
-    run_bulk = HFRunner._run_bulk
+    runner = load_runner(qwen_dir)
+    encode = runner._lane._encode
 
-    def held_at_the_gate(runner: HFRunner, job: Any) -> Any:
+    def held_at_the_gate(tensors: Any) -> Any:
         held.set()
         gate.wait(REPLY_TIMEOUT_S)
-        return run_bulk(runner, job)
+        return encode(tensors)
 
-    monkeypatch.setattr(HFRunner, "_run_bulk", held_at_the_gate)
-    runner = HFRunner.load(str(qwen_dir), DEVICE)
+    runner._lane._encode = held_at_the_gate
     try:
         image = make_request(prep, "look", ((64, 48),), max_tokens=3)
         runner.add(0, image)
@@ -203,16 +191,15 @@ def test_text_runs_while_an_image_prompt_is_on_the_bulk_lane(
                 assert output.error is None, output.error
                 tokens[output.handle] += output.token_ids
 
-        while not held.is_set():  # its vision pass, then its first unit starts on the lane
+        while not held.is_set():  # its vision pass starts on the lane
             step()
         runner.add(1, make_request(prep, "quick question", max_tokens=4))
         while len(tokens[1]) < 4:
             step()
-        assert tokens[0] == []  # the image's unit is still held
+        assert tokens[0] == []  # the image's pass is still held
         gate.set()
         while runner.has_work():
             step()
-        monkeypatch.undo()  # the lane's thread still calls the gate: it is open
         runner.add(2, image)
         alone: list[int] = []
         while runner.has_work():
@@ -221,22 +208,6 @@ def test_text_runs_while_an_image_prompt_is_on_the_bulk_lane(
     finally:
         gate.set()
         runner.close()
-
-
-def test_the_attention_implementation_is_per_thread(qwen_dir: Path) -> None:
-    """The bulk lane's forwards and the runner's run at once through the same text layers,
-    each with the attention implementation its thread set."""
-    config = load_model(qwen_dir, DEVICE).config.get_text_config()
-    own = config._attn_implementation
-    per_thread(config)
-    seen = {}
-    with attention(PER_CHUNK):
-        other = threading.Thread(target=lambda: seen.update(other=config._attn_implementation))
-        other.start()
-        other.join()
-        seen["this"] = config._attn_implementation
-    assert seen == {"this": PER_CHUNK, "other": own} and PER_CHUNK != own
-    assert config._attn_implementation == own
 
 
 # ---------------------------------------------------------------- deadlines and aborts
@@ -378,31 +349,20 @@ def test_the_frontend_sends_deadlines_and_aborts_what_it_timed_out(
 def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> None:
     serve = serve_config(SERVE_SETTINGS.parse(
         ["--prefill-chunk-tokens", "64", "--torch-threads", "3", "--vision-threads", "5",
-         "--vision-idle-threads", "6", "--max-batch", "4",
-         "--max-unit-ms", "2.5", "--idle-unit-ms", "20", "--run-dir", str(run_dir)]
+         "--max-batch", "4", "--run-dir", str(run_dir)]
     ))
     config_json = msgspec.json.encode(serve.engine).decode()
     args = build_parser().parse_args(["engine", "--config-json", config_json])
     config = role_config("engine", args)
     hf = config.hf
     assert (hf.prefill_chunk_tokens, hf.torch_threads, hf.vision_threads,
-            hf.vision_idle_threads, hf.max_batch) == (64, 3, 5, 6, 4)
-    assert (hf.max_unit_ms, hf.idle_unit_ms) == (2.5, 20)
-    defaults = load_config(EngineConfig, {}).hf
-    assert (defaults.prefill_chunk_tokens, defaults.max_unit_ms, defaults.idle_unit_ms) == (
-        PREFILL_CHUNK_TOKENS, MAX_UNIT_MS, IDLE_UNIT_MS)  # fixed, not derived
+            hf.max_batch) == (64, 3, 5, 4)
+    assert load_config(EngineConfig, {}).hf == HFConfig()
     with pytest.raises(FatalError, match="max_batch must be positive"):
         load_config(EngineConfig, {"hf": {"max_batch": 0}})
-    with pytest.raises(FatalError, match=r"prefill_chunk_tokens must be 0 \(derived\) or more"):
-        load_config(EngineConfig, {"hf": {"prefill_chunk_tokens": -1}})
-    for bad, message in ((0, "must be positive"), (float("nan"), "must be positive"),
-                         (float("inf"), "must be finite")):
-        with pytest.raises(FatalError, match=f"max_unit_ms {message}"):
-            load_config(EngineConfig, {"hf": {"max_unit_ms": bad}})
-    for bad in (-1, float("nan"), float("inf")):
-        with pytest.raises(FatalError, match=r"idle_unit_ms must be 0 \(as max_unit_ms\)"):
-            load_config(EngineConfig, {"hf": {"idle_unit_ms": bad}})
-    for name in ("torch_threads", "vision_threads", "vision_idle_threads"):
+    with pytest.raises(FatalError, match="prefill_chunk_tokens must be positive"):
+        load_config(EngineConfig, {"hf": {"prefill_chunk_tokens": 0}})
+    for name in ("torch_threads", "vision_threads"):
         with pytest.raises(FatalError, match=f"{name} must be 0"):
             load_config(EngineConfig, {"hf": {name: -1}})
 
@@ -416,14 +376,15 @@ def sequence(handle: int, *, image: bool, prefilled: bool | None = None) -> Sequ
     items = [MMItem(offset=0, length=4, tensors={})] if image else []
     request = EngineRequest(request_id=f"s{handle}", reply_to="", prompt_token_ids=[1] * 4,
                             sampling=SamplingParams(), mm_items=items)
-    seq = Sequence(handle, request, torch.ones(1, 4), DynamicCache(), frozenset(), arrived=0.0)
+    seq = Sequence(handle, request, torch.ones(1, 4), DynamicCache(), frozenset(), arrived=0.0,
+                   chunk_tokens=2)
     if not image if prefilled is None else prefilled:
         seq.num_cached = seq.prompt_len
     return seq
 
 
 def run_batches(seqs: list[Sequence], count: int, max_batch: int = 1) -> list[list[Sequence]]:
-    """Pick `count` interactive units, in turn."""
+    """Pick `count` units, in turn."""
     picked = []
     for unit in range(count):
         batch = pick(seqs, max_batch=max_batch)
@@ -434,12 +395,13 @@ def run_batches(seqs: list[Sequence], count: int, max_batch: int = 1) -> list[li
     return picked
 
 
-def test_text_goes_round_robin_and_image_prompts_are_bulk_work() -> None:
+def test_prefill_chunks_go_round_robin_with_decode_steps() -> None:
+    """An image prompt's chunk and a text request's decode steps take turns, one unit each."""
     image, text_a, text_b = (sequence(handle, image=handle == 0) for handle in range(3))
-    assert [lane_of(seq) for seq in (image, text_a)] == [Lane.BULK, Lane.INTERACTIVE]
-    picked = run_batches([text_a, text_b], 6)
-    assert handles(picked) == [[1], [2], [1], [2], [1], [2]]
-    assert pick([]) is None
+    assert handles(run_batches([image, text_a, text_b], 4)) == [[0], [1], [2], [0]]
+    image, text_a, text_b = (sequence(handle, image=handle == 0) for handle in range(3))
+    assert handles(run_batches([image, text_a, text_b], 2, max_batch=8)) == [[0], [1, 2]]
+    assert pick([], max_batch=1) is None
 
 
 def handles(batches: list[list[Sequence]]) -> list[list[int]]:
@@ -460,7 +422,6 @@ def test_a_new_text_request_runs_before_a_decode_batch_and_alone() -> None:
     new = sequence(3, image=False, prefilled=False)
     image_decoding = sequence(4, image=True, prefilled=True)
     image_decoding.last_run = 0
-    assert lane_of(image_decoding) is Lane.INTERACTIVE  # its decode steps are the runner's
     picked = run_batches([*decoding, new, image_decoding], 3, max_batch=8)
     # The new request's prefill first, alone; then every decoding request, the image one too.
     # It is not decoding yet (one prefill unit of this scheduler-only test does not fill it).

@@ -219,7 +219,7 @@ class EngineCalibration:
     ) -> None:
         self._codec: Codec[Any] = Codec(FrontendInput)
         renderer = job_renderer(pre, max_image_pixels)
-        # Images first: the engine's bulk lane runs in arrival order, so the first image's
+        # Images first: the engine's vision lane runs in arrival order, so the first image's
         # warm-up send also waits out any work a previous mode left in the engine.
         self._requests = {
             name: self._preprocess(pre, renderer, "Describe the image.", sources)

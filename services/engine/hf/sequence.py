@@ -1,12 +1,11 @@
-"""One request's state inside the HF runner, and the bounded units of work it is run in.
+"""One request's state inside the HF runner, and the units of work it is run in.
 
 A request advances one unit at a time: its images' vision-encoder passes (handed to the vision
-lane as one step, vision_lane.py; it waits for their features), then prompt prefill in chunks
-(one or more per unit, budget.py; an image request's on the bulk lane, runner.py), then one
-decode step per output token; the decode steps of several requests may run together, as one
-batched step (runner.py). Everything a unit needs is kept here, per request (its own KV cache,
-its own position ids, its image embeddings), so units of different requests can run in any
-interleaving, on either thread, and give the same tokens.
+lane as one step, vision_lane.py; it waits for their features), then its prompt's prefill, a
+chunk of `prefill_chunk_tokens` per unit, then one decode step per output token; the decode
+steps of several requests may run together, as one batched step (runner.py). Everything a unit
+needs is kept here, per request (its own KV cache, its own position ids, its image embeddings),
+so units of different requests can run in any interleaving and give the same tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ class UnitKind(enum.IntEnum):
 class Unit:
     kind: UnitKind
     tokens: int
-    """Tokens the unit puts through the model (for PREFILL: those of the next chunk, the first
-    of the unit's; for VISION, handing its images to the vision lane: none)."""
+    """Tokens the unit puts through the model (for VISION, handing its images to the vision
+    lane: none)."""
 
 
 class Sequence:
@@ -54,8 +53,8 @@ class Sequence:
         cache: DynamicCache,
         eos_token_ids: frozenset[int],
         arrived: float,
+        chunk_tokens: int,
         grammar: Grammar | None = None,
-        chunk_tokens: int | None = None,
     ) -> None:
         self.handle = handle
         self.request = request
@@ -68,26 +67,15 @@ class Sequence:
         """Each image's token positions in the prompt, where its features go (the runner's)."""
         self.images_waiting = 0
         """Its images whose features the vision lane is computing: it runs no unit meanwhile."""
-        self.prefix_looked_up = False
-        """Whether the prefix cache was looked up for the last time (runner._reuse_prefix)."""
         self.num_cached = 0  # prompt tokens whose keys and values are in `cache`
         self.chunk_tokens = chunk_tokens
-        """The most prompt tokens a prefill chunk takes (None: the whole prompt), fixed at
-        arrival: a chunk's size changes its bits, and the prefix cache keys and stores chunks
-        by it (prefix_cache.py). A unit may run several whole chunks (budget.py)."""
-        self.prefix_keys: list[str] = []
-        """The prefix cache's key of each full chunk of the prompt (empty: the cache is off)."""
-        self.prompt_key: str | None = None
-        """The prefix cache's key of the whole prompt (None: the cache is off, or an image has
-        no hash)."""
+        """The most prompt tokens a prefill unit takes: a chunk's size changes its bits."""
         self.output_ids: list[int] = []
         self.sampler = Sampler(request.sampling, request.prompt_token_ids)
         self.grammar = grammar
         """Where the output is in its structured-output grammar (None: unconstrained)."""
         self.last_run = -1
         """The runner's unit number when this request last advanced (-1: never)."""
-        self.unit_work = 0.0
-        """The prefill tokens its latest unit ran (budget.py; 0: none it sized)."""
         sampling = request.sampling
         ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_token_ids)
         self._stop_token_ids = frozenset(ends)
@@ -112,14 +100,13 @@ class Sequence:
             if any(map(self.needs_features, range(len(self.image_features)))):
                 return Unit(UnitKind.VISION, 0)  # every image is encoded before the prefill
             remaining = self.prompt_len - self.num_cached
-            return Unit(UnitKind.PREFILL, min(remaining, self.chunk_tokens or remaining))
+            return Unit(UnitKind.PREFILL, min(remaining, self.chunk_tokens))
         return Unit(UnitKind.DECODE, 1)
 
     def needs_features(self, index: int) -> bool:
-        """Whether image `index` still needs its features: not had yet, and some of its
-        placeholders not yet in the KV cache (a reused prefix may hold them all)."""
-        item = self.request.mm_items[index]
-        return self.image_features[index] is None and item.offset + item.length > self.num_cached
+        """Whether image `index` still needs its features: not had yet, and the prompt not yet
+        in the KV cache."""
+        return not self.decoding and self.image_features[index] is None
 
     def next_token(self, logits: torch.Tensor) -> int:
         """Pick the next token from `logits` (vocab,) and add it to the output: in vLLM's
