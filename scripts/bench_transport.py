@@ -40,6 +40,7 @@ import zmq
 from protocol import shm
 from protocol.codec import Codec
 from protocol.messages import EngineInput, EngineRequest, MMItem, SamplingParams
+from services.common.config import SecurityConfig
 from services.common.sockets import Security, free_tcp_port, make_socket, write_keys
 
 PAGE = 4096
@@ -57,7 +58,7 @@ def request(pixels: np.ndarray, sent_at: float) -> EngineRequest:
 def receive(endpoint: str, done: str, count: int, keys: str) -> None:
     """The receiving process: decode each message, read a byte per page, report when done."""
     ctx = zmq.Context()
-    security = Security("engine", curve_keys=keys)
+    security = Security("engine", SecurityConfig(curve_keys=keys))
     pull = make_socket(ctx, zmq.PULL, endpoint, bind=True, security=security)
     back = ctx.socket(zmq.PUSH)
     back.connect(done)
@@ -90,7 +91,7 @@ def transport(mode: str, pixels: np.ndarray, count: int,
         target=receive, args=(endpoint, done, count, keys))
     child.start()
     back.recv()
-    security = Security("mm-worker", curve_keys=keys)
+    security = Security("mm-worker", SecurityConfig(curve_keys=keys))
     push = make_socket(ctx, zmq.PUSH, endpoint, bind=False, security=security, peer="engine")
     writer = (shm.ShmWriter(shm.sender_tag(f"bench-{time.time_ns()}"), threshold=1 << 20,
                             capacity=2 << 30, max_age_s=60)

@@ -8,6 +8,10 @@ from pathlib import Path
 import msgspec
 
 from protocol.errors import FatalError
+from services.common.config import default_of
+from services.frontend.config import FrontendConfig
+from services.launcher import ServeConfig
+from services.mm_worker.config import MMWorkerConfig
 
 MODES = ("shared", "split", "mmlane")
 """Every mode the bench knows, in the order it runs them (see the package docstring)."""
@@ -63,7 +67,7 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Output tokens each text and image request asks for."""
     pool_size: int = 4
     """`shared` mode: threads of the one pool that tokenizes and preprocesses images."""
-    tokenizer_workers: int = 4
+    tokenizer_workers: int = default_of(FrontendConfig, "tokenizer_workers")
     """`split` and `mmlane` modes: tokenizer threads (split's MM executor has one thread, like
     mmlane's MM worker)."""
     probe_sizes: list[str] = msgspec.field(default_factory=lambda: ["512", "1024", "2048"])
@@ -86,8 +90,10 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     serve_args: list[str] = []
     """Extra `mmlane serve` arguments: mmlane's roles start as serve starts them with these, and
     the engine every mode shares gets serve's engine arguments (e.g. `--torch-threads 1`)."""
-    startup_timeout_s: float = 300.0
-    max_image_pixels: int = 64_000_000
+    startup_timeout_s: float = default_of(ServeConfig, "startup_timeout_s")
+    """Seconds to wait for every process the bench starts to report ready (as serve's)."""
+    max_image_pixels: int = default_of(MMWorkerConfig, "max_image_pixels")
+    """Images with more pixels are refused, in every mode (as the MM worker's)."""
     throughput: bool = False
     """Run the MM lane throughput comparison instead of the modes: images/s of in-process
     designs (1 and 2 threads; float and uint8 pixels) and of MM worker processes

@@ -50,12 +50,15 @@ from protocol.messages import (
     MMJob,
     RequestFailed,
 )
+from services.bench.config import BenchConfig
 from services.bench.loop import Mailbox, received
+from services.common.config import default_of
 from services.common.sockets import make_socket
 from services.frontend.config import FrontendConfig
 from services.frontend.detokenize import IncrementalDetokenizer
 from services.frontend.requests import check_request, prompt_token_ids
 from services.mm_worker.cache import ImageHasher, SenderCache
+from services.mm_worker.config import MMWorkerConfig
 from services.mm_worker.jobs import JobRenderer
 from services.mm_worker.media import MediaPolicy, configure_pillow
 from services.model import Preprocessor, load_preprocessor, resolve_model_dir
@@ -63,9 +66,7 @@ from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
-MAX_IMAGES = next(
-    f.default for f in msgspec.structs.fields(FrontendConfig) if f.name == "max_images_per_request"
-)
+MAX_IMAGES = default_of(FrontendConfig, "max_images_per_request")
 """mmlane's frontend's default limit: every design refuses the same requests."""
 
 
@@ -79,9 +80,9 @@ class InProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_endpoint: str
     control_endpoint: str
     """The bench's control socket (REP, bound)."""
-    pool_size: int = 4
-    tokenizer_workers: int = 4
-    max_image_pixels: int = 64_000_000
+    pool_size: int = default_of(BenchConfig, "pool_size")
+    tokenizer_workers: int = default_of(FrontendConfig, "tokenizer_workers")
+    max_image_pixels: int = default_of(MMWorkerConfig, "max_image_pixels")
 
 
 # ---------------------------------------------------------------- the control socket
@@ -143,7 +144,8 @@ def routed_message(
 def job_renderer(pre: Preprocessor, max_image_pixels: int) -> JobRenderer:
     """The MM worker's renderer with its feature cache off (the bench's images are all new
     bytes, so no cache could hit), for inline data URIs."""
-    media = MediaPolicy(allowed_media_dir=None, max_image_bytes=64 * 1024 * 1024,
+    media = MediaPolicy(allowed_media_dir=None,
+                        max_image_bytes=default_of(MMWorkerConfig, "max_image_bytes"),
                         max_image_pixels=max_image_pixels)
     hasher = ImageHasher("blake3", pre.model_id, {})  # unused: a cache that is off hashes nothing
     return JobRenderer(pre, media, SenderCache("bench", capacity=0), hasher)

@@ -120,6 +120,11 @@ measured no better, and would starve images while text fills the cores: at 10 th
 a tenth of a core."""
 
 
+MM_CACHE_GB = 4.0
+"""The feature caches' capacity by default (`mm_cache_gb`), in GiB: an MM worker's sender cache
+and the engine's receiver cache that mirrors it hold the same."""
+
+
 def check_nice(config: msgspec.Struct, name: str) -> None:
     if not 0 <= getattr(config, name) <= 19:
         raise ValueError(f"{name} must be 0 (off) to 19, got {getattr(config, name)}")
@@ -129,6 +134,20 @@ ImageBackend = Literal["auto", "pil", "torchvision"]
 """Which of transformers' image-processor backends renders images. 'pil' is the reference and
 needs no torchvision; 'torchvision' is what vLLM's renderer uses, so pixels made with it equal
 vLLM's own; 'auto' is transformers' choice: torchvision when it imports, else PIL."""
+
+
+def default_of(config_type: type[msgspec.Struct], name: str) -> Any:
+    """The default of `config_type`'s setting `name`: a place that offers the same setting (the
+    bench's, a role's helper) takes its default from the setting's home instead of writing it
+    again."""
+    for field in msgspec.structs.fields(config_type):
+        if field.name == name:
+            if field.default is not msgspec.NODEFAULT:
+                return field.default
+            if field.default_factory is not msgspec.NODEFAULT:
+                return field.default_factory()
+            raise ValueError(f"{config_type.__name__}.{name} has no default")
+    raise ValueError(f"{config_type.__name__} has no setting {name!r}")
 
 
 def load_config(config_type: type[C], values: dict[str, Any]) -> C:

@@ -47,7 +47,7 @@ class Stop(threading.Event):
     """Set at SIGINT/SIGTERM: the role stops taking work and has `drain_timeout_s` from that
     moment to answer what it holds. Setting it also turns the role's `metrics` 'draining'."""
 
-    def __init__(self, drain_timeout_s: float = 0.0) -> None:
+    def __init__(self, drain_timeout_s: float) -> None:
         super().__init__()
         self.drain_timeout_s = drain_timeout_s
         self.metrics: Metrics | None = None

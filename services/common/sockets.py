@@ -28,6 +28,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from services.common.config import DEFAULT_HOST, SecurityConfig
+
 log = logging.getLogger(__name__)
 
 DEFAULT_HWM = 1000
@@ -54,11 +56,11 @@ class Security:
     may bind only loopback addresses unless `insecure_tcp`. `close` stops those
     threads; call it before the context ends."""
 
-    def __init__(self, role: str, *, curve_keys: str = "", insecure_tcp: bool = False,
+    def __init__(self, role: str, config: SecurityConfig,
                  refused: Counter[str] | None = None) -> None:
         self.role = role
-        self.insecure_tcp = insecure_tcp
-        self._folder = Path(curve_keys) if curve_keys else None
+        self.insecure_tcp = config.insecure_tcp
+        self._folder = Path(config.curve_keys) if config.curve_keys else None
         self._refused = refused if refused is not None else Counter()
         self._auth: ThreadAuthenticator | None = None
         self._refusals_logged: dict[bytes, float] = {}
@@ -71,8 +73,7 @@ class Security:
     @classmethod
     def of(cls, role: str, config: Any, refused: Counter[str]) -> Security:
         """The security of a role's config (its `security: SecurityConfig`)."""
-        return cls(role, curve_keys=config.security.curve_keys,
-                   insecure_tcp=config.security.insecure_tcp, refused=refused)
+        return cls(role, config.security, refused)
 
     @property
     def curve(self) -> bool:
@@ -271,7 +272,7 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def free_tcp_port(host: str = "127.0.0.1") -> int:
+def free_tcp_port(host: str = DEFAULT_HOST) -> int:
     """A TCP port that is free on `host` right now (for benchmarks and local runs), and none
     this process was given before: two servers started together (vLLM alone and mmlane, in a
     test) would otherwise both get one port, free until the first of them binds it. Another

@@ -147,7 +147,8 @@ class Engine:
         # arrival instead of run for nobody. Bounded: the oldest are forgotten first.
         self._aborted_early: OrderedDict[str, None] = OrderedDict()
         self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, handle)
-        self._stop = Stop()  # serve's: from its signal on, new requests are refused
+        # serve's: from its signal on, new requests are refused
+        self._stop = Stop(config.ops.drain_timeout_s)
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
         self._sender: threading.Thread | None = None

@@ -205,7 +205,8 @@ class Frontend:
             config.tokenizer_workers, thread_name_prefix="frontend-tokenizer"
         )
         self._last_turn = time.monotonic()
-        self._stop = Stop()  # serve's: from its signal on, new requests are refused
+        # serve's: from its signal on, new requests are refused
+        self._stop = Stop(config.ops.drain_timeout_s)
         self.http: HttpApi | None = None
         if config.http_port:
             self.http = HttpApi(

@@ -11,6 +11,7 @@ import msgspec
 
 from services.common.config import (
     IMAGE_NICE,
+    MM_CACHE_GB,
     ImageBackend,
     OpsConfig,
     SecurityConfig,
@@ -35,7 +36,7 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Images with more pixels are refused before the full decode (decompression-bomb guard)."""
     max_image_bytes: int = 64 * 1024 * 1024
     """Largest encoded image accepted, in bytes."""
-    mm_cache_gb: float = 4.0
+    mm_cache_gb: float = MM_CACHE_GB
     """Capacity of the sender cache, in GiB of the tensors it stands for (the engine mirrors
     it); 0 turns the feature cache off for this worker."""
     mm_hash: Literal["blake3", "sha256"] = "blake3"

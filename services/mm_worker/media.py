@@ -39,6 +39,7 @@ import pybase64
 from PIL import ExifTags, Image, ImageOps
 
 from protocol.errors import RequestError, translated
+from services.common.config import default_of
 from services.common.memory import keep_freed_memory
 from services.mm_worker.config import MMWorkerConfig
 
@@ -63,9 +64,10 @@ class MediaPolicy:
     """Resolved folder that file:// paths must stay inside; None refuses file:// URLs."""
     max_image_bytes: int
     max_image_pixels: int
-    allowed_schemes: frozenset[str] = frozenset({"data", "https"})
+    allowed_schemes: frozenset[str] = frozenset(
+        default_of(MMWorkerConfig, "allowed_media_schemes"))
     """Schemes allowed besides file:// (data, https, http)."""
-    jpeg_draft: bool = False
+    jpeg_draft: bool = default_of(MMWorkerConfig, "jpeg_draft")
     """Decode big JPEGs reduced (`MMWorkerConfig.jpeg_draft`; not bit-exact)."""
 
     @classmethod

@@ -200,7 +200,8 @@ class MMWorker:
         (the loop's alone; guarded by `_queue_changed` for the counts other threads read)."""
         self._ahead = 2 * config.mm_processes if self.pool else 1
         self._turning = 0  # 1 while the loop starts or finishes a job off both queues
-        self._stop = Stop()  # serve's: from its signal on, new jobs are refused
+        # serve's: from its signal on, new jobs are refused
+        self._stop = Stop(config.ops.drain_timeout_s)
         self._input_done = threading.Event()
         self._input: threading.Thread | None = None
         self.metrics.add_counters(self.cache.counters)

@@ -43,6 +43,12 @@ from services.model.families import (
 from services.model.pixels import PixelNorm
 from services.model.tiny import ensure_default_model
 
+REFERENCE_IMAGE_BACKEND: ImageBackend = "pil"
+"""What `load_preprocessor` renders images with unless told: PIL, transformers' reference, which
+needs no torchvision. It is not the MM worker's `image_backend` setting ('auto' by default):
+roles that render no image (the frontend, the engine) and the tests' references take it; a
+role that renders images passes its setting."""
+
 
 class ModelDirError(ValueError):
     """The model directory is missing, incomplete or unusable."""
@@ -95,7 +101,7 @@ class Preprocessor:
     # Special tokens the tokenizer adds around a text when asked (e.g. Llama's BOS).
     special_prefix: list[int]
     special_suffix: list[int]
-    image_backend: str = "pil"
+    image_backend: str
     """The image processor's backend: 'pil' or 'torchvision' (see `load_preprocessor`)."""
 
     def render_prompt(self, messages: list[dict]) -> str:
@@ -195,7 +201,9 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return model_dir
 
 
-def load_preprocessor(model_dir: str | Path, image_backend: ImageBackend = "pil") -> Preprocessor:
+def load_preprocessor(
+    model_dir: str | Path, image_backend: ImageBackend = REFERENCE_IMAGE_BACKEND
+) -> Preprocessor:
     model_dir = resolve_model_dir(model_dir)
     family, config = _load_config(model_dir)
     tokenizer = _load_tokenizer(model_dir)
