@@ -4,9 +4,16 @@ serve handing each child its validated config."""
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
+import operator
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import pytest
@@ -15,9 +22,17 @@ from conftest import pool_pids
 from protocol.errors import FatalError
 from services.bench.cli import BENCH_SETTINGS
 from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
+from services.common.config import default_of
 from services.common.settings import Settings, flag_name
 from services.engine.config import EngineConfig
-from services.launcher import KILL_GRACE_S, SERVE_SETTINGS, serve_config, start_roles, stop_all
+from services.launcher import (
+    KILL_GRACE_S,
+    SERVE_SETTINGS,
+    ServeConfig,
+    serve_config,
+    start_roles,
+    stop_all,
+)
 from services.ops.health import ping_all
 
 
@@ -317,3 +332,206 @@ def test_a_vllm_args_file_must_hold_one_mapping(tmp_path: Path, text: str, match
     args_file.write_text(text)
     with pytest.raises((FatalError, ValueError), match=match):
         config_from_argv("engine", ["--vllm-args-file", str(args_file)], tmp_path)
+
+
+# ---------------------------------------------------------------- one home per setting
+
+
+REPO = Path(__file__).resolve().parent.parent
+_ARITHMETIC: dict[type, Callable[..., Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow,
+    ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+_FIELD_CALLS = {"field", "msgspec.field", "dataclasses.field"}
+
+
+class Home(NamedTuple):
+    """Where a setting is defined: a config Struct that a role runs with, and its default."""
+
+    struct: type[msgspec.Struct]
+    path: str
+    default: Any
+
+
+class Written(NamedTuple):
+    """A default written in services/: a parameter's, or a class's field's (`owner`)."""
+
+    name: str
+    value: ast.expr
+    where: str
+    owner: str
+    """The class whose field it is; "" for a parameter."""
+    in_config: bool
+    """A field of a config Struct (a class named *Config that derives from a Struct)."""
+
+
+@functools.cache
+def role_settings() -> dict[str, list[Home]]:
+    """Each setting's name -> its homes: the fields of ServeConfig and of every config Struct it
+    holds (each role's, each backend's, the shared ones), with their defaults."""
+    homes: dict[str, list[Home]] = {}
+    structs: list[type[msgspec.Struct]] = [ServeConfig]
+    seen: set[type[msgspec.Struct]] = set()
+    while structs:
+        struct = structs.pop()
+        if struct in seen:
+            continue
+        seen.add(struct)
+        path = Path(inspect.getfile(struct)).relative_to(REPO).as_posix()
+        for field in msgspec.structs.fields(struct):
+            if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
+                structs.append(field.type)
+            if field.default is not msgspec.NODEFAULT or field.default_factory is not \
+                    msgspec.NODEFAULT:
+                homes.setdefault(field.name, []).append(
+                    Home(struct, path, default_of(struct, field.name)))
+    return homes
+
+
+def literal(node: ast.expr) -> Any:
+    """The value of a default written as a literal: a constant, arithmetic on constants, a
+    container of literals, or `field(default=...)` or `field(default_factory=lambda: ...)` of
+    one. ValueError for anything else: a name or a call takes its value from one place."""
+    match node:
+        case ast.Constant(value=value):
+            return value
+        case ast.UnaryOp(op=op, operand=operand) if type(op) in _ARITHMETIC:
+            return _ARITHMETIC[type(op)](literal(operand))
+        case ast.BinOp(left=left, op=op, right=right) if type(op) in _ARITHMETIC:
+            return _ARITHMETIC[type(op)](literal(left), literal(right))
+        case ast.List(elts=items) | ast.Tuple(elts=items) | ast.Set(elts=items):
+            return [literal(item) for item in items]
+        case ast.Dict(keys=keys, values=values) if None not in keys:
+            return {literal(k): literal(v) for k, v in zip(keys, values, strict=True)}  # type: ignore[arg-type]
+        case ast.Call(func=func, keywords=keywords) if ast.unparse(func) in _FIELD_CALLS:
+            given = {keyword.arg: keyword.value for keyword in keywords}
+            if "default" in given:
+                return literal(given["default"])
+            if isinstance(given.get("default_factory"), ast.Lambda):
+                return literal(given["default_factory"].body)  # type: ignore[union-attr]
+    raise ValueError(ast.unparse(node))
+
+
+def written_defaults(source: str, module: str) -> Iterator[Written]:
+    """Every default written in `source`, the module at `module`: each parameter's (functions,
+    methods, lambdas) and each class-body field's (dataclasses, Structs, named tuples, plain
+    classes)."""
+    tree = ast.parse(source, module)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            positional = [*args.posonlyargs, *args.args]
+            pairs = [*zip(positional[len(positional) - len(args.defaults):], args.defaults,
+                          strict=True), *zip(args.kwonlyargs, args.kw_defaults, strict=True)]
+            for arg, value in pairs:
+                if value is not None:
+                    yield Written(arg.arg, value, f"{module}:{value.lineno}", "", False)
+        elif isinstance(node, ast.ClassDef):
+            in_config = node.name.endswith("Config") and any(
+                ast.unparse(base).endswith("Struct") for base in node.bases)
+            for statement in node.body:
+                if isinstance(statement, ast.AnnAssign) and statement.value is not None:
+                    targets, value = [statement.target], statement.value
+                elif isinstance(statement, ast.Assign):
+                    targets, value = statement.targets, statement.value
+                else:
+                    continue
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        yield Written(target.id, value, f"{module}:{value.lineno}", node.name,
+                                      in_config)
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == "" or (isinstance(value, list | dict) and not value)
+
+
+def restates(written: Written, home: Home) -> bool:
+    """Whether `written` writes `home`'s setting's default a second time.
+
+    - Only a literal counts: a name (IMAGE_NICE) or a call (`default_of(...)`) takes the value
+      from one place.
+    - "Not given" on both sides (None, "", an empty list) restates nothing: what unset means is
+      the setting's own code (an ipc path in the run dir, the embedded model).
+    - A parameter or a plain class's field named like the setting with a compound name
+      (`image_nice`, `max_unit_ms`) is the setting, whatever it defaults to: with another value
+      it runs a mode no config makes (issue 40: a runner's image_nice 0 against the config's 10).
+      A one-word name (`name`, `port`, `host`) is too common to mean the setting alone: it
+      counts where it also repeats the setting's value.
+    - A field of another config Struct is a setting's definition too: it counts where it
+      repeats the value (two homes of one setting); with another value it is a setting of its
+      own that shares the name (the bench's drain_timeout_s bounds a phase, not a role's drain).
+    """
+    if (written.owner, written.where.partition(":")[0]) == (home.struct.__name__, home.path):
+        return False  # the home itself
+    try:
+        value = literal(written.value)
+    except ValueError:
+        return False
+    if _unset(value) and _unset(home.default):
+        return False
+    if written.in_config or "_" not in written.name:
+        return bool(value == home.default)
+    return True
+
+
+_BEING_REWRITTEN: dict[str, str] = {
+    "services/engine/config.py": "issue 40: EngineConfig.mm_cache_gb is to take MM_CACHE_GB "
+    "(services/common/config.py), as MMWorkerConfig does; the file is being rewritten",
+}
+"""Modules that another change of issue 40 is rewriting now, with what it fixes there."""
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(path, id=path.relative_to(REPO).as_posix(), marks=[pytest.mark.xfail(
+        reason=_BEING_REWRITTEN[path.relative_to(REPO).as_posix()])]
+        if path.relative_to(REPO).as_posix() in _BEING_REWRITTEN else [])
+    for path in sorted((REPO / "services").rglob("*.py"))
+])
+def test_no_setting_has_its_default_written_twice(path: Path) -> None:
+    found = [
+        f"{written.where}: {written.owner + '.' if written.owner else ''}{written.name} = "
+        f"{ast.unparse(written.value)} restates {home.struct.__name__}.{written.name} = "
+        f"{home.default!r} ({home.path})"
+        for written in written_defaults(path.read_text(), path.relative_to(REPO).as_posix())
+        for home in role_settings().get(written.name, [])
+        if restates(written, home)
+    ]
+    assert not found, ("a setting's default is written again; take it from its home (the config "
+                       "object whole, or default_of):\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize(("written", "restated"), [
+    ("def load(image_nice: int = 0): ...", True),  # another value: a mode no config makes
+    ("def load(image_nice: int = 10): ...", True),
+    ("def load(*, max_batch=16): ...", True),
+    ("def load(image_nice: int = IMAGE_NICE): ...", False),  # a name: one place
+    ("def load(mm_cache_gb=default_of(EngineConfig, 'mm_cache_gb')): ...", False),
+    ("def serve(port: int = 0): ...", False),  # a one-word name with another value
+    ("def serve(port: int = 8765): ...", True),
+    ("def connect(engine_endpoint: str = ''): ...", False),  # unset on both sides
+    ("class Policy:\n    jpeg_draft: bool = False", True),
+    ("class Limits:\n    http_max_body_bytes: int = 128 * 1024 * 1024", True),
+    ("class BenchConfig(msgspec.Struct):\n    drain_timeout_s: float = 60.0", False),
+    ("class BenchConfig(msgspec.Struct):\n    tokenizer_workers: int = 4", True),
+])
+def test_a_default_counts_as_written_twice_by_its_name_and_literal(
+    written: str, restated: bool,
+) -> None:
+    found = [home.struct.__name__ for default in written_defaults(written, "services/probe.py")
+             for home in role_settings().get(default.name, []) if restates(default, home)]
+    assert bool(found) == restated, found
+
+
+@pytest.mark.parametrize(("config", "others"), [
+    ("services.frontend.config", ("services.mm_worker", "services.engine")),
+    ("services.mm_worker.config", ("services.frontend", "services.engine")),
+])
+def test_a_roles_config_imports_no_other_role_and_no_model(config: str, others: tuple) -> None:
+    code = (
+        f"import sys, {config}; "
+        f"loaded = [m for m in sys.modules if m in ('torch', 'transformers') "
+        f"or m.startswith({others!r})]; assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=REPO)
