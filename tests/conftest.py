@@ -349,6 +349,9 @@ PYZMQ_GARBAGE_COLLECTOR = os.path.join("zmq", "utils", "garbage.py")
 
 _open_sockets: weakref.WeakKeyDictionary[zmq.Socket, str] = weakref.WeakKeyDictionary()
 """Every ZMQ socket made in this process and not yet collected, with where it was made."""
+_reported_sockets: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()
+"""Leaked sockets already reported: they are not closed (a thread may still use one), and are
+not reported again."""
 _started: list[str] = []
 """The processes the current test started (subprocess and fork), as the audit hook saw them."""
 
@@ -407,7 +410,8 @@ class Snapshot(NamedTuple):
                 if (p.pid, p.started) not in self.processes and p.parent not in older]
 
     def leaked_sockets(self) -> list[zmq.Socket]:
-        return [socket for socket in _sockets_open() if socket not in self.sockets]
+        return [socket for socket in _sockets_open()
+                if socket not in self.sockets and socket not in _reported_sockets]
 
 
 def _own_processes() -> list[Process]:
@@ -467,6 +471,7 @@ def _command(p: Process) -> str:
 def _check(before: Snapshot, what: str, report: bool) -> None:
     processes_left, sockets_left = _leaks(before)
     _end(processes_left)
+    _reported_sockets.update(sockets_left)
     if not report or not (processes_left or sockets_left):
         return
     lines = [f"{what} left {len(processes_left)} process(es) running and "
