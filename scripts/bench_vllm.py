@@ -45,6 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from services.common import cpu_wheels  # noqa: E402
+
+cpu_wheels.apply()  # this script runs where vLLM is: before transformers imports torchvision
+
 from services.common.sockets import free_tcp_port  # noqa: E402
 from services.model import resolve_model_dir  # noqa: E402
 

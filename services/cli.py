@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from protocol.errors import MMLaneError
+from services.common import cpu_wheels
 from services.common.config import (
     DEFAULT_HOST,
     default_run_dir,
@@ -89,6 +90,10 @@ def _cmd_role(role: str, module: str, name: str,
     def run(args: argparse.Namespace) -> int:
         for key, value in (environment or {}).items():
             os.environ.setdefault(key, value)
+        # Every role imports transformers' image processors, which import torchvision: a vLLM
+        # CPU install's fails beside CPU torch until fixed, here and in the processes the role
+        # starts (the MM worker's pool, vLLM's): cpu_wheels.py.
+        os.environ.update(cpu_wheels.child_env())
         config = role_config(role, args)
         service = getattr(importlib.import_module(module), name)
         return run_role(role, lambda: service(config), args.ready_endpoint, config.ops)  # type: ignore[attr-defined]
@@ -114,6 +119,7 @@ def _add_watch_args(p: argparse.ArgumentParser, kind: str) -> None:
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
     from services.model import build_tiny_model
 
     out = build_tiny_model(args.out, family=args.family, seed=args.seed)

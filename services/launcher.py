@@ -47,6 +47,7 @@ import zmq
 
 from protocol.errors import FatalError
 from protocol.messages import LauncherInput, StartupFailed
+from services.common import cpu_wheels
 from services.common.config import (
     OpsConfig,
     default_run_dir,
@@ -290,6 +291,7 @@ def _give_throwaway_keys(config: ServeConfig, folder: Path) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
     from services.model import resolve_model_dir  # heavy (transformers): not for --help
 
     log = setup_logging("serve")

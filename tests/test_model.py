@@ -2,6 +2,8 @@
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -393,3 +395,11 @@ def test_model_forward_on_processed_image(model_dirs, preprocessors, family):
         logits = model(input_ids=input_ids, **inputs).logits
     assert logits.shape == (1, input_ids.shape[1], model.config.get_text_config().vocab_size)
     assert torch.isfinite(logits).all()
+
+
+def test_importing_the_model_package_patches_no_environment():
+    """The CPU-wheel fixes (services/common/cpu_wheels.py) are applied by the processes that need
+    them, at their entry points: importing the model package does not bring them in."""
+    code = ("import sys, services.model; "
+            "assert 'services.common.cpu_wheels' not in sys.modules, 'patched on import'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -20,6 +20,7 @@ import msgspec
 
 from protocol.errors import FatalError
 from services.bench.config import BenchConfig, load_bench_config
+from services.common import cpu_wheels
 from services.common.settings import Settings
 from services.launcher import sigterm_as_interrupt
 
@@ -69,6 +70,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     config = bench_config(args)
     _check_extra()
+    cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="mmb-"))
     try:
         with sigterm_as_interrupt():  # the processes it started are stopped on the way out
@@ -117,6 +119,7 @@ def add_bench_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_server(args: argparse.Namespace) -> int:
+    cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
     from services.bench.inproc import InProcessConfig, InProcessServer
     from services.common.config import handed_config
     from services.common.lifecycle import run_role

