@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import multiprocessing.process
 import os
 import shutil
 import signal
@@ -65,24 +66,68 @@ os.environ.setdefault("MMLANE_HTTP_PORT", "0")
 DEVICE = os.environ.get("MMLANE_TEST_DEVICE", "cpu")
 
 FAST = (
+    "test_api.py",
+    "test_backend.py",
+    "test_bench.py",
     "test_cache.py",
+    "test_cache_property.py",
+    "test_config.py",
+    "test_curve.py::test_an_ipc_socket_is_made_0600_in_a_new_0700_folder",
+    "test_detokenize.py",
+    "test_fetch.py",
+    "test_http.py::test_choices_keep_what_came_while_waiting_for_every_first_reply",
+    "test_mm_pool.py::test_pipeline_histories",
+    "test_mm_pool.py::test_an_image_guessed_held_but_evicted_since_is_sent_with_its_tensors",
+    "test_mm_worker.py::TestMedia",
+    "test_mm_worker.py::TestRender",
+    "test_mm_worker.py::TestJpegDraftScale",
+    "test_model.py",
+    "test_ops.py::test_endpoint_label",
+    "test_ops.py::test_a_free_port_is_never_given_twice",
+    "test_ops.py::test_metric_names_keep_to_prometheus_characters",
+    "test_ops.py::test_the_last_window_is_the_difference_of_one_runs_two_snapshots",
+    "test_ops.py::test_top_shows_each_mm_workers_share_of_the_requests",
+    "test_ops.py::test_a_process_that_stops_publishing_goes_stale",
+    "test_ops.py::test_top_and_stats_show_the_refusals_after_the_errors",
+    "test_ops.py::test_the_tools_write_a_state_with_its_restarts",
+    "test_pixels.py",
     "test_protocol.py",
+    "test_sampling.py",
 )
 """The fast lane (`scripts/test --fast`, which is `pytest -m fast`): tests of pure logic and
-in-process code that start no process, neither a role nor `mmlane serve` (`no_leaks` fails one
-of them that does). Each name is a test file, or a test's node id (or a prefix: a class) within
-one, as in `test_x.py::TestY`; a name that matches no collected test is simply unused, so files
-may come and go."""
+in-process code that start no process, neither a role nor `mmlane serve` nor a pool (`no_leaks`
+fails one of them that does), a few minutes in all. Each name is a test file, or a test's node id
+(or its prefix: a class, a test of every parameter) within one, as in `test_x.py::TestY`; a name
+that matches no collected test is simply unused, so files may come and go."""
+NOT_FAST = (
+    "test_api.py::test_api_keys_guard_every_v1_route_but_not_health_or_metrics",
+    "test_api.py::test_top_once_into_a_closed_pipe_ends_quietly",
+    "test_api.py::test_stats_into_head_ends_quietly_with_the_status_of_a_broken_pipe",
+    "test_backend.py::test_the_engine_and_its_config_import_no_backend",
+    "test_bench.py::TestRun",
+    "test_bench.py::test_throughput_run_reports_every_design",
+    "test_bench.py::test_sigterm_stops_every_process_the_bench_started",
+    "test_config.py::test_serves_child_runs_with_the_config_it_was_handed",
+    "test_config.py::test_image_work_runs_image_nice_below_text_work",
+    "test_config.py::test_a_child_refuses_a_config_that_is_not_its_roles",
+    "test_config.py::test_a_roles_config_imports_no_other_role_and_no_model",
+    "test_detokenize.py::test_a_streamed_reply_carries_the_whole_text",
+    "test_fetch.py::test_https_fetch_verifies_the_certificate",
+    "test_model.py::test_importing_the_model_package_patches_no_environment",
+)
+"""The tests of a file in FAST that start a process (named as in FAST)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if _in_fast_lane(item.path.name + item.nodeid[item.nodeid.find("::"):]):
+        _, _, within = item.nodeid.partition("::")
+        name = f"{item.path.name}::{within}" if within else item.path.name
+        if _named(name, FAST) and not _named(name, NOT_FAST):
             item.add_marker(pytest.mark.fast)
 
 
-def _in_fast_lane(name: str) -> bool:
-    return any(name == fast or name.startswith((f"{fast}::", f"{fast}[")) for fast in FAST)
+def _named(test: str, names: tuple[str, ...]) -> bool:
+    return any(test == name or test.startswith((f"{name}::", f"{name}[")) for name in names)
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +398,8 @@ _reported_sockets: weakref.WeakSet[zmq.Socket] = weakref.WeakSet()
 """Leaked sockets already reported: they are not closed (a thread may still use one), and are
 not reported again."""
 _started: list[str] = []
-"""The processes the current test started (subprocess and fork), as the audit hook saw them."""
+"""The processes the current test and the fixtures set up for it started (subprocess and fork),
+as the audit hook saw them."""
 
 
 def _note_socket(add_socket):
@@ -382,13 +428,24 @@ def _made_at(frame: types.FrameType | None) -> str | None:
 
 
 def _note_process_starts(event: str, args: tuple) -> None:
-    if event == "subprocess.Popen":
+    if event == "subprocess.Popen" and args[1] != ["uname", "-p"]:  # platform.processor(), once
         _started.append(" ".join(map(str, args[1])) if isinstance(args[1], list) else str(args[1]))
     elif event in ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system"):
         _started.append(event)
 
 
 sys.addaudithook(_note_process_starts)
+
+
+def _note_pool_starts(start):
+    def start_and_note(process: multiprocessing.process.BaseProcess) -> None:
+        _started.append(f"multiprocessing: {process.name}")  # spawn raises no audit event
+        start(process)
+    return start_and_note
+
+
+multiprocessing.process.BaseProcess.start = _note_pool_starts(  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start)
 
 
 class Snapshot(NamedTuple):
@@ -482,6 +539,11 @@ def _check(before: Snapshot, what: str, report: bool) -> None:
     pytest.fail("\n".join(lines), pytrace=False)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _started.clear()  # before any fixture of the test: those it uses count as its own (FAST)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def no_leaks_by_module_fixtures(request: pytest.FixtureRequest) -> Iterator[None]:
     """The module's fixtures (set up after this one, so torn down before) leave nothing."""
@@ -497,11 +559,10 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     process at all. A test that failed anyway is not failed again for its leaks, but they are
     ended all the same."""
     before = Snapshot.now()
-    _started.clear()
     yield
     if _started and request.node.get_closest_marker("fast") is not None:
-        pytest.fail(f"a test of the fast lane (FAST) started processes: {_started[:3]}; "
-                    f"take it out of FAST", pytrace=False)
+        pytest.fail(f"a test of the fast lane (FAST) started processes: {_started[:3]}; take "
+                    f"it out of FAST, or name it in NOT_FAST", pytrace=False)
     _check(before, "the test", report=not request.node.stash.get(FAILED, False))
 
 
