@@ -2,14 +2,13 @@
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from msgspec.structs import replace
+from test_config import loaded_on_import
 from transformers import AutoConfig
 
 from conftest import (
@@ -400,6 +399,6 @@ def test_model_forward_on_processed_image(model_dirs, preprocessors, family):
 def test_importing_the_model_package_patches_no_environment():
     """The CPU-wheel fixes (services/common/cpu_wheels.py) are applied by the processes that need
     them, at their entry points: importing the model package does not bring them in."""
-    code = ("import sys, services.model; "
-            "assert 'services.common.cpu_wheels' not in sys.modules, 'patched on import'")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    loaded = loaded_on_import("services.model")
+    assert "services.model.loading" in loaded
+    assert "services.common.cpu_wheels" not in loaded
