@@ -473,17 +473,8 @@ def restates(written: Written, home: Home) -> bool:
     return True
 
 
-_BEING_REWRITTEN: dict[str, str] = {
-    "services/engine/config.py": "issue 40: EngineConfig.mm_cache_gb is to take MM_CACHE_GB "
-    "(services/common/config.py), as MMWorkerConfig does; the file is being rewritten",
-}
-"""Modules that another change of issue 40 is rewriting now, with what it fixes there."""
-
-
 @pytest.mark.parametrize("path", [
-    pytest.param(path, id=path.relative_to(REPO).as_posix(), marks=[pytest.mark.xfail(
-        reason=_BEING_REWRITTEN[path.relative_to(REPO).as_posix()])]
-        if path.relative_to(REPO).as_posix() in _BEING_REWRITTEN else [])
+    pytest.param(path, id=path.relative_to(REPO).as_posix())
     for path in sorted((REPO / "services").rglob("*.py"))
 ])
 def test_no_setting_has_its_default_written_twice(path: Path) -> None:

@@ -9,7 +9,14 @@ from typing import Literal
 
 import msgspec
 
-from services.common.config import OpsConfig, SecurityConfig, _positive, ipc, process_name
+from services.common.config import (
+    MM_CACHE_GB,
+    OpsConfig,
+    SecurityConfig,
+    _positive,
+    ipc,
+    process_name,
+)
 from services.common.feature_cache import capacity_bytes
 from services.engine.hf.config import HFConfig
 from services.engine.vllm.config import VLLMConfig
@@ -25,7 +32,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Where the engine binds its request socket (PULL); frontends and MM workers connect."""
     max_queued_requests: int = 1024
     """Requests held at once; above it new ones get an 'overloaded' error."""
-    mm_cache_gb: float = 4.0
+    mm_cache_gb: float = MM_CACHE_GB
     """The most GiB of tensors one MM worker's receiver cache may hold; 0 caches nothing. Each
     receiver cache mirrors its MM worker's own --mm-cache-gb, which must not be larger."""
     backend: Backend = "hf"
