@@ -480,7 +480,7 @@ def _own_processes() -> list[Process]:
         ancestor = p
         while ancestor.parent in every and ancestor.pid != me:
             ancestor = every[ancestor.parent]
-        if ancestor.parent == me or ancestor.pid == me:
+        if ancestor.pid == me:
             return True
         try:
             return mark in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
@@ -525,18 +525,19 @@ def _command(p: Process) -> str:
     return p.cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-def _check(before: Snapshot, what: str, report: bool) -> None:
+def _leak_report(before: Snapshot, what: str) -> list[str]:
+    """Lines that name what was leaked since `before` (none if nothing was), once it is ended."""
     processes_left, sockets_left = _leaks(before)
     _end(processes_left)
     _reported_sockets.update(sockets_left)
-    if not report or not (processes_left or sockets_left):
-        return
+    if not processes_left and not sockets_left:
+        return []
     lines = [f"{what} left {len(processes_left)} process(es) running and "
              f"{len(sockets_left)} ZMQ socket(s) open:"]
     lines += [f"  process {p.pid}: {_command(p)}" for p in processes_left]
     lines += [f"  socket {zmq.SocketType(socket.type).name} made at {_open_sockets.get(socket)}"
               for socket in sockets_left]
-    pytest.fail("\n".join(lines), pytrace=False)
+    return lines
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -549,7 +550,8 @@ def no_leaks_by_module_fixtures(request: pytest.FixtureRequest) -> Iterator[None
     """The module's fixtures (set up after this one, so torn down before) leave nothing."""
     before = Snapshot.now()
     yield
-    _check(before, f"{request.module.__name__}'s fixtures", report=True)
+    if report := _leak_report(before, f"{request.module.__name__}'s fixtures"):
+        pytest.fail("\n".join(report), pytrace=False)
 
 
 @pytest.fixture(autouse=True)
@@ -560,10 +562,12 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     ended all the same."""
     before = Snapshot.now()
     yield
+    report = _leak_report(before, "the test")
     if _started and request.node.get_closest_marker("fast") is not None:
-        pytest.fail(f"a test of the fast lane (FAST) started processes: {_started[:3]}; take "
-                    f"it out of FAST, or name it in NOT_FAST", pytrace=False)
-    _check(before, "the test", report=not request.node.stash.get(FAILED, False))
+        report.append(f"a test of the fast lane (FAST) started processes: {_started[:3]}; take "
+                      f"it out of FAST, or name it in NOT_FAST")
+    if report and not request.node.stash.get(FAILED, False):
+        pytest.fail("\n".join(report), pytrace=False)
 
 
 def pool_pids(worker_pid: int) -> list[int]:
