@@ -19,7 +19,7 @@ import statistics
 
 from protocol.messages import EngineRequest, SamplingParams
 from services.common.stats import Metrics
-from services.engine.hf.config import HFConfig
+from services.engine.config import HFConfig
 from services.engine.hf.runner import HFRunner
 from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 

@@ -39,7 +39,7 @@ from protocol.messages import (
 from protocol.sampling import StructuredOutputs
 from protocol.shm import ShmWriter
 from services.bench.images import make_image
-from services.engine.hf.config import HFConfig
+from services.engine.config import HFConfig
 from services.engine.hf.runner import HFRunner
 from services.engine.outbox import _Waiting
 from services.engine.runner import ModelSpec

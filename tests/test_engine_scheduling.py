@@ -49,8 +49,7 @@ from services.bench.images import encode, make_image
 from services.cli import build_parser, role_config
 from services.client import Client, user_message
 from services.common.config import load_config
-from services.engine.config import EngineConfig
-from services.engine.hf.config import HFConfig
+from services.engine.config import EngineConfig, HFConfig
 from services.engine.hf.scheduler import pick
 from services.engine.hf.sequence import Sequence
 from services.launcher import SERVE_SETTINGS, Child, serve_config, stop_all

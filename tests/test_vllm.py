@@ -642,8 +642,7 @@ def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
 
     from services.common.config import run_dir_defaults
     from services.common.stats import Metrics
-    from services.engine.config import EngineConfig
-    from services.engine.vllm.config import VLLMConfig
+    from services.engine.config import EngineConfig, VLLMConfig
     from services.engine.vllm.runner import load
 
     with run_dir_defaults(tmp_path):

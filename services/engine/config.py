@@ -1,28 +1,134 @@
-"""The engine role's settings; each backend's own settings are a nested sub-config.
+"""The engine role's settings, each backend's in a section of its own (`hf`, `vllm`).
 
-Import-light (no torch): the CLI and the launcher read it without loading a backend.
+One home for every engine setting: the backends read their section from here, and the engine
+role imports no backend. Import-light (no torch, no vLLM): the CLI and the launcher read it
+without loading a backend.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from protocol.errors import FatalError
 from services.common.config import (
+    IMAGE_NICE,
     MM_CACHE_GB,
     OpsConfig,
     SecurityConfig,
     _positive,
+    check_nice,
     ipc,
     process_name,
 )
 from services.common.feature_cache import capacity_bytes
-from services.engine.hf.config import HFConfig
-from services.engine.vllm.config import VLLMConfig
+from services.common.settings import WHOLE
 
 Backend = Literal["hf", "vllm"]
 """What runs the model; each name has a factory in services/engine/runner.py's BACKENDS."""
+
+
+class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The 'hf' backend's settings (services/engine/hf/): the embedded reference runner."""
+
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda[:N]'."""
+    prefill_chunk_tokens: int = 128
+    """The prompt tokens one prefill unit runs, the same for every request (chunk boundaries
+    change a prompt's bits, so every start and replica gives a request the same tokens): what a
+    text request waits for behind another prompt's prefill. 128 took 3.7-4.4 ms on the tiny
+    model on a 2-core CPU."""
+    max_batch: int = 16
+    """The most requests one decode step runs together (1: one at a time). A batched step
+    gives each request the same logits, bit for bit, as a step of its own (see runner.py)."""
+    torch_threads: int = 0
+    """Threads torch may use for one CPU operation. 0: every core this process may run on but
+    two, and at least one, since an MM worker and a frontend on the same machine need theirs:
+    torch threads that wait for a busy core make each unit many times slower."""
+    vision_threads: int = 0
+    """Threads torch may use for one CPU operation of a vision pass, which runs on the engine's
+    vision lane, beside the model thread's units. 0: as --torch-threads."""
+    image_nice: int = IMAGE_NICE
+    """Nice steps (0-19) below text work that the vision lane's thread runs (`mmlane serve`
+    sets the MM worker's --image-nice too). Where cores are shared, a text request's unit takes
+    one first, and image work gets what text leaves idle (at 10 about a tenth of a core that
+    text fills). 0: off. Linux counts niceness per thread."""
+    grammar_cache_size: int = 64
+    """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
+    a request whose schema is among them starts without compiling it."""
+    encoder_cache_gb: float = 1.0
+    """GiB of vision-encoder outputs kept by image hash, the most recently used, on the model's
+    device: a repeated image (one the MM worker hashed: its cache on, or a client uuid) skips
+    its vision pass, with the same bits as running it again. 0: off."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "prefill_chunk_tokens", "max_batch", "grammar_cache_size")
+        capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
+        check_nice(self, "image_nice")
+        for name in ("torch_threads", "vision_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (automatic) or more, "
+                                 f"got {getattr(self, name)}")
+
+
+class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The 'vllm' backend's settings (services/engine/vllm/): import-light, no vLLM."""
+
+    vllm_arg: Annotated[list[str], WHOLE] = []
+    """A vLLM engine argument as KEY=VALUE, named as in vLLM's EngineArgs (vllm serve's options
+    with underscores, no dashes): tensor_parallel_size=2, gpu_memory_utilization=0.9,
+    max_model_len=8192, enable_prefix_caching=true. VALUE is read as JSON when it parses as JSON
+    (numbers, true/false, null, lists, objects: commas and all), else as a string. Repeatable
+    (one per line in the environment variable); passed to vLLM unchanged and after
+    --vllm-args-file's."""
+    vllm_args_file: str | None = None
+    """A JSON or YAML file (by its suffix: .yaml/.yml is YAML) holding one mapping of vLLM engine
+    arguments, as --vllm-arg takes them."""
+
+    def engine_args(self) -> dict[str, Any]:
+        """The engine arguments these settings give, the file's first; raises FatalError
+        (bad_config) naming what is malformed."""
+        args: dict[str, Any] = {}
+        if self.vllm_args_file is not None:
+            args.update(_read_args_file(Path(self.vllm_args_file)))
+        for item in self.vllm_arg:
+            key, sep, value = item.partition("=")
+            key = key.strip().lstrip("-").replace("-", "_")
+            if not sep or not key:
+                raise FatalError(f"--vllm-arg takes KEY=VALUE, got {item!r}", code="bad_config")
+            try:
+                args[key] = json.loads(value)
+            except ValueError:
+                args[key] = value
+        return args
+
+    def __post_init__(self) -> None:
+        self.engine_args()  # a malformed setting fails at startup, before vLLM loads
+
+
+def _read_args_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FatalError(f"cannot read --vllm-args-file {path}: {exc}", code="bad_config") from exc
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # vLLM depends on PyYAML
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # json's ValueError, yaml's YAMLError
+        raise FatalError(f"--vllm-args-file {path} is malformed: {exc}", code="bad_config") from exc
+    if not isinstance(data, dict):
+        raise FatalError(
+            f"--vllm-args-file {path} must hold one mapping of engine arguments, "
+            f"got {type(data).__name__}", code="bad_config",
+        )
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -48,10 +48,9 @@ from protocol.messages import EngineRequest, MMItem
 from protocol.sampling import StructuredOutputs
 from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, HFConfig
 from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE, attention
-from services.engine.hf.config import HFConfig
 from services.engine.hf.sampling import token_logprobs
 from services.engine.hf.scheduler import pick
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
