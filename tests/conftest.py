@@ -386,6 +386,9 @@ died (an orphan no longer descends from pytest); another pytest beside this one 
 os.environ[OWNER_ENV] = str(os.getpid())
 SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
 """Processes that multiprocessing starts once and keeps for the whole run, by design."""
+HELD_DEPTH, HELD_BREADTH = 5, 100_000
+"""How many references deep a fixture's object may hold a socket it made during a test, and how
+many objects at each depth are looked at (a model's fixture holds many)."""
 LEAK_GRACE_S = 5.0
 """How long a leak may take to go away after the test (a role that is still exiting, a thread
 that closes its socket) before it counts."""
@@ -499,11 +502,16 @@ def _sockets_open() -> list[zmq.Socket]:
             continue
 
 
-def _leaks(before: Snapshot) -> tuple[list[Process], list[zmq.Socket]]:
-    """What was leaked since `before`, once LEAK_GRACE_S has passed for it to go away."""
-    deadline = time.monotonic() + LEAK_GRACE_S
+def _leaks(before: Snapshot, owners: tuple[object, ...]) -> tuple[list[Process], list[zmq.Socket]]:
+    """What was leaked since `before`, once LEAK_GRACE_S has passed for it to go away; sockets
+    that the `owners` hold are theirs, not leaked."""
+    deadline, owned = time.monotonic() + LEAK_GRACE_S, weakref.WeakSet[zmq.Socket]()
     while True:
-        processes_left, sockets_left = before.leaked_processes(), before.leaked_sockets()
+        processes_left = before.leaked_processes()
+        sockets_left = [socket for socket in before.leaked_sockets() if socket not in owned]
+        if sockets_left and owners:
+            owned.update(_held_by(owners, sockets_left))
+            sockets_left = [socket for socket in sockets_left if socket not in owned]
         if not processes_left and not sockets_left or time.monotonic() > deadline:
             return processes_left, sockets_left
         if sockets_left:
@@ -525,9 +533,28 @@ def _command(p: Process) -> str:
     return p.cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-def _leak_report(before: Snapshot, what: str) -> list[str]:
+def _held_by(owners: tuple[object, ...], sockets: list[zmq.Socket]) -> list[zmq.Socket]:
+    """Those of `sockets` that the `owners` hold, a few references deep (a module's fixture
+    whose object makes a socket during a test, and closes it at the module's end)."""
+    wanted, held, seen = {id(socket) for socket in sockets}, set(), set()
+    level = list(owners)
+    for _ in range(HELD_DEPTH):
+        deeper = []
+        for thing in level[:HELD_BREADTH]:
+            if id(thing) in seen or isinstance(thing, type | types.ModuleType | types.FunctionType):
+                continue
+            seen.add(id(thing))
+            if id(thing) in wanted:
+                held.add(id(thing))
+            else:
+                deeper.extend(gc.get_referents(thing))
+        level = deeper
+    return [socket for socket in sockets if id(socket) in held]
+
+
+def _leak_report(before: Snapshot, what: str, owners: tuple[object, ...] = ()) -> list[str]:
     """Lines that name what was leaked since `before` (none if nothing was), once it is ended."""
-    processes_left, sockets_left = _leaks(before)
+    processes_left, sockets_left = _leaks(before, owners)
     _end(processes_left)
     _reported_sockets.update(sockets_left)
     if not processes_left and not sockets_left:
@@ -556,13 +583,14 @@ def no_leaks_by_module_fixtures(request: pytest.FixtureRequest) -> Iterator[None
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The test leaves no process it started running and no socket it made open; what the
-    module's fixtures hold (made before the test) is theirs. A test in the fast lane starts no
-    process at all. A test that failed anyway is not failed again for its leaks, but they are
-    ended all the same."""
+    """The test leaves no process it started running and no socket it made open; what its
+    fixtures hold (made before the test, or held by their objects) is theirs, checked when the
+    module ends. A test in the fast lane starts no process at all. A test that failed anyway is
+    not failed again for its leaks, but they are ended all the same."""
     before = Snapshot.now()
     yield
-    report = _leak_report(before, "the test")
+    fixtures = tuple(getattr(request.node, "funcargs", {}).values())
+    report = _leak_report(before, "the test", fixtures)
     if _started and request.node.get_closest_marker("fast") is not None:
         report.append(f"a test of the fast lane (FAST) started processes: {_started[:3]}; take "
                       f"it out of FAST, or name it in NOT_FAST")
