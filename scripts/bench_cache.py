@@ -25,8 +25,8 @@ from pathlib import Path
 
 from bench_common import BIG, big_jpeg
 
-from services.bench.images import data_uri
-from services.bench.throughput import LoneMMWorker
+from bench.images import data_uri
+from bench.throughput import LoneMMWorker
 from services.mm_worker.cache import ImageHasher
 from services.model import resolve_model_dir
 

@@ -2,11 +2,16 @@
 
 `serving` starts the three roles exactly as `mmlane serve ARGS` does (the launcher's `serve_config`
 and `start_roles`), so a benchmark measures the command a user runs.
+
+Importing it puts the checkout on the path (as scripts/bench_vllm.py does): the scripts run as
+`python scripts/x.py`, and bench/ (the image helpers, the MM lane's bench) is not installed. A
+script imports it before `bench` (third-party before first-party, as ruff orders them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import uuid
@@ -14,24 +19,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.messages import (
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.images import data_uri, encode, make_image  # noqa: E402
+from bench.stats import percentile  # noqa: E402
+from protocol.messages import (  # noqa: E402
     ChatMessage,
     ImagePart,
     ImageUrl,
     TextPart,
 )
-from services.bench.images import data_uri, encode, make_image
-from services.bench.stats import percentile
-from services.client import Client, user_message
-from services.common.sockets import free_tcp_port
-from services.launcher import (
+from services.client import Client, user_message  # noqa: E402
+from services.common.sockets import free_tcp_port  # noqa: E402
+from services.launcher import (  # noqa: E402
     SERVE_SETTINGS,
     serve_config,
     sigterm_as_interrupt,
     start_roles,
     stop_all,
 )
-from services.model import resolve_model_dir
+from services.model import resolve_model_dir  # noqa: E402
 
 BIG = (4032, 3024)
 

@@ -34,7 +34,7 @@ import torch
 from bench_common import BIG, big_jpeg
 from PIL import Image
 
-from services.bench.images import encode, make_image
+from bench.images import encode, make_image
 from services.mm_worker.media import MediaPolicy, decode_image, jpeg_draft_scale
 from services.mm_worker.pool import Processed, process_image
 from services.model import Preprocessor, load_preprocessor, normalize, resolve_model_dir

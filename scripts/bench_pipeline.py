@@ -28,9 +28,9 @@ from bench_common import (
     text_latencies,
 )
 
-from services.bench.images import data_uri
-from services.bench.inproc import job_renderer
-from services.bench.throughput import LoneMMWorker
+from bench.images import data_uri
+from bench.inproc import job_renderer
+from bench.throughput import LoneMMWorker
 from services.model import resolve_model_dir
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from bench_common import serving
 
-from services.bench.images import jpeg_uri
+from bench.images import jpeg_uri
 from services.common.sockets import free_tcp_port
 from services.ops.discovery import Targets
 from services.ops.feed import StatsFeed

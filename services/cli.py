@@ -139,9 +139,8 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The `mmlane` parser. The bench's flags come from services.bench, imported only when
-    `argv` is a bench command: every other command starts without it."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `mmlane` parser."""
     parser = argparse.ArgumentParser(
         prog="mmlane",
         description="Multi-process preprocessing for vision-language model serving: the frontend "
@@ -285,17 +284,6 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, metavar="ROLE",
                    help="the role: engine, mm-worker or frontend (the file names' stem)")
 
-    p = add("bench", "services.bench.cli:run_bench",
-            "measure mmlane against in-process preprocessing designs "
-            "(shared pool, split executors) side by side; needs the 'bench' extra")
-    # No help: unlisted. The in-process server `mmlane bench` starts for its shared/split modes.
-    server = sub.add_parser("bench-server")
-    server.set_defaults(func=_lazy("services.bench.cli:run_bench_server"))
-    if argv[:1] in (["bench"], ["bench-server"]):
-        from services.bench import cli as bench_cli
-
-        bench_cli.add_bench_arguments(p)
-        bench_cli.add_bench_server_arguments(server)
     return parser
 
 
@@ -316,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    args = build_parser(argv).parse_args(argv)  # --help prints here
+    args = build_parser().parse_args(argv)  # --help prints here
     try:
         return args.func(args)
     except MMLaneError as exc:

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -146,12 +146,14 @@ class Child:
     on its command line, where `ps` would show its secrets (API keys): the child decodes and
     validates it again, with no flag of its own. With `log_dir`, the child's stderr (its log)
     goes to LOG_DIR/ROLE.log instead of ours; without, it passes through us, and we keep its
-    last lines (`log_tail`). With `run_dir`, it is the child's $MMLANE_RUN_DIR.
+    last lines (`log_tail`). With `run_dir`, it is the child's $MMLANE_RUN_DIR. With `command`,
+    that program runs the role instead of `mmlane ROLE` (the benchmark's in-process server).
     """
 
     def __init__(
         self, role: str, config: msgspec.Struct, ready_endpoint: str,
         log_dir: Path | None = None, run_dir: Path | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.role = role
         self.config = config
@@ -170,7 +172,8 @@ class Child:
         self._tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
         self._env = {**os.environ, **({} if run_dir is None else {"MMLANE_RUN_DIR": str(run_dir)})}
-        self._argv = [sys.executable, "-m", "services.cli", role, "--config-json", "-"]
+        program = command or [sys.executable, "-m", "services.cli", role]
+        self._argv = [*program, "--config-json", "-"]
         self._config_json = msgspec.json.encode(config)
         self.process = self._start(["--ready-endpoint", ready_endpoint])
 
@@ -337,10 +340,12 @@ def start_roles(
     timeout_s: float,
     stop: threading.Event | None = None,
     log_dir: Path | None = None,
+    commands: Mapping[str, Sequence[str]] | None = None,
 ) -> list[Child]:
     """Start each role with its config and wait until every one reports ready.
 
-    Each child logs to LOG_DIR/ROLE.log when `log_dir` is given, else to our stderr.
+    Each child logs to LOG_DIR/ROLE.log when `log_dir` is given, else to our stderr. A role
+    named in `commands` runs that program (see `Child`), any other `mmlane ROLE`.
     Raises FatalError with the failing child's reason (after stopping the others) when a child
     reports a startup failure, exits, or is not ready within `timeout_s`.
     """
@@ -352,7 +357,8 @@ def start_roles(
     with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:
         try:
             for role, config in roles.items():
-                children.append(Child(role, config, ready_endpoint, log_dir, run_dir))
+                command = (commands or {}).get(role)
+                children.append(Child(role, config, ready_endpoint, log_dir, run_dir, command))
             _wait_ready(sock, children, stop or threading.Event(), timeout_s)
         except BaseException:
             stop_all(children)

@@ -12,7 +12,7 @@ import threading
 
 from aiohttp import web
 
-from services.bench.images import encode, make_image
+from bench.images import encode, make_image
 
 PNG = encode(make_image(32, 32), "PNG")
 SLOW_S = 1.0

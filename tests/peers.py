@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.images import jpeg_uri
 from protocol.codec import Codec
 from protocol.errors import RetryableError
 from protocol.messages import (
@@ -50,7 +51,6 @@ from protocol.messages import (
     RequestFailed,
     Stats,
 )
-from services.bench.images import jpeg_uri
 from services.client import ChatResult, Client, user_message
 from services.common.sockets import ReplySockets, bound_endpoint, make_socket
 from services.launcher import Child

@@ -1,4 +1,4 @@
-"""`mmlane bench`: its plumbing on a tiny workload, never its speed.
+"""`python -m bench`: its plumbing on a tiny workload, never its speed.
 
 One real run of every mode (real processes, the tiny model, images of a few dozen pixels) checks
 that each mode reports each figure, that the JSON file decodes as the documented schema, and that
@@ -19,22 +19,23 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import processes
+from bench.cli import main
+from bench.config import BenchConfig, ImageSpec, load_bench_config
+from bench.images import ImageSource, jpeg_uri, make_image
+from bench.inproc import MAX_IMAGES, InProcessConfig, InProcessServer
+from bench.results import BenchResult, Latency, ModeResult
+from bench.stats import cpu_seconds, percentile
+from bench.throughput import ThroughputResult
+from bench.workload import poisson_arrivals
+from conftest import REPO, processes
 from protocol.errors import FatalError, RequestError
-from services.bench.config import BenchConfig, ImageSpec, load_bench_config
-from services.bench.images import ImageSource, jpeg_uri, make_image
-from services.bench.inproc import MAX_IMAGES, InProcessConfig, InProcessServer
-from services.bench.results import BenchResult, Latency, ModeResult
-from services.bench.stats import cpu_seconds, percentile
-from services.bench.throughput import ThroughputResult
-from services.bench.workload import poisson_arrivals
-from services.cli import main
 from services.client import Client, user_message
 
 pytest.importorskip("matplotlib", reason="the bench extra is not installed")
@@ -48,14 +49,22 @@ TINY = [
 ]
 
 
+def python_m_bench(*argv: str, **popen: Any) -> subprocess.Popen[str]:
+    """`python -m bench ARGV`, as a user runs it: from the checkout (bench/ is not installed)."""
+    return subprocess.Popen([sys.executable, "-m", "bench", *argv], cwd=REPO, text=True, **popen)
+
+
 @pytest.fixture(scope="module")
 def bench_run(module_run_dir: Path) -> tuple[int, Path, Path]:
     out = module_run_dir / "out"
     out.mkdir()
     json_path, chart_path = out / "bench.json", out / "bench.png"
-    status = main(["bench", *TINY, "--json", str(json_path), "--chart", str(chart_path),
-                   "--run-dir", str(module_run_dir / "run")])
-    return status, json_path, chart_path
+    bench = python_m_bench(*TINY, "--json", str(json_path), "--chart", str(chart_path),
+                           "--run-dir", str(module_run_dir / "run"))
+    try:
+        return bench.wait(timeout=280), json_path, chart_path
+    finally:
+        bench.kill()
 
 
 def _headline(mode: ModeResult) -> dict[str, object]:
@@ -137,16 +146,20 @@ class TestRun:
         assert image.format == "PNG" and image.width > 800
 
 
-def test_throughput_run_reports_every_design(module_run_dir: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_throughput_run_reports_every_design(module_run_dir: Path) -> None:
     out = module_run_dir / "throughput"
     out.mkdir()
     json_path, chart_path = out / "throughput.json", out / "throughput.png"
-    status = main(["bench", "--throughput", "--throughput-size", "320x240",
-                   "--throughput-images", "2", "--throughput-rounds", "2",
-                   "--throughput-processes", "1,2", "--json", str(json_path),
-                   "--chart", str(chart_path), "--run-dir", str(out / "run")])
-    assert status == 0
+    bench = python_m_bench("--throughput", "--throughput-size", "320x240",
+                           "--throughput-images", "2", "--throughput-rounds", "2",
+                           "--throughput-processes", "1,2", "--json", str(json_path),
+                           "--chart", str(chart_path), "--run-dir", str(out / "run"),
+                           stdout=subprocess.PIPE)
+    try:
+        stdout, _ = bench.communicate(timeout=280)
+    finally:
+        bench.kill()
+    assert bench.returncode == 0
     result = msgspec.json.decode(json_path.read_bytes(), type=ThroughputResult)
     assert [(d.design, d.pixels) for d in result.designs] == [
         ("in-process, 1 thread", "float"), ("in-process, 1 thread", "uint8"),
@@ -158,7 +171,7 @@ def test_throughput_run_reports_every_design(module_run_dir: Path,
         assert design.median_images_per_s == pytest.approx(sum(design.images_per_s) / 2)
     assert (result.image_size, result.images, result.rounds) == ("320x240", 2, 2)
     assert chart_path.read_bytes().startswith(b"\x89PNG")
-    assert "mm-worker, 2 procs" in capsys.readouterr().out
+    assert "mm-worker, 2 procs" in stdout
 
 
 def _sessions_started_by(bench: subprocess.Popen[str], run_dir: Path) -> set[int]:
@@ -178,10 +191,10 @@ def test_sigterm_stops_every_process_the_bench_started(
     workload: list[str], after_s: float, module_run_dir: Path
 ) -> None:
     run_dir = module_run_dir / f"sigterm-{len(workload)}"
-    bench = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "bench", *workload, "--run-dir", str(run_dir),
-         "--json", str(run_dir.with_suffix(".json")), "--chart", str(run_dir.with_suffix(".png"))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    bench = python_m_bench(
+        *workload, "--run-dir", str(run_dir), "--json", str(run_dir.with_suffix(".json")),
+        "--chart", str(run_dir.with_suffix(".png")),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while not (sessions := _sessions_started_by(bench, run_dir)):
@@ -193,12 +206,12 @@ def test_sigterm_stops_every_process_the_bench_started(
     finally:
         bench.kill()
     assert bench.returncode == 128 + signal.SIGTERM, stderr
-    assert "mmlane bench: stopped by SIGTERM" in stderr
+    assert "bench: stopped by SIGTERM" in stderr
     assert not [process for process in processes() if process.session in sessions]
 
 
 def test_schema_flag_prints_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--schema"]) == 0
+    assert main(["--schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert "BenchResult" in schema["$defs"] and "ModeResult" in schema["$defs"]
 
@@ -267,13 +280,14 @@ def test_without_the_extra_it_fails_first_with_a_hint(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    assert main(["bench", "--modes", "split"]) == 1
+    assert main(["--modes", "split"]) == 1
     assert "pip install -e '.[bench]'" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module", params=["shared", "split"])
 def inproc_server(request: pytest.FixtureRequest, module_run_dir: Path) -> Iterator[str]:
-    """A `bench-server` of each design on ipc sockets; no engine: these requests never reach it."""
+    """A `python -m bench server` of each design, in this process, on ipc sockets; no engine:
+    these requests never reach it."""
     run = module_run_dir / request.param
     run.mkdir()
     config = InProcessConfig(

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from msgspec.structs import replace
 
+from bench.images import noise_image, png_uri
 from protocol.codec import Codec
 from protocol.errors import CacheMissError, FatalError, RetryableError, from_info
 from protocol.messages import (
@@ -26,7 +27,6 @@ from protocol.messages import (
     MMWorkerInput,
     SamplingParams,
 )
-from services.bench.images import noise_image, png_uri
 from services.common.config import load_config
 from services.common.feature_cache import FeatureCache, capacity_bytes, commit
 from services.engine.cache import ReceiverCaches

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.images import jpeg_uri, noise_image, png_uri
 from conftest import REPO, role_log, start_role
 from peers import wait_for_stats, wait_until
 from protocol.errors import RetryableError
 from protocol.messages import ImageUrl
-from services.bench.images import jpeg_uri, noise_image, png_uri
 from services.cli import config_from_argv
 from services.client import ChatResult, Client, user_message
 from services.frontend.service import affinity_key

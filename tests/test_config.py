@@ -16,9 +16,10 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 import pytest
 
+from bench.cli import BENCH_SETTINGS, bench_parser
+from bench.cli import main as bench_main
 from conftest import pool_pids
 from protocol.errors import FatalError
-from services.bench.cli import BENCH_SETTINGS
 from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
 from services.common.config import default_of
 from services.common.settings import Settings, flag_name
@@ -168,7 +169,10 @@ def test_help_shows_every_setting_with_its_default(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        main([command, "--help"])
+        if command == "bench":
+            bench_main(["--help"])
+        else:
+            main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     settings = _settings(command).settings
     for setting in settings:
@@ -195,21 +199,24 @@ def test_serve_hands_jpeg_draft_to_its_mm_worker() -> None:
     assert serve_config(SERVE_SETTINGS.parse(["--jpeg-draft"])).mm_worker.jpeg_draft
 
 
-def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    """The subcommands `mmlane --help` lists (bench-server, internal, is not)."""
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """The subcommands `mmlane --help` lists, and `python -m bench`."""
+    parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {action.dest: sub.choices[action.dest] for action in sub._choices_actions}
+    commands = {f"mmlane {action.dest}": sub.choices[action.dest]
+                for action in sub._choices_actions}
+    return {**commands, "python -m bench": bench_parser()}
 
 
-@pytest.mark.parametrize("command", sorted(_commands(build_parser(["bench"]))))
+@pytest.mark.parametrize("command", sorted(_commands()))
 def test_help_shows_the_default_of_every_option_that_takes_a_value(command: str) -> None:
     """Through the parsers, not `--help`'s text: each option's own help must say its default
     (or that there is none); a switch's is off, a required option has none."""
-    parser = _commands(build_parser([command]))[command]
+    parser = _commands()[command]
     silent = [action.option_strings[0] for action in parser._actions
               if action.option_strings and action.nargs != 0 and not action.required
               and action.help is not argparse.SUPPRESS and "default" not in (action.help or "")]
-    assert not silent, f"mmlane {command} --help shows no default for {silent}"
+    assert not silent, f"{command} --help shows no default for {silent}"
 
 
 # ---------------------------------------------------------------- serve's children
@@ -475,7 +482,7 @@ def restates(written: Written, home: Home) -> bool:
 
 @pytest.mark.parametrize("path", [
     pytest.param(path, id=path.relative_to(REPO).as_posix())
-    for path in sorted((REPO / "services").rglob("*.py"))
+    for path in sorted([*(REPO / "services").rglob("*.py"), *(REPO / "bench").rglob("*.py")])
 ])
 def test_no_setting_has_its_default_written_twice(path: Path) -> None:
     found = [
@@ -565,6 +572,23 @@ def loaded_on_import(name: str) -> set[str]:
             todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # its packages run first
             todo += _top_level_imports(path)
     return loaded
+
+
+def _imports(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return [node.module or ""] if not node.level else []
+
+
+def test_mmlane_imports_nothing_of_the_bench() -> None:
+    """bench/ is not installed: services/ or protocol/ importing it, even in a function, fails
+    wherever mmlane runs from an install, not a checkout."""
+    files = sorted([*(REPO / "services").rglob("*.py"), *(REPO / "protocol").rglob("*.py")])
+    found = [f"{path.relative_to(REPO)}:{node.lineno}"
+             for path in files for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Import | ast.ImportFrom)
+             and any(name.partition(".")[0] == "bench" for name in _imports(node))]
+    assert len(files) > 50 and not found, found
 
 
 @pytest.mark.parametrize(("config", "others"), [

@@ -20,11 +20,11 @@ import pytest
 import zmq
 from test_serve_heals import serving
 
+from bench.images import jpeg_uri
 from conftest import REPO, ROLES, free_port, keys_folder, make_keys, start_role
 from peers import StandInFrontend, wait_for_stats
 from protocol.errors import FatalError, RetryableError
 from protocol.messages import EngineRequest, SamplingParams, Stats
-from services.bench.images import jpeg_uri
 from services.client import Client, user_message
 from services.common.sockets import CURVE_REFUSED, make_socket
 from services.launcher import Child, stop_all

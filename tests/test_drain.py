@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import zmq
 
+from bench.images import jpeg_uri
 from conftest import role_log, start_role
 from peers import (
     PATIENCE_S,
@@ -52,7 +53,6 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.bench.images import jpeg_uri
 from services.cli import config_from_argv
 from services.client import user_message
 from services.launcher import Child, start_roles, stop_all

@@ -21,6 +21,7 @@ import zmq
 from msgspec.structs import replace
 from transformers import AutoConfig
 
+from bench.images import make_image
 from conftest import DEVICE, as_processor_output, start_role, stop_role
 from peers import StandInFrontend as Frontend
 from peers import counter, counters
@@ -38,7 +39,6 @@ from protocol.messages import (
 )
 from protocol.sampling import StructuredOutputs
 from protocol.shm import ShmWriter
-from services.bench.images import make_image
 from services.engine.config import HFConfig
 from services.engine.hf.runner import HFRunner
 from services.engine.outbox import _Waiting

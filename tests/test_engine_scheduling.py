@@ -34,6 +34,7 @@ from test_engine import (
 )
 from transformers import DynamicCache
 
+from bench.images import encode, make_image
 from conftest import start_role, stop_role
 from peers import StandInEngine
 from protocol.errors import FatalError
@@ -45,7 +46,6 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.bench.images import encode, make_image
 from services.cli import build_parser, role_config
 from services.client import Client, user_message
 from services.common.config import load_config

@@ -59,6 +59,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
+from bench.images import encode, make_image, png_uri
 from conftest import role_log, start_role, stop_role
 from peers import PATIENCE_S, Inbox, StandInEngine, counter, push, wait_for_stats
 from protocol import shm
@@ -102,7 +103,6 @@ from protocol.messages import (
 )
 from protocol.sampling import StructuredOutputs
 from protocol.shm import ShmWriter
-from services.bench.images import encode, make_image, png_uri
 from services.common.feature_cache import MAX_EPOCH
 from services.launcher import Child
 from services.model import Preprocessor

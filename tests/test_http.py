@@ -34,6 +34,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from test_detokenize import split_stop
 
+from bench.images import make_image, png_uri
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
 from peers import StandInEngine, wait_for_stats, wait_until
@@ -48,7 +49,6 @@ from protocol.messages import (
     RequestFailed,
     TokenLogprobs,
 )
-from services.bench.images import make_image, png_uri
 from services.client import ChatResult, Client, user_message
 from services.frontend.http_api import Choice, Choices, parallel_requests
 from services.launcher import Child

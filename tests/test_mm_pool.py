@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_mm_worker import shm_slots
 
+from bench.images import data_uri, encode, noise_image
 from conftest import pool_pids, role_log, start_role, stop_role
 from peers import LIE, PIXELS, Inbox, StandInEngine, push, send, stand_in_pool_process, wait_until
 from protocol import shm
@@ -45,7 +46,6 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.bench.images import data_uri, encode, noise_image
 from services.common.feature_cache import FeatureCache, commit
 from services.mm_worker import pool
 from services.mm_worker import worker as worker_module

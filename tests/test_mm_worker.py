@@ -33,6 +33,7 @@ import zmq
 from msgspec.structs import replace
 from PIL import Image, ImageOps
 
+from bench.images import data_uri, encode, make_image, noise_image, png_uri
 from conftest import role_log, start_role, stop_role
 from image_server import PNG, ImageServer
 from peers import Inbox, StandInEngine, frames_for, push, send
@@ -48,7 +49,6 @@ from protocol.messages import (
     SamplingParams,
     Stats,
 )
-from services.bench.images import data_uri, encode, make_image, noise_image, png_uri
 from services.common.sockets import free_tcp_port
 from services.launcher import Child
 from services.mm_worker.media import (

@@ -11,6 +11,7 @@ from msgspec.structs import replace
 from test_config import loaded_on_import
 from transformers import AutoConfig
 
+from bench.images import noise_image
 from conftest import (
     as_processor_output,
     hf_processor_call,
@@ -18,7 +19,6 @@ from conftest import (
 )
 from protocol.errors import RequestError
 from protocol.messages import MMItem
-from services.bench.images import noise_image
 from services.engine.runner import ModelSpec
 from services.engine.validation import validate_request
 from services.mm_worker.media import jpeg_draft_scale

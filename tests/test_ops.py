@@ -26,12 +26,12 @@ from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Group
 
+from bench.config import ImageSpec
+from bench.images import ImageSource, jpeg_uri
 from conftest import REPO, free_port, role_log, start_role
 from peers import wait_until
 from protocol.errors import FatalError
 from protocol.messages import HistogramSnapshot, Stats
-from services.bench.config import ImageSpec
-from services.bench.images import ImageSource, jpeg_uri
 from services.cli import main
 from services.client import Client, user_message
 from services.common.config import ipc

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
 from conftest import REPO, free_port
 from peers import SERVE_READY
 from protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
-from services.bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 
 

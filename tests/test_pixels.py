@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
+from bench.images import make_image, noise_image
 from conftest import as_processor_output
-from services.bench.images import make_image, noise_image
 from services.model import FAMILIES, PixelNorm, Preprocessor, model_layout, normalize
 from services.model.families import processor_uint8
 

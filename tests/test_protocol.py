@@ -489,7 +489,8 @@ def _code(value: ast.expr, constants: dict[str, str]) -> str | None:
 def _raised_codes() -> list[tuple[str, str, str]]:
     """(where, class name, code) of every `X(..., code=...)` and `default_code = ...` in the
     tree."""
-    files = [*(REPO / "services").rglob("*.py"), *(REPO / "protocol").rglob("*.py")]
+    files = [*(REPO / "services").rglob("*.py"), *(REPO / "protocol").rglob("*.py"),
+             *(REPO / "bench").rglob("*.py")]
     trees = [ast.parse(path.read_text(), str(path)) for path in files]
     constants = _module_strings(trees)
     found = []

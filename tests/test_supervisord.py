@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.images import jpeg_uri
 from conftest import REPO
 from peers import wait_for_stats, wait_until
 from protocol.errors import RetryableError
 from protocol.messages import ChatMessage
-from services.bench.images import jpeg_uri
 from services.cli import build_parser
 from services.client import ChatResult, Client, user_message
 

@@ -27,6 +27,7 @@ import pytest
 import zmq
 from test_http import SCHEMAS, json_schema
 
+from bench.images import jpeg_uri, make_image, png_uri
 from conftest import FAILED, REPO, free_port
 from peers import (
     SERVE_READY,
@@ -49,7 +50,6 @@ from protocol.messages import (
     TokenLogprobs,
 )
 from protocol.sampling import StructuredOutputs
-from services.bench.images import jpeg_uri, make_image, png_uri
 from services.client import Client, user_message
 from services.common import cpu_wheels
 from services.frontend.http_api import openai_logprobs

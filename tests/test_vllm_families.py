@@ -25,7 +25,7 @@ from test_vllm import (
     serving,
 )
 
-from services.bench.images import jpeg_uri, make_image
+from bench.images import jpeg_uri, make_image
 from services.model import load_preprocessor
 
 pytestmark = pytest.mark.timeout(1200)  # each family's first test waits for its servers

@@ -7,8 +7,9 @@ engine need. The two differ only in how their prompt token ids are made.
     prompt_token_ids(pre, checked)  render the chat template and tokenize, or tokenize the text,
                                     or check the token ids (a pool thread's work)
 
-Pure functions: the frontend runs them, and so do the in-process designs `mmlane bench`
-measures mmlane against, so every design tokenizes exactly as the frontend does.
+Pure functions: the frontend runs them, and so do the in-process designs the benchmark
+(`python -m bench`) measures mmlane against, so every design tokenizes exactly as the frontend
+does.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from bench.loop import Mailbox, received
 from protocol.codec import Codec
 from protocol.messages import ChatError, ChatMessage, ChatRequest, ClientReply
-from services.bench.loop import Mailbox, received
 from services.common.sockets import make_socket
 
 log = logging.getLogger(__name__)

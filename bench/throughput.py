@@ -1,4 +1,4 @@
-"""`mmlane bench --throughput`: how many images per second each MM-lane design preprocesses.
+"""`python -m bench --throughput`: how many images per second each MM-lane design preprocesses.
 
 No engine and no client: each design is handed the same `--throughput-images` JPEGs (one
 generated photo of `--throughput-size`, the same bytes every time) as fast as it takes them, and
@@ -33,10 +33,10 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from bench.config import BenchConfig, parse_size
+from bench.images import data_uri, generated_jpeg
 from protocol.codec import Codec
 from protocol.messages import EngineInput, ImageUrl, MMJob, SamplingParams
-from services.bench.config import BenchConfig, parse_size
-from services.bench.images import data_uri, generated_jpeg
 from services.common.config import load_config, run_dir_defaults
 from services.common.settings import Settings
 from services.launcher import start_roles, stop_all

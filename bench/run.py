@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from services.bench.client import BenchClient, Record
-from services.bench.config import BenchConfig
-from services.bench.images import ImageSource
-from services.bench.inproc import Handoffs, ProbeStart, ProbeStop, ProbeWaits, TakeHandoffs
-from services.bench.modes import DESIGNS, Control, Deployment, EngineCalibration, deploy_all
-from services.bench.results import (
+from bench.client import BenchClient, Record
+from bench.config import BenchConfig
+from bench.images import ImageSource
+from bench.inproc import Handoffs, ProbeStart, ProbeStop, ProbeWaits, TakeHandoffs
+from bench.modes import DESIGNS, Control, Deployment, EngineCalibration, deploy_all
+from bench.results import (
     BenchResult,
     CpuResult,
     EngineHoldResult,
@@ -40,8 +40,8 @@ from services.bench.results import (
     ProbeResult,
     TextResult,
 )
-from services.bench.stats import cpu_seconds, latency, machine_busy_seconds
-from services.bench.workload import (
+from bench.stats import cpu_seconds, latency, machine_busy_seconds
+from bench.workload import (
     Phase,
     RequestMaker,
     class_of,

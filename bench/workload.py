@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from bench.client import BenchClient, Record, request_frames
+from bench.config import BenchConfig
+from bench.images import ImageSource
 from protocol.messages import ChatMessage
-from services.bench.client import BenchClient, Record, request_frames
-from services.bench.config import BenchConfig
-from services.bench.images import ImageSource
 from services.client import user_message
 
 _WORDS = (

@@ -1,4 +1,4 @@
-"""The bench's settings: one typed, validated Struct, built from `mmlane bench`'s arguments."""
+"""The bench's settings: one typed, validated Struct, built from `python -m bench`'s arguments."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class BenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     throughput: bool = False
     """Run the MM lane throughput comparison instead of the modes: images/s of in-process
     designs (1 and 2 threads; float and uint8 pixels) and of MM worker processes
-    (services/bench/throughput.py)."""
+    (bench/throughput.py)."""
     throughput_size: str = "4032x3024"
     """The throughput run's JPEG size."""
     throughput_images: int = 24

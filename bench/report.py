@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from services.bench.results import BenchResult, Latency, ModeResult
+from bench.results import BenchResult, Latency, ModeResult
 
 
 def _pair(lat: Latency | None, *names: str) -> str:
@@ -161,7 +161,7 @@ def chart(result: BenchResult, path: Path) -> None:
     machine = result.machine
     settings = result.settings
     fig.suptitle(
-        f"mmlane bench: {machine.cpus} CPUs, load average {_load(machine.load_avg_start)}, "
+        f"python -m bench: {machine.cpus} CPUs, load average {_load(machine.load_avg_start)}, "
         f"text {settings.text_rate:g}/s, images {'/'.join(settings.image_sizes)}"
         f" x{settings.images_per_request} per request"
         + (f", serve args '{' '.join(settings.serve_args)}'" if settings.serve_args else ""),

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from services.bench.config import ImageSpec
+from bench.config import ImageSpec
 
 JPEG_QUALITY = 90
 

@@ -1,4 +1,4 @@
-"""The in-process designs mmlane is measured against: `mmlane bench-server --mode shared|split`.
+"""The in-process designs mmlane is measured against: `python -m bench server` (shared or split).
 
 One process tokenizes and preprocesses images, then hands each request to the same real
 `mmlane engine` process every mode uses, as vLLM's API server hands requests to its engine core.
@@ -37,6 +37,8 @@ from typing import Any, Literal
 import msgspec
 import zmq
 
+from bench.config import BenchConfig
+from bench.loop import Mailbox, received
 from protocol.codec import Codec
 from protocol.errors import MMLaneError, RequestError
 from protocol.messages import (
@@ -50,8 +52,6 @@ from protocol.messages import (
     MMJob,
     RequestFailed,
 )
-from services.bench.config import BenchConfig
-from services.bench.loop import Mailbox, received
 from services.common.config import default_of
 from services.common.sockets import make_socket
 from services.frontend.config import FrontendConfig

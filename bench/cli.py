@@ -1,7 +1,8 @@
-"""`mmlane bench` (the isolation benchmark) and `mmlane bench-server` (its in-process servers).
+"""`python -m bench` (the isolation benchmark) and `python -m bench server` (its in-process
+server, which only the bench starts: `modes.COMMANDS`).
 
-`services/cli.py` imports this module only for these two commands; even so, everything heavy
-(the model, matplotlib, tqdm) is imported when a bench actually runs.
+Run from a checkout (bench/ is not installed with mmlane). Everything heavy (the model,
+matplotlib, tqdm) is imported when a bench actually runs, not for `--help`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from protocol.errors import FatalError
-from services.bench.config import BenchConfig, load_bench_config
+from bench.config import BenchConfig, load_bench_config
+from protocol.errors import FatalError, MMLaneError
 from services.common import cpu_wheels
 from services.common.settings import Settings
 from services.launcher import sigterm_as_interrupt
@@ -27,7 +28,7 @@ from services.launcher import sigterm_as_interrupt
 Outputs = tuple[Callable[[Any, Path], None], Callable[[Any], str]]
 """A run's chart(result, path) and table(result)."""
 
-EXTRA_HINT = "mmlane bench needs the 'bench' extra: pip install -e '.[bench]' (matplotlib, tqdm)"
+EXTRA_HINT = "the bench needs the 'bench' extra: pip install -e '.[bench]' (matplotlib, tqdm)"
 
 
 BENCH_SETTINGS = Settings(
@@ -38,7 +39,13 @@ BENCH_SETTINGS = Settings(
 )
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+def bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Measure mmlane against in-process preprocessing designs (shared pool, "
+        "split executors) side by side, or (--throughput) the MM lane's images/s per design; "
+        "needs the 'bench' extra. Run from a checkout of mmlane.",
+    )
     BENCH_SETTINGS.add_to(p)
     p.add_argument("--serve-args", type=shlex.split, metavar="'ARGS'",
                    help="extra `mmlane serve` arguments for mmlane's roles; every mode's engine "
@@ -53,6 +60,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--schema", action="store_true",
                    help="print the results file's JSON Schema and exit")
+    return p
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
@@ -63,7 +71,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from services.bench.results import BenchResult
+    from bench.results import BenchResult
 
     if args.schema:
         print(msgspec.json.format(msgspec.json.encode(msgspec.json.schema(BenchResult))).decode())
@@ -75,19 +83,19 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():  # the processes it started are stopped on the way out
             if config.throughput:
-                from services.bench import throughput
+                from bench import throughput
 
                 result: Any = throughput.run_throughput(config, run_dir)
                 outputs: Outputs = (throughput.chart, throughput.table)
             else:
-                from services.bench import report
-                from services.bench.run import run_bench as run
+                from bench import report
+                from bench.run import run_bench as run
 
                 result = run(config, run_dir, progress=not args.no_progress)
                 outputs = (report.chart, report.table)
     except KeyboardInterrupt as exc:
         signum = exc.args[0] if exc.args else signal.SIGINT
-        print(f"mmlane bench: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        print(f"bench: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
     finally:
         if args.run_dir is None:
@@ -112,17 +120,31 @@ def _check_extra() -> None:
 # ---------------------------------------------------------------- the in-process server role
 
 
-def add_bench_server_arguments(p: argparse.ArgumentParser) -> None:
-    """Only the bench starts it (`modes.server_config`), handing it its config as JSON."""
+def server_parser() -> argparse.ArgumentParser:
+    """Only the bench starts it (`modes.COMMANDS`), handing it its config as JSON on
+    stdin, as `mmlane serve` hands a role its config."""
+    p = argparse.ArgumentParser(prog="python -m bench server")
     p.add_argument("--config-json", required=True)
     p.add_argument("--ready-endpoint")
+    return p
 
 
 def run_bench_server(args: argparse.Namespace) -> int:
     cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
-    from services.bench.inproc import InProcessConfig, InProcessServer
+    from bench.inproc import InProcessConfig, InProcessServer
     from services.common.config import handed_config
     from services.common.lifecycle import run_role
 
     config = handed_config(InProcessConfig, args.config_json)
     return run_role("bench-server", lambda: InProcessServer(config), args.ready_endpoint)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["server"]:
+            return run_bench_server(server_parser().parse_args(argv[1:]))
+        return run_bench(bench_parser().parse_args(argv))  # --help prints here
+    except MMLaneError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1

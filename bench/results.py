@@ -1,6 +1,6 @@
-"""What `mmlane bench` writes to its JSON file: the schema, as msgspec Structs.
+"""What `python -m bench` writes to its JSON file: the schema, as msgspec Structs.
 
-`mmlane bench --schema` prints it as JSON Schema. Times are milliseconds (`*_ms`) or seconds
+`python -m bench --schema` prints it as JSON Schema. Times are milliseconds (`*_ms`) or seconds
 (`*_s`); a figure that does not apply to a mode, or had no samples, is null.
 
     BenchResult
@@ -19,7 +19,7 @@
     └── goals[]           issue 5's goals, judged on the mmlane mode of this run
 
 A `Latency` is the percentiles of one set of samples; `n` is 0 and the rest null when empty.
-Definitions of every figure: the `services.bench` package docstring.
+Definitions of every figure: the `bench` package docstring.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from services.bench.config import BenchConfig
+from bench.config import BenchConfig
 
 SCHEMA = "mmlane-bench/1"
 
@@ -180,7 +180,7 @@ class Machine(msgspec.Struct, kw_only=True):
 
 
 class BenchResult(msgspec.Struct, kw_only=True):
-    """One run of `mmlane bench`."""
+    """One run of `python -m bench`."""
 
     schema: str = SCHEMA
     started_at: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -22,18 +23,18 @@ import msgspec
 import zmq
 from msgspec.structs import replace
 
-from protocol.codec import Codec
-from protocol.errors import FatalError
-from protocol.messages import ChatRequest, EngineOutput, EngineRequest, FrontendInput, RequestFailed
-from services.bench.config import BenchConfig
-from services.bench.images import ImageSource
-from services.bench.inproc import (
+from bench.config import BenchConfig
+from bench.images import ImageSource
+from bench.inproc import (
     ControlReply,
     ControlRequest,
     InProcessConfig,
     job_renderer,
     routed_message,
 )
+from protocol.codec import Codec
+from protocol.errors import FatalError
+from protocol.messages import ChatRequest, EngineOutput, EngineRequest, FrontendInput, RequestFailed
 from services.client import user_message
 from services.common.config import ipc
 from services.common.sockets import free_tcp_port, make_socket
@@ -49,6 +50,11 @@ DESIGNS = {
 """One line per mode: where tokenization and image preprocessing run."""
 
 _PROCESS_NAMES = {"bench-server": "server"}
+
+COMMANDS = {"bench-server": [sys.executable, "-m", "bench", "server"]}
+"""The program of each process the bench starts that is not an mmlane role (`start_roles`):
+bench/ is not installed, so the child imports it as the bench did, from the checkout it runs
+in (the working folder or $PYTHONPATH, both inherited)."""
 
 
 def serve_roles(
@@ -127,7 +133,7 @@ def deploy_all(
     with ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="bench-start") as pool:
         futures = {
             name: pool.submit(start_roles, group.roles, run_dir, config.startup_timeout_s,
-                              stop, log_dir=run_dir / "logs" / name)
+                              stop, log_dir=run_dir / "logs" / name, commands=COMMANDS)
             for name, group in groups.items()
         }
         try:

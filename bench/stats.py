@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from services.bench.results import Latency
+from bench.results import Latency
 
 
 def percentile(values: Sequence[float], q: float) -> float:

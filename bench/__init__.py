@@ -1,4 +1,4 @@
-"""`mmlane bench`: mmlane against the in-process preprocessing designs, side by side.
+"""`python -m bench`: mmlane against the in-process preprocessing designs, side by side.
 
 One invocation runs each mode on the same model, tokenizer, image processor, images, engine and
 client, one after the other; each mode has its own server processes:
