@@ -71,6 +71,10 @@ def main() -> int:
     parser.add_argument("--mmlane-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to every mmlane server's `mmlane serve` "
                         "(repeatable; e.g. --mmlane-arg=--mm-processes=2)")
+    parser.add_argument("--hf-python", default=sys.executable,
+                        help="the Python that runs mmlane-hf: the embedded engine needs "
+                        "transformers 5.24 or later, which vLLM's environment lacks, so name the "
+                        "main environment's (it loads the same model directory)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
                         help="where the JSON results and server logs go")
     args = parser.parse_args()
@@ -83,7 +87,7 @@ def main() -> int:
     rows = []
     for server in args.servers.split(","):
         port = free_tcp_port()
-        process = _start(server, model, port, args.out, args.mmlane_arg)
+        process = _start(server, model, port, args.out, args.mmlane_arg, args.hf_python)
         try:
             _wait_healthy(port, model, process, args.out / f"{server}.log")
             seed = 0  # each run its own images, so none is served from an earlier run's caches
@@ -113,15 +117,15 @@ def main() -> int:
     return 0
 
 
-def _start(server: str, model: Path, port: int, out: Path,
-           mmlane_args: list[str]) -> subprocess.Popen:
+def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str],
+           hf_python: str) -> subprocess.Popen:
     log = (out / f"{server}.log").open("w")
     if server == "vllm":
         args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
         command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
                    "--served-model-name", model.name, "--port", str(port), *args]
     elif server == "mmlane-hf":  # the embedded engine (issue 11), on the same weights
-        command = [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
+        command = [hf_python, "-m", "services.cli", "serve", "--model", str(model),
                    "--port", str(free_tcp_port()), "--http-port", str(port),
                    "--run-dir", str(out / f"run-{server}")]
     else:
