@@ -387,8 +387,8 @@ os.environ[OWNER_ENV] = str(os.getpid())
 SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
 """Processes that multiprocessing starts once and keeps for the whole run, by design."""
 HELD_DEPTH, HELD_BREADTH = 5, 100_000
-"""How many references deep a fixture's object may hold a socket it made during a test, and how
-many objects at each depth are looked at (a model's fixture holds many)."""
+"""How many references deep a fixture's object may hold a socket it made or a process it started
+during a test, and how many objects at each depth are looked at (a model's fixture holds many)."""
 LEAK_GRACE_S = 5.0
 """How long a leak may take to go away after the test (a role that is still exiting, a thread
 that closes its socket) before it counts."""
@@ -503,15 +503,19 @@ def _sockets_open() -> list[zmq.Socket]:
 
 
 def _leaks(before: Snapshot, owners: tuple[object, ...]) -> tuple[list[Process], list[zmq.Socket]]:
-    """What was leaked since `before`, once LEAK_GRACE_S has passed for it to go away; sockets
-    that the `owners` hold are theirs, not leaked."""
-    deadline, owned = time.monotonic() + LEAK_GRACE_S, weakref.WeakSet[zmq.Socket]()
+    """What was leaked since `before`, once LEAK_GRACE_S has passed for it to go away; what the
+    `owners` hold is theirs, not leaked."""
+    deadline = time.monotonic() + LEAK_GRACE_S
+    owned_sockets, owned_pids = weakref.WeakSet[zmq.Socket](), set[int]()
     while True:
-        processes_left = before.leaked_processes()
-        sockets_left = [socket for socket in before.leaked_sockets() if socket not in owned]
-        if sockets_left and owners:
-            owned.update(_held_by(owners, sockets_left))
-            sockets_left = [socket for socket in sockets_left if socket not in owned]
+        processes_left = [p for p in before.leaked_processes() if p.pid not in owned_pids]
+        sockets_left = [socket for socket in before.leaked_sockets() if socket not in owned_sockets]
+        if (processes_left or sockets_left) and owners:
+            held_sockets, held_pids = _held_by(owners, sockets_left, processes_left)
+            owned_sockets.update(socket for socket in sockets_left if id(socket) in held_sockets)
+            owned_pids |= held_pids
+            processes_left = [p for p in processes_left if p.pid not in owned_pids]
+            sockets_left = [socket for socket in sockets_left if socket not in owned_sockets]
         if not processes_left and not sockets_left or time.monotonic() > deadline:
             return processes_left, sockets_left
         if sockets_left:
@@ -533,10 +537,16 @@ def _command(p: Process) -> str:
     return p.cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-def _held_by(owners: tuple[object, ...], sockets: list[zmq.Socket]) -> list[zmq.Socket]:
-    """Those of `sockets` that the `owners` hold, a few references deep (a module's fixture
-    whose object makes a socket during a test, and closes it at the module's end)."""
-    wanted, held, seen = {id(socket) for socket in sockets}, set(), set()
+def _held_by(owners: tuple[object, ...], sockets: list[zmq.Socket],
+             processes: list[Process]) -> tuple[set[int], set[int]]:
+    """The ids of those of `sockets`, and the pids of those of `processes` (by their Popen), that
+    the `owners` hold, a few references deep: a module's fixture whose object makes a socket or
+    starts a process during a test (a role started again in place of one the test killed), and
+    closes or stops it at the module's end."""
+    wanted, pids = {id(socket) for socket in sockets}, {p.pid for p in processes}
+    held_sockets: set[int] = set()
+    held_pids: set[int] = set()
+    seen: set[int] = set()
     level = list(owners)
     for _ in range(HELD_DEPTH):
         deeper = []
@@ -545,11 +555,13 @@ def _held_by(owners: tuple[object, ...], sockets: list[zmq.Socket]) -> list[zmq.
                 continue
             seen.add(id(thing))
             if id(thing) in wanted:
-                held.add(id(thing))
+                held_sockets.add(id(thing))
+            elif isinstance(thing, subprocess.Popen) and thing.pid in pids:
+                held_pids.add(thing.pid)
             else:
                 deeper.extend(gc.get_referents(thing))
         level = deeper
-    return [socket for socket in sockets if id(socket) in held]
+    return held_sockets, held_pids
 
 
 def _leak_report(before: Snapshot, what: str, owners: tuple[object, ...] = ()) -> list[str]:
@@ -584,9 +596,9 @@ def no_leaks_by_module_fixtures(request: pytest.FixtureRequest) -> Iterator[None
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """The test leaves no process it started running and no socket it made open; what its
-    fixtures hold (made before the test, or held by their objects) is theirs, checked when the
-    module ends. A test in the fast lane starts no process at all. A test that failed anyway is
-    not failed again for its leaks, but they are ended all the same."""
+    fixtures hold (started or made before the test, or held by their objects) is theirs, checked
+    when the module ends. A test in the fast lane starts no process at all. A test that failed
+    anyway is not failed again for its leaks, but they are ended all the same."""
     before = Snapshot.now()
     yield
     fixtures = tuple(getattr(request.node, "funcargs", {}).values())
