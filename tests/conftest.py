@@ -463,11 +463,20 @@ class Snapshot(NamedTuple):
                    weakref.WeakSet(_sockets_open()))
 
     def leaked_processes(self) -> list[Process]:
-        """Processes started since, and still running, that no process older than the snapshot
-        started (a role that `mmlane serve` restarted is serve's; serve is its fixture's)."""
+        """Processes started since, and still running, that descend from no process older than
+        the snapshot but pytest itself (a role that `mmlane serve` restarted is serve's, and so
+        are the processes that role starts, vLLM's engine core; serve is its fixture's)."""
         older = {pid for pid, _ in self.processes}
-        return [p for p in _own_processes()
-                if (p.pid, p.started) not in self.processes and p.parent not in older]
+        live = _own_processes()
+        parents = {p.pid: p.parent for p in live}
+
+        def from_older(p: Process) -> bool:
+            parent = p.parent
+            while parent in parents and parent not in older:
+                parent = parents[parent]
+            return parent in older
+
+        return [p for p in live if (p.pid, p.started) not in self.processes and not from_older(p)]
 
     def leaked_sockets(self) -> list[zmq.Socket]:
         return [socket for socket in _sockets_open()
