@@ -13,8 +13,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from protocol.messages import ChatRequest, EngineOutput, EngineRequest, Frontend
 from services.client import user_message
 from services.common.config import ipc
 from services.common.sockets import free_tcp_port, make_socket
-from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
+from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles
 from services.mm_worker.jobs import JobRenderer
 from services.model import Preprocessor
 
@@ -113,41 +112,35 @@ class _Group:
     port: int = 0
 
 
-def _started(starts: Iterable[Future[list[Child]]]) -> list[Child]:
-    """The processes of the starts that succeeded."""
-    return [child for start in starts if start.exception() is None for child in start.result()]
-
-
 def deploy_all(
-    modes: list[str], config: BenchConfig, model_dir: Path, run_dir: Path
-) -> tuple[dict[str, Deployment], list[Child]]:
+    modes: list[str], config: BenchConfig, model_dir: Path, run_dir: Path, children: list[Child]
+) -> dict[str, Deployment]:
     """Start every process of the run at once, before anything is measured; wait until each
-    is ready. Returns each mode's deployment, and every child (to stop at the end).
+    is ready. Returns each mode's deployment. Each process started is put on `children` (for
+    the caller to stop, also when a failure or a signal ends this early).
 
     One engine serves every mode, so the model runs in the same process, in the same state, for
     each; a mode's processes idle (a poll every 50-100 ms) while the other modes run. If a
-    process fails to start, every other one is stopped and the error names it, with its log.
+    process fails to start, the error names it, with its log.
     """
     groups = _groups(modes, config, model_dir, run_dir)
     stop = threading.Event()
+
+    def start(name: str, group: _Group) -> list[Child]:  # on a start thread, which no signal ends
+        started = start_roles(group.roles, run_dir, config.startup_timeout_s, stop,
+                              log_dir=run_dir / "logs" / name, commands=COMMANDS)
+        children.extend(started)
+        return started
+
     with ThreadPoolExecutor(max(1, len(groups)), thread_name_prefix="bench-start") as pool:
-        futures = {
-            name: pool.submit(start_roles, group.roles, run_dir, config.startup_timeout_s,
-                              stop, log_dir=run_dir / "logs" / name, commands=COMMANDS)
-            for name, group in groups.items()
-        }
         try:
+            futures = {name: pool.submit(start, name, group) for name, group in groups.items()}
             wait(futures.values())
-        except BaseException:  # a signal: the starts give up waiting, and all are stopped
+        finally:  # a signal: the starts give up waiting (the pool waits for them)
             stop.set()
-            wait(futures.values())
-            stop_all(_started(futures.values()))
-            raise
-    children = _started(futures.values())
     for name, future in futures.items():
         exc = future.exception()
         if exc is not None:
-            stop_all(children)
             logs = "".join(_tail(run_dir / "logs" / name / f"{role}.log")
                            for role in groups[name].roles)
             raise FatalError(f"{name}: {exc}\n{logs}") from exc
@@ -163,7 +156,7 @@ def deploy_all(
             mode, f"tcp://127.0.0.1:{group.port}", ipc("bench-engine", run_dir), control,
             [*engine, *futures[mode].result()],
         )
-    return deployments, children
+    return deployments
 
 
 def _groups(

@@ -116,7 +116,7 @@ def run_bench(config: BenchConfig, run_dir: Path, *, progress: bool = True) -> B
         bar.status("preparing images")
         assets = Assets(config, model_dir)
         bar.status("starting every process")
-        deployments, children = deploy_all(config.modes, config, model_dir, run_dir)
+        deployments = deploy_all(config.modes, config, model_dir, run_dir, children)
         modes = [_run_mode(deployments[mode], config, run_dir, assets, bar)
                  for mode in config.modes]
     finally:

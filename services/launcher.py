@@ -354,15 +354,17 @@ def start_roles(
     children: list[Child] = []
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-    with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:
-        try:
+    try:
+        with make_socket(ctx, zmq.PULL, ready_endpoint, bind=True, linger_ms=0) as sock:
             for role, config in roles.items():
                 command = (commands or {}).get(role)
-                children.append(Child(role, config, ready_endpoint, log_dir, run_dir, command))
+                with _interrupt_held():  # a started process is in `children` before it ends us
+                    children.append(Child(role, config, ready_endpoint, log_dir, run_dir,
+                                          command))
             _wait_ready(sock, children, stop or threading.Event(), timeout_s)
-        except BaseException:
-            stop_all(children)
-            raise
+    except BaseException:
+        stop_all(children)
+        raise
     return children
 
 
@@ -429,16 +431,44 @@ def _backoff(child: Child, config: ServeConfig, now: float, log: logging.Logger)
 def sigterm_as_interrupt() -> Iterator[None]:
     """Meanwhile SIGTERM raises KeyboardInterrupt(signum), as Ctrl-C does, so that a tool that
     started roles (each in a session of its own, which no signal to the tool's process group
-    reaches) stops them in its `finally` blocks when `timeout` or a supervisor ends it."""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    reaches) stops them in its `finally` blocks when `timeout` or a supervisor ends it. Either
+    signal waits while `start_roles` starts a process, until the process is on its list."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Held(threading.local):
+    depth = 0
+    signum: int | None = None
+    """The signal that came while held, raised when the hold ends."""
+
+
+_held = _Held()
+"""The main thread's (where signal handlers run): set by `_interrupt_held`."""
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    if _held.depth:
+        _held.signum = _held.signum or signum
+        return
     raise KeyboardInterrupt(signum)
+
+
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[None]:
+    """Meanwhile `_interrupt` only notes its signal; it raises when the block ends."""
+    _held.depth += 1
+    try:
+        yield
+    finally:
+        _held.depth -= 1
+    if not _held.depth and _held.signum is not None:
+        signum, _held.signum = _held.signum, None
+        raise KeyboardInterrupt(signum)
 
 
 def stop_all(children: list[Child]) -> None:

@@ -9,6 +9,7 @@ import functools
 import inspect
 import operator
 import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -18,7 +19,7 @@ import pytest
 
 from bench.cli import BENCH_SETTINGS, bench_parser
 from bench.cli import main as bench_main
-from conftest import pool_pids
+from conftest import pool_pids, processes
 from protocol.errors import FatalError
 from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
 from services.common.config import default_of
@@ -29,9 +30,11 @@ from services.launcher import (
     SERVE_SETTINGS,
     ServeConfig,
     serve_config,
+    sigterm_as_interrupt,
     start_roles,
     stop_all,
 )
+from services.mm_worker.config import MMWorkerConfig
 from services.ops.health import ping_all
 
 
@@ -275,6 +278,22 @@ def test_a_child_refuses_a_config_that_is_not_its_roles(run_dir: Path) -> None:
         start_roles({"mm-worker": EngineConfig()}, run_dir, 180, log_dir=run_dir / "logs")
     log = (run_dir / "logs" / "mm-worker.log").read_text()
     assert "invalid MMWorkerConfig: Object contains unknown field" in log
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_signal_while_roles_start_leaves_no_process_running(attempt: int, run_dir: Path) -> None:
+    """Under sigterm_as_interrupt (the bench's, the scripts'), SIGTERM from the first process
+    the moment it runs, while start_roles starts the others: start_roles ends with
+    KeyboardInterrupt, and has stopped every process it started, whatever it was doing then."""
+    asleep = b"sleep\x00%d\x00" % (900 + attempt)
+    sleeper = ["/bin/sh", "-c", f"exec sleep {900 + attempt}"]
+    commands = {f"role-{i}": sleeper for i in range(1, 6)}
+    commands["role-0"] = ["/bin/sh", "-c", f"kill -TERM $PPID; exec sleep {900 + attempt}"]
+    roles = {role: MMWorkerConfig() for role in sorted(commands)}
+    with pytest.raises(KeyboardInterrupt) as raised, sigterm_as_interrupt():
+        start_roles(roles, run_dir, 60, log_dir=run_dir / "logs", commands=commands)
+    assert raised.value.args == (signal.SIGTERM,)
+    assert not [process for process in processes() if process.cmdline == asleep]
 
 
 def test_the_config_json_flag_round_trips_every_role(run_dir: Path) -> None:
