@@ -66,8 +66,9 @@ def main() -> int:
     parser.add_argument("--sizes", default=",".join(SIZES),
                         help=f"image sizes, comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--servers", default="vllm,mmlane",
-                        help="which to run: vllm, mmlane, mmlane-priority, mmlane-hf (the "
-                        "embedded engine instead of vLLM) (comma-separated)")
+                        help="which to run: vllm, mmlane, mmlane-priority, mmlane-lane "
+                        "(priority, and --encoder-lane: vLLM gets image embeddings), mmlane-hf "
+                        "(the embedded engine instead of vLLM) (comma-separated)")
     parser.add_argument("--mmlane-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to every mmlane server's `mmlane serve` "
                         "(repeatable; e.g. --mmlane-arg=--mm-processes=2)")
@@ -130,9 +131,11 @@ def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str
                    "--run-dir", str(out / f"run-{server}")]
     else:
         engine_args = dict(VLLM_ARGS)
-        if server == "mmlane-priority":
+        if server in ("mmlane-priority", "mmlane-lane"):
             engine_args["scheduling_policy"] = "priority"
         args = [f"--vllm-arg={key}={value}" for key, value in engine_args.items()]
+        if server == "mmlane-lane":
+            args.append("--encoder-lane")
         command = [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
                    "--model", str(model), "--port", str(free_tcp_port()),
                    "--http-port", str(port), "--run-dir", str(out / f"run-{server}")]

@@ -48,7 +48,7 @@ from image_server import ImageServer
 from protocol.errors import FatalError
 from services.cli import config_from_argv
 from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
-from services.engine.hf.adapters import to_device
+from services.engine.vision import to_device
 from services.launcher import Child, start_roles, stop_all
 from services.model import PixelNorm, Preprocessor, family_for, load_preprocessor, normalize
 

@@ -39,7 +39,7 @@ from protocol.messages import (
 )
 from protocol.sampling import StructuredOutputs
 from protocol.shm import ShmWriter
-from services.engine.config import HFConfig
+from services.engine.config import HFConfig, VisionConfig
 from services.engine.hf.runner import HFRunner
 from services.engine.outbox import _Waiting
 from services.engine.runner import ModelSpec
@@ -61,8 +61,12 @@ MAX_BATCH = HFConfig().max_batch
 
 
 def load_runner(model_dir: Path, **settings: Any) -> HFRunner:
-    """An HF runner on `model_dir`, loaded as an engine with these `hf` settings would be."""
-    return HFRunner.load(str(model_dir), HFConfig(device=DEVICE, **settings))
+    """An HF runner on `model_dir`, loaded as an engine with these `hf` and `vision` settings
+    would be."""
+    vision = {name: settings.pop(name) for name in VisionConfig.__struct_fields__
+              if name in settings}
+    return HFRunner.load(str(model_dir), HFConfig(device=DEVICE, **settings),
+                         VisionConfig(**vision))
 
 
 def start_engine(run_dir: Path, *args: str) -> Child:

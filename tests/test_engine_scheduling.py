@@ -354,16 +354,16 @@ def test_serve_hands_the_scheduling_settings_to_the_engine(run_dir: Path) -> Non
     args = build_parser().parse_args(["engine", "--config-json", config_json])
     config = role_config("engine", args)
     hf = config.hf
-    assert (hf.prefill_chunk_tokens, hf.torch_threads, hf.vision_threads,
+    assert (hf.prefill_chunk_tokens, hf.torch_threads, config.vision.vision_threads,
             hf.max_batch) == (64, 3, 5, 4)
     assert load_config(EngineConfig, {}).hf == HFConfig()
     with pytest.raises(FatalError, match="max_batch must be positive"):
         load_config(EngineConfig, {"hf": {"max_batch": 0}})
     with pytest.raises(FatalError, match="prefill_chunk_tokens must be positive"):
         load_config(EngineConfig, {"hf": {"prefill_chunk_tokens": 0}})
-    for name in ("torch_threads", "vision_threads"):
+    for section, name in (("hf", "torch_threads"), ("vision", "vision_threads")):
         with pytest.raises(FatalError, match=f"{name} must be 0"):
-            load_config(EngineConfig, {"hf": {name: -1}})
+            load_config(EngineConfig, {section: {name: -1}})
 
 
 # ---------------------------------------------------------------- the policy, in process

@@ -148,8 +148,8 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
 
 
 @contextmanager
-def _mmlane_vllm(run_dir: Path, model_dir: Path,
-                 engine_args: dict[str, Any]) -> Iterator[tuple[Server, str, Path]]:
+def _mmlane_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any],
+                 *serve_args: str) -> Iterator[tuple[Server, str, Path]]:
     port, http_port = free_port(), free_port()
     log = run_dir / "serve.log"
     run_dir = run_dir / "run"
@@ -160,7 +160,8 @@ def _mmlane_vllm(run_dir: Path, model_dir: Path,
         [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
          "--model", str(model_dir), "--port", str(port), "--http-port", str(http_port),
          "--run-dir", str(run_dir), "--stats-interval", "0.2",
-         "--startup-timeout", str(STARTUP_S), "--request-timeout", "60"], log), log, http_port)
+         "--startup-timeout", str(STARTUP_S), "--request-timeout", "60", *serve_args], log),
+        log, http_port)
     try:
         yield server, f"tcp://127.0.0.1:{port}", run_dir
     finally:
@@ -328,6 +329,61 @@ def _adds_special_tokens(model_dir: Path) -> bool:
     prompt = prep.render_prompt([{"role": "user", "content": "hello"}])
     return prep.tokenize_batch([prompt])[0] != prep.tokenizer.encode(prompt,
                                                                      add_special_tokens=False)
+
+
+LANE_LOGPROB_BOUND = 1e-5
+"""How far a logprob through --encoder-lane may be from vLLM alone's (transformers' vision
+tower against vLLM's: another implementation of the same float32 sums). Measured on the tiny
+Qwen2-VL: 9.5e-7 at most, the last bits of a float32 logprob."""
+
+
+@pytest.fixture(scope="module")
+def mmlane_encoder_lane(vllm_alone: tuple[Server, int], module_run_dir: Path,
+                        qwen_dir: Path) -> Iterator[tuple[Server, str, Path]]:
+    """`mmlane serve --backend vllm --encoder-lane`, with vLLM alone's engine arguments."""
+    run_dir = module_run_dir / "encoder-lane"
+    run_dir.mkdir()
+    with _mmlane_vllm(run_dir, qwen_dir, VLLM_ARGS, "--encoder-lane") as ours:
+        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
+                   is not None, "mmlane serve --encoder-lane ready", timeout_s=STARTUP_S)
+        assert ours[0].process.poll() is None, ours[0].log.read_text()
+        wait_until(lambda: _logprobs_compiled(ours[1]), "vLLM's logprobs kernel compiled",
+                   timeout_s=STARTUP_S)
+        yield ours
+
+
+def test_the_encoder_lane_gives_vllm_alone_s_tokens(
+    vllm_alone: tuple[Server, int], mmlane_encoder_lane: tuple[Server, str, Path],
+    qwen_dir: Path,
+) -> None:
+    """--encoder-lane: the vision tower runs in mmlane's vision lane (transformers'), and vLLM
+    gets embeddings. Every chat with images: the same tokens and top tokens as vLLM alone,
+    each logprob within LANE_LOGPROB_BOUND of its; each image ran one pass on the lane."""
+    images = 0
+    worst = 0.0
+    for system, prompt, urls in (chat for chat in CHATS.values() if chat[2]):
+        messages = _openai_messages(system, prompt, urls)
+        alone = _vllm_chat(vllm_alone[1], str(qwen_dir), messages, logprobs=True,
+                           top_logprobs=TOP_LOGPROBS)["choices"][0]
+        with Client(mmlane_encoder_lane[1], timeout_s=300) as client:
+            ours = client.chat(_native_messages(system, prompt, urls), max_tokens=MAX_TOKENS,
+                               logprobs=TOP_LOGPROBS)
+        assert ours.error is None, ours.error
+        assert ours.token_ids == alone["token_ids"]
+        assert ours.logprobs is not None
+        for mine, theirs in zip(openai_logprobs(ours.logprobs, TOP_LOGPROBS),
+                                alone["logprobs"]["content"], strict=True):
+            assert [t["token"] for t in mine["top_logprobs"]] == [
+                t["token"] for t in theirs["top_logprobs"]]
+            worst = max(worst, *(abs(a["logprob"] - b["logprob"]) for a, b in zip(
+                [mine, *mine["top_logprobs"]], [theirs, *theirs["top_logprobs"]], strict=True)))
+        images += len(urls)
+    print(f"--encoder-lane: the largest logprob difference from vLLM alone: {worst:.3g}")
+    assert worst <= LANE_LOGPROB_BOUND
+    stats = wait_for_stats(mmlane_encoder_lane[2], lambda s: s.role == "engine"
+                           and sum(s.histograms["engine_step:vision"].counts) >= images,
+                           "the vision lane's passes")
+    assert sum(stats.histograms["engine_step:vision"].counts) == images
 
 
 def test_completion_logprobs_are_vllm_alone_s(vllm_alone: tuple[Server, int],
@@ -633,6 +689,29 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
     assert not pids.exists()  # a clean stop leaves nothing behind
 
 
+@pytest.mark.parametrize(("model", "vllm_arg", "refusal"), [
+    ("llava", [], "--encoder-lane does not support llava models yet, only qwen2_vl"),
+    ("qwen", ["enable_mm_embeds=false"], "it needs vLLM's enable_mm_embeds"),
+])
+def test_the_encoder_lane_refuses_what_it_cannot_serve_by_name(
+    model: str, vllm_arg: list[str], refusal: str, qwen_dir: Path, llava_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Before anything loads: a family whose embeddings it cannot hand vLLM yet, and vLLM's
+    embeddings turned off."""
+    from services.common.config import run_dir_defaults
+    from services.common.stats import Metrics
+    from services.engine.config import VLLMConfig
+    from services.engine.vllm.runner import load
+
+    model_dir = {"qwen": qwen_dir, "llava": llava_dir}[model]
+    with run_dir_defaults(tmp_path), pytest.raises(FatalError, match=refusal) as refused:
+        config = EngineConfig(backend="vllm", model=str(model_dir), vllm=VLLMConfig(
+            vllm_arg=vllm_arg, encoder_lane=True))
+        load(config, Metrics("engine", config.ops.name))
+    assert refused.value.code == "bad_config"
+
+
 def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
                                                                 tmp_path: Path) -> None:
     """vLLM's processor cache (P0) says its engine core holds an image the core lacks (the
@@ -659,7 +738,7 @@ def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
                        mm_items=[replace(fresh.mm_items[0], mm_hash="lost")])
 
         async def only_in_p0() -> None:  # rendered for vLLM, never sent to its engine core
-            runner._vllm_items(lost.mm_items, ["lost"])
+            await runner._vllm_items(lost.mm_items, ["lost"])
 
         runner._call(only_in_p0())
         assert runner.engine.renderer.mm_processor_cache.is_cached_item("lost")

@@ -48,14 +48,6 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Threads torch may use for one CPU operation. 0: every core this process may run on but
     two, and at least one, since an MM worker and a frontend on the same machine need theirs:
     torch threads that wait for a busy core make each unit many times slower."""
-    vision_threads: int = 0
-    """Threads torch may use for one CPU operation of a vision pass, which runs on the engine's
-    vision lane, beside the model thread's units. 0: as --torch-threads."""
-    image_nice: int = IMAGE_NICE
-    """Nice steps (0-19) below text work that the vision lane's thread runs (`mmlane serve`
-    sets the MM worker's --image-nice too). Where cores are shared, a text request's unit takes
-    one first, and image work gets what text leaves idle (at 10 about a tenth of a core that
-    text fills). 0: off. Linux counts niceness per thread."""
     grammar_cache_size: int = 64
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""
@@ -67,11 +59,31 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _positive(self, "prefill_chunk_tokens", "max_batch", "grammar_cache_size")
         capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
+        _automatic(self, "torch_threads")
+
+
+class VisionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The vision lane's settings (services/engine/vision.py): where images' vision-encoder
+    passes run, on a thread of their own, apart from text work. The 'hf' backend always runs
+    one; the 'vllm' backend with --encoder-lane."""
+
+    vision_threads: int = 0
+    """Threads torch may use for one CPU operation of a vision pass. 0: hf, as --torch-threads;
+    vllm, every core this process may run on but two, and at least one."""
+    image_nice: int = IMAGE_NICE
+    """Nice steps (0-19) below text work that the vision lane's thread runs (`mmlane serve`
+    sets the MM worker's --image-nice too). Where cores are shared, text work takes one first,
+    and image work gets what text leaves idle (at 10 about a tenth of a core that text fills).
+    0: off. Linux counts niceness per thread."""
+
+    def __post_init__(self) -> None:
         check_nice(self, "image_nice")
-        for name in ("torch_threads", "vision_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 (automatic) or more, "
-                                 f"got {getattr(self, name)}")
+        _automatic(self, "vision_threads")
+
+
+def _automatic(config: msgspec.Struct, name: str) -> None:
+    if getattr(config, name) < 0:
+        raise ValueError(f"{name} must be 0 (automatic) or more, got {getattr(config, name)}")
 
 
 class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -87,6 +99,16 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vllm_args_file: str | None = None
     """A JSON or YAML file (by its suffix: .yaml/.yml is YAML) holding one mapping of vLLM engine
     arguments, as --vllm-arg takes them."""
+    encoder_lane: bool = False
+    """Run the model's vision encoder in mmlane's vision lane (a thread of the engine role, at
+    --image-nice, on --encoder-device) and hand vLLM each image's embeddings instead of its
+    pixels (vLLM started with enable_mm_embeds): vLLM's steps then run only the language model,
+    and a text request no longer waits in a step behind an image's encoder pass. Opt-in: the
+    encoder is transformers' implementation, not vLLM's, so logprobs may differ from `vllm
+    serve`'s in the last digits (README, "Serving with vLLM"). Qwen2-VL models only, so far."""
+    encoder_device: str = "auto"
+    """Where --encoder-lane runs the vision encoder: 'auto' (CUDA when available, else CPU),
+    'cpu' or 'cuda[:N]' (another GPU than vLLM's keeps the two apart)."""
 
     def engine_args(self) -> dict[str, Any]:
         """The engine arguments these settings give, the file's first; raises FatalError
@@ -147,6 +169,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     extra: see README, "Serving with vLLM")."""
     hf: HFConfig = msgspec.field(default_factory=HFConfig)
     """The 'hf' backend's settings."""
+    vision: VisionConfig = msgspec.field(default_factory=VisionConfig)
+    """The vision lane's settings (both backends)."""
     vllm: VLLMConfig = msgspec.field(default_factory=VLLMConfig)
     """The 'vllm' backend's settings."""
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)

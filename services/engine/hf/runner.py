@@ -6,10 +6,10 @@ runs on two threads:
   picks (scheduler.py): a prefill chunk of `prefill_chunk_tokens` of one request's prompt, as
   one forward pass over that request's own KV cache, or a decode step of up to `max_batch`
   requests together, one token each;
-- the vision lane's (vision_lane.py), which runs images' whole vision passes, `image_nice`
-  steps below the model thread: a request waits for its images' features there, then prefills
-  on the model thread. No text request waits behind a vision pass, and one that arrives waits
-  for one unit at most.
+- the vision lane's (services/engine/vision.py), which runs images' whole vision passes,
+  `image_nice` steps below the model thread: a request waits for its images' features there,
+  then prefills on the model thread. No text request waits behind a vision pass, and one that
+  arrives waits for one unit at most.
 
 A request's tokens do not depend on what else the engine is running:
 - Its prompt is prefilled in chunks of the engine's fixed size, alone, through the model's own
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -48,14 +47,20 @@ from protocol.messages import EngineRequest, MMItem
 from protocol.sampling import StructuredOutputs
 from services.common.feature_cache import FeatureCache, capacity_bytes
 from services.common.stats import Metrics
-from services.engine.config import EngineConfig, HFConfig
+from services.engine.config import EngineConfig, HFConfig, VisionConfig
 from services.engine.hf.adapters import Adapter, adapter_for
 from services.engine.hf.attention import PER_SEQUENCE, attention
 from services.engine.hf.sampling import token_logprobs
 from services.engine.hf.scheduler import pick
 from services.engine.hf.sequence import Sequence, Unit, UnitKind
-from services.engine.hf.vision_lane import VisionLane, synchronize
 from services.engine.runner import ModelSpec, StepOutput
+from services.engine.vision import (
+    VisionEncoder,
+    VisionLane,
+    pick_device,
+    synchronize,
+    torch_threads,
+)
 from services.model import load_model, load_preprocessor, resolve_model_dir
 from services.model.grammar import Grammar, Grammars, hf_tokenizer
 
@@ -64,23 +69,6 @@ log = logging.getLogger(__name__)
 STEP_WAIT_S = 0.05
 """How long `step` waits, unless told, when no unit can run: a caller that steps in a loop
 (tests, benchmarks) then waits for the vision lane instead of spinning against it."""
-
-
-def pick_device(setting: str) -> str:
-    """'auto' is CUDA when torch sees a GPU, else the CPU."""
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if setting.startswith("cuda") and not torch.cuda.is_available():
-        raise FatalError(
-            f"device {setting!r} was asked for but torch sees no CUDA device", code="bad_config"
-        )
-    return setting
-
-
-def torch_threads(setting: int) -> int:
-    """0 is every core this process may run on but two (an MM worker's and a frontend's), and
-    at least one."""
-    return setting or max(1, len(os.sched_getaffinity(0)) - 2)
 
 
 class _VisionJob:
@@ -100,8 +88,9 @@ class HFRunner:
     """Runs requests on a transformers model: prefill chunks and decode steps of up to
     `max_batch` requests on the model thread, images' vision passes on the vision lane."""
 
-    def __init__(self, model: Any, spec: ModelSpec, adapter: Adapter, config: HFConfig, *,
-                 metrics: Metrics, grammars: Grammars) -> None:
+    def __init__(self, model: Any, spec: ModelSpec, adapter: Adapter, encoder: VisionEncoder,
+                 config: HFConfig, vision: VisionConfig, *, metrics: Metrics,
+                 grammars: Grammars) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
         self.spec = spec
         self.adapter = adapter
@@ -124,9 +113,9 @@ class HFRunner:
         self._sequences: dict[int, Sequence] = {}
         self._units = 0  # units run so far: the scheduler's round-robin clock
         self._woken = threading.Event()  # set by `wake`: an idle `step` stops waiting
-        self._lane = VisionLane(adapter.image_features, device=model.device, wake=self.wake,
-                                threads=config.vision_threads or torch.get_num_threads(),
-                                nice=config.image_nice)
+        self._lane = VisionLane(encoder, device=model.device, wake=self.wake,
+                                threads=vision.vision_threads or torch.get_num_threads(),
+                                nice=vision.image_nice)
         self._vision_jobs: dict[int, _VisionJob] = {}
         """The vision lane's jobs not yet finished, by number."""
         self._job_of_image: dict[str, int] = {}
@@ -135,21 +124,24 @@ class HFRunner:
         self._job_numbers = itertools.count()
 
     @classmethod
-    def load(cls, model: str | None, config: HFConfig,
+    def load(cls, model: str | None, config: HFConfig, vision: VisionConfig | None = None,
              metrics: Metrics | None = None) -> HFRunner:
-        """Load the model directory (None: the embedded tiny model) as `config` says."""
+        """Load the model directory (None: the embedded tiny model) as `config` and `vision`
+        (None: the defaults) say."""
         torch.set_num_threads(torch_threads(config.torch_threads))
         model_dir = resolve_model_dir(model)
         preprocessor = load_preprocessor(model_dir)
         network: Any = load_model(model_dir, pick_device(config.device))
-        adapter = adapter_for(preprocessor.family.name, network, preprocessor.pixel_norm)
+        family = preprocessor.family.name
+        adapter = adapter_for(family, network)
+        encoder = VisionEncoder(network, family, preprocessor.pixel_norm)
         spec = ModelSpec.of(
             preprocessor, network.config, max_context=preprocessor.max_context,
             vocab_size=network.get_input_embeddings().num_embeddings,
         )
         tokenizer = hf_tokenizer(preprocessor.tokenizer, vocab_size=spec.vocab_size,
                                  eos_token_ids=sorted(spec.eos_token_ids))
-        runner = cls(network, spec, adapter, config,
+        runner = cls(network, spec, adapter, encoder, config, vision or VisionConfig(),
                      metrics=metrics or Metrics("engine", "engine"),
                      grammars=Grammars(tokenizer, config.grammar_cache_size))
         log.info("loaded %s (%s) on %s, %d torch threads (%d in vision passes), prefill "
@@ -498,7 +490,7 @@ class HFRunner:
 
 def load(config: EngineConfig, metrics: Metrics) -> HFRunner:
     """The "hf" backend's factory (BACKENDS in services/engine/runner.py)."""
-    return HFRunner.load(config.model, config.hf, metrics)
+    return HFRunner.load(config.model, config.hf, config.vision, metrics)
 
 
 def _not_sdpa(text_config: Any) -> str | None:

@@ -1,11 +1,12 @@
 """One request's state inside the HF runner, and the units of work it is run in.
 
 A request advances one unit at a time: its images' vision-encoder passes (handed to the vision
-lane as one step, vision_lane.py; it waits for their features), then its prompt's prefill, a
-chunk of `prefill_chunk_tokens` per unit, then one decode step per output token; the decode
-steps of several requests may run together, as one batched step (runner.py). Everything a unit
-needs is kept here, per request (its own KV cache, its own position ids, its image embeddings),
-so units of different requests can run in any interleaving and give the same tokens.
+lane as one step, services/engine/vision.py; it waits for their features), then its prompt's
+prefill, a chunk of `prefill_chunk_tokens` per unit, then one decode step per output token;
+the decode steps of several requests may run together, as one batched step (runner.py).
+Everything a unit needs is kept here, per request (its own KV cache, its own position ids, its
+image embeddings), so units of different requests can run in any interleaving and give the
+same tokens.
 """
 
 from __future__ import annotations

@@ -26,7 +26,12 @@ the two drift (P0 holds an image the core lacks), vLLM ends the request with an 
 any token and drops the hashes from P0; the runner then sends it again, once, in full.
 
 Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go ahead of image
-requests (priority 0 before 1).
+requests (priority 0 before 1). That only orders vLLM's queue: a text request still waits in a
+step behind the image's encoder pass that step runs. With `encoder_lane`, the vision lane
+(services/engine/vision.py, the embedded runner's) runs the encoder here, on its own thread at
+image priority, and vLLM gets each image's embeddings in place of its pixels (`image_embeds`,
+in the layout of vLLM's own embedding inputs, `_EMBEDS_INPUTS`): its steps run only the language
+model. An image vLLM's processor cache holds is sent as its hash, so it is not encoded again.
 
 vLLM's engine core dying fails every request it held (retryable, 'backend_died'), and the next
 `step` raises FatalError: the engine role exits, and its supervisor starts it again. vLLM's
@@ -37,6 +42,7 @@ leave in shared memory is unlinked then or at the role's stop (leftovers.py).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import queue
@@ -55,8 +61,9 @@ from protocol.messages import EngineRequest, MMItem, SamplingParams, TokenLogpro
 from services.common import cpu_wheels
 from services.common.config import default_run_dir
 from services.common.stats import Metrics
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, VisionConfig
 from services.engine.runner import ModelSpec, StepOutput
+from services.engine.vision import VisionEncoder, VisionLane, load_encoder, torch_threads
 from services.engine.vllm import leftovers
 from services.model import (
     Preprocessor,
@@ -76,7 +83,8 @@ class VLLMRunner:
     """Runs requests on vLLM's AsyncLLM (see the module docstring)."""
 
     def __init__(self, engine_args: dict[str, Any], preprocessor: Preprocessor,
-                 metrics: Metrics, pids_file: Path) -> None:
+                 metrics: Metrics, pids_file: Path, encoder: VisionEncoder | None = None,
+                 vision: VisionConfig | None = None) -> None:
         # vLLM starts its engine core as a new interpreter: it must apply the same fixes.
         os.environ.update(cpu_wheels.child_env())
         self._pids_file = pids_file
@@ -90,6 +98,10 @@ class VLLMRunner:
         self._dead: BaseException | None = None
         self._scheduler: dict[int, Any] = {}  # vLLM's latest SchedulerStats, by engine index
         self._loop = asyncio.new_event_loop()
+        self._lane = None if encoder is None else self._start_lane(encoder,
+                                                                   vision or VisionConfig())
+        self._encodings: dict[int, asyncio.Future[torch.Tensor]] = {}  # loop thread only
+        self._jobs = itertools.count()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop",
                                         daemon=True)
         self._thread.start()
@@ -109,10 +121,23 @@ class VLLMRunner:
         self._fields = self.engine.renderer.get_mm_processor()._get_mm_fields_config
         metrics.gauge("vllm_running", lambda: self._scheduled("num_running_reqs"))
         metrics.gauge("vllm_waiting", lambda: self._scheduled("num_waiting_reqs"))
-        log.info("vLLM %s serves %s: max_model_len %d, scheduling %s, pixels normalised %s",
+        log.info("vLLM %s serves %s: max_model_len %d, scheduling %s, %s",
                  _vllm_version(), preprocessor.model_id, model_config.max_model_len,
                  self.engine.vllm_config.scheduler_config.policy,
-                 "here" if self._normalize_pixels else "by vLLM on the device")
+                 f"images encoded here, on {encoder.model.device}" if encoder is not None
+                 else "pixels normalised " + (
+                     "here" if self._normalize_pixels else "by vLLM on the device"))
+
+    def _start_lane(self, encoder: VisionEncoder, vision: VisionConfig) -> VisionLane:
+        """The vision lane for the encoder; its results reach the loop thread (_take_encoded).
+        It gives the embeddings on the CPU, where vLLM's inputs travel from."""
+        return VisionLane(lambda tensors: encoder(tensors).cpu(),
+                          threads=vision.vision_threads or torch_threads(0),
+                          device=torch.device("cpu"), nice=vision.image_nice,
+                          wake=self._lane_woke)
+
+    def _lane_woke(self) -> None:  # on the lane's thread
+        self._loop.call_soon_threadsafe(self._take_encoded)
 
     async def _start(self, engine_args: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -207,8 +232,10 @@ class VLLMRunner:
         self._loop.call_soon_threadsafe(self._cancel, handle)
 
     def close(self) -> None:
-        """Stop vLLM (its engine core and workers) and the loop thread; then end what is left
-        of them (a dead engine core's shared memory, say)."""
+        """Stop vLLM (its engine core and workers), the vision lane and the loop thread; then
+        end what is left of them (a dead engine core's shared memory, say)."""
+        if self._lane is not None:
+            self._lane.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             self._loop.call_soon_threadsafe(engine.shutdown)
@@ -258,7 +285,7 @@ class VLLMRunner:
         and vLLM ended it with an error before any token (its answer to a drifted cache)."""
         first = True
         try:
-            prompt = self._prompt(request)  # vLLM's processor cache updated: see _vllm_items
+            prompt = await self._prompt(request)  # vLLM's processor cache updated: _vllm_items
             async for output in self.engine.generate(prompt, params, request.request_id,
                                                      priority=priority):
                 completion = output.outputs[0]
@@ -286,14 +313,14 @@ class VLLMRunner:
 
     # ------------------------------------------------------------ rendering for vLLM
 
-    def _prompt(self, request: EngineRequest) -> Any:
+    async def _prompt(self, request: EngineRequest) -> Any:
         if not request.mm_items:
             return {"type": "token", "prompt_token_ids": list(request.prompt_token_ids)}
         from vllm.inputs import mm_input
         from vllm.multimodal.inputs import PlaceholderRange
 
         hashes = _hashes(request)
-        kwargs = self._vllm_items(request.mm_items, hashes)
+        kwargs = await self._vllm_items(request.mm_items, hashes)
         prompt = torch.tensor(request.prompt_token_ids)
         placeholders = [PlaceholderRange(item.offset, item.length, _is_embed(
             prompt[item.offset:item.offset + item.length], self._pre.image_token_id))
@@ -301,23 +328,34 @@ class VLLMRunner:
         return mm_input(list(request.prompt_token_ids), kwargs, {"image": hashes},
                         {"image": placeholders})
 
-    def _vllm_items(self, items: list[MMItem], hashes: list[str]) -> Any:
+    async def _vllm_items(self, items: list[MMItem], hashes: list[str]) -> Any:
         """The items as vLLM's kwargs, each in full or, where vLLM's processor cache (P0, which
         mirrors its engine core's) holds its hash, as None: the engine core takes that one
         from its cache. P0 is updated as vLLM's processor updates it (`_merge_mm_kwargs`):
-        every hash touched first, then each looked up or added, in order; only the items it
-        lacks are laid out. No P0 (`mm_processor_cache_gb=0`): every item in full."""
+        every hash touched first, then each looked up or added, in order, with no wait between
+        (another request's update would come between); only the items it lacks are laid out,
+        or with the vision lane encoded, first. No P0 (`mm_processor_cache_gb=0`): every item
+        in full."""
         from transformers import BatchFeature
         from vllm.multimodal.inputs import MultiModalKwargsItems
 
         cache = self.engine.renderer.mm_processor_cache
-        held = cache.is_cached(hashes) if cache is not None else [False] * len(hashes)
-        missing = [self._item_tensors(item.tensors)
-                   for item, hit in zip(items, held, strict=True) if not hit]
+        encoded: dict[int, torch.Tensor] = {}
+        while True:
+            held = cache.is_cached(hashes) if cache is not None else [False] * len(hashes)
+            todo = [index for index, hit in enumerate(held) if not hit and index not in encoded]
+            if self._lane is None or not todo:
+                break
+            # Dropped from P0 during the wait, an item is encoded in the next round.
+            embeds = await asyncio.gather(*(self._encode(items[index]) for index in todo))
+            encoded.update(zip(todo, embeds, strict=True))
+        missing = [self._item_tensors(item.tensors) if self._lane is None
+                   else _embeds_item(item.tensors, encoded[index])
+                   for index, (item, hit) in enumerate(zip(items, held, strict=True)) if not hit]
         built: list[Any] = []
         if missing:
-            batch = BatchFeature(_VLLM_INPUTS[self._pre.family.name](
-                missing, self._pre.image_token_id))
+            layout = _VLLM_INPUTS if self._lane is None else _EMBEDS_INPUTS
+            batch = BatchFeature(layout[self._pre.family.name](missing, self._pre.image_token_id))
             built = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))["image"]
         if cache is None:
             return MultiModalKwargsItems({"image": built})
@@ -332,6 +370,33 @@ class VLLMRunner:
         self.engine.renderer.update_mm_cache_stats()
         return MultiModalKwargsItems({"image": sent})
 
+    async def _encode(self, item: MMItem) -> torch.Tensor:
+        """The item's embeddings, from a pass on the vision lane (cancelled with the request,
+        if it has not started)."""
+        assert self._lane is not None
+        job = next(self._jobs)
+        self._encodings[job] = future = self._loop.create_future()
+        self._lane.submit(job, item.tensors)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._lane.cancel(job)
+            self._encodings.pop(job, None)
+            raise
+
+    def _take_encoded(self) -> None:
+        """The lane's results to the requests that wait for them (on the loop thread)."""
+        assert self._lane is not None
+        for result in self._lane.finished():
+            future = self._encodings.pop(result.job, None)
+            if future is None or future.done():
+                continue
+            if isinstance(result.features, Exception):
+                future.set_exception(result.features)
+            elif result.features is not None:
+                self.metrics.observe("engine_step:vision", result.seconds)
+                future.set_result(result.features)
+
     def _item_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """An item's tensors as torch's, its pixels in the model's layout (`model_layout`) and
         normalised unless vLLM does it. Arrays that came in ZMQ frames are read-only views of
@@ -345,6 +410,14 @@ class VLLMRunner:
             normalize(item["pixel_values"], norm) if self._normalize_pixels  # that spins here
             else torch.from_numpy(model_layout(arrays["pixel_values"], norm)))
         return item
+
+
+def _embeds_item(tensors: dict[str, np.ndarray], embeds: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An item for vLLM's embedding inputs: its embeddings, and its tensors but the pixels
+    (copies: arrays that came in ZMQ frames are read-only views of them)."""
+    others = {name: torch.from_numpy(np.array(array))
+              for name, array in tensors.items() if name != "pixel_values"}
+    return {"image_embeds": embeds, **others}
 
 
 _VLLM_CACHE_COUNTERS = ("vllm_prefix_cache_queried_tokens", "vllm_prefix_cache_hit_tokens",
@@ -417,6 +490,13 @@ _VLLM_INPUTS: dict[str, Callable[[Items, int], dict[str, Any]]] = {
 }
 
 
+_EMBEDS_INPUTS: dict[str, Callable[[Items, int], dict[str, Any]]] = {
+    "qwen2_vl": _concatenated("image_embeds", "image_grid_thw"),
+}
+"""With the vision lane: the batch of a request's items as vLLM's embedding inputs (its
+models' `image_embeds` fields), from each item's embeddings and its other tensors."""
+
+
 def _sampling_params(sampling: SamplingParams) -> Any:
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -484,5 +564,15 @@ def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
     # pixels are normalised as there.
     preprocessor = load_preprocessor(model_dir, "auto")
     engine_args = {"model": str(model_dir), **config.vllm.engine_args()}
+    encoder = None
+    if config.vllm.encoder_lane:
+        family = preprocessor.family.name
+        if family not in _EMBEDS_INPUTS:
+            raise FatalError(f"--encoder-lane does not support {family} models yet, only "
+                             f"{', '.join(_EMBEDS_INPUTS)}", code="bad_config")
+        if engine_args.setdefault("enable_mm_embeds", True) is not True:
+            raise FatalError("--encoder-lane hands vLLM image embeddings: it needs vLLM's "
+                             "enable_mm_embeds, which --vllm-arg turns off", code="bad_config")
+        encoder = load_encoder(model_dir, preprocessor, config.vllm.encoder_device)
     pids = leftovers.pids_file(default_run_dir(), config.ops.name)
-    return VLLMRunner(engine_args, preprocessor, metrics, pids)
+    return VLLMRunner(engine_args, preprocessor, metrics, pids, encoder, config.vision)
