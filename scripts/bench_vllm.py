@@ -13,7 +13,8 @@ its own requests (the client's `--seed` is the run's number: the same requests f
 server), so no run is served from the caches an earlier one filled. Each run's figures below count
 from the moment the client starts sending its load, not while it imports and draws its images.
 Meanwhile, at the 12 MP image size, it times text-only requests sent one after another
-(`--max-tokens 1`) next to the image load: their p50 is "text p50" in the table. The servers on
+(`--max-tokens 1`) next to the image load: their p50 and p90 are "text" in the table, after
+the same figures idle (`--idle-text` requests, sent once the server is ready). The servers on
 vLLM get the same vLLM engine arguments. Prints one table; each `vllm bench serve` also leaves
 its JSON result under --out. Each run also prints the CPU time the server's processes took
 during it, in all and by process (vLLM's engine core, mmlane's roles, ...), per completed
@@ -76,6 +77,8 @@ def main() -> int:
                         help="the Python that runs mmlane-hf: the embedded engine needs "
                         "transformers 5.24 or later, which vLLM's environment lacks, so name the "
                         "main environment's (it loads the same model directory)")
+    parser.add_argument("--idle-text", type=int, default=40,
+                        help="text requests timed one after another on the idle server")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
                         help="where the JSON results and server logs go")
     args = parser.parse_args()
@@ -91,6 +94,8 @@ def main() -> int:
         process = _start(server, model, port, args.out, args.mmlane_arg, args.hf_python)
         try:
             _wait_healthy(port, model, process, args.out / f"{server}.log")
+            idle = [t for t in (_chat(port, model.name, f"hello, number {i}?", 1)
+                                for i in range(args.idle_text)) if t is not None]
             seed = 0  # each run its own images, so none is served from an earlier run's caches
             for size_name in args.sizes.split(","):
                 width, height = SIZES[size_name]
@@ -107,7 +112,7 @@ def main() -> int:
                     cpu.subtract(cpu_before)
                     text = probe.finish() if probe else []
                     result = dict(json.loads(log.with_suffix("").read_text()))
-                    rows.append((server, size_name, rate, result, text))
+                    rows.append((server, size_name, rate, result, idle, text))
                     _print_row(*rows[-1])
                     _print_cpu(cpu, result["completed"])
                     machine.print_since(machine_before)
@@ -305,23 +310,31 @@ class _Machine(NamedTuple):
         print(f"    the machine meanwhile: {', '.join(parts)}", flush=True)
 
 
-def _print_row(server: str, size: str, rate: float, result: dict, text: list[float]) -> None:
-    text_p50 = f"{statistics.median(text) * 1000:.0f}" if text else "-"
+def _p50_p90(latencies: list[float]) -> str:
+    """'p50 / p90' in ms ('-' for none)."""
+    if len(latencies) < 2:
+        return "-"
+    deciles = statistics.quantiles(latencies, n=10)
+    return f"{statistics.median(latencies) * 1000:.1f} / {deciles[8] * 1000:.1f}"
+
+
+def _print_row(server: str, size: str, rate: float, result: dict, idle: list[float],
+               text: list[float]) -> None:
     print(f"{server:16} {size:10} {rate:5g} req/s: {result['completed']:3d} done, "
           f"{result['request_throughput']:.2f} req/s, TTFT p50 {result['median_ttft_ms']:.0f} ms, "
-          f"TPOT p50 {result['median_tpot_ms']:.1f} ms, text p50 {text_p50} ms "
-          f"({len(text)} text requests)", flush=True)
+          f"TPOT p50 {result['median_tpot_ms']:.1f} ms, text p50 / p90 idle {_p50_p90(idle)} ms, "
+          f"loaded {_p50_p90(text)} ms ({len(text)} text requests)", flush=True)
 
 
 def _print_table(rows: list) -> None:
     print("| server | image | rate (req/s) | done | req/s | TTFT p50 (ms) | TPOT p50 (ms) "
-          "| text p50 (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for server, size, rate, result, text in rows:
-        text_p50 = f"{statistics.median(text) * 1000:.0f} (n={len(text)})" if text else "-"
+          "| text p50 / p90 idle (ms) | loaded (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for server, size, rate, result, idle, text in rows:
         print(f"| {server} | {size} | {rate:g} | {result['completed']} | "
               f"{result['request_throughput']:.2f} | {result['median_ttft_ms']:.0f} | "
-              f"{result['median_tpot_ms']:.1f} | {text_p50} |")
+              f"{result['median_tpot_ms']:.1f} | {_p50_p90(idle)} | "
+              f"{_p50_p90(text) if text else '-'} (n={len(text)}) |")
 
 
 def _stop(process: subprocess.Popen) -> None:

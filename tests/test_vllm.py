@@ -24,6 +24,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 import zmq
 from test_http import SCHEMAS, json_schema
 
@@ -747,6 +748,56 @@ def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
         assert replies["lost"] == replies[fresh.request_id]
         assert len(replies["lost"]) == MAX_TOKENS
         assert metrics.counters["vllm_mm_cache_resends"] == 1
+    finally:
+        runner.close()
+
+
+def test_an_encoder_lane_failure_or_abort_ends_its_request_alone(qwen_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """--encoder-lane, the runner in this process: a pass that raises (here, out of memory)
+    fails the request whose image it was, retryable and saying where; a request aborted while
+    its image waits for the lane gets nothing; a request beside them is served in full."""
+    from test_engine import make_request
+
+    from services.common.config import run_dir_defaults
+    from services.common.stats import Metrics
+    from services.engine.config import VLLMConfig
+    from services.engine.vllm.runner import load
+
+    with run_dir_defaults(tmp_path):
+        config = EngineConfig(backend="vllm", model=str(qwen_dir), vllm=VLLMConfig(
+            vllm_arg=[f"{key}={_arg(value)}" for key, value in VLLM_ARGS.items()],
+            encoder_lane=True))
+        runner = load(config, Metrics("engine", config.ops.name))
+    try:
+        prep = load_preprocessor(qwen_dir, "auto")
+        broken = make_request(prep, "look", ((90, 70),), max_tokens=3)
+        aborted = make_request(prep, "and this?", ((1024, 768),), max_tokens=3)
+        good = make_request(prep, "what is it?", ((320, 240),), max_tokens=MAX_TOKENS,
+                            ignore_eos=True)
+        encode = runner._lane._encode
+
+        def failing(tensors: Any) -> Any:
+            if tensors is broken.mm_items[0].tensors:
+                raise torch.OutOfMemoryError("no memory for this image")
+            return encode(tensors)
+
+        runner._lane._encode = failing
+        for handle, request in enumerate((broken, aborted, good)):
+            runner.add(handle, request)
+        runner.abort(1)
+        outputs: dict[int, list[Any]] = {0: [], 1: [], 2: []}
+        deadline = time.monotonic() + 300
+        while not all(o and o[-1].finished for h, o in outputs.items() if h != 1):
+            assert time.monotonic() < deadline
+            for output in runner.step(1.0):
+                outputs[output.handle].append(output)
+        [failed] = outputs[0]
+        assert isinstance(failed.error, RetryableError), failed.error
+        assert "the encoder lane failed on an image" in failed.error.message
+        assert "out of device memory" in failed.error.message
+        assert not outputs[1]
+        assert sum(len(o.token_ids) for o in outputs[2]) == MAX_TOKENS
     finally:
         runner.close()
 

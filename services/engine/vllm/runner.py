@@ -392,7 +392,8 @@ class VLLMRunner:
             if future is None or future.done():
                 continue
             if isinstance(result.features, Exception):
-                future.set_exception(result.features)
+                future.set_exception(translate(
+                    result.features, "the encoder lane failed on an image", default="model_error"))
             elif result.features is not None:
                 self.metrics.observe("engine_step:vision", result.seconds)
                 future.set_result(result.features)
