@@ -20,10 +20,10 @@ from typing import Any
 import msgspec
 
 from bench.config import BenchConfig, load_bench_config
-from protocol.errors import FatalError, MMLaneError
-from services.common import cpu_wheels
-from services.common.settings import Settings
-from services.launcher import sigterm_as_interrupt
+from mmlane.common import cpu_wheels
+from mmlane.common.settings import Settings
+from mmlane.launcher import sigterm_as_interrupt
+from mmlane.protocol.errors import FatalError, MMLaneError
 
 Outputs = tuple[Callable[[Any, Path], None], Callable[[Any], str]]
 """A run's chart(result, path) and table(result)."""
@@ -132,8 +132,8 @@ def server_parser() -> argparse.ArgumentParser:
 def run_bench_server(args: argparse.Namespace) -> int:
     cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
     from bench.inproc import InProcessConfig, InProcessServer
-    from services.common.config import handed_config
-    from services.common.lifecycle import run_role
+    from mmlane.common.config import handed_config
+    from mmlane.common.lifecycle import run_role
 
     config = handed_config(InProcessConfig, args.config_json)
     return run_role("bench-server", lambda: InProcessServer(config), args.ready_endpoint)

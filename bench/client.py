@@ -1,6 +1,6 @@
 """The bench's side of mmlane's native API: many requests in flight, each one's times recorded.
 
-`services.client.Client` waits for whole replies; the bench needs every request's submit, first
+`mmlane.client.Client` waits for whole replies; the bench needs every request's submit, first
 output and last reply times, with requests submitted from several threads at chosen moments. So
 one I/O thread owns one DEALER socket: `submit()` puts pre-encoded frames in its `Mailbox`, it
 stamps `submitted` right before the send, and stamps `first_output` and `finished` as
@@ -21,9 +21,9 @@ import msgspec
 import zmq
 
 from bench.loop import Mailbox, received
-from protocol.codec import Codec
-from protocol.messages import ChatError, ChatMessage, ChatRequest, ClientReply
-from services.common.sockets import make_socket
+from mmlane.common.sockets import make_socket
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.messages import ChatError, ChatMessage, ChatRequest, ClientReply
 
 log = logging.getLogger(__name__)
 

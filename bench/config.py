@@ -7,11 +7,11 @@ from pathlib import Path
 
 import msgspec
 
-from protocol.errors import FatalError
-from services.common.config import default_of
-from services.frontend.config import FrontendConfig
-from services.launcher import ServeConfig
-from services.mm_worker.config import MMWorkerConfig
+from mmlane.common.config import default_of
+from mmlane.frontend.config import FrontendConfig
+from mmlane.launcher import ServeConfig
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.protocol.errors import FatalError
 
 MODES = ("shared", "split", "mmlane")
 """Every mode the bench knows, in the order it runs them (see the package docstring)."""

@@ -39,9 +39,19 @@ import zmq
 
 from bench.config import BenchConfig
 from bench.loop import Mailbox, received
-from protocol.codec import Codec
-from protocol.errors import MMLaneError, RequestError
-from protocol.messages import (
+from mmlane.common.config import default_of
+from mmlane.common.sockets import make_socket
+from mmlane.frontend.config import FrontendConfig
+from mmlane.frontend.detokenize import IncrementalDetokenizer
+from mmlane.frontend.requests import check_request, prompt_token_ids
+from mmlane.mm_worker.cache import ImageHasher, SenderCache
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.mm_worker.jobs import JobRenderer
+from mmlane.mm_worker.media import MediaPolicy, configure_pillow
+from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import MMLaneError, RequestError
+from mmlane.protocol.messages import (
     ChatError,
     ChatOutput,
     ChatRequest,
@@ -52,16 +62,6 @@ from protocol.messages import (
     MMJob,
     RequestFailed,
 )
-from services.common.config import default_of
-from services.common.sockets import make_socket
-from services.frontend.config import FrontendConfig
-from services.frontend.detokenize import IncrementalDetokenizer
-from services.frontend.requests import check_request, prompt_token_ids
-from services.mm_worker.cache import ImageHasher, SenderCache
-from services.mm_worker.config import MMWorkerConfig
-from services.mm_worker.jobs import JobRenderer
-from services.mm_worker.media import MediaPolicy, configure_pillow
-from services.model import Preprocessor, load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

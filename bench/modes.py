@@ -31,15 +31,21 @@ from bench.inproc import (
     job_renderer,
     routed_message,
 )
-from protocol.codec import Codec
-from protocol.errors import FatalError
-from protocol.messages import ChatRequest, EngineOutput, EngineRequest, FrontendInput, RequestFailed
-from services.client import user_message
-from services.common.config import ipc
-from services.common.sockets import free_tcp_port, make_socket
-from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles
-from services.mm_worker.jobs import JobRenderer
-from services.model import Preprocessor
+from mmlane.client import user_message
+from mmlane.common.config import ipc
+from mmlane.common.sockets import free_tcp_port, make_socket
+from mmlane.launcher import SERVE_SETTINGS, Child, serve_config, start_roles
+from mmlane.mm_worker.jobs import JobRenderer
+from mmlane.model import Preprocessor
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import FatalError
+from mmlane.protocol.messages import (
+    ChatRequest,
+    EngineOutput,
+    EngineRequest,
+    FrontendInput,
+    RequestFailed,
+)
 
 DESIGNS = {
     "shared": "1 process: one thread pool tokenizes and preprocesses images (+ mmlane engine)",

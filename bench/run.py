@@ -49,8 +49,8 @@ from bench.workload import (
     planned_seconds,
     run_phase,
 )
-from services.launcher import Child, stop_all
-from services.model import load_preprocessor, resolve_model_dir
+from mmlane.launcher import Child, stop_all
+from mmlane.model import load_preprocessor, resolve_model_dir
 
 OTHERS = "others"
 """The `cpu_s` key of every other process on the machine: other users' work, and the other

@@ -35,14 +35,14 @@ import zmq
 
 from bench.config import BenchConfig, parse_size
 from bench.images import data_uri, generated_jpeg
-from protocol.codec import Codec
-from protocol.messages import EngineInput, ImageUrl, MMJob, SamplingParams
-from services.common.config import load_config, run_dir_defaults
-from services.common.settings import Settings
-from services.launcher import start_roles, stop_all
-from services.mm_worker.config import MMWorkerConfig
-from services.mm_worker.media import decode_image
-from services.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.common.config import load_config, run_dir_defaults
+from mmlane.common.settings import Settings
+from mmlane.launcher import start_roles, stop_all
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.mm_worker.media import decode_image
+from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.messages import EngineInput, ImageUrl, MMJob, SamplingParams
 
 
 class DesignResult(msgspec.Struct, kw_only=True):

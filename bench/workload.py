@@ -24,8 +24,8 @@ import numpy as np
 from bench.client import BenchClient, Record, request_frames
 from bench.config import BenchConfig
 from bench.images import ImageSource
-from protocol.messages import ChatMessage
-from services.client import user_message
+from mmlane.client import user_message
+from mmlane.protocol.messages import ChatMessage
 
 _WORDS = (
     "the a model image request token latency engine worker frontend process thread queue "

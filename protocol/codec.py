@@ -22,8 +22,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import numpy as np
 
-from protocol import shm
-from protocol.errors import RequestError, TensorsLost, TensorsRefused, translate
+from mmlane.protocol import shm
+from mmlane.protocol.errors import RequestError, TensorsLost, TensorsRefused, translate
 
 T = TypeVar("T")
 

@@ -19,8 +19,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from protocol.errors import ErrorInfo
-from protocol.sampling import SamplingFields, SamplingParams
+from mmlane.protocol.errors import ErrorInfo
+from mmlane.protocol.sampling import SamplingFields, SamplingParams
 
 # ---------------------------------------------------------------- shared pieces
 

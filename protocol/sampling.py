@@ -13,7 +13,7 @@ import math
 
 import msgspec
 
-from protocol.errors import RequestError
+from mmlane.protocol.errors import RequestError
 
 MAX_LOGPROBS = 20
 """The most `logprobs` a request may ask for (OpenAI's bound on top_logprobs, vLLM's default

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLForConditionalGeneration
 
-from services.model import load_preprocessor, normalize, resolve_model_dir
+from mmlane.model import load_preprocessor, normalize, resolve_model_dir
 
 
 def alternate(first: Callable[[], object], second: Callable[[], object],

@@ -27,8 +27,8 @@ from bench_common import BIG, big_jpeg
 
 from bench.images import data_uri
 from bench.throughput import LoneMMWorker
-from services.mm_worker.cache import ImageHasher
-from services.model import resolve_model_dir
+from mmlane.mm_worker.cache import ImageHasher
+from mmlane.model import resolve_model_dir
 
 ENGINE_EPOCH = 1  # what the jobs of a frontend carry once the engine has replied
 RUNS = [  # name, --mm-cache-gb, the image's uuid

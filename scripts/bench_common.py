@@ -24,22 +24,22 @@ sys.path.insert(0, str(REPO))
 
 from bench.images import data_uri, encode, make_image  # noqa: E402
 from bench.stats import percentile  # noqa: E402
-from protocol.messages import (  # noqa: E402
-    ChatMessage,
-    ImagePart,
-    ImageUrl,
-    TextPart,
-)
-from services.client import Client, user_message  # noqa: E402
-from services.common.sockets import free_tcp_port  # noqa: E402
-from services.launcher import (  # noqa: E402
+from mmlane.client import Client, user_message  # noqa: E402
+from mmlane.common.sockets import free_tcp_port  # noqa: E402
+from mmlane.launcher import (  # noqa: E402
     SERVE_SETTINGS,
     serve_config,
     sigterm_as_interrupt,
     start_roles,
     stop_all,
 )
-from services.model import resolve_model_dir  # noqa: E402
+from mmlane.model import resolve_model_dir  # noqa: E402
+from mmlane.protocol.messages import (  # noqa: E402
+    ChatMessage,
+    ImagePart,
+    ImageUrl,
+    TextPart,
+)
 
 BIG = (4032, 3024)
 

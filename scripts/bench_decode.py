@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from protocol.messages import EngineRequest, SamplingParams
-from services.common.stats import Metrics
-from services.engine.config import HFConfig
-from services.engine.hf.runner import HFRunner
-from services.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.common.stats import Metrics
+from mmlane.engine.config import HFConfig
+from mmlane.engine.hf.runner import HFRunner
+from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.protocol.messages import EngineRequest, SamplingParams
 
 
 def text_requests(prep: Preprocessor, count: int, max_tokens: int) -> list[EngineRequest]:

@@ -35,9 +35,9 @@ from bench_common import BIG, big_jpeg
 from PIL import Image
 
 from bench.images import encode, make_image
-from services.mm_worker.media import MediaPolicy, decode_image, jpeg_draft_scale
-from services.mm_worker.pool import Processed, process_image
-from services.model import Preprocessor, load_preprocessor, normalize, resolve_model_dir
+from mmlane.mm_worker.media import MediaPolicy, decode_image, jpeg_draft_scale
+from mmlane.mm_worker.pool import Processed, process_image
+from mmlane.model import Preprocessor, load_preprocessor, normalize, resolve_model_dir
 
 DIFF_SIZES = [BIG, (2000, 1500), (1500, 6000), (2323, 1742)]
 """The phone photo, one too small to draft, a tall one, the smallest 4:3 one drafted."""

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from bench_common import ImageLoad, big_jpeg_url, report, serving, text_latencies
 
-from protocol.errors import RetryableError
-from services.client import Client, user_message
+from mmlane.client import Client, user_message
+from mmlane.protocol.errors import RetryableError
 
 
 def open_loop_latencies(endpoint: str, count: int, rate: float, max_tokens: int) -> list[float]:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from bench_common import big_jpeg_url, serving
 
-from services.client import Client, user_message
-from services.ops.discovery import Targets
-from services.ops.feed import StatsFeed
-from services.ops.health import Answer, ping_all
+from mmlane.client import Client, user_message
+from mmlane.ops.discovery import Targets
+from mmlane.ops.feed import StatsFeed
+from mmlane.ops.health import Answer, ping_all
 
 
 def ping_rounds(run_dir: Path, rounds: int) -> list[Answer]:

@@ -31,7 +31,7 @@ from bench_common import (
 from bench.images import data_uri
 from bench.inproc import job_renderer
 from bench.throughput import LoneMMWorker
-from services.model import resolve_model_dir
+from mmlane.model import resolve_model_dir
 
 
 def bench_serve(args: argparse.Namespace, run_dir: Path, url: str) -> None:

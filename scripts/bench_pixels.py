@@ -6,7 +6,7 @@ MM worker's work (decode + image processor) and the bytes it ships, and the engi
 float: decode + the HF image processor (PIL backend) as it is called by default, returning
 normalised float32 (what the MM worker sent before issue 18). uint8: decode +
 `Preprocessor.process_image` (the family's uint8 path: the processor's resize, patches laid out
-in uint8). Then `services.model.normalize` of those uint8 pixels with torch on the CPU (the
+in uint8). Then `mmlane.model.normalize` of those uint8 pixels with torch on the CPU (the
 engine's side), checked bit-equal to the float path's output. Runs alternate, so drift in the
 machine's load hits both alike. Prints min / median per step; it asserts nothing.
 """
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from bench_common import BIG, big_jpeg
 
-from services.mm_worker.media import decode_image
-from services.model import load_preprocessor, normalize, resolve_model_dir
+from mmlane.mm_worker.media import decode_image
+from mmlane.model import load_preprocessor, normalize, resolve_model_dir
 
 
 def timed(work: Callable[[], object]) -> tuple[float, object]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench_common import big_jpeg_url, serving
 
-from services.client import Client, user_message
+from mmlane.client import Client, user_message
 
 SETTINGS = {
     "encoder cache off": ["--encoder-cache-gb", "0"],

@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from protocol import shm
-from protocol.codec import Codec
-from protocol.messages import EngineInput, EngineRequest, MMItem, SamplingParams
-from services.common.config import SecurityConfig
-from services.common.sockets import Security, free_tcp_port, make_socket, write_keys
+from mmlane.common.config import SecurityConfig
+from mmlane.common.sockets import Security, free_tcp_port, make_socket, write_keys
+from mmlane.protocol import shm
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.messages import EngineInput, EngineRequest, MMItem, SamplingParams
 
 PAGE = 4096
 WINDOW = 4

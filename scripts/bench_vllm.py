@@ -45,12 +45,12 @@ import psutil  # vLLM's own dependency: this script runs where vLLM is installed
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from services.common import cpu_wheels  # noqa: E402
+from mmlane.common import cpu_wheels  # noqa: E402
 
 cpu_wheels.apply()  # this script runs where vLLM is: before transformers imports torchvision
 
-from services.common.sockets import free_tcp_port  # noqa: E402
-from services.model import resolve_model_dir  # noqa: E402
+from mmlane.common.sockets import free_tcp_port  # noqa: E402
+from mmlane.model import resolve_model_dir  # noqa: E402
 
 VLLM_ARGS = {"gpu_memory_utilization": 0.1, "dtype": "float32"}
 SIZES = {"1024x1024": (1024, 1024), "4032x3024": (4032, 3024)}
@@ -131,7 +131,7 @@ def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str
         command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
                    "--served-model-name", model.name, "--port", str(port), *args]
     elif server == "mmlane-hf":  # the embedded engine (issue 11), on the same weights
-        command = [hf_python, "-m", "services.cli", "serve", "--model", str(model),
+        command = [hf_python, "-m", "mmlane.cli", "serve", "--model", str(model),
                    "--port", str(free_tcp_port()), "--http-port", str(port),
                    "--run-dir", str(out / f"run-{server}")]
     else:
@@ -141,7 +141,7 @@ def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str
         args = [f"--vllm-arg={key}={value}" for key, value in engine_args.items()]
         if server == "mmlane-lane":
             args.append("--encoder-lane")
-        command = [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
+        command = [sys.executable, "-m", "mmlane.cli", "serve", "--backend", "vllm", *args,
                    "--model", str(model), "--port", str(free_tcp_port()),
                    "--http-port", str(port), "--run-dir", str(out / f"run-{server}")]
     if server != "vllm":
@@ -246,7 +246,7 @@ def _wait_for_load(client: subprocess.Popen, log: Path) -> None:
 
 
 _VLLM_PROCESSES = ("EngineCore", "Worker", "APIServer")  # in the names vLLM gives them
-_ROLES = ("engine", "mm-worker", "frontend", "serve")  # `python -m services.cli ROLE ...`
+_ROLES = ("engine", "mm-worker", "frontend", "serve")  # `python -m mmlane.cli ROLE ...`
 
 
 def _cpu_seconds(root: int) -> Counter[str]:

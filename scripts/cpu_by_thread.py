@@ -2,7 +2,7 @@
 
     python scripts/cpu_by_thread.py --requests N -- COMMAND ...
 
-Finds this machine's mmlane role processes (`services.cli frontend|mm-worker|engine`) and
+Finds this machine's mmlane role processes (`mmlane.cli frontend|mm-worker|engine`) and
 vLLM's (`VLLM::...`), reads every thread's user + system time from /proc before and after
 COMMAND (a load: `vllm bench serve ...`, N requests), and prints each thread's difference
 divided by N, then each process's sum. Python threads are named as `py-spy dump` names them

@@ -40,9 +40,9 @@ from typing import Any
 from bench_common import serving
 
 from bench.images import jpeg_uri
-from services.common.sockets import free_tcp_port
-from services.ops.discovery import Targets
-from services.ops.feed import StatsFeed
+from mmlane.common.sockets import free_tcp_port
+from mmlane.ops.discovery import Targets
+from mmlane.ops.feed import StatsFeed
 
 SERVE_ARGS = ["--mm-cache-gb", "0.05", "--encoder-cache-gb", "0.05",
               "--request-timeout", "120"]

@@ -12,21 +12,21 @@ from typing import Any
 
 import msgspec
 
-from protocol.errors import MMLaneError
-from services.common import cpu_wheels
-from services.common.config import (
+from mmlane.common import cpu_wheels
+from mmlane.common.config import (
     DEFAULT_HOST,
     default_run_dir,
     handed_config,
     load_config,
     run_dir_defaults,
 )
-from services.common.lifecycle import run_role
-from services.common.settings import Settings
-from services.engine.config import EngineConfig
-from services.frontend.config import DEFAULT_PORT, FrontendConfig
-from services.launcher import SERVE_SETTINGS
-from services.mm_worker.config import MMWorkerConfig
+from mmlane.common.lifecycle import run_role
+from mmlane.common.settings import Settings
+from mmlane.engine.config import EngineConfig
+from mmlane.frontend.config import DEFAULT_PORT, FrontendConfig
+from mmlane.launcher import SERVE_SETTINGS
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.protocol.errors import MMLaneError
 
 ROLE_SETTINGS: dict[str, tuple[type[msgspec.Struct], Settings]] = {
     "engine": (EngineConfig, Settings(EngineConfig)),
@@ -120,7 +120,7 @@ def _add_watch_args(p: argparse.ArgumentParser, kind: str) -> None:
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
-    from services.model import build_tiny_model
+    from mmlane.model import build_tiny_model
 
     out = build_tiny_model(args.out, family=args.family, seed=args.seed)
     print(out)
@@ -128,7 +128,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from services.common.sockets import write_keys
+    from mmlane.common.sockets import write_keys
 
     try:
         for path in write_keys(Path(args.out), args.name):
@@ -154,24 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_lazy(func) if isinstance(func, str) else func)
         return p
 
-    p = add("serve", "services.launcher:serve",
+    p = add("serve", "mmlane.launcher:serve",
             "run frontend, MM worker and engine on this machine")
     SERVE_SETTINGS.add_to(p)
 
-    p = add("frontend", _cmd_role("frontend", "services.frontend.service", "Frontend"),
+    p = add("frontend", _cmd_role("frontend", "mmlane.frontend.service", "Frontend"),
             "run one frontend (client API, chat template, tokenizer)")
     _add_role_args(p, ROLE_SETTINGS["frontend"][1])
 
-    p = add("mm-worker", _cmd_role("mm-worker", "services.mm_worker.worker", "MMWorker",
+    p = add("mm-worker", _cmd_role("mm-worker", "mmlane.mm_worker.worker", "MMWorker",
                                         MM_WORKER_ENVIRONMENT),
             "run one MM worker (FIFO image preprocessing)")
     _add_role_args(p, ROLE_SETTINGS["mm-worker"][1])
 
-    p = add("engine", _cmd_role("engine", "services.engine", "Engine"),
+    p = add("engine", _cmd_role("engine", "mmlane.engine", "Engine"),
             "run the engine (the model, on CUDA when present, else CPU)")
     _add_role_args(p, ROLE_SETTINGS["engine"][1])
 
-    p = add("chat", "services.client:chat_command",
+    p = add("chat", "mmlane.client:chat_command",
             "send one chat request to a running mmlane and print the reply")
     p.add_argument("prompt", help="the user message")
     p.add_argument(
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the reply (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
-    p = add("reset-cache", "services.client:reset_cache_command",
+    p = add("reset-cache", "mmlane.client:reset_cache_command",
             "empty the feature caches of a running mmlane (engine and MM workers)")
     p.add_argument(
         "--endpoint", default=f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}",
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds to wait for the reply (default %(default)s)")
 
-    p = add("stats", "services.ops.stats_cli:stats_command",
+    p = add("stats", "mmlane.ops.stats_cli:stats_command",
             "print the stats the running processes publish")
     p.description = (
         "Print the Stats snapshots the running processes publish: one line per snapshot as they "
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --once, seconds to wait for every process's snapshot (default 5)")
     _add_watch_args(p, "stats")
 
-    p = add("top", "services.ops.top:top_command",
+    p = add("top", "mmlane.ops.top:top_command",
             "watch every process and the latency of every lane, live")
     p.description = (
         "Watch every process (state, uptime, in-flight requests, queue depths, requests/s, "
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --once, the longest wait for those snapshots (default 5)")
     _add_watch_args(p, "stats")
 
-    p = add("health", "services.ops.health:health_command",
+    p = add("health", "mmlane.ops.health:health_command",
             "ping every process; exit 0 only if all serve")
     p.description = (
         "Ping every process's control socket at once and print a line per process. Exit 0 "
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the answers (default 5)")
     _add_watch_args(p, "control")
 
-    p = add("exporter", "services.ops.exporter:exporter_command",
+    p = add("exporter", "mmlane.ops.exporter:exporter_command",
             "serve the processes' stats to Prometheus")
     p.description = (
         "Serve the latest stats of every process to Prometheus at http://HOST:PORT/metrics: "

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import zmq
 
-from protocol.codec import Codec
-from protocol.errors import MMLaneError, RequestError, RetryableError, from_info
-from protocol.messages import (
+from mmlane.common.sockets import make_socket
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import MMLaneError, RequestError, RetryableError, from_info
+from mmlane.protocol.messages import (
     CacheReset,
     CancelChat,
     ChatError,
@@ -30,7 +31,6 @@ from protocol.messages import (
     ResetCache,
     TextPart,
 )
-from services.common.sockets import make_socket
 
 
 @dataclass

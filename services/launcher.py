@@ -45,23 +45,23 @@ from typing import IO, Any
 import msgspec
 import zmq
 
-from protocol.errors import FatalError
-from protocol.messages import LauncherInput, StartupFailed
-from services.common import cpu_wheels
-from services.common.config import (
+from mmlane.common import cpu_wheels
+from mmlane.common.config import (
     OpsConfig,
     default_run_dir,
     ipc,
     load_config,
     run_dir_defaults,
 )
-from services.common.lifecycle import RESTARTS_ENV, setup_logging
-from services.common.settings import Settings
-from services.common.sockets import make_socket, write_keys
-from services.common.stats import Metrics, StatsServer
-from services.engine.config import EngineConfig
-from services.frontend.config import DEFAULT_PORT, FrontendConfig
-from services.mm_worker.config import MMWorkerConfig
+from mmlane.common.lifecycle import RESTARTS_ENV, setup_logging
+from mmlane.common.settings import Settings
+from mmlane.common.sockets import make_socket, write_keys
+from mmlane.common.stats import Metrics, StatsServer
+from mmlane.engine.config import EngineConfig
+from mmlane.frontend.config import DEFAULT_PORT, FrontendConfig
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.protocol.errors import FatalError
+from mmlane.protocol.messages import LauncherInput, StartupFailed
 
 log = logging.getLogger("serve")  # the logger of `setup_logging("serve")`
 
@@ -172,7 +172,7 @@ class Child:
         self._tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
         self._env = {**os.environ, **({} if run_dir is None else {"MMLANE_RUN_DIR": str(run_dir)})}
-        program = command or [sys.executable, "-m", "services.cli", role]
+        program = command or [sys.executable, "-m", "mmlane.cli", role]
         self._argv = [*program, "--config-json", "-"]
         self._config_json = msgspec.json.encode(config)
         self.process = self._start(["--ready-endpoint", ready_endpoint])
@@ -295,7 +295,7 @@ def _give_throwaway_keys(config: ServeConfig, folder: Path) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
-    from services.model import resolve_model_dir  # heavy (transformers): not for --help
+    from mmlane.model import resolve_model_dir  # heavy (transformers): not for --help
 
     log = setup_logging("serve")
     stop = threading.Event()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 # ruff: noqa: E402
-from services.common import cpu_wheels
+from mmlane.common import cpu_wheels
 
 cpu_wheels.apply()  # before transformers loads: a vLLM CPU install needs it (cpu_wheels.py)
 
@@ -45,12 +45,12 @@ from transformers import (
 from transformers.models.pixtral import image_processing_pil_pixtral
 
 from image_server import ImageServer
-from protocol.errors import FatalError
-from services.cli import config_from_argv
-from services.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
-from services.engine.vision import to_device
-from services.launcher import Child, start_roles, stop_all
-from services.model import PixelNorm, Preprocessor, family_for, load_preprocessor, normalize
+from mmlane.cli import config_from_argv
+from mmlane.common.sockets import free_tcp_port as free_port  # noqa: F401  (tests import it from here)
+from mmlane.engine.vision import to_device
+from mmlane.launcher import Child, start_roles, stop_all
+from mmlane.model import PixelNorm, Preprocessor, family_for, load_preprocessor, normalize
+from mmlane.protocol.errors import FatalError
 
 REPO = Path(__file__).resolve().parent.parent
 # `free_port` is for ports that cannot be 0 (an HTTP API, `serve`'s client port); elsewhere tests
@@ -112,6 +112,7 @@ NOT_FAST = (
     "test_config.py::test_a_child_refuses_a_config_that_is_not_its_roles",
     "test_config.py::test_a_roles_config_imports_no_other_role_and_no_model",
     "test_config.py::test_a_signal_while_roles_start_leaves_no_process_running",
+    "test_config.py::test_mmlane_installs_as_one_package_named_mmlane",
     "test_detokenize.py::test_a_streamed_reply_carries_the_whole_text",
     "test_fetch.py::test_https_fetch_verifies_the_certificate",
     "test_model.py::test_importing_the_model_package_patches_no_environment",
@@ -275,7 +276,7 @@ def prep(qwen_dir: Path) -> Preprocessor:
 
 @pytest.fixture(scope="session")
 def qwen_dir() -> Path:
-    from services.model import resolve_model_dir
+    from mmlane.model import resolve_model_dir
 
     return resolve_model_dir(None)
 
@@ -292,7 +293,7 @@ def qwen2_5_dir() -> Path:
 
 def _tiny_model(family: str) -> Path:
     """The tiny model of `family`, built once beside the default one."""
-    from services.model import build_tiny_model, default_model_dir
+    from mmlane.model import build_tiny_model, default_model_dir
 
     target = default_model_dir().parent / f"tiny-{family.replace('_', '-')}"
     if not (target / "config.json").exists():
@@ -323,7 +324,7 @@ ROLES = ("engine", "mm-worker", "frontend")
 def make_keys(folder: Path, *roles: str) -> None:
     """`mmlane keys --out FOLDER --name ROLE` for each role."""
     for role in roles:
-        subprocess.run([sys.executable, "-m", "services.cli", "keys", "--out", str(folder),
+        subprocess.run([sys.executable, "-m", "mmlane.cli", "keys", "--out", str(folder),
                         "--name", role], cwd=REPO, check=True, capture_output=True)
 
 

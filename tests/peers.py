@@ -38,9 +38,15 @@ import pytest
 import zmq
 
 from bench.images import jpeg_uri
-from protocol.codec import Codec
-from protocol.errors import RetryableError
-from protocol.messages import (
+from mmlane.client import ChatResult, Client, user_message
+from mmlane.common.sockets import ReplySockets, bound_endpoint, make_socket
+from mmlane.launcher import Child
+from mmlane.mm_worker.worker import SHM_MIN_BYTES
+from mmlane.ops.discovery import Targets
+from mmlane.ops.feed import StatsFeed
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import RetryableError
+from mmlane.protocol.messages import (
     ChatError,
     ClientReply,
     EngineInput,
@@ -51,12 +57,6 @@ from protocol.messages import (
     RequestFailed,
     Stats,
 )
-from services.client import ChatResult, Client, user_message
-from services.common.sockets import ReplySockets, bound_endpoint, make_socket
-from services.launcher import Child
-from services.mm_worker.worker import SHM_MIN_BYTES
-from services.ops.discovery import Targets
-from services.ops.feed import StatsFeed
 
 PATIENCE_S = 60.0
 """The longest any wait for a peer may take."""
@@ -372,7 +372,7 @@ def stand_in_pool_process(tasks: Any, results: Any, model_dir: str, image_backen
     arguments): says it is ready with its slots' stem, then answers each task with PIXELS in
     a slot of its own writer, named by the slot's reference, dtype and shape; for task bytes
     LIE, with a shape of other bytes than the slot holds."""
-    from protocol import shm
+    from mmlane.protocol import shm
 
     slots = shm.ShmWriter(tag, threshold=1024, capacity=capacity, max_age_s=max_age_s)
     results.send(("ready", slots.stem))

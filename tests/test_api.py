@@ -29,12 +29,12 @@ from test_http import (
 )
 
 from conftest import REPO, free_port
-from protocol.errors import FatalError
-from protocol.messages import EngineOutput, EngineRequest
-from services.cli import EXIT_BROKEN_PIPE, config_from_argv
-from services.common.stats import Metrics, StatsServer
-from services.engine.hf.runner import HFRunner
-from services.model import Preprocessor
+from mmlane.cli import EXIT_BROKEN_PIPE, config_from_argv
+from mmlane.common.stats import Metrics, StatsServer
+from mmlane.engine.hf.runner import HFRunner
+from mmlane.model import Preprocessor
+from mmlane.protocol.errors import FatalError
+from mmlane.protocol.messages import EngineOutput, EngineRequest
 
 # ---------------------------------------------------------------- eos in the HF runner
 
@@ -179,7 +179,7 @@ def test_top_once_into_a_closed_pipe_ends_quietly(run_dir: Path) -> None:
     """`mmlane top --once | head`: the reader is gone before top writes (nobody publishes
     on the address, so top waits out --timeout first)."""
     top = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "top", "--once", "--timeout", "0.5",
+        [sys.executable, "-m", "mmlane.cli", "top", "--once", "--timeout", "0.5",
          "--connect", f"tcp://127.0.0.1:{free_port()}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
@@ -195,7 +195,7 @@ def test_stats_into_head_ends_quietly_with_the_status_of_a_broken_pipe(run_dir: 
     server = StatsServer(Metrics("engine", "piped"), interval_s=0.05,
                          stats_endpoint=f"ipc://{run_dir}/stats-piped.sock",
                          control_endpoint=f"ipc://{run_dir}/control-piped.sock").start()
-    stats = [sys.executable, "-m", "services.cli", "stats", "--connect", server.stats_endpoint]
+    stats = [sys.executable, "-m", "mmlane.cli", "stats", "--connect", server.stats_endpoint]
     try:
         piped = subprocess.run(["bash", "-o", "pipefail", "-c", f"{shlex.join(stats)} | head -1"],
                                cwd=REPO, capture_output=True, text=True, timeout=120)

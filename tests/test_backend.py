@@ -23,21 +23,21 @@ import pytest
 import zmq
 from test_engine import Frontend, Reply, assert_streamed
 
-from protocol.errors import RequestError
-from protocol.messages import (
+from mmlane.common.config import OpsConfig
+from mmlane.common.lifecycle import Stop
+from mmlane.common.stats import Metrics
+from mmlane.engine import Engine, EngineConfig, ModelSpec, StepOutput
+from mmlane.engine.config import Backend
+from mmlane.engine.engine import POLL_S
+from mmlane.engine.runner import BACKENDS, backend_factory
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import (
     AbortRequests,
     EngineOutput,
     EngineRequest,
     RequestFailed,
     SamplingParams,
 )
-from services.common.config import OpsConfig
-from services.common.lifecycle import Stop
-from services.common.stats import Metrics
-from services.engine import Engine, EngineConfig, ModelSpec, StepOutput
-from services.engine.config import Backend
-from services.engine.engine import POLL_S
-from services.engine.runner import BACKENDS, backend_factory
 
 TICK_S = 0.005
 """How often the fake backend's own thread makes a token for each request it holds."""
@@ -297,15 +297,15 @@ def test_a_drain_finishes_what_it_can_then_fails_the_rest(run_dir: Path) -> None
 
 def test_every_backend_setting_has_a_factory() -> None:
     assert set(BACKENDS) == set(get_args(Backend))
-    from services.engine.hf.runner import load
+    from mmlane.engine.hf.runner import load
 
     assert backend_factory("hf") is load
 
 
 def test_the_engine_and_its_config_import_no_backend() -> None:
     code = (
-        "import sys, services.engine, services.engine.config; "
-        "loaded = {'torch', 'transformers', 'services.engine.hf.runner'} & set(sys.modules); "
+        "import sys, mmlane.engine, mmlane.engine.config; "
+        "loaded = {'torch', 'transformers', 'mmlane.engine.hf.runner'} & set(sys.modules); "
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

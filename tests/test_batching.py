@@ -15,12 +15,12 @@ import pytest
 from msgspec.structs import replace
 from test_engine import MAX_BATCH, generate_greedy, load_runner, make_request
 
-from protocol.errors import FatalError
-from protocol.messages import EngineRequest
-from services.common.config import load_config
-from services.engine.config import EngineConfig
-from services.engine.hf.runner import HFRunner
-from services.model import Preprocessor, load_preprocessor
+from mmlane.common.config import load_config
+from mmlane.engine.config import EngineConfig
+from mmlane.engine.hf.runner import HFRunner
+from mmlane.model import Preprocessor, load_preprocessor
+from mmlane.protocol.errors import FatalError
+from mmlane.protocol.messages import EngineRequest
 
 FAMILIES = ["qwen2_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl",
             "idefics3", "smolvlm"]

@@ -35,8 +35,8 @@ from bench.stats import cpu_seconds, percentile
 from bench.throughput import ThroughputResult
 from bench.workload import poisson_arrivals
 from conftest import REPO, processes
-from protocol.errors import FatalError, RequestError
-from services.client import Client, user_message
+from mmlane.client import Client, user_message
+from mmlane.protocol.errors import FatalError, RequestError
 
 pytest.importorskip("matplotlib", reason="the bench extra is not installed")
 pytest.importorskip("tqdm", reason="the bench extra is not installed")

@@ -15,9 +15,18 @@ import pytest
 from msgspec.structs import replace
 
 from bench.images import noise_image, png_uri
-from protocol.codec import Codec
-from protocol.errors import CacheMissError, FatalError, RetryableError, from_info
-from protocol.messages import (
+from mmlane.common.config import load_config
+from mmlane.common.feature_cache import FeatureCache, capacity_bytes, commit
+from mmlane.engine.cache import ReceiverCaches
+from mmlane.engine.config import EngineConfig
+from mmlane.mm_worker.cache import ImageHasher, SenderCache
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.mm_worker.jobs import JobRenderer
+from mmlane.mm_worker.media import MediaPolicy
+from mmlane.model import ImageItem
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import CacheMissError, FatalError, RetryableError, from_info
+from mmlane.protocol.messages import (
     EngineInput,
     EngineRequest,
     ImageUrl,
@@ -27,15 +36,6 @@ from protocol.messages import (
     MMWorkerInput,
     SamplingParams,
 )
-from services.common.config import load_config
-from services.common.feature_cache import FeatureCache, capacity_bytes, commit
-from services.engine.cache import ReceiverCaches
-from services.engine.config import EngineConfig
-from services.mm_worker.cache import ImageHasher, SenderCache
-from services.mm_worker.config import MMWorkerConfig
-from services.mm_worker.jobs import JobRenderer
-from services.mm_worker.media import MediaPolicy
-from services.model import ImageItem
 
 SAMPLING = SamplingParams(max_tokens=1)
 
@@ -265,7 +265,7 @@ class TestJobRenderer:
 
     @staticmethod
     def renderer_of(model_dir) -> CountingRenderer:
-        from services.model import load_preprocessor
+        from mmlane.model import load_preprocessor
 
         pre = load_preprocessor(model_dir)
         cache = SenderCache("w", 1 << 30)

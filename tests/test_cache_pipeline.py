@@ -29,13 +29,13 @@ import pytest
 
 from bench.images import jpeg_uri, noise_image, png_uri
 from conftest import REPO, role_log, start_role
+from mmlane.cli import config_from_argv
+from mmlane.client import ChatResult, Client, user_message
+from mmlane.frontend.service import affinity_key
+from mmlane.launcher import Child, start_roles, stop_all
+from mmlane.protocol.errors import RetryableError
+from mmlane.protocol.messages import ImageUrl
 from peers import wait_for_stats, wait_until
-from protocol.errors import RetryableError
-from protocol.messages import ImageUrl
-from services.cli import config_from_argv
-from services.client import ChatResult, Client, user_message
-from services.frontend.service import affinity_key
-from services.launcher import Child, start_roles, stop_all
 
 GIB = 1 << 30
 PROMPT = "Describe the picture."
@@ -255,7 +255,7 @@ def test_reset_cache_while_requests_are_in_flight(run_dir: Path, qwen_dir: Path)
             again = run(client, urls, order, in_flight=1)
             assert check_answers(again, order, expected) == 0
         cli = subprocess.run(
-            [sys.executable, "-m", "services.cli", "reset-cache", "--endpoint", roles.endpoint],
+            [sys.executable, "-m", "mmlane.cli", "reset-cache", "--endpoint", roles.endpoint],
             cwd=REPO, capture_output=True, text=True, timeout=60,
         )
         assert (cli.returncode, cli.stdout.strip()) == (0, "feature caches reset"), cli.stderr

@@ -45,9 +45,14 @@ from hypothesis.stateful import (
 )
 from msgspec.structs import replace
 
-from protocol.codec import Codec
-from protocol.errors import CacheMissError, ErrorInfo, RequestError
-from protocol.messages import (
+from mmlane.engine.cache import ReceiverCaches
+from mmlane.mm_worker.cache import ImageHasher, SenderCache
+from mmlane.mm_worker.jobs import JobRenderer
+from mmlane.mm_worker.media import MediaPolicy
+from mmlane.model import ImageItem, Preprocessor
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import CacheMissError, ErrorInfo, RequestError
+from mmlane.protocol.messages import (
     EngineCacheReset,
     EngineEpoch,
     EngineInput,
@@ -58,11 +63,6 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.engine.cache import ReceiverCaches
-from services.mm_worker.cache import ImageHasher, SenderCache
-from services.mm_worker.jobs import JobRenderer
-from services.mm_worker.media import MediaPolicy
-from services.model import ImageItem, Preprocessor
 
 WORKERS = ("w0", "w1")
 IMAGES = 6
@@ -71,7 +71,7 @@ ACTIONS = ["submit", "run_worker", "run_engine", "deliver_reply"] * 8 + ["time_o
 
 @cache
 def preprocessor() -> Preprocessor:
-    from services.model import load_preprocessor, resolve_model_dir
+    from mmlane.model import load_preprocessor, resolve_model_dir
 
     return load_preprocessor(resolve_model_dir(None))
 

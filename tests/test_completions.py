@@ -15,9 +15,9 @@ import pytest
 from test_detokenize import split_stop
 from test_http import SEEDED, Server, client, server, usage_and_reason
 
-from protocol.errors import RequestError
-from services.client import Client, user_message
-from services.model import Preprocessor
+from mmlane.client import Client, user_message
+from mmlane.model import Preprocessor
+from mmlane.protocol.errors import RequestError
 
 __all__ = ["client", "server"]  # test_http's module fixtures, served here once more
 

@@ -9,7 +9,11 @@ import functools
 import inspect
 import operator
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -19,13 +23,12 @@ import pytest
 
 from bench.cli import BENCH_SETTINGS, bench_parser
 from bench.cli import main as bench_main
-from conftest import pool_pids, processes
-from protocol.errors import FatalError
-from services.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
-from services.common.config import default_of
-from services.common.settings import Settings, flag_name
-from services.engine.config import EngineConfig
-from services.launcher import (
+from conftest import REPO, pool_pids, processes
+from mmlane.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
+from mmlane.common.config import default_of
+from mmlane.common.settings import Settings, flag_name
+from mmlane.engine.config import EngineConfig
+from mmlane.launcher import (
     KILL_GRACE_S,
     SERVE_SETTINGS,
     ServeConfig,
@@ -34,8 +37,9 @@ from services.launcher import (
     start_roles,
     stop_all,
 )
-from services.mm_worker.config import MMWorkerConfig
-from services.ops.health import ping_all
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.ops.health import ping_all
+from mmlane.protocol.errors import FatalError
 
 
 class Inner(msgspec.Struct, kw_only=True):
@@ -296,6 +300,30 @@ def test_a_signal_while_roles_start_leaves_no_process_running(attempt: int, run_
     assert not [process for process in processes() if process.cmdline == asleep]
 
 
+def test_mmlane_installs_as_one_package_named_mmlane(tmp_path: Path) -> None:
+    """The wheel holds `mmlane` (services/) and `mmlane.protocol` (protocol/), every package
+    folder of the checkout and its data, and no `services` or `protocol` of its own."""
+    source = tmp_path / "source"
+    for name in ("pyproject.toml", "README.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, source / name)
+    for folder in ("services", "protocol"):
+        shutil.copytree(REPO / folder, source / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(source)],
+                   check=True, capture_output=True, timeout=300)
+    [wheel] = (tmp_path / "wheel").glob("mmlane-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"mmlane"}
+    packages = {str(Path("mmlane", init.relative_to(REPO / "services")))
+                for init in (REPO / "services").rglob("__init__.py")}
+    assert packages | {"mmlane/protocol/__init__.py"} <= set(names)
+    assert {"mmlane/common/startup/sitecustomize.py", "mmlane/model/corpus.txt",
+            "mmlane/protocol/errors.py", "mmlane/cli.py"} <= set(names)
+
+
 def test_the_config_json_flag_round_trips_every_role(run_dir: Path) -> None:
     config = serve_config(SERVE_SETTINGS.parse(["--run-dir", str(run_dir), "--allow-http-media"]))
     for role, handed in config.roles().items():
@@ -360,7 +388,6 @@ def test_a_vllm_args_file_must_hold_one_mapping(tmp_path: Path, text: str, match
 # ---------------------------------------------------------------- one home per setting
 
 
-REPO = Path(__file__).resolve().parent.parent
 _ARITHMETIC: dict[type, Callable[..., Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
     ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow,
@@ -611,11 +638,11 @@ def test_mmlane_imports_nothing_of_the_bench() -> None:
 
 
 @pytest.mark.parametrize(("config", "others"), [
-    ("services.frontend.config", ("services.mm_worker", "services.engine")),
-    ("services.mm_worker.config", ("services.frontend", "services.engine")),
+    ("mmlane.frontend.config", ("mmlane.mm_worker", "mmlane.engine")),
+    ("mmlane.mm_worker.config", ("mmlane.frontend", "mmlane.engine")),
 ])
 def test_a_roles_config_imports_no_other_role_and_no_model(config: str, others: tuple) -> None:
-    heavy = ("torch", "transformers", "services.model", *others)
+    heavy = ("torch", "transformers", "mmlane.model", *others)
     loaded = loaded_on_import(config)
-    assert "services.common.config" in loaded
+    assert "mmlane.common.config" in loaded
     assert not {m for m in loaded if m.startswith(heavy)}, sorted(loaded)

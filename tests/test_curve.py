@@ -22,12 +22,12 @@ from test_serve_heals import serving
 
 from bench.images import jpeg_uri
 from conftest import REPO, ROLES, free_port, keys_folder, make_keys, start_role
+from mmlane.client import Client, user_message
+from mmlane.common.sockets import CURVE_REFUSED, make_socket
+from mmlane.launcher import Child, stop_all
+from mmlane.protocol.errors import FatalError, RetryableError
+from mmlane.protocol.messages import EngineRequest, SamplingParams, Stats
 from peers import StandInFrontend, wait_for_stats
-from protocol.errors import FatalError, RetryableError
-from protocol.messages import EngineRequest, SamplingParams, Stats
-from services.client import Client, user_message
-from services.common.sockets import CURVE_REFUSED, make_socket
-from services.launcher import Child, stop_all
 
 
 @dataclass
@@ -152,7 +152,7 @@ def test_keys_writes_a_pair_with_a_0600_secret(run_dir: Path) -> None:
     assert stat.S_IMODE((run_dir / "k" / "engine.key_secret").stat().st_mode) == 0o600
     assert stat.S_IMODE((run_dir / "k").stat().st_mode) == 0o700
     assert "public-key" in (run_dir / "k" / "engine.key").read_text()
-    again = subprocess.run([sys.executable, "-m", "services.cli", "keys", "--out",
+    again = subprocess.run([sys.executable, "-m", "mmlane.cli", "keys", "--out",
                             str(run_dir / "k"), "--name", "engine"], cwd=REPO,
                            capture_output=True, text=True)
     assert again.returncode == 1 and "exists" in again.stderr

@@ -19,18 +19,24 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import free_port, role_log, start_role, stop_role
-from peers import StandInEngine
-from protocol.codec import Codec
-from protocol.messages import ChatOutput, ChatRequest, ClientReply, EngineOutput, EngineRequest
-from services.client import user_message
-from services.frontend.detokenize import (
+from mmlane.client import user_message
+from mmlane.frontend.detokenize import (
     IncrementalDetokenizer,
     OutputText,
     StopStrings,
     TokenTexts,
     space_marker,
 )
-from services.model import Preprocessor
+from mmlane.model import Preprocessor
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.messages import (
+    ChatOutput,
+    ChatRequest,
+    ClientReply,
+    EngineOutput,
+    EngineRequest,
+)
+from peers import StandInEngine
 
 TRICKY_TEXT = "naïve 😀 中文 👩‍👩‍👧 ok"
 """Accents, a 4-byte emoji, CJK and a ZWJ sequence: characters that span token ids."""

@@ -27,17 +27,12 @@ import zmq
 
 from bench.images import jpeg_uri
 from conftest import role_log, start_role
-from peers import (
-    PATIENCE_S,
-    Inbox,
-    StandInEngine,
-    is_terminal,
-    push,
-    send,
-    wait_for_stats,
-    wait_until,
-)
-from protocol.messages import (
+from mmlane.cli import config_from_argv
+from mmlane.client import user_message
+from mmlane.launcher import Child, start_roles, stop_all
+from mmlane.model import Preprocessor
+from mmlane.ops.health import ping_all
+from mmlane.protocol.messages import (
     AbortRequests,
     CancelChat,
     CancelJobs,
@@ -53,11 +48,16 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.cli import config_from_argv
-from services.client import user_message
-from services.launcher import Child, start_roles, stop_all
-from services.model import Preprocessor
-from services.ops.health import ping_all
+from peers import (
+    PATIENCE_S,
+    Inbox,
+    StandInEngine,
+    is_terminal,
+    push,
+    send,
+    wait_for_stats,
+    wait_until,
+)
 
 DRAINING = ("retryable", "peer_restarted")
 """(kind, code) of the error a stopping role answers with."""

@@ -23,12 +23,18 @@ from transformers import AutoConfig
 
 from bench.images import make_image
 from conftest import DEVICE, as_processor_output, start_role, stop_role
-from peers import StandInFrontend as Frontend
-from peers import counter, counters
-from protocol import shm
-from protocol.codec import Codec
-from protocol.errors import ErrorInfo, RequestError, RetryableError
-from protocol.messages import (
+from mmlane.engine.config import HFConfig, VisionConfig
+from mmlane.engine.hf.runner import HFRunner
+from mmlane.engine.outbox import _Waiting
+from mmlane.engine.runner import ModelSpec
+from mmlane.engine.validation import validate_request
+from mmlane.launcher import Child
+from mmlane.mm_worker.render import placeholder_offsets
+from mmlane.model import Preprocessor, load_model, load_preprocessor
+from mmlane.protocol import shm
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import ErrorInfo, RequestError, RetryableError
+from mmlane.protocol.messages import (
     EngineInput,
     EngineOutput,
     EngineRequest,
@@ -37,16 +43,10 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from protocol.sampling import StructuredOutputs
-from protocol.shm import ShmWriter
-from services.engine.config import HFConfig, VisionConfig
-from services.engine.hf.runner import HFRunner
-from services.engine.outbox import _Waiting
-from services.engine.runner import ModelSpec
-from services.engine.validation import validate_request
-from services.launcher import Child
-from services.mm_worker.render import placeholder_offsets
-from services.model import Preprocessor, load_model, load_preprocessor
+from mmlane.protocol.sampling import StructuredOutputs
+from mmlane.protocol.shm import ShmWriter
+from peers import StandInFrontend as Frontend
+from peers import counter, counters
 
 REPLY_TIMEOUT_S = 60
 _ids = itertools.count()

@@ -36,9 +36,16 @@ from transformers import DynamicCache
 
 from bench.images import encode, make_image
 from conftest import start_role, stop_role
-from peers import StandInEngine
-from protocol.errors import FatalError
-from protocol.messages import (
+from mmlane.cli import build_parser, role_config
+from mmlane.client import Client, user_message
+from mmlane.common.config import load_config
+from mmlane.engine.config import EngineConfig, HFConfig
+from mmlane.engine.hf.scheduler import pick
+from mmlane.engine.hf.sequence import Sequence
+from mmlane.launcher import SERVE_SETTINGS, Child, serve_config, stop_all
+from mmlane.model import Preprocessor, load_model
+from mmlane.protocol.errors import FatalError
+from mmlane.protocol.messages import (
     AbortRequests,
     EngineOutput,
     EngineRequest,
@@ -46,14 +53,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.cli import build_parser, role_config
-from services.client import Client, user_message
-from services.common.config import load_config
-from services.engine.config import EngineConfig, HFConfig
-from services.engine.hf.scheduler import pick
-from services.engine.hf.sequence import Sequence
-from services.launcher import SERVE_SETTINGS, Child, serve_config, stop_all
-from services.model import Preprocessor, load_model
+from peers import StandInEngine
 
 SMALL_CHUNK = 4  # splits every image's prompt mid-way: an image takes many units
 

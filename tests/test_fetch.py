@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from image_server import PNG, ImageServer
-from protocol.errors import RequestError
-from services.mm_worker.fetch import FetchPolicy, MediaFetcher, address_class, check_url
+from mmlane.mm_worker.fetch import FetchPolicy, MediaFetcher, address_class, check_url
+from mmlane.protocol.errors import RequestError
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,7 @@ def test_a_name_resolving_to_loopback_is_refused_without_the_opt_in(
 
 FETCH_ONE = """
 import sys
-from services.mm_worker.fetch import FetchPolicy, MediaFetcher
+from mmlane.mm_worker.fetch import FetchPolicy, MediaFetcher
 fetcher = MediaFetcher(FetchPolicy(allow_internal=True))
 try:
     print(len(fetcher.submit(sys.argv[1]).result(20)))

@@ -61,11 +61,13 @@ from msgspec.structs import replace
 
 from bench.images import encode, make_image, png_uri
 from conftest import role_log, start_role, stop_role
-from peers import PATIENCE_S, Inbox, StandInEngine, counter, push, wait_for_stats
-from protocol import shm
-from protocol.codec import Codec
-from protocol.errors import CODES, ErrorInfo
-from protocol.messages import (
+from mmlane.common.feature_cache import MAX_EPOCH
+from mmlane.launcher import Child
+from mmlane.model import Preprocessor
+from mmlane.protocol import shm
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import CODES, ErrorInfo
+from mmlane.protocol.messages import (
     AbortRequests,
     CancelChat,
     CancelJobs,
@@ -101,11 +103,9 @@ from protocol.messages import (
     TextPart,
     TokenLogprobs,
 )
-from protocol.sampling import StructuredOutputs
-from protocol.shm import ShmWriter
-from services.common.feature_cache import MAX_EPOCH
-from services.launcher import Child
-from services.model import Preprocessor
+from mmlane.protocol.sampling import StructuredOutputs
+from mmlane.protocol.shm import ShmWriter
+from peers import PATIENCE_S, Inbox, StandInEngine, counter, push, wait_for_stats
 
 FUZZ_EXAMPLES = int(os.environ.get("MMLANE_FUZZ_EXAMPLES", "60"))
 """Examples per fuzzed socket; raise it for a longer run (see the module docstring)."""

@@ -37,9 +37,12 @@ from test_detokenize import split_stop
 from bench.images import make_image, png_uri
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
-from peers import StandInEngine, wait_for_stats, wait_until
-from protocol.errors import ErrorInfo
-from protocol.messages import (
+from mmlane.client import ChatResult, Client, user_message
+from mmlane.frontend.http_api import Choice, Choices, parallel_requests
+from mmlane.launcher import Child
+from mmlane.model import Preprocessor
+from mmlane.protocol.errors import ErrorInfo
+from mmlane.protocol.messages import (
     AbortRequests,
     ChatError,
     ChatOutput,
@@ -49,10 +52,7 @@ from protocol.messages import (
     RequestFailed,
     TokenLogprobs,
 )
-from services.client import ChatResult, Client, user_message
-from services.frontend.http_api import Choice, Choices, parallel_requests
-from services.launcher import Child
-from services.model import Preprocessor
+from peers import StandInEngine, wait_for_stats, wait_until
 
 FETCH_TIMEOUT_S = 3.0
 MAX_BODY_BYTES = 4_000_000
@@ -79,7 +79,7 @@ def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
     log_path = module_run_dir / "serve.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--model", str(qwen_dir),
+            [sys.executable, "-m", "mmlane.cli", "serve", "--model", str(qwen_dir),
              "--port", str(port), "--http-port", str(http_port),
              "--run-dir", str(module_run_dir / "run"), "--max-images-per-request", "2",
              "--allow-http-media", "--allow-internal-media", "--max-image-bytes", "1000000",
@@ -796,7 +796,7 @@ def test_metrics_has_the_families_the_exporter_gives_this_frontend(server: Serve
     assert _post(server, {"model": "gpt-9"})[0] == 404  # a refusal: mmlane_http_refused
     port = free_port()
     exporter = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "exporter", "--port", str(port),
+        [sys.executable, "-m", "mmlane.cli", "exporter", "--port", str(port),
          "--run-dir", str(server.run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert f":{port}/metrics" in exporter.stdout.readline()  # type: ignore[union-attr]

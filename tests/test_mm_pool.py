@@ -34,10 +34,17 @@ from test_mm_worker import shm_slots
 
 from bench.images import data_uri, encode, noise_image
 from conftest import pool_pids, role_log, start_role, stop_role
-from peers import LIE, PIXELS, Inbox, StandInEngine, push, send, stand_in_pool_process, wait_until
-from protocol import shm
-from protocol.errors import MMLaneError, RequestError, RetryableError
-from protocol.messages import (
+from mmlane.common.feature_cache import FeatureCache, commit
+from mmlane.mm_worker import pool
+from mmlane.mm_worker import worker as worker_module
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.mm_worker.media import MediaPolicy, decode_image
+from mmlane.mm_worker.pool import Processed
+from mmlane.mm_worker.worker import MMWorker
+from mmlane.model import ImageItem, Preprocessor, load_preprocessor
+from mmlane.protocol import shm
+from mmlane.protocol.errors import MMLaneError, RequestError, RetryableError
+from mmlane.protocol.messages import (
     EngineEpoch,
     EngineRequest,
     FrontendInput,
@@ -46,14 +53,7 @@ from protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
-from services.common.feature_cache import FeatureCache, commit
-from services.mm_worker import pool
-from services.mm_worker import worker as worker_module
-from services.mm_worker.config import MMWorkerConfig
-from services.mm_worker.media import MediaPolicy, decode_image
-from services.mm_worker.pool import Processed
-from services.mm_worker.worker import MMWorker
-from services.model import ImageItem, Preprocessor, load_preprocessor
+from peers import LIE, PIXELS, Inbox, StandInEngine, push, send, stand_in_pool_process, wait_until
 
 IMAGES = 3
 ACTIONS = ["arrive"] * 4 + ["turn"] * 6 + ["work_ends"] * 5 + ["cancel", "engine_restarts"]
@@ -486,6 +486,6 @@ def test_a_pool_process_sends_the_images_span(model_dirs: dict[str, Path], run_d
 
 @cache
 def preprocessor_of_default() -> Preprocessor:
-    from services.model import resolve_model_dir
+    from mmlane.model import resolve_model_dir
 
     return load_preprocessor(resolve_model_dir(None))

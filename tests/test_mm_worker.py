@@ -1,6 +1,6 @@
 """The MM worker, as real processes on real ipc sockets with the real image processor.
 
-The worker runs as `python -m services.cli mm-worker`; the test plays both of its peers: it binds
+The worker runs as `python -m mmlane.cli mm-worker`; the test plays both of its peers: it binds
 a stand-in engine socket (decoding with the real codec) and a frontend reply socket, and pushes
 `MMJob`s whose prompt ids come from the real chat template and tokenizer. What arrives is compared
 with the same preprocessing run in this process.
@@ -36,10 +36,21 @@ from PIL import Image, ImageOps
 from bench.images import data_uri, encode, make_image, noise_image, png_uri
 from conftest import role_log, start_role, stop_role
 from image_server import PNG, ImageServer
-from peers import Inbox, StandInEngine, frames_for, push, send
-from protocol import shm
-from protocol.errors import RequestError
-from protocol.messages import (
+from mmlane.common.sockets import free_tcp_port
+from mmlane.launcher import Child
+from mmlane.mm_worker.media import (
+    MediaPolicy,
+    decode_image,
+    jpeg_draft_scale,
+    load_image_bytes,
+    to_rgb,
+)
+from mmlane.mm_worker.render import placeholder_offsets
+from mmlane.ops.discovery import Targets
+from mmlane.ops.feed import StatsFeed
+from mmlane.protocol import shm
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import (
     CancelJobs,
     EngineRequest,
     FrontendInput,
@@ -49,18 +60,7 @@ from protocol.messages import (
     SamplingParams,
     Stats,
 )
-from services.common.sockets import free_tcp_port
-from services.launcher import Child
-from services.mm_worker.media import (
-    MediaPolicy,
-    decode_image,
-    jpeg_draft_scale,
-    load_image_bytes,
-    to_rgb,
-)
-from services.mm_worker.render import placeholder_offsets
-from services.ops.discovery import Targets
-from services.ops.feed import StatsFeed
+from peers import Inbox, StandInEngine, frames_for, push, send
 
 MAX_IMAGE_PIXELS = 4_000_000  # small, so an over-limit image is cheap to make
 RECV_TIMEOUT_S = 30
@@ -80,7 +80,7 @@ def rgb_from(data: bytes) -> Image.Image:
 @pytest.fixture(scope="module")
 def preprocessor(qwen_dir: Path) -> Any:
     """The tiny model's preprocessor, in this process (conftest builds the model once)."""
-    from services.model import load_preprocessor
+    from mmlane.model import load_preprocessor
 
     return load_preprocessor(qwen_dir)
 

@@ -1,4 +1,4 @@
-"""services.model: tiny-model building, families, and parity of our preprocessing with HF's."""
+"""mmlane.model: tiny-model building, families, and parity of our preprocessing with HF's."""
 
 import hashlib
 import json
@@ -17,12 +17,10 @@ from conftest import (
     hf_processor_call,
     reference_items,
 )
-from protocol.errors import RequestError
-from protocol.messages import MMItem
-from services.engine.runner import ModelSpec
-from services.engine.validation import validate_request
-from services.mm_worker.media import jpeg_draft_scale
-from services.model import (
+from mmlane.engine.runner import ModelSpec
+from mmlane.engine.validation import validate_request
+from mmlane.mm_worker.media import jpeg_draft_scale
+from mmlane.model import (
     ImageError,
     ModelDirError,
     PromptError,
@@ -34,6 +32,8 @@ from services.model import (
     load_preprocessor,
     resolve_model_dir,
 )
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import MMItem
 
 FAMILIES = [
     "qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "llava_onevision", "mistral3", "internvl",
@@ -399,6 +399,6 @@ def test_model_forward_on_processed_image(model_dirs, preprocessors, family):
 def test_importing_the_model_package_patches_no_environment():
     """The CPU-wheel fixes (services/common/cpu_wheels.py) are applied by the processes that need
     them, at their entry points: importing the model package does not bring them in."""
-    loaded = loaded_on_import("services.model")
-    assert "services.model.loading" in loaded
-    assert "services.common.cpu_wheels" not in loaded
+    loaded = loaded_on_import("mmlane.model")
+    assert "mmlane.model.loading" in loaded
+    assert "mmlane.common.cpu_wheels" not in loaded

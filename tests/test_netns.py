@@ -4,7 +4,7 @@ The test makes the namespaces itself (names unique per run): a switch namespace 
 one veth from each role's namespace to it (10.231.0.1-3/24: the roles' own addresses, so not
 loopback, so CURVE is required), and one veth from here to the frontend's namespace
 (10.232.0.1/30 here, .2 there) for the test's native client. Nothing else is routed. Each
-role runs as `ip netns exec NS python -m services.cli ROLE ...`, binding its namespace's
+role runs as `ip netns exec NS python -m mmlane.cli ROLE ...`, binding its namespace's
 address; the stats and control sockets are ipc files in the run dir, which every namespace
 shares, so the tools (and `wait_for_stats`) reach them. A chat with an image crosses the three;
 an MM worker with a key nobody accepts is refused by the engine; the MM worker killed with -9
@@ -29,6 +29,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, ROLES, keys_folder, make_keys
+from mmlane.client import Client
+from mmlane.common.sockets import CURVE_REFUSED
+from mmlane.protocol.errors import RetryableError
+from mmlane.protocol.messages import Stats
 from peers import (
     PATIENCE_S,
     all_ok,
@@ -38,10 +42,6 @@ from peers import (
     serves_again_with_its_cache,
     wait_for_stats,
 )
-from protocol.errors import RetryableError
-from protocol.messages import Stats
-from services.client import Client
-from services.common.sockets import CURVE_REFUSED
 
 ADDRESS = {"frontend": "10.231.0.1", "mm-worker": "10.231.0.2", "engine": "10.231.0.3"}
 """Each role's address on the switch."""
@@ -129,7 +129,7 @@ class Site:
         name = name or role
         log = (self.run_dir / f"{name}.log").open("ab")
         process = subprocess.Popen(
-            ["ip", "netns", "exec", self.hosts.ns[role], sys.executable, "-m", "services.cli",
+            ["ip", "netns", "exec", self.hosts.ns[role], sys.executable, "-m", "mmlane.cli",
              role, *self.args(role, keys), "--name", name, *extra],
             cwd=REPO, stderr=log, env={**os.environ, "MMLANE_RUN_DIR": str(self.run_dir)})
         self.processes[name] = process

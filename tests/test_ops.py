@@ -1,7 +1,7 @@
 """The operator tools (`mmlane stats`, `top`, `health`, `exporter`) against three real roles.
 
 One set of roles serves the whole module (started as `mmlane serve` starts them, but each a
-child of this test, so one can be killed alone). The tools run through `services.cli.main`,
+child of this test, so one can be killed alone). The tools run through `mmlane.cli.main`,
 in this process, except the exporter, which runs as its own process until SIGTERM.
 """
 
@@ -29,23 +29,23 @@ from rich.console import Group
 from bench.config import ImageSpec
 from bench.images import ImageSource, jpeg_uri
 from conftest import REPO, free_port, role_log, start_role
+from mmlane.cli import main
+from mmlane.client import Client, user_message
+from mmlane.common.config import ipc
+from mmlane.common.lifecycle import RESTARTS_ENV
+from mmlane.common.prometheus import metric_name
+from mmlane.common.sockets import CURVE_REFUSED, free_tcp_port
+from mmlane.common.stats import count_full_collections
+from mmlane.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
+from mmlane.ops.discovery import Targets, endpoint_label
+from mmlane.ops.feed import ProcessSnapshots, StatsFeed
+from mmlane.ops.lanes import lanes
+from mmlane.ops.stats_cli import snapshot_text
+from mmlane.ops.text import errors_text, state_text
+from mmlane.ops.top import plain_text, process_table
+from mmlane.protocol.errors import FatalError
+from mmlane.protocol.messages import HistogramSnapshot, Stats
 from peers import wait_until
-from protocol.errors import FatalError
-from protocol.messages import HistogramSnapshot, Stats
-from services.cli import main
-from services.client import Client, user_message
-from services.common.config import ipc
-from services.common.lifecycle import RESTARTS_ENV
-from services.common.prometheus import metric_name
-from services.common.sockets import CURVE_REFUSED, free_tcp_port
-from services.common.stats import count_full_collections
-from services.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
-from services.ops.discovery import Targets, endpoint_label
-from services.ops.feed import ProcessSnapshots, StatsFeed
-from services.ops.lanes import lanes
-from services.ops.stats_cli import snapshot_text
-from services.ops.text import errors_text, state_text
-from services.ops.top import plain_text, process_table
 
 ROLES = ["frontend", "mm-worker", "engine"]
 STATS_INTERVAL = "0.2"
@@ -296,7 +296,7 @@ def sample(samples: Samples, metric: str, /, **labels: str) -> float:
 def test_exporter_serves_histograms_and_counters_that_grow(deployment: Deployment) -> None:
     port = free_port()
     exporter = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "exporter", "--port", str(port),
+        [sys.executable, "-m", "mmlane.cli", "exporter", "--port", str(port),
          "--run-dir", str(deployment.run_dir)],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )
@@ -462,9 +462,9 @@ def test_the_tools_write_a_state_with_its_restarts(state: str, restarts: int, te
 SLOW_TO_BUILD = """
 import sys, time
 from pathlib import Path
-from services.common.config import OpsConfig
-from services.common.lifecycle import run_role
-from services.common.stats import Metrics
+from mmlane.common.config import OpsConfig
+from mmlane.common.lifecycle import run_role
+from mmlane.common.stats import Metrics
 
 release = Path(sys.argv[1])
 

@@ -17,11 +17,11 @@ from msgspec.structs import replace
 
 from bench.images import jpeg_uri, make_image, png_uri
 from conftest import as_processor_output, hf_processor_call, reference_items, start_role
+from mmlane.client import Client, user_message
+from mmlane.launcher import stop_all
+from mmlane.model import PixelNorm, family_for
+from mmlane.protocol.messages import EngineRequest
 from peers import StandInEngine, frames_for
-from protocol.messages import EngineRequest
-from services.client import Client, user_message
-from services.launcher import stop_all
-from services.model import PixelNorm, family_for
 
 
 @dataclass

@@ -17,9 +17,9 @@ from PIL import Image
 
 from bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
 from conftest import REPO, free_port
+from mmlane.client import Client, user_message
+from mmlane.protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
 from peers import SERVE_READY
-from protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
-from services.client import Client, user_message
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Served:
 
 def start_serve(extra: list[str], run_dir: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port),
+        [sys.executable, "-m", "mmlane.cli", "serve", "--port", str(port),
          "--run-dir", str(run_dir), *extra],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )
@@ -87,7 +87,7 @@ def test_text_chat_streams_a_full_reply(client: Client) -> None:
 
 
 def test_image_chat_by_data_uri_expands_placeholders(client: Client, qwen_dir: Path) -> None:
-    from services.model import load_preprocessor
+    from mmlane.model import load_preprocessor
 
     pre = load_preprocessor(qwen_dir)
     result = ask(client, "What is in the picture?", [jpeg_uri(224, 168)])
@@ -242,7 +242,7 @@ def test_chat_command_prints_one_json_object(served: Served) -> None:
     import json
 
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "chat", "--endpoint", served.endpoint, "--json",
+        [sys.executable, "-m", "mmlane.cli", "chat", "--endpoint", served.endpoint, "--json",
          "--max-tokens", "4", "Hi!"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -257,7 +257,7 @@ def test_chat_command_reports_errors_as_json_and_exit_1(served: Served, tmp_path
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"nope")
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "chat", "--endpoint", served.endpoint, "--json",
+        [sys.executable, "-m", "mmlane.cli", "chat", "--endpoint", served.endpoint, "--json",
          "--image", str(bad), "Hi!"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -271,7 +271,7 @@ def test_serve_exits_nonzero_with_the_childs_error(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "bert"}')
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
+        [sys.executable, "-m", "mmlane.cli", "serve", "--model", str(model),
          "--port", "0", "--run-dir", str(tmp_path / "run")],
         cwd=REPO, capture_output=True, text=True, timeout=180,
     )
@@ -296,7 +296,7 @@ def test_a_model_dir_whose_images_have_spans_serves_as_hf_generates(
     generate's; the same image again (a cache hit, its span placed from P0) gets the same."""
     from test_engine import generate_greedy, make_request
 
-    from services.model import load_model, load_preprocessor
+    from mmlane.model import load_model, load_preprocessor
 
     model_dir = model_dirs[family]
     port = free_port()

@@ -10,8 +10,8 @@ from PIL import Image
 
 from bench.images import make_image, noise_image
 from conftest import as_processor_output
-from services.model import FAMILIES, PixelNorm, Preprocessor, model_layout, normalize
-from services.model.families import processor_uint8
+from mmlane.model import FAMILIES, PixelNorm, Preprocessor, model_layout, normalize
+from mmlane.model.families import processor_uint8
 
 SIZES = [(56, 56), (333, 517), (64, 1900), (1024, 768)]
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from conftest import REPO
-from protocol import errors, shm
-from protocol.codec import Codec
-from protocol.errors import (
+from mmlane.protocol import errors, shm
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import (
     CODES,
     FOREIGN_ERRORS,
     CacheMissError,
@@ -40,7 +40,7 @@ from protocol.errors import (
     translate,
     translated,
 )
-from protocol.messages import (
+from mmlane.protocol.messages import (
     ChatError,
     ChatMessage,
     ChatOutput,
@@ -66,7 +66,7 @@ from protocol.messages import (
     StartupFailed,
     TextPart,
 )
-from protocol.shm import ShmWriter
+from mmlane.protocol.shm import ShmWriter
 
 SAMPLING = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=3)
 ERROR = ErrorInfo(kind="request", code="invalid_image", message="image 0: truncated")
@@ -510,7 +510,7 @@ def test_every_code_raised_in_the_tree_is_in_the_table_with_its_class_kind() -> 
     raised = _raised_codes()
     assert len(raised) > 40  # the scan sees the tree
     for where, name, code in raised:
-        assert code in CODES, f"{where}: code {code!r} is not in protocol.errors.CODES"
+        assert code in CODES, f"{where}: code {code!r} is not in mmlane.protocol.errors.CODES"
         cls = getattr(errors, name, None)
         if isinstance(cls, type) and issubclass(cls, MMLaneError):
             assert CODES[code].kind == cls.kind, f"{where}: {name} raised with {code!r}"

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.errors import RequestError
-from protocol.sampling import SamplingParams, StructuredOutputs, check_sampling
-from services.engine.hf.sampling import Sampler
-from services.model import Preprocessor, load_model
-from services.model.grammar import Grammars, check_grammar, hf_tokenizer
+from mmlane.engine.hf.sampling import Sampler
+from mmlane.model import Preprocessor, load_model
+from mmlane.model.grammar import Grammars, check_grammar, hf_tokenizer
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.sampling import SamplingParams, StructuredOutputs, check_sampling
 
 PROMPT = "Count the lanes."
 

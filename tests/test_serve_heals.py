@@ -29,6 +29,10 @@ import zmq
 
 from conftest import REPO, free_port, role_log, start_role, stop_role
 from image_server import ImageServer
+from mmlane.client import Client, user_message
+from mmlane.launcher import ServeConfig
+from mmlane.protocol.errors import RetryableError
+from mmlane.protocol.messages import AbortRequests, EngineRequest, Stats
 from peers import (
     PATIENCE_S,
     SERVE_READY,
@@ -41,10 +45,6 @@ from peers import (
     wait_for_stats,
     wait_until,
 )
-from protocol.errors import RetryableError
-from protocol.messages import AbortRequests, EngineRequest, Stats
-from services.client import Client, user_message
-from services.launcher import ServeConfig
 
 REQUEST_TIMEOUT_S = 120.0
 """The frontend's request timeout: far beyond every wait here, so an error that comes is the
@@ -82,7 +82,7 @@ def serving(where: Path, model: Path, *flags: str) -> Iterator[Served]:
     port = free_port()
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
+            [sys.executable, "-m", "mmlane.cli", "serve", "--model", str(model),
              "--port", str(port), "--http-port", "0", "--run-dir", str(run_dir),
              "--request-timeout", str(REQUEST_TIMEOUT_S), "--stats-interval", "0.2",
              "--drain-timeout", "1", *flags],
@@ -143,7 +143,7 @@ def test_a_role_killed_under_load_is_restarted_and_serves_again(served: Served, 
 
 def test_health_shows_the_restarts(served: Served) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "health", "--run-dir", str(served.run_dir)],
+        [sys.executable, "-m", "mmlane.cli", "health", "--run-dir", str(served.run_dir)],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stdout + out.stderr
@@ -246,7 +246,7 @@ def test_a_role_in_its_restart_backoff_shows_as_restarting(
         down = served.stats("mm-worker", lambda s: s.state == "restarting",
                             "the MM worker shown restarting")
         assert down.restarts == 1 and down.pid == served.process.pid
-        tool = [sys.executable, "-m", "services.cli"]
+        tool = [sys.executable, "-m", "mmlane.cli"]
         where_args = ["--run-dir", str(served.run_dir)]
         health = subprocess.run([*tool, "health", *where_args], cwd=REPO, capture_output=True,
                                 text=True, timeout=60)

@@ -26,11 +26,11 @@ import yaml
 
 from bench.images import jpeg_uri
 from conftest import REPO
+from mmlane.cli import build_parser
+from mmlane.client import ChatResult, Client, user_message
+from mmlane.protocol.errors import RetryableError
+from mmlane.protocol.messages import ChatMessage
 from peers import wait_for_stats, wait_until
-from protocol.errors import RetryableError
-from protocol.messages import ChatMessage
-from services.cli import build_parser
-from services.client import ChatResult, Client, user_message
 
 DEPLOY = REPO / "deploy"
 FRONTENDS = 2
@@ -106,7 +106,7 @@ def supervised(module_run_dir: Path, qwen_dir: Path) -> Iterator[Supervised]:
         "MMLANE_RUN_DIR": str(module_run_dir),
         "MMLANE_LOG_DIR": str(module_run_dir / "log"),
         "MMLANE_MODEL": str(qwen_dir),
-        "MMLANE_BIN": f"{shlex.quote(sys.executable)} -m services.cli",
+        "MMLANE_BIN": f"{shlex.quote(sys.executable)} -m mmlane.cli",
         "MMLANE_FRONTENDS": str(FRONTENDS),
         "MMLANE_FRONTEND_PORT": str(base_port),
         "MMLANE_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),

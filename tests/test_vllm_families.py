@@ -26,7 +26,7 @@ from test_vllm import (
 )
 
 from bench.images import jpeg_uri, make_image
-from services.model import load_preprocessor
+from mmlane.model import load_preprocessor
 
 pytestmark = pytest.mark.timeout(1200)  # each family's first test waits for its servers
 

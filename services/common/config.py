@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from protocol.errors import FatalError
+from mmlane.protocol.errors import FatalError
 
 C = TypeVar("C", bound=msgspec.Struct)
 

@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from protocol.messages import EngineRequest, MMItem
+from mmlane.protocol.messages import EngineRequest, MMItem
 
 V = TypeVar("V")
 

@@ -29,10 +29,10 @@ from typing import Protocol
 import msgspec
 import zmq
 
-from protocol.errors import RetryableError
-from protocol.messages import Ready, StartupFailed
-from services.common.config import OpsConfig
-from services.common.stats import Metrics, StatsServer, count_full_collections
+from mmlane.common.config import OpsConfig
+from mmlane.common.stats import Metrics, StatsServer, count_full_collections
+from mmlane.protocol.errors import RetryableError
+from mmlane.protocol.messages import Ready, StartupFailed
 
 RESTARTS_ENV = "MMLANE_RESTARTS"
 """How often `mmlane serve` has restarted this role's process (set in the child's environment);

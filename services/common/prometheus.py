@@ -30,7 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from protocol.messages import HistogramSnapshot, Stats
+from mmlane.protocol.messages import HistogramSnapshot, Stats
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.errors import FatalError
+from mmlane.protocol.errors import FatalError
 
 PRECEDENCE = ("Each setting is taken from its flag, else from its MMLANE_* environment variable "
               "(shown with the setting; empty counts as unset), else from its default.")

@@ -28,7 +28,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from services.common.config import DEFAULT_HOST, SecurityConfig
+from mmlane.common.config import DEFAULT_HOST, SecurityConfig
 
 log = logging.getLogger(__name__)
 

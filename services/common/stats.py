@@ -32,10 +32,10 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from protocol.codec import Codec
-from protocol.errors import RequestError
-from protocol.messages import ControlRequest, HistogramSnapshot, Ping, Pong, Stats
-from services.common.sockets import make_socket
+from mmlane.common.sockets import make_socket
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import ControlRequest, HistogramSnapshot, Ping, Pong, Stats
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ Importing it loads no backend (no torch): the runner is built by the factory tha
 setting names (runner.py), when the engine starts.
 """
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.runner import ModelRunner, ModelSpec, StepOutput
+from mmlane.engine.config import EngineConfig
+from mmlane.engine.engine import Engine
+from mmlane.engine.runner import ModelRunner, ModelSpec, StepOutput
 
 __all__ = ["Engine", "EngineConfig", "ModelRunner", "ModelSpec", "StepOutput"]

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 from msgspec.structs import replace
 
-from protocol.errors import CacheMissError
-from protocol.messages import EngineRequest, MMCacheHeader, MMItem
-from services.common.feature_cache import (
+from mmlane.common.feature_cache import (
     FeatureCache,
     commit,
     is_epoch,
     new_epoch,
     tensors_nbytes,
 )
+from mmlane.protocol.errors import CacheMissError
+from mmlane.protocol.messages import EngineRequest, MMCacheHeader, MMItem
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from protocol.errors import FatalError
-from services.common.config import (
+from mmlane.common.config import (
     IMAGE_NICE,
     MM_CACHE_GB,
     OpsConfig,
@@ -24,8 +23,9 @@ from services.common.config import (
     ipc,
     process_name,
 )
-from services.common.feature_cache import capacity_bytes
-from services.common.settings import WHOLE
+from mmlane.common.feature_cache import capacity_bytes
+from mmlane.common.settings import WHOLE
+from mmlane.protocol.errors import FatalError
 
 Backend = Literal["hf", "vllm"]
 """What runs the model; each name has a factory in services/engine/runner.py's BACKENDS."""

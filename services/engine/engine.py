@@ -42,8 +42,23 @@ from typing import Any
 import zmq
 from msgspec.structs import replace
 
-from protocol.codec import Codec
-from protocol.errors import (
+from mmlane.common.feature_cache import capacity_bytes
+from mmlane.common.lifecycle import (
+    Stop,
+    drain,
+    refused_while_draining,
+    unfinished_at_drain_timeout,
+)
+from mmlane.common.memory import keep_freed_memory
+from mmlane.common.sockets import Security, make_socket
+from mmlane.common.stats import Metrics, log_totals
+from mmlane.engine.cache import ReceiverCaches
+from mmlane.engine.config import EngineConfig
+from mmlane.engine.outbox import RETRY_S, Outbox
+from mmlane.engine.runner import RunnerFactory, StepOutput, backend_factory
+from mmlane.engine.validation import validate_request
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import (
     CacheMissError,
     FatalError,
     MMLaneError,
@@ -51,7 +66,7 @@ from protocol.errors import (
     RetryableError,
     translate,
 )
-from protocol.messages import (
+from mmlane.protocol.messages import (
     AbortRequests,
     EngineCacheReset,
     EngineInput,
@@ -63,21 +78,6 @@ from protocol.messages import (
     RequestFailed,
     ResetEngineCache,
 )
-from services.common.feature_cache import capacity_bytes
-from services.common.lifecycle import (
-    Stop,
-    drain,
-    refused_while_draining,
-    unfinished_at_drain_timeout,
-)
-from services.common.memory import keep_freed_memory
-from services.common.sockets import Security, make_socket
-from services.common.stats import Metrics, log_totals
-from services.engine.cache import ReceiverCaches
-from services.engine.config import EngineConfig
-from services.engine.outbox import RETRY_S, Outbox
-from services.engine.runner import RunnerFactory, StepOutput, backend_factory
-from services.engine.validation import validate_request
 
 log = logging.getLogger(__name__)
 

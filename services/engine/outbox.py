@@ -26,10 +26,10 @@ from typing import Any
 import zmq
 from msgspec.structs import replace
 
-from protocol.codec import Codec
-from protocol.messages import EngineOutput, FrontendInput
-from services.common.sockets import ReplySockets, Security
-from services.common.stats import Metrics
+from mmlane.common.sockets import ReplySockets, Security
+from mmlane.common.stats import Metrics
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.messages import EngineOutput, FrontendInput
 
 log = logging.getLogger(__name__)
 

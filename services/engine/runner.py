@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from protocol.errors import MMLaneError
-from protocol.messages import EngineRequest, MMItem, TokenLogprobs
-from services.common import cpu_wheels
+from mmlane.common import cpu_wheels
+from mmlane.protocol.errors import MMLaneError
+from mmlane.protocol.messages import EngineRequest, MMItem, TokenLogprobs
 
 if TYPE_CHECKING:
-    from services.common.stats import Metrics
-    from services.engine.config import EngineConfig
+    from mmlane.common.stats import Metrics
+    from mmlane.engine.config import EngineConfig
 
 BACKENDS: dict[str, str] = {
-    "hf": "services.engine.hf.runner:load",
-    "vllm": "services.engine.vllm.runner:load",
+    "hf": "mmlane.engine.hf.runner:load",
+    "vllm": "mmlane.engine.vllm.runner:load",
 }
 """The factory of each `backend` setting: 'module:function', called as
 `function(config, metrics) -> ModelRunner`."""
@@ -65,7 +65,7 @@ class ModelSpec:
     @classmethod
     def of(cls, preprocessor: Any, model_config: Any, *, vocab_size: int,
            max_context: int) -> ModelSpec:
-        """The spec of a model directory loaded by services.model: its Preprocessor, its
+        """The spec of a model directory loaded by mmlane.model: its Preprocessor, its
         transformers config (which the family's shape check reads), and what the backend
         runs it with (its vocabulary and context length)."""
         family = preprocessor.family

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 
-from protocol.errors import RequestError
-from protocol.messages import EngineRequest, MMItem
-from protocol.sampling import check_sampling
-from services.engine.runner import ModelSpec
+from mmlane.engine.runner import ModelSpec
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import EngineRequest, MMItem
+from mmlane.protocol.sampling import check_sampling
 
 MAX_MM_HASH_CHARS = 128
 

@@ -37,9 +37,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from protocol.errors import FatalError
-from services.common.lifecycle import lower_priority
-from services.model import PixelNorm, Preprocessor, load_model, normalize
+from mmlane.common.lifecycle import lower_priority
+from mmlane.model import PixelNorm, Preprocessor, load_model, normalize
+from mmlane.protocol.errors import FatalError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
 """The frontend role: client API, chat template, tokenizer pool, routing and detokenization.
 
-The role is `services.frontend.service.Frontend`; its settings are `config.FrontendConfig`,
+The role is `mmlane.frontend.service.Frontend`; its settings are `config.FrontendConfig`,
 which imports without the model (this package's import loads neither)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from services.common.config import (
+from mmlane.common.config import (
     DEFAULT_HOST,
     OpsConfig,
     SecurityConfig,

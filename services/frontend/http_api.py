@@ -28,9 +28,9 @@ frontend's stats in Prometheus' text format, the families `mmlane exporter` give
 prompt is one text or one list of token ids (alone or as a list's only element); a batch of
 several prompts is refused. Errors are OpenAI-style bodies,
 `{"error": {"message", "type", "param", "code"}}`, with the status of the code
-(`protocol.errors.CODES`). A request this module refuses itself, before it submits anything (bad
-JSON, an unsupported field, an unknown model, an API key, a body too large), is counted by code
-in `Metrics.http_refused`, written by this thread alone.
+(`mmlane.protocol.errors.CODES`). A request this module refuses itself, before it submits
+anything (bad JSON, an unsupported field, an unknown model, an API key, a body too large), is
+counted by code in `Metrics.http_refused`, written by this thread alone.
 
 `n` > 1 asks for n independent choices: the API sends n native requests (`parallel_requests`,
 seeded as vLLM seeds its parallel samples) and merges their replies (`Choices`), each with its
@@ -69,9 +69,14 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from protocol.codec import Codec
-from protocol.errors import CODES, ErrorInfo, FatalError, RequestError, http_status
-from protocol.messages import (
+from mmlane.common.lifecycle import DRAINING_CODE
+from mmlane.common.prometheus import OwnStatsCollector, registry_of
+from mmlane.common.stats import Metrics
+from mmlane.frontend.config import FrontendConfig
+from mmlane.frontend.http_limits import RETRY_AFTER_S, Connections, RateLimiter, retry_after
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import CODES, ErrorInfo, FatalError, RequestError, http_status
+from mmlane.protocol.messages import (
     CancelChat,
     ChatError,
     ChatLogprobs,
@@ -83,12 +88,7 @@ from protocol.messages import (
     CompletionRequest,
     TokenLogprob,
 )
-from protocol.sampling import MAX_LOGPROBS
-from services.common.lifecycle import DRAINING_CODE
-from services.common.prometheus import OwnStatsCollector, registry_of
-from services.common.stats import Metrics
-from services.frontend.config import FrontendConfig
-from services.frontend.http_limits import RETRY_AFTER_S, Connections, RateLimiter, retry_after
+from mmlane.protocol.sampling import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from services.common.stats import Metrics
-from services.frontend.config import FrontendConfig
+from mmlane.common.stats import Metrics
+from mmlane.frontend.config import FrontendConfig
 
 log = logging.getLogger(__name__)
 

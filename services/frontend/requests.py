@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.errors import RequestError
-from protocol.messages import ChatRequest, CompletionRequest, ImagePart, ImageUrl, TextPart
-from protocol.sampling import SamplingParams, check_sampling, sampling_of
-from services.model import Preprocessor
-from services.model.grammar import check_grammar
+from mmlane.model import Preprocessor
+from mmlane.model.grammar import check_grammar
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import ChatRequest, CompletionRequest, ImagePart, ImageUrl, TextPart
+from mmlane.protocol.sampling import SamplingParams, check_sampling, sampling_of
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,28 @@ import zmq
 from msgspec.structs import replace
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol.codec import Codec
-from protocol.errors import (
+from mmlane.common.feature_cache import is_epoch
+from mmlane.common.lifecycle import (
+    Stop,
+    drain,
+    lost_in_restart,
+    refused_while_draining,
+    unfinished_at_drain_timeout,
+)
+from mmlane.common.sockets import Security, bound_endpoint, make_socket
+from mmlane.common.stats import Metrics, log_totals
+from mmlane.frontend.config import FrontendConfig
+from mmlane.frontend.detokenize import OutputText, TokenTexts, space_marker
+from mmlane.frontend.http_api import HttpApi
+from mmlane.frontend.requests import (
+    CheckedRequest,
+    check_request,
+    check_stop,
+    prompt_token_ids,
+)
+from mmlane.model import load_preprocessor, resolve_model_dir
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import (
     CacheMissError,
     ErrorInfo,
     InternalError,
@@ -65,7 +85,7 @@ from protocol.errors import (
     RetryableError,
     translate,
 )
-from protocol.messages import (
+from mmlane.protocol.messages import (
     AbortRequests,
     CacheReset,
     CancelChat,
@@ -90,26 +110,6 @@ from protocol.messages import (
     ResetEngineCache,
     TokenLogprob,
 )
-from services.common.feature_cache import is_epoch
-from services.common.lifecycle import (
-    Stop,
-    drain,
-    lost_in_restart,
-    refused_while_draining,
-    unfinished_at_drain_timeout,
-)
-from services.common.sockets import Security, bound_endpoint, make_socket
-from services.common.stats import Metrics, log_totals
-from services.frontend.config import FrontendConfig
-from services.frontend.detokenize import OutputText, TokenTexts, space_marker
-from services.frontend.http_api import HttpApi
-from services.frontend.requests import (
-    CheckedRequest,
-    check_request,
-    check_stop,
-    prompt_token_ids,
-)
-from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

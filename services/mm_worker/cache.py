@@ -21,8 +21,8 @@ from typing import Any
 
 import blake3
 
-from protocol.messages import EngineRequest, MMCacheHeader, MMItem
-from services.common.feature_cache import FeatureCache, commit, is_epoch, new_epoch
+from mmlane.common.feature_cache import FeatureCache, commit, is_epoch, new_epoch
+from mmlane.protocol.messages import EngineRequest, MMCacheHeader, MMItem
 
 HASH_FORMAT = "mmlane-mm-hash-1"
 """Part of every hash: change it when decoding or hashing changes what a hash stands for."""

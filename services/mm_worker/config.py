@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-from services.common.config import (
+from mmlane.common.config import (
     IMAGE_NICE,
     MM_CACHE_GB,
     ImageBackend,
@@ -20,7 +20,7 @@ from services.common.config import (
     ipc,
     process_name,
 )
-from services.common.feature_cache import capacity_bytes
+from mmlane.common.feature_cache import capacity_bytes
 
 
 class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 from msgspec.structs import replace
 
-from protocol.messages import EngineRequest, ImageUrl, MMJob
-from services.common.stats import Metrics
-from services.mm_worker.cache import ImageHasher, ItemInfo, SenderCache
-from services.mm_worker.media import MediaPolicy, load_image_bytes
-from services.mm_worker.pool import Processed, ProcessPool, process_image
-from services.mm_worker.render import PreparedImage, check_job, render_request
-from services.model import ImageItem, Preprocessor
+from mmlane.common.stats import Metrics
+from mmlane.mm_worker.cache import ImageHasher, ItemInfo, SenderCache
+from mmlane.mm_worker.media import MediaPolicy, load_image_bytes
+from mmlane.mm_worker.pool import Processed, ProcessPool, process_image
+from mmlane.mm_worker.render import PreparedImage, check_job, render_request
+from mmlane.model import ImageItem, Preprocessor
+from mmlane.protocol.messages import EngineRequest, ImageUrl, MMJob
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Every failure here is the request's fault and leaves as a `RequestError` whose m
 with the image's position in the request (`image 2: ...`), so a client sending several images
 knows which one was wrong. Codes: `invalid_image` (unreadable data, missing file),
 `media_not_allowed` (a scheme or path we refuse) and `image_too_large` (bytes or pixels).
-Pillow's exceptions become ours through `protocol.errors.translated` (running out of memory
+Pillow's exceptions become ours through `mmlane.protocol.errors.translated` (running out of memory
 while decoding is no fault of the request's: `overloaded`).
 
 Reduce-on-decode (`--jpeg-draft`, off by default): libjpeg can decode a JPEG at 1/2, 1/4 or 1/8
@@ -38,10 +38,10 @@ import numpy as np
 import pybase64
 from PIL import ExifTags, Image, ImageOps
 
-from protocol.errors import RequestError, translated
-from services.common.config import default_of
-from services.common.memory import keep_freed_memory
-from services.mm_worker.config import MMWorkerConfig
+from mmlane.common.config import default_of
+from mmlane.common.memory import keep_freed_memory
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.protocol.errors import RequestError, translated
 
 # Modes whose alpha channel is composited on white; other modes carrying a `transparency`
 # entry (P, L, RGB with a tRNS colour key) are composited too.

@@ -37,8 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from protocol import shm
-from protocol.errors import (
+from mmlane.mm_worker.media import MediaPolicy, configure_pillow, decode_image
+from mmlane.model import ImageItem, Preprocessor, load_preprocessor
+from mmlane.protocol import shm
+from mmlane.protocol.errors import (
     ErrorInfo,
     FatalError,
     RequestError,
@@ -46,8 +48,6 @@ from protocol.errors import (
     from_info,
     translate,
 )
-from services.mm_worker.media import MediaPolicy, configure_pillow, decode_image
-from services.model import ImageItem, Preprocessor, load_preprocessor
 
 log = logging.getLogger(__name__)
 

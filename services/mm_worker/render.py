@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocol.errors import MMLaneError, RequestError
-from protocol.messages import EngineRequest, MMItem, MMJob
-from services.model import ImageItem, Preprocessor
+from mmlane.model import ImageItem, Preprocessor
+from mmlane.protocol.errors import MMLaneError, RequestError
+from mmlane.protocol.messages import EngineRequest, MMItem, MMJob
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,27 @@ from typing import Any
 
 import zmq
 
-from protocol import shm
-from protocol.codec import Codec
-from protocol.errors import MMLaneError, RequestError, RetryableError
-from protocol.messages import (
+from mmlane.common.feature_cache import capacity_bytes
+from mmlane.common.lifecycle import (
+    Stop,
+    drain,
+    lower_priority,
+    refused_while_draining,
+    unfinished_at_drain_timeout,
+)
+from mmlane.common.sockets import ReplySockets, Security, make_socket
+from mmlane.common.stats import Metrics, log_totals
+from mmlane.mm_worker.cache import ImageHasher, SenderCache
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.mm_worker.fetch import FetchPolicy, MediaFetcher
+from mmlane.mm_worker.jobs import JobRenderer, StartedJob
+from mmlane.mm_worker.media import MediaPolicy, configure_pillow, is_fetched
+from mmlane.mm_worker.pool import PoolSlots, ProcessPool
+from mmlane.model import load_preprocessor, resolve_model_dir
+from mmlane.protocol import shm
+from mmlane.protocol.codec import Codec
+from mmlane.protocol.errors import MMLaneError, RequestError, RetryableError
+from mmlane.protocol.messages import (
     CancelJobs,
     EngineEpoch,
     EngineInput,
@@ -68,23 +85,6 @@ from protocol.messages import (
     MMWorkerInput,
     RequestFailed,
 )
-from services.common.feature_cache import capacity_bytes
-from services.common.lifecycle import (
-    Stop,
-    drain,
-    lower_priority,
-    refused_while_draining,
-    unfinished_at_drain_timeout,
-)
-from services.common.sockets import ReplySockets, Security, make_socket
-from services.common.stats import Metrics, log_totals
-from services.mm_worker.cache import ImageHasher, SenderCache
-from services.mm_worker.config import MMWorkerConfig
-from services.mm_worker.fetch import FetchPolicy, MediaFetcher
-from services.mm_worker.jobs import JobRenderer, StartedJob
-from services.mm_worker.media import MediaPolicy, configure_pillow, is_fetched
-from services.mm_worker.pool import PoolSlots, ProcessPool
-from services.model import load_preprocessor, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ Importing it imports transformers' image processors, which import torchvision wh
 installed: in a vLLM CPU install, whose torchvision fails beside CPU torch, a process applies
 services/common/cpu_wheels.py first (each role's entry point in services/cli.py does)."""
 
-from services.model.families import FAMILIES, Family, UnsupportedModelError, family_for
-from services.model.loading import (
+from mmlane.model.families import FAMILIES, Family, UnsupportedModelError, family_for
+from mmlane.model.loading import (
     ImageError,
     ImageItem,
     ModelDirError,
@@ -16,8 +16,8 @@ from services.model.loading import (
     load_preprocessor,
     resolve_model_dir,
 )
-from services.model.pixels import PixelNorm, model_layout, normalize
-from services.model.tiny import build_tiny_model, default_model_dir, ensure_default_model
+from mmlane.model.pixels import PixelNorm, model_layout, normalize
+from mmlane.model.tiny import build_tiny_model, default_model_dir, ensure_default_model
 
 __all__ = [
     "FAMILIES",

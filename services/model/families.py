@@ -26,8 +26,8 @@ from transformers.models.llava_next.modeling_llava_next import image_size_to_num
 from transformers.models.pixtral import image_processing_pil_pixtral as pixtral
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from protocol.errors import RequestError
-from protocol.messages import MMItem
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import MMItem
 
 Tensors = Mapping[str, np.ndarray]
 TokenCounter = Callable[[Tensors], int]

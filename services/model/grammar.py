@@ -24,8 +24,8 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from protocol.errors import RequestError
-from protocol.sampling import StructuredOutputs
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.sampling import StructuredOutputs
 
 FIELD = "structured_outputs"
 _ANY_OBJECT = '{"type": "object"}'

@@ -31,8 +31,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from services.common.config import ImageBackend
-from services.model.families import (
+from mmlane.common.config import ImageBackend
+from mmlane.model.families import (
     Family,
     Tensors,
     TokenCounter,
@@ -40,8 +40,8 @@ from services.model.families import (
     family_for,
     processor_uint8,
 )
-from services.model.pixels import PixelNorm
-from services.model.tiny import ensure_default_model
+from mmlane.model.pixels import PixelNorm
+from mmlane.model.tiny import ensure_default_model
 
 REFERENCE_IMAGE_BACKEND: ImageBackend = "pil"
 """What `load_preprocessor` renders images with unless told: PIL, transformers' reference, which

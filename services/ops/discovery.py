@@ -14,8 +14,8 @@ from typing import Literal
 
 import zmq
 
-from protocol.errors import FatalError
-from services.common.sockets import make_socket
+from mmlane.common.sockets import make_socket
+from mmlane.protocol.errors import FatalError
 
 SocketKind = Literal["stats", "control"]
 

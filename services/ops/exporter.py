@@ -22,10 +22,10 @@ from prometheus_client import start_http_server
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from protocol.errors import FatalError
-from services.common.prometheus import families, registry_of
-from services.ops.discovery import targets
-from services.ops.feed import ProcessSnapshots, StatsFeed
+from mmlane.common.prometheus import families, registry_of
+from mmlane.ops.discovery import targets
+from mmlane.ops.feed import ProcessSnapshots, StatsFeed
+from mmlane.protocol.errors import FatalError
 
 # How long the main thread waits for snapshots before it looks at the stop flag again.
 RECEIVE_S = 0.5

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from protocol.messages import Stats
-from services.ops.discovery import Targets, connect, endpoint_label
+from mmlane.ops.discovery import Targets, connect, endpoint_label
+from mmlane.protocol.messages import Stats
 
 log = logging.getLogger(__name__)
 

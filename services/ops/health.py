@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from protocol.messages import ControlReply, Ping, Pong
-from services.ops.discovery import connect, endpoint_label, targets
-from services.ops.feed import ROLE_ORDER, process_order
-from services.ops.text import latency_text, state_text
+from mmlane.ops.discovery import connect, endpoint_label, targets
+from mmlane.ops.feed import ROLE_ORDER, process_order
+from mmlane.ops.text import latency_text, state_text
+from mmlane.protocol.messages import ControlReply, Ping, Pong
 
 
 @dataclass

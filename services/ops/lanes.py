@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.messages import HistogramSnapshot, Stats
-from services.common.stats import quantile
-from services.ops.feed import ProcessSnapshots, process_order
+from mmlane.common.stats import quantile
+from mmlane.ops.feed import ProcessSnapshots, process_order
+from mmlane.protocol.messages import HistogramSnapshot, Stats
 
 # Lanes in the order a request meets them; a histogram not named here comes after these.
 LANE_ORDER = (

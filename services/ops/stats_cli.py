@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import Stats
-from services.ops.discovery import targets
-from services.ops.feed import ProcessSnapshots, StatsFeed
-from services.ops.text import counts_text, errors_text, latency_text, state_text, uptime_text
+from mmlane.ops.discovery import targets
+from mmlane.ops.feed import ProcessSnapshots, StatsFeed
+from mmlane.ops.text import counts_text, errors_text, latency_text, state_text, uptime_text
+from mmlane.protocol.messages import Stats
 
 
 def stats_command(args: argparse.Namespace) -> int:

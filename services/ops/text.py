@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from protocol.messages import Stats
-from services.common.sockets import CURVE_REFUSED
+from mmlane.common.sockets import CURVE_REFUSED
+from mmlane.protocol.messages import Stats
 
 
 def latency_text(seconds: float) -> str:

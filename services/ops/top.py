@@ -23,10 +23,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from services.ops.discovery import Targets, targets
-from services.ops.feed import ProcessSnapshots, StatsFeed
-from services.ops.lanes import Lane, lanes
-from services.ops.text import counts_text, errors_text, ms_text, state_text, uptime_text
+from mmlane.ops.discovery import Targets, targets
+from mmlane.ops.feed import ProcessSnapshots, StatsFeed
+from mmlane.ops.lanes import Lane, lanes
+from mmlane.ops.text import counts_text, errors_text, ms_text, state_text, uptime_text
 
 # Columns the plain-text view (--once, output not a terminal) is laid out for.
 PLAIN_WIDTH = 150

@@ -6,7 +6,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from services.common.cpu_wheels import apply
+from mmlane.common.cpu_wheels import apply
 
 apply()
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from protocol.messages import MMItem
-from services.engine.vision import to_device
+from mmlane.engine.vision import to_device
+from mmlane.protocol.messages import MMItem
 
 
 class Positions:

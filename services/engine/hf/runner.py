@@ -42,27 +42,27 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from protocol.errors import FatalError, MMLaneError, RequestError, translate
-from protocol.messages import EngineRequest, MMItem
-from protocol.sampling import StructuredOutputs
-from services.common.feature_cache import FeatureCache, capacity_bytes
-from services.common.stats import Metrics
-from services.engine.config import EngineConfig, HFConfig, VisionConfig
-from services.engine.hf.adapters import Adapter, adapter_for
-from services.engine.hf.attention import PER_SEQUENCE, attention
-from services.engine.hf.sampling import token_logprobs
-from services.engine.hf.scheduler import pick
-from services.engine.hf.sequence import Sequence, Unit, UnitKind
-from services.engine.runner import ModelSpec, StepOutput
-from services.engine.vision import (
+from mmlane.common.feature_cache import FeatureCache, capacity_bytes
+from mmlane.common.stats import Metrics
+from mmlane.engine.config import EngineConfig, HFConfig, VisionConfig
+from mmlane.engine.hf.adapters import Adapter, adapter_for
+from mmlane.engine.hf.attention import PER_SEQUENCE, attention
+from mmlane.engine.hf.sampling import token_logprobs
+from mmlane.engine.hf.scheduler import pick
+from mmlane.engine.hf.sequence import Sequence, Unit, UnitKind
+from mmlane.engine.runner import ModelSpec, StepOutput
+from mmlane.engine.vision import (
     VisionEncoder,
     VisionLane,
     pick_device,
     synchronize,
     torch_threads,
 )
-from services.model import load_model, load_preprocessor, resolve_model_dir
-from services.model.grammar import Grammar, Grammars, hf_tokenizer
+from mmlane.model import load_model, load_preprocessor, resolve_model_dir
+from mmlane.model.grammar import Grammar, Grammars, hf_tokenizer
+from mmlane.protocol.errors import FatalError, MMLaneError, RequestError, translate
+from mmlane.protocol.messages import EngineRequest, MMItem
+from mmlane.protocol.sampling import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -504,7 +504,7 @@ def _not_sdpa(text_config: Any) -> str | None:
 
 
 def _model_error(exc: Exception) -> MMLaneError:
-    # Out of memory is retryable (protocol.errors.FOREIGN_ERRORS); anything else the model
+    # Out of memory is retryable (mmlane.protocol.errors.FOREIGN_ERRORS); anything else the model
     # raises on one request's inputs is that request's error.
     return translate(
         exc, f"the model failed on this request: {type(exc).__name__}", default="model_error"

@@ -7,7 +7,7 @@ import secrets
 
 import torch
 
-from protocol.messages import SamplingParams, TokenLogprobs
+from mmlane.protocol.messages import SamplingParams, TokenLogprobs
 
 
 class Sampler:

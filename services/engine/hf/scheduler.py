@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.engine.hf.sequence import Sequence
+from mmlane.engine.hf.sequence import Sequence
 
 
 def pick(sequences: Iterable[Sequence], *, max_batch: int) -> list[Sequence] | None:

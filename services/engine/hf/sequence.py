@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from protocol.messages import EngineRequest
-from services.engine.hf.adapters import Positions
-from services.engine.hf.sampling import Sampler
-from services.model.grammar import Grammar
+from mmlane.engine.hf.adapters import Positions
+from mmlane.engine.hf.sampling import Sampler
+from mmlane.model.grammar import Grammar
+from mmlane.protocol.messages import EngineRequest
 
 
 class UnitKind(enum.IntEnum):

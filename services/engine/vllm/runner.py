@@ -56,22 +56,22 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
-from protocol.messages import EngineRequest, MMItem, SamplingParams, TokenLogprobs
-from services.common import cpu_wheels
-from services.common.config import default_run_dir
-from services.common.stats import Metrics
-from services.engine.config import EngineConfig, VisionConfig
-from services.engine.runner import ModelSpec, StepOutput
-from services.engine.vision import VisionEncoder, VisionLane, load_encoder, torch_threads
-from services.engine.vllm import leftovers
-from services.model import (
+from mmlane.common import cpu_wheels
+from mmlane.common.config import default_run_dir
+from mmlane.common.stats import Metrics
+from mmlane.engine.config import EngineConfig, VisionConfig
+from mmlane.engine.runner import ModelSpec, StepOutput
+from mmlane.engine.vision import VisionEncoder, VisionLane, load_encoder, torch_threads
+from mmlane.engine.vllm import leftovers
+from mmlane.model import (
     Preprocessor,
     load_preprocessor,
     model_layout,
     normalize,
     resolve_model_dir,
 )
+from mmlane.protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
+from mmlane.protocol.messages import EngineRequest, MMItem, SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
