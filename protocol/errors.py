@@ -8,7 +8,7 @@
     │     └── TensorsRefused         a message's shared-memory tensors named no slot of its sender's
     ├── RetryableError               not the request's fault; the same request may succeed later
     │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss, backend_died,
-    │     │        tensors_lost, request_timeout, rate_limit_exceeded
+    │     │        backend_unavailable, tensors_lost, request_timeout, rate_limit_exceeded
     │     ├── CacheMissError         the engine lacks cached items a request refers to (`mm_hashes`)
     │     └── TensorsLost            a message's shared-memory tensors were gone (protocol/shm.py)
     ├── InternalError                our fault, in one request: it fails, the process serves on
@@ -63,6 +63,7 @@ CODES: dict[str, Code] = {
     "timeout": Code("retryable", 504),
     "cache_miss": Code("retryable", 503),
     "backend_died": Code("retryable", 503),  # the engine's backend (vLLM's core) died: restarting
+    "backend_unavailable": Code("retryable", 503),  # a remote vLLM replica unreachable or failing
     "tensors_lost": Code("retryable", 503),  # shared-memory pixels gone (protocol/shm.py)
     "internal": Code("internal", 500),
     "bad_config": Code("fatal", 500),

@@ -104,6 +104,7 @@ NOT_FAST = (
     "test_api.py::test_top_once_into_a_closed_pipe_ends_quietly",
     "test_api.py::test_stats_into_head_ends_quietly_with_the_status_of_a_broken_pipe",
     "test_backend.py::test_the_engine_and_its_config_import_no_backend",
+    "test_backend.py::test_a_remote_replica_that_does_not_answer_fails_each_request_retryable",
     "test_bench.py::TestRun",
     "test_bench.py::test_throughput_run_reports_every_design",
     "test_bench.py::test_sigterm_stops_every_process_the_bench_started",

@@ -21,8 +21,9 @@ from typing import get_args
 
 import pytest
 import zmq
-from test_engine import Frontend, Reply, assert_streamed
+from test_engine import Frontend, Reply, assert_streamed, start_engine
 
+from conftest import free_port
 from mmlane.common.config import OpsConfig
 from mmlane.common.lifecycle import Stop
 from mmlane.common.stats import Metrics
@@ -30,6 +31,7 @@ from mmlane.engine import Engine, EngineConfig, ModelSpec, StepOutput
 from mmlane.engine.config import Backend
 from mmlane.engine.engine import POLL_S
 from mmlane.engine.runner import BACKENDS, backend_factory
+from mmlane.launcher import stop_all
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import (
     AbortRequests,
@@ -293,6 +295,28 @@ def test_a_drain_finishes_what_it_can_then_fails_the_rest(run_dir: Path) -> None
 
 
 # ---------------------------------------------------------------- choosing a backend
+
+
+def test_a_remote_replica_that_does_not_answer_fails_each_request_retryable(
+    qwen_dir: Path, run_dir: Path,
+) -> None:
+    """--backend vllm-remote with nothing at its --vllm-url (a replica down when the engine
+    starts): the engine starts, each request gets exactly one reply, a retryable error naming
+    the replica, and the engine serves on."""
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = start_engine(run_dir, "--backend", "vllm-remote", "--model", str(qwen_dir),
+                          "--vllm-url", url)
+    try:
+        with Frontend.connected(engine, run_dir) as frontend:
+            first, second = request(frontend, [3, 4]), request(frontend, [5])
+            replies = frontend.run(first, second)
+            for sent in (first, second):
+                error = failed(replies[sent.request_id]).error
+                assert error.code == "backend_unavailable", error
+                assert url in error.message
+            assert_nothing_more(frontend)
+    finally:
+        stop_all([engine])
 
 
 def test_every_backend_setting_has_a_factory() -> None:

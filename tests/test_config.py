@@ -566,8 +566,13 @@ def test_a_default_counts_as_written_twice_by_its_name_and_literal(
 
 
 def _module_file(name: str) -> Path | None:
-    """The file of the project's module `name` (services.*, protocol.*); None for another's."""
-    base = REPO.joinpath(*name.split("."))
+    """The file of the project's module `name` (mmlane.protocol.* in protocol/, mmlane.* in
+    services/); None for another's."""
+    parts = name.split(".")
+    if parts[0] != "mmlane":
+        return None
+    folder = ["protocol"] if parts[1:2] == ["protocol"] else ["services", *parts[1:2]]
+    base = REPO.joinpath(*folder, *parts[2:])
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path

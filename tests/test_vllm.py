@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -140,8 +141,9 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
     port = free_port()
     args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
     log = run_dir / "vllm.log"
+    # Its scale-out API as well: the replica of mmlane's vllm-remote backend.
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
-                            "--port", str(port), *args], log), log)
+                            "--port", str(port), "--enable-scale-out", *args], log), log)
     try:
         yield server, port
     finally:
@@ -151,14 +153,22 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
 @contextmanager
 def _mmlane_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any],
                  *serve_args: str) -> Iterator[tuple[Server, str, Path]]:
-    port, http_port = free_port(), free_port()
-    log = run_dir / "serve.log"
-    run_dir = run_dir / "run"
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
     engine_args = {**engine_args, "scheduling_policy": "priority"}
     args = [f"--vllm-arg={key}={_arg(value)}" for key, value in engine_args.items()]
+    with _mmlane(run_dir, model_dir, "--backend", "vllm", *args, *serve_args) as ours:
+        yield ours
+
+
+@contextmanager
+def _mmlane(run_dir: Path, model_dir: Path, *serve_args: str) -> Iterator[tuple[Server, str,
+                                                                                Path]]:
+    """`mmlane serve SERVE_ARGS` on the model: its server, native endpoint and run folder."""
+    port, http_port = free_port(), free_port()
+    log = run_dir / "serve.log"
+    run_dir = run_dir / "run"
     server = Server(_start(
-        [sys.executable, "-m", "mmlane.cli", "serve", "--backend", "vllm", *args,
+        [sys.executable, "-m", "mmlane.cli", "serve",
          "--model", str(model_dir), "--port", str(port), "--http-port", str(http_port),
          "--run-dir", str(run_dir), "--stats-interval", "0.2",
          "--startup-timeout", str(STARTUP_S), "--request-timeout", "60", *serve_args], log),
@@ -360,13 +370,27 @@ def test_the_encoder_lane_gives_vllm_alone_s_tokens(
     """--encoder-lane: the vision tower runs in mmlane's vision lane (transformers'), and vLLM
     gets embeddings. Every chat with images: the same tokens and top tokens as vLLM alone,
     each logprob within LANE_LOGPROB_BOUND of its; each image ran one pass on the lane."""
-    images = 0
+    chats = [chat for chat in CHATS.values() if chat[2]]
+    worst = _worst_logprob_difference(vllm_alone[1], mmlane_encoder_lane[1], qwen_dir, chats)
+    print(f"--encoder-lane: the largest logprob difference from vLLM alone: {worst:.3g}")
+    assert worst <= LANE_LOGPROB_BOUND
+    images = sum(len(chat[2]) for chat in chats)
+    stats = wait_for_stats(mmlane_encoder_lane[2], lambda s: s.role == "engine"
+                           and sum(s.histograms["engine_step:vision"].counts) >= images,
+                           "the vision lane's passes")
+    assert sum(stats.histograms["engine_step:vision"].counts) == images
+
+
+def _worst_logprob_difference(alone_port: int, endpoint: str, model_dir: Path,
+                              chats: list[tuple[str | None, str, list[str]]]) -> float:
+    """Asks vLLM alone and mmlane at `endpoint` each chat: asserts the same tokens and top
+    tokens; returns the largest difference of a logprob between the two."""
     worst = 0.0
-    for system, prompt, urls in (chat for chat in CHATS.values() if chat[2]):
+    for system, prompt, urls in chats:
         messages = _openai_messages(system, prompt, urls)
-        alone = _vllm_chat(vllm_alone[1], str(qwen_dir), messages, logprobs=True,
+        alone = _vllm_chat(alone_port, str(model_dir), messages, logprobs=True,
                            top_logprobs=TOP_LOGPROBS)["choices"][0]
-        with Client(mmlane_encoder_lane[1], timeout_s=300) as client:
+        with Client(endpoint, timeout_s=300) as client:
             ours = client.chat(_native_messages(system, prompt, urls), max_tokens=MAX_TOKENS,
                                logprobs=TOP_LOGPROBS)
         assert ours.error is None, ours.error
@@ -378,13 +402,76 @@ def test_the_encoder_lane_gives_vllm_alone_s_tokens(
                 t["token"] for t in theirs["top_logprobs"]]
             worst = max(worst, *(abs(a["logprob"] - b["logprob"]) for a, b in zip(
                 [mine, *mine["top_logprobs"]], [theirs, *theirs["top_logprobs"]], strict=True)))
-        images += len(urls)
-    print(f"--encoder-lane: the largest logprob difference from vLLM alone: {worst:.3g}")
-    assert worst <= LANE_LOGPROB_BOUND
-    stats = wait_for_stats(mmlane_encoder_lane[2], lambda s: s.role == "engine"
-                           and sum(s.histograms["engine_step:vision"].counts) >= images,
-                           "the vision lane's passes")
-    assert sum(stats.histograms["engine_step:vision"].counts) == images
+    return worst
+
+
+@pytest.fixture(scope="module")
+def mmlane_remote(vllm_alone: tuple[Server, int], module_run_dir: Path,
+                  qwen_dir: Path) -> Iterator[tuple[Server, str, Path]]:
+    """`mmlane serve --backend vllm-remote` in front of vLLM alone's server (its scale-out
+    API): the same vLLM process answers both."""
+    run_dir = module_run_dir / "remote"
+    run_dir.mkdir()
+    with _mmlane(run_dir, qwen_dir, "--backend", "vllm-remote",
+                 "--vllm-url", f"http://127.0.0.1:{vllm_alone[1]}") as ours:
+        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
+                   is not None, "mmlane serve --backend vllm-remote ready", timeout_s=STARTUP_S)
+        assert ours[0].process.poll() is None, ours[0].log.read_text()
+        yield ours
+
+
+REMOTE_LOGPROB_BOUND = 1e-5
+"""How far a logprob through vllm-remote may be from vLLM alone's own chat API on the same
+server: the same computation, but a repeated prompt hits the server's prefix and encoder
+caches, whose logprobs can differ in the last float32 bits (test_the_same_tokens_as_vllm_alone)."""
+
+
+def test_the_remote_backend_gives_vllm_alone_s_tokens(
+    vllm_alone: tuple[Server, int], mmlane_remote: tuple[Server, str, Path], qwen_dir: Path,
+) -> None:
+    """Every chat, text and images, through mmlane's vllm-remote backend to vLLM's scale-out
+    API: the same tokens and top tokens as vLLM's own chat API, logprobs within the bound."""
+    worst = _worst_logprob_difference(vllm_alone[1], mmlane_remote[1], qwen_dir,
+                                      list(CHATS.values()))
+    print(f"vllm-remote: the largest logprob difference from vLLM alone: {worst:.3g}")
+    assert worst <= REMOTE_LOGPROB_BOUND
+
+
+def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path) -> None:
+    """wire.py's encoding of an image, decoded by vLLM's own decoder, is the item vLLM builds
+    from the same tensors, as vLLM's own encoding carries it: the same fields and the same
+    tensors, bit for bit."""
+    from test_engine import make_request
+    from transformers import BatchFeature
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import (
+        decode_mm_kwargs_item,
+        encode_mm_kwargs_item,
+    )
+    from vllm.model_executor.models.qwen2_vl import _create_qwen2vl_field_factory
+    from vllm.multimodal.inputs import MultiModalKwargsItems
+
+    from mmlane.engine.vllm import wire
+    from mmlane.model import model_layout
+
+    prep = load_preprocessor(qwen_dir, "auto")
+    request = make_request(prep, "two of them", ((320, 240), (64, 48)))
+    merge = json.loads((qwen_dir / "config.json").read_text())["vision_config"][
+        "spatial_merge_size"]
+    for item in request.mm_items:
+        ours = decode_mm_kwargs_item(wire.encode_item(
+            wire.ITEMS["qwen2_vl"](item.tensors, prep.pixel_norm)))
+        batch = BatchFeature({
+            "pixel_values": torch.from_numpy(np.array(model_layout(
+                item.tensors["pixel_values"], prep.pixel_norm))),
+            "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
+        [built] = MultiModalKwargsItems.from_hf_inputs(
+            batch, _create_qwen2vl_field_factory(merge)(batch))["image"]
+        theirs = decode_mm_kwargs_item(encode_mm_kwargs_item(built))
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            assert ours[name].field == theirs[name].field, name
+            assert ours[name].data.dtype == theirs[name].data.dtype, name
+            assert torch.equal(ours[name].data, theirs[name].data), name
 
 
 def test_completion_logprobs_are_vllm_alone_s(vllm_alone: tuple[Server, int],

@@ -27,7 +27,7 @@ from mmlane.common.feature_cache import capacity_bytes
 from mmlane.common.settings import WHOLE
 from mmlane.protocol.errors import FatalError
 
-Backend = Literal["hf", "vllm"]
+Backend = Literal["hf", "vllm", "vllm-remote"]
 """What runs the model; each name has a factory in services/engine/runner.py's BACKENDS."""
 
 
@@ -99,6 +99,13 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vllm_args_file: str | None = None
     """A JSON or YAML file (by its suffix: .yaml/.yml is YAML) holding one mapping of vLLM engine
     arguments, as --vllm-arg takes them."""
+    vllm_url: Annotated[list[str], WHOLE] = []
+    """'vllm-remote' backend: the base URL of a vLLM server started with `vllm serve MODEL
+    --enable-scale-out` on the same model directory (http://HOST:PORT); repeatable, one per
+    replica. Requests go to its /inference/v1/generate."""
+    remote_priority: bool = False
+    """'vllm-remote' backend: the replicas schedule by priority (`vllm serve
+    --scheduling-policy priority`): text requests are sent ahead of image requests."""
     encoder_lane: bool = False
     """Run the model's vision encoder in mmlane's vision lane (a thread of the engine role, at
     --image-nice, on --encoder-device) and hand vLLM each image's embeddings instead of its
@@ -164,9 +171,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The most GiB of tensors one MM worker's receiver cache may hold; 0 caches nothing. Each
     receiver cache mirrors its MM worker's own --mm-cache-gb, which must not be larger."""
     backend: Backend = "hf"
-    """What runs the model: 'hf' (transformers and torch in this process) or 'vllm' (vLLM's
+    """What runs the model: 'hf' (transformers and torch in this process), 'vllm' (vLLM's
     AsyncLLM, which runs its engine core and workers in processes of its own; needs the vllm
-    extra: see README, "Serving with vLLM")."""
+    extra: see README, "Serving with vLLM") or 'vllm-remote' (vLLM servers of their own, at
+    --vllm-url; needs the vllm-remote extra, not vLLM)."""
     hf: HFConfig = msgspec.field(default_factory=HFConfig)
     """The 'hf' backend's settings."""
     vision: VisionConfig = msgspec.field(default_factory=VisionConfig)

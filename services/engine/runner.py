@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, str] = {
     "hf": "mmlane.engine.hf.runner:load",
     "vllm": "mmlane.engine.vllm.runner:load",
+    "vllm-remote": "mmlane.engine.vllm.remote:load",
 }
 """The factory of each `backend` setting: 'module:function', called as
 `function(config, metrics) -> ModelRunner`."""

@@ -1,0 +1,271 @@
+"""The "vllm-remote" backend's runner: rendered requests to vLLM servers people already run.
+
+Each request goes to a replica's scale-out API (`vllm serve --enable-scale-out`): `POST
+/inference/v1/generate` with the prompt's token ids and, for an image request, `features`:
+mmlane's hash of each image (`mm_hashes`, so a repeated image hits the replica's encoder and
+prefix caches), its placeholder range, and its tensors in full, as vLLM's own item encoding
+(wire.py). The reply streams back as server-sent events of new token ids (`output_mode`
+tokens: the frontend detokenizes). Nothing here imports vLLM: a frontend host needs none.
+
+The requests run on this process's `vllm-remote` thread, an asyncio loop with one HTTP client
+session; the engine's main thread calls `add`, `step` and `abort`, which hand work to the loop
+and take outputs from a queue. Cancelling a request closes its stream, and vLLM aborts it when
+its client goes away. A replica is picked by affinity (the first image's hash, else the
+prompt's first tokens), so a repeated image or system prompt reaches the replica that holds
+it.
+
+Errors: a replica's 4xx is the request's fault (RequestError with vLLM's message), a 5xx, a
+broken stream or an unreachable replica a retryable one; an error chunk in the stream ends the
+request with vLLM's message. Text first: with `--remote-priority` (the replicas run
+`--scheduling-policy priority`), text goes ahead of images in each replica's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+import transformers
+
+from mmlane.common.stats import Metrics
+from mmlane.engine.config import EngineConfig
+from mmlane.engine.runner import ModelSpec, StepOutput
+from mmlane.engine.vllm import wire
+from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.protocol.errors import (
+    FatalError,
+    MMLaneError,
+    RequestError,
+    RetryableError,
+)
+from mmlane.protocol.messages import EngineRequest, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_FINISH_REASONS = frozenset({"stop", "length"})
+AFFINITY_TOKENS = 64
+"""A text request's replica is chosen by a hash of its first tokens (its system prompt)."""
+
+
+class RemoteVLLMRunner:
+    """Runs requests on remote vLLM replicas (see the module docstring)."""
+
+    def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
+                 metrics: Metrics, *, priority: bool) -> None:
+        self._urls = [url.rstrip("/") for url in urls]
+        self._pre = preprocessor
+        self.spec = spec
+        self.metrics = metrics
+        self._priority = priority
+        self._item = wire.ITEMS[preprocessor.family.name]
+        self._outputs: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
+        self._live: set[int] = set()  # main thread: handles whose outputs still count
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # loop thread only
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-remote",
+                                        daemon=True)
+        self._thread.start()
+        self._session: Any = self._call(self._open())
+        for url in self._urls:
+            metrics.counters[f"replica_errors:{url}"] = 0
+
+    async def _open(self) -> Any:
+        import aiohttp
+
+        # No limit of our own on connections: the engine's queue bounds the requests.
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None))
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    # ------------------------------------------------------------ the ModelRunner interface
+
+    def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
+        self._live.add(handle)
+        self._loop.call_soon_threadsafe(self._spawn, handle, request)
+
+    def step(self, timeout: float) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        try:
+            item = self._outputs.get(timeout=timeout)
+            while True:
+                if item is not None and item.handle in self._live:
+                    outputs.append(item)
+                    if item.finished:
+                        self._live.discard(item.handle)
+                item = self._outputs.get_nowait()
+        except queue.Empty:
+            pass
+        return outputs
+
+    def wake(self) -> None:
+        self._outputs.put(None)
+
+    def abort(self, handle: int) -> None:
+        self._live.discard(handle)
+        self._loop.call_soon_threadsafe(self._cancel, handle)
+
+    def close(self) -> None:
+        """Close the HTTP session (what is in flight is cancelled) and the loop thread."""
+        self._call(self._session.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ on the loop thread
+
+    def _spawn(self, handle: int, request: EngineRequest) -> None:
+        self._tasks[handle] = self._loop.create_task(self._run(handle, request))
+
+    def _cancel(self, handle: int) -> None:
+        task = self._tasks.pop(handle, None)
+        if task is not None:
+            task.cancel()  # the stream closes: vLLM aborts the request
+
+    async def _run(self, handle: int, request: EngineRequest) -> None:
+        url = self._replica(request)
+        try:
+            await self._generate(handle, request, url)
+        except asyncio.CancelledError:
+            raise
+        except MMLaneError as exc:
+            self._outputs.put(StepOutput(handle, [], error=exc))
+        except Exception as exc:  # aiohttp's: the replica is unreachable or the stream broke
+            self.metrics.counters[f"replica_errors:{url}"] += 1
+            self._outputs.put(StepOutput(handle, [], error=RetryableError(
+                f"vLLM replica {url} failed: {type(exc).__name__}: {exc}",
+                code="backend_unavailable")))
+        finally:
+            self._tasks.pop(handle, None)
+
+    async def _generate(self, handle: int, request: EngineRequest, url: str) -> None:
+        body = msgspec.json.encode(self._body(request))
+        async with self._session.post(f"{url}/inference/v1/generate", data=body,
+                                      headers={"Content-Type": "application/json"}) as reply:
+            if reply.status >= 400:
+                raise _status_error(url, reply.status, await reply.text())
+            async for line in reply.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[len(b"data: "):].strip()
+                if payload == b"[DONE]":
+                    break
+                output = self._output(handle, json.loads(payload), request.sampling.logprobs)
+                if output is not None:
+                    self._outputs.put(output)
+                    if output.finished:
+                        return
+        raise RetryableError(f"vLLM replica {url} ended the stream before the request's end",
+                             code="backend_unavailable")
+
+    def _output(self, handle: int, chunk: dict[str, Any], count: int | None) -> StepOutput | None:
+        if "error" in chunk:
+            error = chunk["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            return StepOutput(handle, [], error=RetryableError(
+                f"vLLM ended the request: {message}", code="aborted"))
+        if not chunk.get("choices"):
+            return None  # the usage chunk
+        choice = chunk["choices"][0]
+        tokens = list(choice.get("token_ids") or [])
+        reason = choice.get("finish_reason")
+        if reason is not None and reason not in _FINISH_REASONS:
+            return StepOutput(handle, tokens, error=RetryableError(
+                f"vLLM ended the request: {reason}", code="aborted"))
+        return StepOutput(handle, tokens, finish_reason=reason,
+                          logprobs=_logprobs(choice.get("logprobs"), count))
+
+    # ------------------------------------------------------------ the request for vLLM
+
+    def _replica(self, request: EngineRequest) -> str:
+        if len(self._urls) == 1:
+            return self._urls[0]
+        key = (request.mm_items[0].mm_hash if request.mm_items and request.mm_items[0].mm_hash
+               else str(request.prompt_token_ids[:AFFINITY_TOKENS]))
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        return self._urls[int.from_bytes(digest, "big") % len(self._urls)]
+
+    def _body(self, request: EngineRequest) -> dict[str, Any]:
+        sampling = msgspec.structs.asdict(request.sampling)
+        if request.sampling.structured_outputs is not None:
+            sampling["structured_outputs"] = msgspec.structs.asdict(
+                request.sampling.structured_outputs)
+        if request.sampling.logit_bias is not None:
+            sampling["logit_bias"] = {str(k): v for k, v in request.sampling.logit_bias.items()}
+        body: dict[str, Any] = {
+            "request_id": request.request_id,
+            "token_ids": list(request.prompt_token_ids),
+            "sampling_params": {**sampling, "detokenize": False},
+            "stream": True,
+            "output_mode": "tokens",
+            "priority": 1 if self._priority and request.mm_items else 0,
+        }
+        if request.mm_items:
+            hashes = [item.mm_hash or f"{request.request_id}:{index}"
+                      for index, item in enumerate(request.mm_items)]
+            norm = self._pre.pixel_norm
+            body["features"] = {
+                "mm_hashes": {"image": hashes},
+                "mm_placeholders": {"image": [{"offset": item.offset, "length": item.length}
+                                              for item in request.mm_items]},
+                "kwargs_data": {"image": [wire.encode_item(self._item(item.tensors, norm))
+                                          for item in request.mm_items]},
+            }
+        return body
+
+
+def _status_error(url: str, status: int, text: str) -> MMLaneError:
+    try:
+        detail = json.loads(text)
+        message = detail.get("error", {}).get("message") or detail.get("detail") or text
+    except (ValueError, AttributeError):
+        message = text
+    if status < 500:
+        code = "prompt_too_long" if "maximum model length" in str(message) else "invalid_request"
+        return RequestError(f"vLLM refused the request: {message}", code=code)
+    return RetryableError(f"vLLM replica {url} answered {status}: {message}",
+                          code="backend_unavailable")
+
+
+def _logprobs(logprobs: dict[str, Any] | None, count: int | None) -> list[TokenLogprobs] | None:
+    """The wire's logprobs of a chunk's tokens: vLLM's generate API gives each token's logprob
+    and its `count` first entries of vLLM's map (the sampled token, then the most likely), each
+    with its rank; the wire's top list is those of rank 1 to `count`, in rank order."""
+    if count is None:
+        return None
+    result = []
+    for token in (logprobs or {}).get("content") or []:
+        top = sorted((entry for entry in token.get("top_logprobs", [])
+                      if entry.get("rank") is not None and entry["rank"] <= count),
+                     key=lambda entry: entry["rank"])
+        unique = list({entry["token_id"]: entry for entry in top}.values())
+        result.append(TokenLogprobs(token["logprob"], [entry["token_id"] for entry in unique],
+                                    [entry["logprob"] for entry in unique]))
+    return result
+
+
+def load(config: EngineConfig, metrics: Metrics) -> RemoteVLLMRunner:
+    """The "vllm-remote" backend's factory (BACKENDS in services/engine/runner.py)."""
+    if not config.vllm.vllm_url:
+        raise FatalError("--backend vllm-remote needs at least one --vllm-url", code="bad_config")
+    model_dir = resolve_model_dir(config.model)
+    preprocessor = load_preprocessor(model_dir, "auto")
+    family = preprocessor.family.name
+    if family not in wire.ITEMS:
+        raise FatalError(f"--backend vllm-remote does not support {family} models yet, only "
+                         f"{', '.join(wire.ITEMS)}", code="bad_config")
+    model_config = transformers.AutoConfig.from_pretrained(model_dir)
+    spec = ModelSpec.of(preprocessor, model_config, max_context=preprocessor.max_context,
+                        vocab_size=model_config.get_text_config().vocab_size)
+    runner = RemoteVLLMRunner(config.vllm.vllm_url, preprocessor, spec, metrics,
+                              priority=config.vllm.remote_priority)
+    log.info("vllm-remote serves %s on %s", preprocessor.model_id, ", ".join(runner._urls))
+    return runner
