@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import statistics
 import subprocess
@@ -68,8 +69,10 @@ def main() -> int:
                         help=f"image sizes, comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--servers", default="vllm,mmlane",
                         help="which to run: vllm, mmlane, mmlane-priority, mmlane-lane "
-                        "(priority, and --encoder-lane: vLLM gets image embeddings), mmlane-hf "
-                        "(the embedded engine instead of vLLM) (comma-separated)")
+                        "(priority, and --encoder-lane: vLLM gets image embeddings), "
+                        "mmlane-remote (--backend vllm-remote in front of a `vllm serve "
+                        "--enable-scale-out`), mmlane-hf (the embedded engine instead of vLLM) "
+                        "(comma-separated)")
     parser.add_argument("--mmlane-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to every mmlane server's `mmlane serve` "
                         "(repeatable; e.g. --mmlane-arg=--mm-processes=2)")
@@ -126,10 +129,22 @@ def main() -> int:
 def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str],
            hf_python: str) -> subprocess.Popen:
     log = (out / f"{server}.log").open("w")
+    vllm_args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
+    vllm_serve = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
+                  "--served-model-name", model.name, *vllm_args]
     if server == "vllm":
-        args = [f"--{key.replace('_', '-')}={value}" for key, value in VLLM_ARGS.items()]
-        command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model),
-                   "--served-model-name", model.name, "--port", str(port), *args]
+        command = [*vllm_serve, "--port", str(port)]
+    elif server == "mmlane-remote":  # `vllm serve` with its scale-out API, mmlane in front
+        replica = free_tcp_port()
+        mmlane = [sys.executable, "-m", "mmlane.cli", "serve", "--backend", "vllm-remote",
+                  "--vllm-url", f"http://127.0.0.1:{replica}", "--model", str(model),
+                  "--port", str(free_tcp_port()), "--http-port", str(port),
+                  "--run-dir", str(out / f"run-{server}"), *mmlane_args]
+        # One process above both (its CPU figures count both); SIGTERM stops both.
+        script = (f"{shlex.join([*vllm_serve, '--port', str(replica), '--enable-scale-out'])} &"
+                  f" V=$!; {shlex.join(mmlane)} & M=$!;"
+                  ' trap "kill -TERM $V $M; wait" TERM INT; wait')
+        command = ["bash", "-c", script]
     elif server == "mmlane-hf":  # the embedded engine (issue 11), on the same weights
         command = [hf_python, "-m", "mmlane.cli", "serve", "--model", str(model),
                    "--port", str(free_tcp_port()), "--http-port", str(port),
@@ -144,7 +159,7 @@ def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str
         command = [sys.executable, "-m", "mmlane.cli", "serve", "--backend", "vllm", *args,
                    "--model", str(model), "--port", str(free_tcp_port()),
                    "--http-port", str(port), "--run-dir", str(out / f"run-{server}")]
-    if server != "vllm":
+    if server not in ("vllm", "mmlane-remote"):
         command += mmlane_args
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=cpu_wheels.child_env())

@@ -12,9 +12,12 @@ The window starts a little before the new ids so that a decoder which treats the
 text specially (a SentencePiece leading space) decodes the new ids as it would mid-text; the
 text beyond the context's own decoding is the new chunk. A chunk that ends in U+FFFD is held back
 (the new ids may end inside a multi-byte character that the next id completes), and so is an
-empty one; the final chunk is emitted whatever it ends with. For a byte-level BPE tokenizer the
-chunks then concatenate exactly to decoding the whole output at once: the window only moves past
-ids whose bytes end on a complete character, where UTF-8 decoding restarts cleanly.
+empty one. The final chunk ends at the last id after which the text is whole: ids that end
+inside a character at the output's end are never shown, as vLLM never shows them (its
+detokenizer holds them back token by token, and nothing flushes them). For a byte-level BPE
+tokenizer the chunks then concatenate exactly to decoding the output's ids up to that last
+whole id at once: the window only moves past ids whose bytes end on a complete character,
+where UTF-8 decoding restarts cleanly.
 
 `TokenTexts` gives the texts of the tokens in an output's logprobs, one token at a time, as
 vLLM's logprobs show them.
@@ -46,11 +49,16 @@ class IncrementalDetokenizer:
 
     def step(self, token_ids: Iterable[int], *, final: bool = False) -> str:
         """The text the new ids add, or "" while it may still change (see the module docstring);
-        with `final`, everything not yet emitted."""
+        with `final`, all that is not yet emitted up to the last id after which it is whole."""
         self._ids.extend(token_ids)
         context = self._decode(self._ids[: self._read_offset])
         text = self._decode(self._ids)
-        if not final and (len(text) <= len(context) or text.endswith(_REPLACEMENT)):
+        if final:
+            end = len(self._ids)
+            while text.endswith(_REPLACEMENT) and end > self._read_offset:
+                end -= 1
+                text = self._decode(self._ids[:end])
+        elif len(text) <= len(context) or text.endswith(_REPLACEMENT):
             return ""
         self._ids = self._ids[self._read_offset :]
         self._read_offset = len(self._ids)

@@ -8,8 +8,7 @@ prefix caches), its placeholder range, and its tensors in full, as vLLM's own it
 tokens: the frontend detokenizes). Nothing here imports vLLM: a frontend host needs none.
 
 The requests run on this process's `vllm-remote` thread, an asyncio loop with one HTTP client
-session; the engine's main thread calls `add`, `step` and `abort`, which hand work to the loop
-and take outputs from a queue. Cancelling a request closes its stream, and vLLM aborts it when
+session (loop.py). Cancelling a request closes its stream, and vLLM aborts it when
 its client goes away. A replica is picked by affinity (the first image's hash, else the
 prompt's first tokens), so a repeated image or system prompt reaches the replica that holds
 it.
@@ -26,10 +25,7 @@ import asyncio
 import hashlib
 import json
 import logging
-import queue
-import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import transformers
@@ -38,6 +34,7 @@ from mmlane.common.stats import Metrics
 from mmlane.engine.config import EngineConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
 from mmlane.engine.vllm import wire
+from mmlane.engine.vllm.loop import LoopRunner
 from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
 from mmlane.protocol.errors import (
     FatalError,
@@ -49,13 +46,12 @@ from mmlane.protocol.messages import EngineRequest, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _FINISH_REASONS = frozenset({"stop", "length"})
 AFFINITY_TOKENS = 64
 """A text request's replica is chosen by a hash of its first tokens (its system prompt)."""
 
 
-class RemoteVLLMRunner:
+class RemoteVLLMRunner(LoopRunner):
     """Runs requests on remote vLLM replicas (see the module docstring)."""
 
     def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
@@ -66,13 +62,7 @@ class RemoteVLLMRunner:
         self.metrics = metrics
         self._priority = priority
         self._item = wire.ITEMS[preprocessor.family.name]
-        self._outputs: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
-        self._live: set[int] = set()  # main thread: handles whose outputs still count
-        self._tasks: dict[int, asyncio.Task[None]] = {}  # loop thread only
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-remote",
-                                        daemon=True)
-        self._thread.start()
+        super().__init__("vllm-remote")
         self._session: Any = self._call(self._open())
         for url in self._urls:
             metrics.counters[f"replica_errors:{url}"] = 0
@@ -84,53 +74,15 @@ class RemoteVLLMRunner:
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None))
 
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
-    # ------------------------------------------------------------ the ModelRunner interface
-
-    def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
-        self._live.add(handle)
-        self._loop.call_soon_threadsafe(self._spawn, handle, request)
-
-    def step(self, timeout: float) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        try:
-            item = self._outputs.get(timeout=timeout)
-            while True:
-                if item is not None and item.handle in self._live:
-                    outputs.append(item)
-                    if item.finished:
-                        self._live.discard(item.handle)
-                item = self._outputs.get_nowait()
-        except queue.Empty:
-            pass
-        return outputs
-
-    def wake(self) -> None:
-        self._outputs.put(None)
-
-    def abort(self, handle: int) -> None:
-        self._live.discard(handle)
-        self._loop.call_soon_threadsafe(self._cancel, handle)
-
     def close(self) -> None:
         """Close the HTTP session (what is in flight is cancelled) and the loop thread."""
         self._call(self._session.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
+        self._stop_loop()
 
     # ------------------------------------------------------------ on the loop thread
 
-    def _spawn(self, handle: int, request: EngineRequest) -> None:
-        self._tasks[handle] = self._loop.create_task(self._run(handle, request))
-
-    def _cancel(self, handle: int) -> None:
-        task = self._tasks.pop(handle, None)
-        if task is not None:
-            task.cancel()  # the stream closes: vLLM aborts the request
-
     async def _run(self, handle: int, request: EngineRequest) -> None:
+        """(Cancelled, its stream closes: vLLM aborts the request.)"""
         url = self._replica(request)
         try:
             await self._generate(handle, request, url)
@@ -143,8 +95,6 @@ class RemoteVLLMRunner:
             self._outputs.put(StepOutput(handle, [], error=RetryableError(
                 f"vLLM replica {url} failed: {type(exc).__name__}: {exc}",
                 code="backend_unavailable")))
-        finally:
-            self._tasks.pop(handle, None)
 
     async def _generate(self, handle: int, request: EngineRequest, url: str) -> None:
         body = msgspec.json.encode(self._body(request))

@@ -3,8 +3,9 @@
 vLLM's AsyncLLM lives on this process's `vllm-loop` thread (an asyncio loop); it starts vLLM's
 engine core and workers in their own processes, so tensor, pipeline and data parallelism are
 vLLM's (engine arguments pass through unchanged, see config.py). The engine's main thread calls
-`add`, `step` and `abort`, which hand work to the loop thread and take outputs from a queue;
-requests are rendered for vLLM on the loop thread, which alone touches vLLM's processor cache.
+`add`, `step` and `abort`, which hand work to the loop thread and take outputs from a queue
+(loop.py); requests are rendered for vLLM on the loop thread, which alone touches vLLM's
+processor cache.
 
 Every request reaches vLLM already rendered: token ids with the image placeholders expanded,
 the MM worker's tensors as vLLM's per-item kwargs, mmlane's mm_hash as vLLM's hash (so a
@@ -45,11 +46,9 @@ import asyncio
 import itertools
 import logging
 import os
-import queue
-import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -63,6 +62,7 @@ from mmlane.engine.config import EngineConfig, VisionConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
 from mmlane.engine.vision import VisionEncoder, VisionLane, load_encoder, torch_threads
 from mmlane.engine.vllm import leftovers
+from mmlane.engine.vllm.loop import LoopRunner
 from mmlane.model import (
     Preprocessor,
     load_preprocessor,
@@ -75,11 +75,10 @@ from mmlane.protocol.messages import EngineRequest, MMItem, SamplingParams, Toke
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _FINISH_REASONS = frozenset({"stop", "length"})  # what StepOutput takes; vLLM also says abort
 
 
-class VLLMRunner:
+class VLLMRunner(LoopRunner):
     """Runs requests on vLLM's AsyncLLM (see the module docstring)."""
 
     def __init__(self, engine_args: dict[str, Any], preprocessor: Preprocessor,
@@ -92,19 +91,13 @@ class VLLMRunner:
         leftovers.end_leftovers(pids_file)
         self.metrics = metrics
         self._pre = preprocessor
-        self._outputs: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
-        self._live: set[int] = set()  # main thread: handles whose outputs still count
-        self._tasks: dict[int, asyncio.Task[None]] = {}  # loop thread only
         self._dead: BaseException | None = None
         self._scheduler: dict[int, Any] = {}  # vLLM's latest SchedulerStats, by engine index
-        self._loop = asyncio.new_event_loop()
+        super().__init__("vllm-loop")
         self._lane = None if encoder is None else self._start_lane(encoder,
                                                                    vision or VisionConfig())
         self._encodings: dict[int, asyncio.Future[torch.Tensor]] = {}  # loop thread only
         self._jobs = itertools.count()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop",
-                                        daemon=True)
-        self._thread.start()
         try:
             with leftovers.Watch(pids_file):  # a kill while vLLM loads leaves it behind too
                 self.engine = self._call(self._start(engine_args))
@@ -188,16 +181,7 @@ class VLLMRunner:
     def _scheduled(self, field: str) -> int:
         return sum(int(getattr(stats, field)) for stats in list(self._scheduler.values()))
 
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
     # ------------------------------------------------------------ the ModelRunner interface
-
-    def add(self, handle: int, request: EngineRequest, *, arrived: float | None = None) -> None:
-        params = _sampling_params(request.sampling)
-        priority = 1 if self._priority and request.mm_items else 0
-        self._live.add(handle)
-        self._loop.call_soon_threadsafe(self._spawn, handle, request, params, priority)
 
     def step(self, timeout: float) -> list[StepOutput]:
         outputs = self._ready(timeout)
@@ -210,27 +194,6 @@ class VLLMRunner:
             raise FatalError(f"vLLM's engine core died: {self._dead}", code="cannot_serve")
         return outputs
 
-    def _ready(self, timeout: float) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        try:
-            item = self._outputs.get(timeout=timeout)
-            while True:
-                if item is not None and item.handle in self._live:
-                    outputs.append(item)
-                    if item.finished:
-                        self._live.discard(item.handle)
-                item = self._outputs.get_nowait()
-        except queue.Empty:
-            pass
-        return outputs
-
-    def wake(self) -> None:
-        self._outputs.put(None)
-
-    def abort(self, handle: int) -> None:
-        self._live.discard(handle)
-        self._loop.call_soon_threadsafe(self._cancel, handle)
-
     def close(self) -> None:
         """Stop vLLM (its engine core and workers), the vision lane and the loop thread; then
         end what is left of them (a dead engine core's shared memory, say)."""
@@ -239,25 +202,18 @@ class VLLMRunner:
         engine = getattr(self, "engine", None)
         if engine is not None:
             self._loop.call_soon_threadsafe(engine.shutdown)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
+        self._stop_loop()
         leftovers.end_leftovers(self._pids_file)
 
     # ------------------------------------------------------------ on the loop thread
 
-    def _spawn(self, handle: int, request: EngineRequest, params: Any, priority: int) -> None:
-        self._tasks[handle] = self._loop.create_task(self._run(handle, request, params, priority))
-
-    def _cancel(self, handle: int) -> None:
-        task = self._tasks.pop(handle, None)
-        if task is not None:
-            task.cancel()  # generate() aborts the request in vLLM as it unwinds
-
-    async def _run(self, handle: int, request: EngineRequest, params: Any,
-                   priority: int) -> None:
+    async def _run(self, handle: int, request: EngineRequest) -> None:
+        """(Cancelled, vLLM's generate() aborts the request as it unwinds.)"""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        priority = 1 if self._priority and request.mm_items else 0
         try:
+            params = _sampling_params(request.sampling)
             if await self._generate(handle, request, params, priority,
                                     retry=bool(request.mm_items)):
                 # vLLM's engine core lacked an image its processor cache said it held (the
@@ -276,8 +232,6 @@ class VLLMRunner:
                 "vLLM's engine core died; the engine restarts", code="backend_died")))
         except Exception as exc:
             self._outputs.put(StepOutput(handle, [], error=_request_error(exc)))
-        finally:
-            self._tasks.pop(handle, None)
 
     async def _generate(self, handle: int, request: EngineRequest, params: Any, priority: int,
                         *, retry: bool) -> bool:
