@@ -156,13 +156,13 @@ def _mmlane_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any],
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
     engine_args = {**engine_args, "scheduling_policy": "priority"}
     args = [f"--vllm-arg={key}={_arg(value)}" for key, value in engine_args.items()]
-    with _mmlane(run_dir, model_dir, "--backend", "vllm", *args, *serve_args) as ours:
+    with mmlane_serve(run_dir, model_dir, "--backend", "vllm", *args, *serve_args) as ours:
         yield ours
 
 
 @contextmanager
-def _mmlane(run_dir: Path, model_dir: Path, *serve_args: str) -> Iterator[tuple[Server, str,
-                                                                                Path]]:
+def mmlane_serve(run_dir: Path, model_dir: Path,
+                 *serve_args: str) -> Iterator[tuple[Server, str, Path]]:
     """`mmlane serve SERVE_ARGS` on the model: its server, native endpoint and run folder."""
     port, http_port = free_port(), free_port()
     log = run_dir / "serve.log"
@@ -371,7 +371,7 @@ def test_the_encoder_lane_gives_vllm_alone_s_tokens(
     gets embeddings. Every chat with images: the same tokens and top tokens as vLLM alone,
     each logprob within LANE_LOGPROB_BOUND of its; each image ran one pass on the lane."""
     chats = [chat for chat in CHATS.values() if chat[2]]
-    worst = _worst_logprob_difference(vllm_alone[1], mmlane_encoder_lane[1], qwen_dir, chats)
+    worst = worst_logprob_difference(vllm_alone[1], mmlane_encoder_lane[1], qwen_dir, chats)
     print(f"--encoder-lane: the largest logprob difference from vLLM alone: {worst:.3g}")
     assert worst <= LANE_LOGPROB_BOUND
     images = sum(len(chat[2]) for chat in chats)
@@ -381,7 +381,7 @@ def test_the_encoder_lane_gives_vllm_alone_s_tokens(
     assert sum(stats.histograms["engine_step:vision"].counts) == images
 
 
-def _worst_logprob_difference(alone_port: int, endpoint: str, model_dir: Path,
+def worst_logprob_difference(alone_port: int, endpoint: str, model_dir: Path,
                               chats: list[tuple[str | None, str, list[str]]]) -> float:
     """Asks vLLM alone and mmlane at `endpoint` each chat: asserts the same tokens and top
     tokens; returns the largest difference of a logprob between the two."""
@@ -412,7 +412,7 @@ def mmlane_remote(vllm_alone: tuple[Server, int], module_run_dir: Path,
     API): the same vLLM process answers both."""
     run_dir = module_run_dir / "remote"
     run_dir.mkdir()
-    with _mmlane(run_dir, qwen_dir, "--backend", "vllm-remote",
+    with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote",
                  "--vllm-url", f"http://127.0.0.1:{vllm_alone[1]}") as ours:
         wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
                    is not None, "mmlane serve --backend vllm-remote ready", timeout_s=STARTUP_S)
@@ -431,7 +431,7 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens(
 ) -> None:
     """Every chat, text and images, through mmlane's vllm-remote backend to vLLM's scale-out
     API: the same tokens and top tokens as vLLM's own chat API, logprobs within the bound."""
-    worst = _worst_logprob_difference(vllm_alone[1], mmlane_remote[1], qwen_dir,
+    worst = worst_logprob_difference(vllm_alone[1], mmlane_remote[1], qwen_dir,
                                       list(CHATS.values()))
     print(f"vllm-remote: the largest logprob difference from vLLM alone: {worst:.3g}")
     assert worst <= REMOTE_LOGPROB_BOUND
@@ -472,6 +472,41 @@ def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path) -> None:
             assert ours[name].field == theirs[name].field, name
             assert ours[name].data.dtype == theirs[name].data.dtype, name
             assert torch.equal(ours[name].data, theirs[name].data), name
+
+
+def test_an_output_ending_inside_a_character_reads_as_vllm_alone_s(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+) -> None:
+    """A logit bias makes the output the lead byte of a 3-byte character, three times: vLLM
+    never shows bytes that do not end a character, so its text is empty, whole and streamed;
+    mmlane's is too (it was three U+FFFD)."""
+    lead = load_preprocessor(qwen_dir).tokenizer.encode("中", add_special_tokens=False)[0]
+    body = {"messages": [{"role": "user", "content": "bytes"}], "max_tokens": 3,
+            "logit_bias": {str(lead): 100}}
+    answers = {}
+    for name, port, model in (("alone", vllm_alone[1], str(qwen_dir)),
+                              ("mmlane", mmlane_vllm[0].http_port, qwen_dir.name)):
+        whole = _post(port, "chat/completions", {**body, "model": model})["choices"][0]
+        streamed = _streamed_text(port, {**body, "model": model})
+        answers[name] = (whole["token_ids"], whole["message"]["content"], streamed)
+    assert answers["mmlane"] == answers["alone"] == ([lead] * 3, "", "")
+
+
+def _streamed_text(port: int, body: dict[str, Any]) -> str:
+    """The text of a streamed chat completion's deltas, greedy."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({"temperature": 0, **body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    text = ""
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        for line in reply:
+            payload = line.decode().strip().removeprefix("data: ")
+            if not payload or payload == "[DONE]":
+                continue
+            for choice in json.loads(payload).get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+    return text
 
 
 def test_completion_logprobs_are_vllm_alone_s(vllm_alone: tuple[Server, int],

@@ -19,14 +19,20 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 from test_pixels import assert_normalises_to_the_processor_output
 from test_vllm import (
     CHATS,
+    REMOTE_LOGPROB_BOUND,
+    STARTUP_S,
     VLLM_ARGS,
     Server,
     assert_the_same_tokens_as_vllm_alone,
+    mmlane_serve,
     serving,
+    worst_logprob_difference,
 )
 
 from bench.images import jpeg_uri, make_image
+from mmlane.engine.vllm import wire
 from mmlane.model import load_preprocessor
+from peers import SERVE_READY, wait_until
 
 pytestmark = pytest.mark.timeout(1200)  # each family's first test waits for its servers
 
@@ -76,3 +82,32 @@ def test_the_same_tokens_as_vllm_alone(family_servers: tuple[Path, int, tuple[Se
                                        chat: str) -> None:
     model_dir, alone_port, ours = family_servers
     assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, FAMILY_CHATS[chat])
+
+
+@pytest.fixture(scope="module")
+def family_remote(family_servers: tuple[Path, int, tuple[Server, str, Path]]
+                  ) -> Iterator[tuple[Server, str, Path]]:
+    """`mmlane serve --backend vllm-remote` in front of the family's vLLM alone (its scale-out
+    API), for the families the remote backend serves."""
+    model_dir, port, ours = family_servers
+    family = load_preprocessor(model_dir).family.name
+    if family not in wire.ITEMS:
+        pytest.skip(f"vllm-remote does not serve {family} models yet")
+    run_dir = ours[2].parent / "remote"
+    run_dir.mkdir()
+    with mmlane_serve(run_dir, model_dir, "--backend", "vllm-remote",
+                 "--vllm-url", f"http://127.0.0.1:{port}") as remote:
+        wait_until(lambda: SERVE_READY in remote[0].log.read_text() or remote[0].process.poll()
+                   is not None, "mmlane serve --backend vllm-remote ready", timeout_s=STARTUP_S)
+        assert remote[0].process.poll() is None, remote[0].log.read_text()
+        yield remote
+
+
+def test_the_remote_backend_gives_vllm_alone_s_tokens(
+    family_servers: tuple[Path, int, tuple[Server, str, Path]],
+    family_remote: tuple[Server, str, Path],
+) -> None:
+    model_dir, alone_port, _ = family_servers
+    worst = worst_logprob_difference(alone_port, family_remote[1], model_dir,
+                                      list(FAMILY_CHATS.values()))
+    assert worst <= REMOTE_LOGPROB_BOUND
