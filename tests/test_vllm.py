@@ -409,16 +409,20 @@ def worst_logprob_difference(alone_port: int, endpoint: str, model_dir: Path,
 def mmlane_remote(vllm_alone: tuple[Server, int], module_run_dir: Path,
                   qwen_dir: Path) -> Iterator[tuple[Server, str, Path]]:
     """`mmlane serve --backend vllm-remote` in front of vLLM alone's server (its scale-out
-    API): the same vLLM process answers both."""
+    API: the same vLLM process answers both) and of a replica that is down (DEAD_REPLICA)."""
     run_dir = module_run_dir / "remote"
     run_dir.mkdir()
     with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote",
-                 "--vllm-url", f"http://127.0.0.1:{vllm_alone[1]}") as ours:
+                      "--vllm-url", f"http://127.0.0.1:{vllm_alone[1]}",
+                      "--vllm-url", DEAD_REPLICA) as ours:
         wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
                    is not None, "mmlane serve --backend vllm-remote ready", timeout_s=STARTUP_S)
         assert ours[0].process.poll() is None, ours[0].log.read_text()
         yield ours
 
+
+DEAD_REPLICA = f"http://127.0.0.1:{free_port()}"
+"""A replica nothing answers at."""
 
 REMOTE_LOGPROB_BOUND = 1e-5
 """How far a logprob through vllm-remote may be from vLLM alone's own chat API on the same
@@ -430,11 +434,17 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens(
     vllm_alone: tuple[Server, int], mmlane_remote: tuple[Server, str, Path], qwen_dir: Path,
 ) -> None:
     """Every chat, text and images, through mmlane's vllm-remote backend to vLLM's scale-out
-    API: the same tokens and top tokens as vLLM's own chat API, logprobs within the bound."""
+    API: the same tokens and top tokens as vLLM's own chat API, logprobs within the bound;
+    none fails for the replica that is down, which the stats show down."""
     worst = worst_logprob_difference(vllm_alone[1], mmlane_remote[1], qwen_dir,
-                                      list(CHATS.values()))
+                                     list(CHATS.values()))
     print(f"vllm-remote: the largest logprob difference from vLLM alone: {worst:.3g}")
     assert worst <= REMOTE_LOGPROB_BOUND
+    live = f"http://127.0.0.1:{vllm_alone[1]}"
+    stats = wait_for_stats(mmlane_remote[2], lambda s: s.role == "engine"
+                           and s.queues.get(f"replica_up:{DEAD_REPLICA}") == 0
+                           and s.queues.get(f"replica_up:{live}") == 1, "the replicas' states")
+    assert stats.queues[f"replica_outstanding:{live}"] == 0
 
 
 def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path) -> None:

@@ -10,8 +10,12 @@ tokens: the frontend detokenizes). Nothing here imports vLLM: a frontend host ne
 The requests run on this process's `vllm-remote` thread, an asyncio loop with one HTTP client
 session (loop.py). Cancelling a request closes its stream, and vLLM aborts it when
 its client goes away. A replica is picked by affinity (the first image's hash, else the
-prompt's first tokens), so a repeated image or system prompt reaches the replica that holds
-it.
+prompt's first tokens; rendezvous hashing, so a replica's coming or going moves only its own
+share), so a repeated image or system prompt reaches the replica that holds it, unless that one
+holds far more requests than the mean. Each replica's `/health` is checked every 2 s while it
+is up, less and less often while it is down; a down replica gets no requests while another is
+up, and a request whose replica fails before its first token is sent to another one, once.
+Each replica's state, outstanding requests and errors are in the stats.
 
 Errors: a replica's 4xx is the request's fault (RequestError with vLLM's message), a 5xx, a
 broken stream or an unreachable replica a retryable one; an error chunk in the stream ends the
@@ -25,6 +29,8 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -49,6 +55,35 @@ log = logging.getLogger(__name__)
 _FINISH_REASONS = frozenset({"stop", "length"})
 AFFINITY_TOKENS = 64
 """A text request's replica is chosen by a hash of its first tokens (its system prompt)."""
+LOAD_SLACK = 1.5
+"""A request's own replica is passed over while it holds more than this times the mean of the
+replicas' outstanding requests (plus one)."""
+RETRIES = 1
+"""How many other replicas a request that failed before its first token is sent to."""
+HEALTH_INTERVAL_S = 2.0
+"""Seconds between a replica's health checks (`GET /health`) while it is up."""
+HEALTH_BACKOFF_S = 30.0
+"""The longest wait between a down replica's health checks (doubled from the interval)."""
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Replica:
+    """One vLLM server, as the runner sees it."""
+
+    url: str
+    up: bool = True
+    """Whether it answered its last health check (and no request since found it failing)."""
+    outstanding: int = 0
+    """Requests sent to it and not yet ended."""
+    errors: int = 0
+    """Requests it failed (unreachable, 5xx, a broken stream)."""
+    check_every_s: float = HEALTH_INTERVAL_S
+    """How long until its next health check: doubled while it is down, up to HEALTH_BACKOFF_S."""
+
+    def failed(self) -> None:
+        self.errors += 1
+        self.up = False
 
 
 class RemoteVLLMRunner(LoopRunner):
@@ -56,7 +91,7 @@ class RemoteVLLMRunner(LoopRunner):
 
     def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
                  metrics: Metrics, *, priority: bool) -> None:
-        self._urls = [url.rstrip("/") for url in urls]
+        self._replicas = [Replica(url.rstrip("/")) for url in urls]
         self._pre = preprocessor
         self.spec = spec
         self.metrics = metrics
@@ -64,8 +99,15 @@ class RemoteVLLMRunner(LoopRunner):
         self._item = wire.ITEMS[preprocessor.family.name]
         super().__init__("vllm-remote")
         self._session: Any = self._call(self._open())
-        for url in self._urls:
-            metrics.counters[f"replica_errors:{url}"] = 0
+        for replica in self._replicas:
+            self._loop.call_soon_threadsafe(self._watch, replica)
+            self._publish(replica)
+
+    def _publish(self, replica: Replica) -> None:
+        """Its state in the stats (health, top, /metrics)."""
+        self.metrics.gauge(f"replica_outstanding:{replica.url}", lambda: replica.outstanding)
+        self.metrics.gauge(f"replica_up:{replica.url}", lambda: int(replica.up))
+        self.metrics.gauge(f"replica_errors:{replica.url}", lambda: replica.errors)
 
     async def _open(self) -> Any:
         import aiohttp
@@ -79,24 +121,70 @@ class RemoteVLLMRunner(LoopRunner):
         self._call(self._session.close())
         self._stop_loop()
 
+    @property
+    def urls(self) -> list[str]:
+        return [replica.url for replica in self._replicas]
+
     # ------------------------------------------------------------ on the loop thread
 
-    async def _run(self, handle: int, request: EngineRequest) -> None:
-        """(Cancelled, its stream closes: vLLM aborts the request.)"""
-        url = self._replica(request)
-        try:
-            await self._generate(handle, request, url)
-        except asyncio.CancelledError:
-            raise
-        except MMLaneError as exc:
-            self._outputs.put(StepOutput(handle, [], error=exc))
-        except Exception as exc:  # aiohttp's: the replica is unreachable or the stream broke
-            self.metrics.counters[f"replica_errors:{url}"] += 1
-            self._outputs.put(StepOutput(handle, [], error=RetryableError(
-                f"vLLM replica {url} failed: {type(exc).__name__}: {exc}",
-                code="backend_unavailable")))
+    def _watch(self, replica: Replica) -> None:
+        self._loop.create_task(self._check(replica))
 
-    async def _generate(self, handle: int, request: EngineRequest, url: str) -> None:
+    async def _check(self, replica: Replica) -> None:
+        """Its health check, then the next one: soon while it is up, later and later while it
+        is down."""
+        import aiohttp
+
+        if self._session.closed:
+            return
+        was_up = replica.up
+        try:
+            async with self._session.get(
+                f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            ) as reply:
+                replica.up = reply.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            replica.up = False
+        if replica.up != was_up:
+            log.warning("vLLM replica %s is %s", replica.url, "up" if replica.up else "down")
+        replica.check_every_s = (HEALTH_INTERVAL_S if replica.up
+                                 else min(2 * replica.check_every_s, HEALTH_BACKOFF_S))
+        self._loop.call_later(replica.check_every_s, self._watch, replica)
+
+    async def _run(self, handle: int, request: EngineRequest) -> None:
+        """(Cancelled, its stream closes: vLLM aborts the request.) A request whose replica
+        fails before its first token goes to another replica, once."""
+        tried: list[Replica] = []
+        while True:
+            replica = self._pick(request, tried)
+            tried.append(replica)
+            started = False
+            replica.outstanding += 1
+            try:
+                async for output in self._generate(handle, request, replica.url):
+                    started = True
+                    self._outputs.put(output)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                error = exc if isinstance(exc, MMLaneError) else RetryableError(
+                    f"vLLM replica {replica.url} failed: {type(exc).__name__}: {exc}",
+                    code="backend_unavailable")
+                if error.code != "backend_unavailable":  # the request's own failure
+                    self._outputs.put(StepOutput(handle, [], error=error))
+                    return
+                replica.failed()
+                if started or len(tried) > RETRIES or len(tried) == len(self._replicas):
+                    self._outputs.put(StepOutput(handle, [], error=error))
+                    return
+                log.warning("request %s: %s; sending it to another replica",
+                            request.request_id, error.message)
+            finally:
+                replica.outstanding -= 1
+
+    async def _generate(self, handle: int, request: EngineRequest,
+                        url: str) -> AsyncIterator[StepOutput]:
         body = msgspec.json.encode(self._body(request))
         async with self._session.post(f"{url}/inference/v1/generate", data=body,
                                       headers={"Content-Type": "application/json"}) as reply:
@@ -110,7 +198,7 @@ class RemoteVLLMRunner(LoopRunner):
                     break
                 output = self._output(handle, json.loads(payload), request.sampling.logprobs)
                 if output is not None:
-                    self._outputs.put(output)
+                    yield output
                     if output.finished:
                         return
         raise RetryableError(f"vLLM replica {url} ended the stream before the request's end",
@@ -135,13 +223,21 @@ class RemoteVLLMRunner(LoopRunner):
 
     # ------------------------------------------------------------ the request for vLLM
 
-    def _replica(self, request: EngineRequest) -> str:
-        if len(self._urls) == 1:
-            return self._urls[0]
-        key = (request.mm_items[0].mm_hash if request.mm_items and request.mm_items[0].mm_hash
-               else str(request.prompt_token_ids[:AFFINITY_TOKENS]))
-        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-        return self._urls[int.from_bytes(digest, "big") % len(self._urls)]
+    def _pick(self, request: EngineRequest, tried: list[Replica]) -> Replica:
+        """The replica for the request: of those not yet tried (the ones up, if any), the first
+        in the request's own order of them (rendezvous hashing of its affinity key: its first
+        image's hash, else its prompt's first tokens) whose outstanding requests are not far
+        above the mean (LOAD_SLACK)."""
+        untried = [replica for replica in self._replicas if replica not in tried]
+        candidates = [replica for replica in untried if replica.up] or untried
+        if len(candidates) == 1:
+            return candidates[0]
+        first = request.mm_items[0].mm_hash if request.mm_items else ""
+        key = first or str(request.prompt_token_ids[:AFFINITY_TOKENS])
+        ranked = sorted(candidates, key=lambda replica: hashlib.blake2b(
+            f"{key}|{replica.url}".encode(), digest_size=8).digest())
+        bound = LOAD_SLACK * sum(r.outstanding for r in candidates) / len(candidates) + 1
+        return next((replica for replica in ranked if replica.outstanding <= bound), ranked[0])
 
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         sampling = msgspec.structs.asdict(request.sampling)
@@ -217,5 +313,5 @@ def load(config: EngineConfig, metrics: Metrics) -> RemoteVLLMRunner:
                         vocab_size=model_config.get_text_config().vocab_size)
     runner = RemoteVLLMRunner(config.vllm.vllm_url, preprocessor, spec, metrics,
                               priority=config.vllm.remote_priority)
-    log.info("vllm-remote serves %s on %s", preprocessor.model_id, ", ".join(runner._urls))
+    log.info("vllm-remote serves %s on %s", preprocessor.model_id, ", ".join(runner.urls))
     return runner
