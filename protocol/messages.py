@@ -395,6 +395,9 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     http_refused: dict[str, int] = {}
     """Requests the frontend's HTTP API refused before it submitted them (bad JSON, an
     unsupported field, an unknown model, an API key, a body too large), by error code."""
+    exposition: str = ""
+    """Metrics of what the process hosts, in Prometheus' text format: an engine on vLLM, vLLM's
+    own `vllm:` series (`mmlane exporter` adds the process's role and name to them)."""
 
 
 StatsMessage = Stats

@@ -435,7 +435,8 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens(
 ) -> None:
     """Every chat, text and images, through mmlane's vllm-remote backend to vLLM's scale-out
     API: the same tokens and top tokens as vLLM's own chat API, logprobs within the bound;
-    none fails for the replica that is down, which the stats show down."""
+    none fails for the replica that is down, which the stats show down; the stats carry the live
+    replica's vLLM series."""
     worst = worst_logprob_difference(vllm_alone[1], mmlane_remote[1], qwen_dir,
                                      list(CHATS.values()))
     print(f"vllm-remote: the largest logprob difference from vLLM alone: {worst:.3g}")
@@ -443,8 +444,12 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens(
     live = f"http://127.0.0.1:{vllm_alone[1]}"
     stats = wait_for_stats(mmlane_remote[2], lambda s: s.role == "engine"
                            and s.queues.get(f"replica_up:{DEAD_REPLICA}") == 0
-                           and s.queues.get(f"replica_up:{live}") == 1, "the replicas' states")
+                           and s.queues.get(f"replica_up:{live}") == 1
+                           and "vllm:num_requests_running{" in s.exposition,
+                           "the replicas' states and the live one's vLLM series")
     assert stats.queues[f"replica_outstanding:{live}"] == 0
+    # The live replica's own vLLM series, labelled with it, for `mmlane exporter`
+    assert f'replica="{live}"' in stats.exposition and DEAD_REPLICA not in stats.exposition
 
 
 def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path) -> None:
@@ -567,6 +572,42 @@ def test_a_repeated_image_travels_as_its_hash_and_gives_the_same_tokens(
                            >= before["vllm_mm_cache_hit_items"] + 2, "vLLM's MM cache hits")
     assert (after.counters["vllm_mm_cache_queried_items"]
             >= before["vllm_mm_cache_queried_items"] + 3)
+
+
+def test_the_exporter_shows_vllm_s_own_metrics(mmlane_vllm: tuple[Server, str, Path]) -> None:
+    """`mmlane exporter` over the stack: beside mmlane's families, vLLM's own `vllm:` series
+    from the engine role, labelled with its role and name, as `vllm serve`'s /metrics has them
+    (an existing vLLM dashboard finds its series)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with Client(mmlane_vllm[1], timeout_s=300) as client:
+        assert client.chat([user_message("count me")], max_tokens=2).error is None
+    port = free_port()
+    exporter = subprocess.Popen(
+        [sys.executable, "-m", "mmlane.cli", "exporter", "--port", str(port),
+         "--run-dir", str(mmlane_vllm[2])], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert f":{port}/metrics" in exporter.stdout.readline()  # type: ignore[union-attr]
+
+        def vllm_families() -> dict[str, Any] | None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                found = {family.name: family
+                         for family in text_string_to_metric_families(r.read().decode())}
+            return found if "vllm:num_requests_running" in found else None
+
+        found = wait_until(vllm_families, "vLLM's series at the exporter", timeout_s=60,
+                           every_s=0.5)
+    finally:
+        exporter.send_signal(signal.SIGTERM)
+        assert exporter.wait(timeout=30) == 0
+    assert "mmlane_up" in found
+    assert {"vllm:num_requests_waiting", "vllm:prompt_tokens",
+            "vllm:time_to_first_token_seconds"} <= set(found)
+    [running] = found["vllm:num_requests_running"].samples
+    assert running.labels["role"] == "engine" and running.labels["name"]
+    assert "model_name" in running.labels
+    assert sum(sample.value for sample in found["vllm:prompt_tokens"].samples
+               if sample.name == "vllm:prompt_tokens_total") > 0
 
 
 def test_cancel_mid_stream_and_bad_input_each_get_one_reply(

@@ -11,6 +11,9 @@ process's latest snapshot) and the frontend's GET /metrics (its own current snap
     mmlane_in_flight{role,name}                   requests held, not yet answered
     mmlane_uptime_seconds{role,name}
     mmlane_up{role,name}                          1 while its stats are fresh, else 0
+
+and, from the exporter, each process's own `Stats.exposition` (an engine on vLLM: vLLM's `vllm:`
+series) with `role` and `name` added to every sample's labels.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -42,14 +46,60 @@ def metric_name(text: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", text)
 
 
-def families(up: Iterable[tuple[str, str, bool]], fresh: list[Stats]) -> Iterator[Metric]:
+def families(up: Iterable[tuple[str, str, bool]], fresh: list[Stats], *,
+             hosted: bool = False) -> Iterator[Metric]:
     """`mmlane_up` for each (role, name, is fresh), then every other family, from the `fresh`
-    snapshots (the newest of each role and name)."""
+    snapshots (the newest of each role and name); with `hosted`, their expositions too."""
     yield _up(up)
     snapshots = _one_per_name(fresh)
     yield from _gauges(snapshots)
     yield from _counters(snapshots)
     yield from _histograms(snapshots)
+    if hosted:
+        yield from _hosted(snapshots)
+
+
+def _hosted(snapshots: list[Stats]) -> Iterator[Metric]:
+    """The snapshots' expositions, each sample labelled with its process's role and name."""
+    return labelled(({"role": stats.role, "name": stats.name}, stats.exposition)
+                    for stats in snapshots if stats.exposition)
+
+
+def labelled(expositions: Iterable[tuple[dict[str, str], str]]) -> Iterator[Metric]:
+    """The families of several expositions (Prometheus' text format), one family per name, each
+    sample with its exposition's labels added; a malformed exposition is left out (and
+    logged)."""
+    merged: dict[str, Metric] = {}
+    for labels, text in expositions:
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError as exc:
+            log.warning("malformed metrics of %s left out: %s", labels, exc)
+            continue
+        for family in parsed:
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation,
+                                                         family.type, family.unit))
+            into.samples += [sample._replace(labels={**sample.labels, **labels})
+                             for sample in family.samples]
+    yield from merged.values()
+
+
+def vllm_series(text: str) -> str:
+    """The lines of vLLM's own families (`vllm:...`, with their HELP and TYPE) of an exposition
+    that holds others too (a `vllm serve`'s /metrics, or the registry of a process hosting
+    vLLM)."""
+    return "".join(f"{line}\n" for line in text.splitlines()
+                   if line.removeprefix("# HELP ").removeprefix("# TYPE ").startswith("vllm:"))
+
+
+def exposition(metrics: Iterable[Metric]) -> str:
+    """`metrics` in Prometheus' text format."""
+
+    class Fixed(Collector):
+        def collect(self) -> Iterator[Metric]:
+            yield from metrics
+
+    return generate_latest(registry_of(Fixed())).decode()
 
 
 class OwnStatsCollector(Collector):

@@ -118,6 +118,8 @@ class Metrics:
         self._counter_sources: list[Mapping[str, int]] = []
         self.in_flight: Callable[[], int] = lambda: 0
         self.epoch: Callable[[], int] = lambda: 0
+        self.exposition: Callable[[], str] = lambda: ""
+        """Metrics of what the process hosts, in Prometheus' text format (`Stats.exposition`)."""
         self.model = ""
         """The id of the model this process has loaded; "" while none is."""
         self.interval_s = 0.0
@@ -152,7 +154,7 @@ class Metrics:
             counters=counters, errors=dict(self.errors),
             histograms={name: h.snapshot() for name, h in dict(self.histograms).items()},
             interval_s=self.interval_s, restarts=self.restarts,
-            http_refused=dict(self.http_refused),
+            http_refused=dict(self.http_refused), exposition=self.exposition(),
         )
 
     def pong(self) -> Pong:

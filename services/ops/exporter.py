@@ -49,7 +49,8 @@ class StatsCollector(Collector):
             processes = self._processes
         now = time.monotonic()
         fresh = [p.latest for p in processes if p.latest and p.fresh(now)]
-        yield from families([(p.role, p.name, p.fresh(now)) for p in processes], fresh)
+        yield from families([(p.role, p.name, p.fresh(now)) for p in processes], fresh,
+                            hosted=True)
 
 
 def exporter_command(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 import transformers
 
+from mmlane.common.prometheus import exposition, labelled, vllm_series
 from mmlane.common.stats import Metrics
 from mmlane.engine.config import EngineConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
@@ -80,6 +81,8 @@ class Replica:
     """Requests it failed (unreachable, 5xx, a broken stream)."""
     check_every_s: float = HEALTH_INTERVAL_S
     """How long until its next health check: doubled while it is down, up to HEALTH_BACKOFF_S."""
+    metrics: str = ""
+    """vLLM's `vllm:` series from its /metrics, as of its last health check while up."""
 
     def failed(self) -> None:
         self.errors += 1
@@ -102,6 +105,7 @@ class RemoteVLLMRunner(LoopRunner):
         for replica in self._replicas:
             self._loop.call_soon_threadsafe(self._watch, replica)
             self._publish(replica)
+        metrics.exposition = self._replicas_exposition
 
     def _publish(self, replica: Replica) -> None:
         """Its state in the stats (health, top, /metrics)."""
@@ -125,6 +129,11 @@ class RemoteVLLMRunner(LoopRunner):
     def urls(self) -> list[str]:
         return [replica.url for replica in self._replicas]
 
+    def _replicas_exposition(self) -> str:
+        """The replicas' vLLM series, each labelled with its replica (on the stats thread)."""
+        return exposition(labelled(({"replica": replica.url}, replica.metrics)
+                                   for replica in list(self._replicas) if replica.metrics))
+
     # ------------------------------------------------------------ on the loop thread
 
     def _watch(self, replica: Replica) -> None:
@@ -143,6 +152,8 @@ class RemoteVLLMRunner(LoopRunner):
                 f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
             ) as reply:
                 replica.up = reply.status == 200
+            if replica.up:
+                replica.metrics = await self._vllm_metrics(replica)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             replica.up = False
         if replica.up != was_up:
@@ -150,6 +161,14 @@ class RemoteVLLMRunner(LoopRunner):
         replica.check_every_s = (HEALTH_INTERVAL_S if replica.up
                                  else min(2 * replica.check_every_s, HEALTH_BACKOFF_S))
         self._loop.call_later(replica.check_every_s, self._watch, replica)
+
+    async def _vllm_metrics(self, replica: Replica) -> str:
+        import aiohttp
+
+        async with self._session.get(
+            f"{replica.url}/metrics", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        ) as reply:
+            return vllm_series(await reply.text()) if reply.status == 200 else ""
 
     async def _run(self, handle: int, request: EngineRequest) -> None:
         """(Cancelled, its stream closes: vLLM aborts the request.) A request whose replica

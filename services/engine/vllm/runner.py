@@ -57,6 +57,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from mmlane.common import cpu_wheels
 from mmlane.common.config import default_run_dir
+from mmlane.common.prometheus import vllm_series
 from mmlane.common.stats import Metrics
 from mmlane.engine.config import EngineConfig, VisionConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
@@ -114,6 +115,7 @@ class VLLMRunner(LoopRunner):
         self._fields = self.engine.renderer.get_mm_processor()._get_mm_fields_config
         metrics.gauge("vllm_running", lambda: self._scheduled("num_running_reqs"))
         metrics.gauge("vllm_waiting", lambda: self._scheduled("num_waiting_reqs"))
+        metrics.exposition = _vllm_exposition
         log.info("vLLM %s serves %s: max_model_len %d, scheduling %s, %s",
                  _vllm_version(), preprocessor.model_id, model_config.max_model_len,
                  self.engine.vllm_config.scheduler_config.policy,
@@ -377,6 +379,15 @@ def _embeds_item(tensors: dict[str, np.ndarray], embeds: torch.Tensor) -> dict[s
 
 _VLLM_CACHE_COUNTERS = ("vllm_prefix_cache_queried_tokens", "vllm_prefix_cache_hit_tokens",
                         "vllm_mm_cache_queried_items", "vllm_mm_cache_hit_items")
+
+
+def _vllm_exposition() -> str:
+    """vLLM's own metrics in this process (its Prometheus logger's `vllm:` series, those a
+    `vllm serve` shows at /metrics), in Prometheus' text format, for the stats (`mmlane
+    exporter` shows them)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return vllm_series(generate_latest(REGISTRY).decode())
 
 
 def _hashes(request: EngineRequest) -> list[str]:
