@@ -94,7 +94,7 @@ class RemoteVLLMRunner(LoopRunner):
 
     def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
                  metrics: Metrics, *, priority: bool) -> None:
-        self._replicas = [Replica(url.rstrip("/")) for url in urls]
+        self._replicas = [Replica(url) for url in dict.fromkeys(u.rstrip("/") for u in urls)]
         self._pre = preprocessor
         self.spec = spec
         self.metrics = metrics
@@ -156,6 +156,8 @@ class RemoteVLLMRunner(LoopRunner):
                 replica.metrics = await self._vllm_metrics(replica)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             replica.up = False
+        if not replica.up:
+            replica.metrics = ""  # no stale series of a replica that is down
         if replica.up != was_up:
             log.warning("vLLM replica %s is %s", replica.url, "up" if replica.up else "down")
         replica.check_every_s = (HEALTH_INTERVAL_S if replica.up
