@@ -40,6 +40,7 @@ from mmlane.protocol.messages import (
     RequestFailed,
     SamplingParams,
 )
+from replica_server import ID, MESSAGE, StandInReplica
 
 TICK_S = 0.005
 """How often the fake backend's own thread makes a token for each request it holds."""
@@ -317,6 +318,69 @@ def test_a_remote_replica_that_does_not_answer_fails_each_request_retryable(
             assert_nothing_more(frontend)
     finally:
         stop_all([engine])
+
+
+@contextlib.contextmanager
+def remote_engine(run_dir: Path, model_dir: Path, *urls: str) -> Iterator[Frontend]:
+    """An engine role on --backend vllm-remote in front of `urls`, and a frontend for it."""
+    replicas = [arg for url in urls for arg in ("--vllm-url", url)]
+    engine = start_engine(run_dir, "--backend", "vllm-remote", "--model", str(model_dir),
+                          *replicas)
+    try:
+        with Frontend.connected(engine, run_dir) as frontend:
+            yield frontend
+    finally:
+        stop_all([engine])
+
+
+def test_a_request_whose_replica_fails_before_its_first_token_goes_to_another(
+    qwen_dir: Path, run_dir: Path,
+) -> None:
+    """One replica answers 500 to every generate (its /health says it is up): each request
+    that goes there first is sent to the other one, and every request is served in full."""
+    failing, working = StandInReplica("5xx"), StandInReplica()
+    try:
+        with remote_engine(run_dir, qwen_dir, failing.url, working.url) as frontend:
+            sent = [request(frontend, [3 + index, 4], 3) for index in range(8)]
+            replies = frontend.run(*sent)
+            for one in sent:
+                assert_streamed(replies[one.request_id], one)
+                assert {t for r in replies[one.request_id] for t in r.token_ids} == {ID}
+            assert_nothing_more(frontend)
+        assert failing.generated >= 1 and working.generated == len(sent)
+    finally:
+        failing.close()
+        working.close()
+
+
+@pytest.mark.parametrize(("mode", "code", "tokens"), [
+    ("4xx", "invalid_request", 0),  # the request's fault: not sent elsewhere
+    ("cut", "backend_unavailable", 1),  # after its first token: not sent elsewhere either
+    ("error chunk", "aborted", 1),
+])
+def test_a_replica_s_failure_is_the_request_s_one_reply(
+    mode: str, code: str, tokens: int, qwen_dir: Path, run_dir: Path,
+) -> None:
+    """A replica that refuses the request (4xx: its message is the error's), drops the stream
+    after the first token, or ends it with an error: the tokens that came, then one terminal
+    error, and the engine serves on (the next request too)."""
+    replica = StandInReplica(mode)
+    try:
+        with remote_engine(run_dir, qwen_dir, replica.url) as frontend:
+            sent = request(frontend, [3, 4], 3)
+            replies = frontend.run(sent)[sent.request_id]
+            error = failed(replies).error
+            assert error.code == code, error
+            assert sum(len(r.token_ids) for r in replies[:-1]) == tokens
+            if mode != "cut":
+                assert MESSAGE in error.message
+            assert replica.generated == 1
+            replica.mode = "ok"
+            again = request(frontend, [5], 2)
+            assert_streamed(frontend.run(again)[again.request_id], again)
+            assert_nothing_more(frontend)
+    finally:
+        replica.close()
 
 
 def test_every_backend_setting_has_a_factory() -> None:

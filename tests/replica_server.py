@@ -1,0 +1,95 @@
+"""A loopback stand-in for a vLLM replica's scale-out API, for the vllm-remote backend's failures.
+
+aiohttp on 127.0.0.1 in its own thread, as image_server.py. `GET /health` answers 200 (the
+replica looks up), `GET /metrics` one vLLM gauge, and `POST /inference/v1/generate` as `mode`
+says: 'ok' streams one token (ID) per chunk up to the request's max_tokens, as vLLM's tokens
+output mode does; '5xx' and '4xx' answer an error body as vLLM's; 'cut' sends one token, then
+drops the connection; 'error chunk' sends an error in the stream, as vLLM does for a failure
+after its headers. The real vLLM's answers are tests/test_vllm.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+from aiohttp import web
+
+ID = 7
+"""The token every 'ok' chunk carries."""
+MESSAGE = "the stand-in replica refuses this"
+
+
+class StandInReplica:
+    """The stand-in (see the module docstring); `generated` counts the generate requests."""
+
+    def __init__(self, mode: str = "ok") -> None:
+        self.mode = mode
+        self.generated = 0
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True,
+                                       name="replica-server")
+        self.thread.start()
+        started.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        self._runner = web.AppRunner(app)
+        self.loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        started.set()
+        self.loop.run_forever()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text="# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n")
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.generated += 1
+        if self.mode in ("5xx", "4xx"):
+            status = 500 if self.mode == "5xx" else 400
+            return web.json_response({"error": {"message": MESSAGE, "code": status}},
+                                     status=status)
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        tokens = body["sampling_params"]["max_tokens"]
+        for index in range(tokens):
+            last = index == tokens - 1
+            await reply.write(_chunk({"choices": [{"index": 0, "token_ids": [ID],
+                                                   "finish_reason": "length" if last else None}]}))
+            if self.mode == "cut":
+                assert request.transport is not None
+                request.transport.close()
+                return reply
+            if self.mode == "error chunk":
+                await reply.write(_chunk({"error": {"message": MESSAGE}}))
+                break
+        await reply.write(b"data: [DONE]\n\n")
+        return reply
+
+
+def _chunk(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
