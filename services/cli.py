@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Watch every process (state, uptime, in-flight requests, queue depths, requests/s, "
         "errors) and every lane's latency (p50/p90/p99 over the last window, i.e. between a "
         "process's two latest snapshots, and since start), live. A process that stops "
-        "publishing shows as stale. Ctrl-C quits."
+        "publishing shows as stale. Ctrl-C quits. Into a pipe or a file: the view as plain "
+        "text every --interval."
     )
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="seconds between two screen updates (default 1)")

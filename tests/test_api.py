@@ -189,6 +189,26 @@ def test_top_once_into_a_closed_pipe_ends_quietly(run_dir: Path) -> None:
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
 
 
+def test_top_into_head_prints_plain_views_and_ends_with_the_status_of_a_broken_pipe(
+    run_dir: Path,
+) -> None:
+    """`mmlane top | head -3`, in a real shell pipe: not a terminal, so top prints its view as
+    plain text every interval, until a view finds the pipe closed."""
+    server = StatsServer(Metrics("engine", "watched"), interval_s=0.05,
+                         stats_endpoint=f"ipc://{run_dir}/stats-watched.sock",
+                         control_endpoint=f"ipc://{run_dir}/control-watched.sock").start()
+    top = [sys.executable, "-m", "mmlane.cli", "top", "--interval", "0.2",
+           "--connect", server.stats_endpoint]
+    try:
+        piped = subprocess.run(["bash", "-o", "pipefail", "-c", f"{shlex.join(top)} | head -3"],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        server.close()
+    assert piped.returncode == EXIT_BROKEN_PIPE, piped.stderr
+    assert piped.stdout.count("\n") == 3 and "mmlane top" in piped.stdout, piped.stdout
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr
+
+
 def test_stats_into_head_ends_quietly_with_the_status_of_a_broken_pipe(run_dir: Path) -> None:
     """`mmlane stats | head -1`, in a real shell pipe: stats prints a line per snapshot until
     its next line finds the pipe closed (head is gone after the first)."""

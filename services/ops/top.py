@@ -8,7 +8,9 @@ latest snapshots (its --stats-interval), so rates and windowed quantiles need tw
 until then they show '-'.
 
 `--once` waits for two snapshots from every process (or --timeout), prints the view as plain
-text and exits: 1 if a process sent nothing, else 0.
+text and exits: 1 if a process sent nothing, else 0. Into a pipe or a file (stdout not a
+terminal), the live view is plain text too: one view every --interval, each after a blank line,
+until stopped (or, in a pipe whose reader has gone, with status 141).
 """
 
 from __future__ import annotations
@@ -42,13 +44,26 @@ def top_command(args: argparse.Namespace) -> int:
     if args.once:
         where.require_endpoints()
     with StatsFeed(where) as feed:
-        return _print_once(feed, args.timeout) if args.once else _show_live(feed, args.interval)
+        if args.once:
+            return _print_once(feed, args.timeout)
+        if not sys.stdout.isatty():
+            return _print_every(feed, args.interval)
+        return _show_live(feed, args.interval)
 
 
 def _print_once(feed: StatsFeed, timeout_s: float) -> int:
     feed.wait_for(2, timeout_s)
     print(plain_text(render(feed, time.monotonic())), flush=True)
     return 1 if feed.silent() else 0
+
+
+def _print_every(feed: StatsFeed, interval_s: float) -> int:
+    try:
+        while True:
+            feed.receive_for(interval_s)
+            print(plain_text(render(feed, time.monotonic())) + "\n", flush=True)
+    except KeyboardInterrupt:
+        return 0
 
 
 def plain_text(view: Group) -> str:
