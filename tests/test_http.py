@@ -826,6 +826,26 @@ REFUSED_OVER_HTTP = [
 ]
 
 
+@pytest.mark.parametrize(("method", "path", "status", "message"), [
+    ("GET", "/v1/nothing-here", 404, "no route /v1/nothing-here"),
+    ("GET", "/v1/chat/completions", 405, "GET is not allowed on /v1/chat/completions"),
+])
+def test_unknown_routes_and_methods_answer_openai_error_json(
+    server: Server, method: str, path: str, status: int, message: str,
+) -> None:
+    """As every other error: an OpenAI error body (not aiohttp's plain text), a 405 with
+    `Allow`."""
+    url = server.base_url.removesuffix("/v1") + path
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=60)
+    assert answer.value.code == status
+    error = json.loads(answer.value.read())["error"]
+    assert message in error["message"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_request")
+    if status == 405:
+        assert "POST" in answer.value.headers["Allow"]
+
+
 def test_a_request_refused_over_http_is_counted_by_its_code(server: Server) -> None:
     before = own_metrics(server.base_url)
     for sent, _ in REFUSED_OVER_HTTP:

@@ -195,7 +195,8 @@ class HttpApi:
         self._dealer.connect(self._client_endpoint)
         self._reader = asyncio.create_task(self._read_replies(), name="frontend-http-replies")
         app = web.Application(client_max_size=self._config.http_max_body_bytes,
-                              middlewares=[self._guard, self._check_api_key, self._rate_limit])
+                              middlewares=[self._guard, self._openai_errors, self._check_api_key,
+                                           self._rate_limit])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -271,6 +272,24 @@ class HttpApi:
             return await handler(request)
         finally:
             self._connections.handled(request.protocol)
+
+    @web.middleware
+    async def _openai_errors(self, request: web.Request,
+                             handler: Handler) -> web.StreamResponse:
+        """aiohttp's own answers to an unknown route (404) and to a method a route does not
+        take (405, with `Allow`) as OpenAI error bodies, as every other error here."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return self._refuse(ApiError(f"no route {request.path}", "invalid_request",
+                                         status=404))
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            response = self._refuse(ApiError(
+                f"{request.method} is not allowed on {request.path} (allowed: {allowed})",
+                "invalid_request", status=405))
+            response.headers["Allow"] = allowed
+            return response
 
     @web.middleware
     async def _rate_limit(self, request: web.Request, handler: Handler) -> web.StreamResponse:
