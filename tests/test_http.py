@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import http.client
 import itertools
 import json
 import re
@@ -904,6 +905,27 @@ def test_a_client_disconnect_cancels_the_request(
         urllib.request.urlopen(request, timeout=0.3)
     wait_until(lambda: "went away, or another choice failed): cancelling" in server.log(),
                f"the frontend logging the cancel: {server.log()[-3000:]}", timeout_s=10)
+
+
+def test_a_streaming_client_that_goes_away_is_no_error(server: Server) -> None:
+    """A client reads the first chunk of a long stream and closes its connection: the request
+    is cancelled, and the log says so without an error or a traceback."""
+    before = len(server.log())
+    host, port = server.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": server.model, "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 3000, "stream": True, "ignore_eos": True,
+    }), headers={"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200 and reply.readline().startswith(b"data: ")
+    connection.sock.close()  # type: ignore[union-attr]  # gone, mid-stream
+    connection.close()
+    wait_until(lambda: "went away, or another choice failed): cancelling"
+               in server.log()[before:], "the frontend cancelling the request", timeout_s=30)
+    time.sleep(0.5)  # the write that finds the connection gone
+    logged = server.log()[before:]
+    assert "Traceback" not in logged and "Error handling request" not in logged, logged
 
 
 # ---------------------------------------------------------------- a frontend with a silent engine

@@ -421,6 +421,8 @@ class HttpApi:
                         request.request_id, self._config.http_stream_write_timeout_s)
             if http.transport is not None:
                 http.transport.abort()
+        except ConnectionResetError:  # the client went away mid-stream, as clients do
+            log.info("HTTP stream of %s: the client went away", request.request_id)
         return response
 
     async def _stream_events(
