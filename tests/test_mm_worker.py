@@ -335,7 +335,12 @@ BAD_IMAGES: list[tuple[str, Callable[[Path], str], str, str]] = [
      r"^image 0: not an image in a format we can read"),
     ("empty", lambda _: "data:image/png;base64,", "invalid_image", r"^image 0: image is empty"),
     ("truncated-jpeg", lambda _: _truncated_jpeg(), "invalid_image",
-     r"^image 0: cannot decode the JPEG data: image file is truncated"),
+     r"^image 0: the JPEG data ends early: the file is cut short or corrupt \(image file is "
+     r"truncated"),
+    ("jpeg-cut-in-its-header", lambda _: data_uri(
+        encode(noise_image(64, 64, seed=9), "JPEG")[:300], "image/jpeg"), "invalid_image",
+     r"^image 0: the image data ends early: the file is cut short or corrupt \(Truncated File "
+     r"Read\)$"),
     ("svg-text", lambda _: data_uri(b'<svg xmlns="http://www.w3.org/2000/svg"/>', "image/svg+xml"),
      "invalid_image", r"^image 0: not an image in a format we can read"),
     ("png-header-then-junk",

@@ -29,7 +29,8 @@ import io
 import os
 import stat
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -237,11 +238,11 @@ def decode_image(data: bytes, index: int, max_pixels: int,
         raise _invalid(index, "image is empty (0 bytes)")
     # Decoders of hostile data raise anything (OSError, ValueError, SyntaxError, Pillow's bomb
     # guard): FOREIGN_ERRORS names the types that are not simply an invalid image.
-    with translated(f"image {index}", default="invalid_image"):
+    with translated(f"image {index}", default="invalid_image"), _cut_short(index):
         image: Image.Image = Image.open(io.BytesIO(data))  # lazy: reads the header only
     _check_pixels(image, index, max_pixels)
     with translated(f"image {index}: cannot decode the {image.format} data",
-                    default="invalid_image"):
+                    default="invalid_image"), _cut_short(index, image.format):
         if resized_size is not None and image.format in _DRAFT_FORMATS:
             _draft(image, resized_size)
         image.load()
@@ -306,6 +307,20 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 # ---------------------------------------------------------------- errors
+
+
+@contextmanager
+def _cut_short(index: int, image_format: str | None = None) -> Iterator[None]:
+    """Pillow's word for data that ends early ("Truncated File Read", "image file is
+    truncated") said plainly, Pillow's own in parentheses."""
+    try:
+        yield
+    except OSError as exc:
+        if "truncated" not in str(exc).lower():
+            raise
+        what = f"the {image_format} data" if image_format else "the image data"
+        raise _invalid(index, f"{what} ends early: the file is cut short or corrupt "
+                              f"({exc})") from exc
 
 
 def _invalid(index: int, problem: str) -> RequestError:
