@@ -27,6 +27,7 @@ import binascii
 import concurrent.futures
 import io
 import os
+import re
 import stat
 import warnings
 from collections.abc import Callable, Iterator
@@ -239,7 +240,13 @@ def decode_image(data: bytes, index: int, max_pixels: int,
     # Decoders of hostile data raise anything (OSError, ValueError, SyntaxError, Pillow's bomb
     # guard): FOREIGN_ERRORS names the types that are not simply an invalid image.
     with translated(f"image {index}", default="invalid_image"), _cut_short(index):
-        image: Image.Image = Image.open(io.BytesIO(data))  # lazy: reads the header only
+        try:
+            image: Image.Image = Image.open(io.BytesIO(data))  # lazy: reads the header only
+        except Image.DecompressionBombError as exc:  # above twice the limit: Pillow's guard
+            pixels = re.search(r"\((\d+) pixels\)", str(exc))
+            size = f"{pixels[1]} pixels" if pixels else "its size"
+            raise RequestError(f"image {index}: {size}, more than max_image_pixels "
+                               f"{max_pixels}", code="image_too_large") from exc
     _check_pixels(image, index, max_pixels)
     with translated(f"image {index}: cannot decode the {image.format} data",
                     default="invalid_image"), _cut_short(index, image.format):
