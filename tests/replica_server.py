@@ -1,63 +1,44 @@
 """A loopback stand-in for a vLLM replica's scale-out API, for the vllm-remote backend's failures.
 
-aiohttp on 127.0.0.1 in its own thread, as image_server.py. `GET /health` answers 200 (the
-replica looks up), `GET /metrics` one vLLM gauge, and `POST /inference/v1/generate` as `mode`
-says: 'ok' streams one token (ID) per chunk up to the request's max_tokens, as vLLM's tokens
-output mode does; '5xx' and '4xx' answer an error body as vLLM's; 'cut' sends one token, then
-drops the connection; 'error chunk' sends an error in the stream, as vLLM does for a failure
-after its headers. The real vLLM's answers are tests/test_vllm.py's.
+aiohttp on 127.0.0.1 in its own thread (image_server.py's `LoopbackServer`). `GET /health`
+answers 200 (the replica looks up), `GET /metrics` one vLLM gauge, and `POST
+/inference/v1/generate` as `mode` says: 'ok' streams one token (ID) per chunk up to the
+request's max_tokens, as vLLM's tokens output mode does; '5xx' and '4xx' answer an error body as
+vLLM's; 'cut' sends one token, then drops the connection; 'error chunk' sends an error in the
+stream, as vLLM does for a failure after its headers. The real vLLM's answers are
+tests/test_vllm.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from typing import Any
 
 from aiohttp import web
+
+from image_server import LoopbackServer
 
 ID = 7
 """The token every 'ok' chunk carries."""
 MESSAGE = "the stand-in replica refuses this"
 
 
-class StandInReplica:
+class StandInReplica(LoopbackServer):
     """The stand-in (see the module docstring); `generated` counts the generate requests."""
 
     def __init__(self, mode: str = "ok") -> None:
         self.mode = mode
         self.generated = 0
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        started = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True,
-                                       name="replica-server")
-        self.thread.start()
-        started.wait(10)
+        super().__init__("replica-server")
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def base_url(self) -> str:
+        return self.url("")
 
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    def _run(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
+    def _routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/inference/v1/generate", self._generate)
-        self._runner = web.AppRunner(app)
-        self.loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        started.set()
-        self.loop.run_forever()
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()

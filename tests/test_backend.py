@@ -340,7 +340,7 @@ def test_a_request_whose_replica_fails_before_its_first_token_goes_to_another(
     that goes there first is sent to the other one, and every request is served in full."""
     failing, working = StandInReplica("5xx"), StandInReplica()
     try:
-        with remote_engine(run_dir, qwen_dir, failing.url, working.url) as frontend:
+        with remote_engine(run_dir, qwen_dir, failing.base_url, working.base_url) as frontend:
             sent = [request(frontend, [3 + index, 4], 3) for index in range(8)]
             replies = frontend.run(*sent)
             for one in sent:
@@ -366,7 +366,7 @@ def test_a_replica_s_failure_is_the_request_s_one_reply(
     error, and the engine serves on (the next request too)."""
     replica = StandInReplica(mode)
     try:
-        with remote_engine(run_dir, qwen_dir, replica.url) as frontend:
+        with remote_engine(run_dir, qwen_dir, replica.base_url) as frontend:
             sent = request(frontend, [3, 4], 3)
             replies = frontend.run(sent)[sent.request_id]
             error = failed(replies).error
