@@ -1,4 +1,5 @@
-"""What both vLLM backends' runners share: requests run as asyncio tasks on a thread of their own.
+"""What both vLLM backends' runners share: requests run as asyncio tasks on a thread of their own,
+and what a request is to vLLM (its images' hashes, the finish reasons, vLLM's refusals).
 
 The engine's main thread calls `add`, `step` and `abort` (the ModelRunner interface), which hand
 work to the loop thread and take outputs from a queue: `add` starts the request's task
@@ -15,9 +16,25 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from mmlane.engine.runner import StepOutput
+from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import EngineRequest
 
 T = TypeVar("T")
+FINISH_REASONS = frozenset({"stop", "length"})
+"""The finish reasons StepOutput takes; any other of vLLM's (abort, error) ends a request with
+an error."""
+
+
+def mm_hashes(request: EngineRequest) -> list[str]:
+    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own."""
+    return [item.mm_hash or f"{request.request_id}:{index}"
+            for index, item in enumerate(request.mm_items)]
+
+
+def refusal(message: str) -> RequestError:
+    """vLLM's refusal of a request (its message) as the request's error."""
+    code = "prompt_too_long" if "maximum model length" in message else "invalid_request"
+    return RequestError(f"vLLM refused the request: {message}", code=code)
 
 
 class LoopRunner:

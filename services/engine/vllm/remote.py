@@ -41,19 +41,13 @@ from mmlane.common.stats import Metrics
 from mmlane.engine.config import EngineConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
 from mmlane.engine.vllm import wire
-from mmlane.engine.vllm.loop import LoopRunner
+from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, mm_hashes, refusal
 from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
-from mmlane.protocol.errors import (
-    FatalError,
-    MMLaneError,
-    RequestError,
-    RetryableError,
-)
+from mmlane.protocol.errors import FatalError, MMLaneError, RetryableError, translate
 from mmlane.protocol.messages import EngineRequest, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
-_FINISH_REASONS = frozenset({"stop", "length"})
 AFFINITY_TOKENS = 64
 """A text request's replica is chosen by a hash of its first tokens (its system prompt)."""
 LOAD_SLACK = 1.5
@@ -175,6 +169,12 @@ class RemoteVLLMRunner(LoopRunner):
     async def _run(self, handle: int, request: EngineRequest) -> None:
         """(Cancelled, its stream closes: vLLM aborts the request.) A request whose replica
         fails before its first token goes to another replica, once."""
+        try:  # once, however many replicas it goes to
+            body = msgspec.json.encode(self._body(request))
+        except Exception as exc:  # ours to fix, not a replica's failure: it is not sent
+            self._outputs.put(StepOutput(handle, [], error=translate(
+                exc, "cannot encode the request for vLLM", default="internal")))
+            return
         tried: list[Replica] = []
         while True:
             replica = self._pick(request, tried)
@@ -182,7 +182,7 @@ class RemoteVLLMRunner(LoopRunner):
             started = False
             replica.outstanding += 1
             try:
-                async for output in self._generate(handle, request, replica.url):
+                async for output in self._generate(handle, request, body, replica.url):
                     started = True
                     self._outputs.put(output)
                 return
@@ -204,9 +204,8 @@ class RemoteVLLMRunner(LoopRunner):
             finally:
                 replica.outstanding -= 1
 
-    async def _generate(self, handle: int, request: EngineRequest,
+    async def _generate(self, handle: int, request: EngineRequest, body: bytes,
                         url: str) -> AsyncIterator[StepOutput]:
-        body = msgspec.json.encode(self._body(request))
         async with self._session.post(f"{url}/inference/v1/generate", data=body,
                                       headers={"Content-Type": "application/json"}) as reply:
             if reply.status >= 400:
@@ -236,7 +235,7 @@ class RemoteVLLMRunner(LoopRunner):
         choice = chunk["choices"][0]
         tokens = list(choice.get("token_ids") or [])
         reason = choice.get("finish_reason")
-        if reason is not None and reason not in _FINISH_REASONS:
+        if reason is not None and reason not in FINISH_REASONS:
             return StepOutput(handle, tokens, error=RetryableError(
                 f"vLLM ended the request: {reason}", code="aborted"))
         return StepOutput(handle, tokens, finish_reason=reason,
@@ -276,11 +275,9 @@ class RemoteVLLMRunner(LoopRunner):
             "priority": 1 if self._priority and request.mm_items else 0,
         }
         if request.mm_items:
-            hashes = [item.mm_hash or f"{request.request_id}:{index}"
-                      for index, item in enumerate(request.mm_items)]
             norm = self._pre.pixel_norm
             body["features"] = {
-                "mm_hashes": {"image": hashes},
+                "mm_hashes": {"image": mm_hashes(request)},
                 "mm_placeholders": {"image": [{"offset": item.offset, "length": item.length}
                                               for item in request.mm_items]},
                 "kwargs_data": {"image": [wire.encode_item(self._item(item.tensors, norm))
@@ -296,8 +293,7 @@ def _status_error(url: str, status: int, text: str) -> MMLaneError:
     except (ValueError, AttributeError):
         message = text
     if status < 500:
-        code = "prompt_too_long" if "maximum model length" in str(message) else "invalid_request"
-        return RequestError(f"vLLM refused the request: {message}", code=code)
+        return refusal(str(message))
     return RetryableError(f"vLLM replica {url} answered {status}: {message}",
                           code="backend_unavailable")
 
@@ -313,9 +309,8 @@ def _logprobs(logprobs: dict[str, Any] | None, count: int | None) -> list[TokenL
         top = sorted((entry for entry in token.get("top_logprobs", [])
                       if entry.get("rank") is not None and entry["rank"] <= count),
                      key=lambda entry: entry["rank"])
-        unique = list({entry["token_id"]: entry for entry in top}.values())
-        result.append(TokenLogprobs(token["logprob"], [entry["token_id"] for entry in unique],
-                                    [entry["logprob"] for entry in unique]))
+        result.append(TokenLogprobs(token["logprob"], [entry["token_id"] for entry in top],
+                                    [entry["logprob"] for entry in top]))
     return result
 
 

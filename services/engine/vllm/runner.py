@@ -63,7 +63,7 @@ from mmlane.engine.config import EngineConfig, VisionConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
 from mmlane.engine.vision import VisionEncoder, VisionLane, load_encoder, torch_threads
 from mmlane.engine.vllm import leftovers
-from mmlane.engine.vllm.loop import LoopRunner
+from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, mm_hashes, refusal
 from mmlane.model import (
     Preprocessor,
     load_preprocessor,
@@ -71,12 +71,10 @@ from mmlane.model import (
     normalize,
     resolve_model_dir,
 )
-from mmlane.protocol.errors import FatalError, MMLaneError, RequestError, RetryableError, translate
+from mmlane.protocol.errors import FatalError, MMLaneError, RetryableError, translate
 from mmlane.protocol.messages import EngineRequest, MMItem, SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
-
-_FINISH_REASONS = frozenset({"stop", "length"})  # what StepOutput takes; vLLM also says abort
 
 
 class VLLMRunner(LoopRunner):
@@ -246,7 +244,7 @@ class VLLMRunner(LoopRunner):
                                                      priority=priority):
                 completion = output.outputs[0]
                 reason = completion.finish_reason if output.finished else None
-                if output.finished and reason not in _FINISH_REASONS:
+                if output.finished and reason not in FINISH_REASONS:
                     if retry and first and reason == "error" and not completion.token_ids:
                         return True
                     self._outputs.put(StepOutput(handle, list(completion.token_ids), error=(
@@ -262,7 +260,7 @@ class VLLMRunner(LoopRunner):
             # image is only sent again; one held there but not in the core fails a request).
             cache = self.engine.renderer.mm_processor_cache
             if first and cache is not None:
-                for mm_hash in _hashes(request):
+                for mm_hash in mm_hashes(request):
                     cache.invalidate(mm_hash)
             raise
         return False
@@ -275,7 +273,7 @@ class VLLMRunner(LoopRunner):
         from vllm.inputs import mm_input
         from vllm.multimodal.inputs import PlaceholderRange
 
-        hashes = _hashes(request)
+        hashes = mm_hashes(request)
         kwargs = await self._vllm_items(request.mm_items, hashes)
         prompt = torch.tensor(request.prompt_token_ids)
         placeholders = [PlaceholderRange(item.offset, item.length, _is_embed(
@@ -390,12 +388,6 @@ def _vllm_exposition() -> str:
     return vllm_series(generate_latest(REGISTRY).decode())
 
 
-def _hashes(request: EngineRequest) -> list[str]:
-    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own."""
-    return [item.mm_hash or f"{request.request_id}:{index}"
-            for index, item in enumerate(request.mm_items)]
-
-
 def _is_embed(span: torch.Tensor, image_token_id: int) -> torch.Tensor | None:
     """Which of a span's positions take the image's features, as vLLM's processors mark them
     (`PromptUpdateDetails.select_token_id`): its image tokens, not the tokens around them
@@ -505,8 +497,7 @@ def _request_error(exc: Exception) -> MMLaneError:
     from vllm.exceptions import VLLMClientError
 
     if isinstance(exc, VLLMClientError):
-        code = "prompt_too_long" if "maximum model length" in str(exc) else "invalid_request"
-        return RequestError(f"vLLM refused the request: {exc}", code=code)
+        return refusal(str(exc))
     return translate(exc, f"vLLM failed on this request: {type(exc).__name__}: {exc}",
                      default="model_error")
 
