@@ -99,7 +99,10 @@ class RemoteVLLMRunner(LoopRunner):
         for replica in self._replicas:
             self._loop.call_soon_threadsafe(self._watch, replica)
             self._publish(replica)
-        metrics.exposition = self._replicas_exposition
+        self._exposition = ""
+        """The replicas' vLLM series, each labelled with its replica: made again on the loop
+        thread when a scrape changes one, read as it is by the stats thread."""
+        metrics.exposition = lambda: self._exposition
 
     def _publish(self, replica: Replica) -> None:
         """Its state in the stats (health, top, /metrics)."""
@@ -123,10 +126,6 @@ class RemoteVLLMRunner(LoopRunner):
     def urls(self) -> list[str]:
         return [replica.url for replica in self._replicas]
 
-    def _replicas_exposition(self) -> str:
-        """The replicas' vLLM series, each labelled with its replica (on the stats thread)."""
-        return exposition(labelled(({"replica": replica.url}, replica.metrics)
-                                   for replica in list(self._replicas) if replica.metrics))
 
     # ------------------------------------------------------------ on the loop thread
 
@@ -140,7 +139,7 @@ class RemoteVLLMRunner(LoopRunner):
 
         if self._session.closed:
             return
-        was_up = replica.up
+        was_up, scraped = replica.up, replica.metrics
         try:
             async with self._session.get(
                 f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
@@ -152,6 +151,10 @@ class RemoteVLLMRunner(LoopRunner):
             replica.up = False
         if not replica.up:
             replica.metrics = ""  # no stale series of a replica that is down
+        if replica.metrics != scraped:
+            self._exposition = exposition(labelled(
+                ({"replica": other.url}, other.metrics)
+                for other in self._replicas if other.metrics))
         if replica.up != was_up:
             log.warning("vLLM replica %s is %s", replica.url, "up" if replica.up else "down")
         replica.check_every_s = (HEALTH_INTERVAL_S if replica.up
