@@ -171,13 +171,16 @@ class VisionLane:
         self._cancelled.add(job)
 
     def finished(self) -> list[VisionResult]:
-        """The results that have come since the last call."""
-        results = []
+        """The results that have come since the last call. A job cancelled after its pass ended
+        is forgotten here, so that no cancel outlives its job."""
+        results: list[VisionResult] = []
         while True:
             try:
-                results.append(self._results.get_nowait())
+                result = self._results.get_nowait()
             except queue.Empty:
                 return results
+            self._cancelled.discard(result.job)
+            results.append(result)
 
     def close(self) -> None:
         """End the thread after the pass under way (jobs still queued are dropped)."""
