@@ -25,8 +25,34 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
 
     json: str | None = None
     """A JSON schema, as JSON text: the output is a JSON value that matches it."""
+    regex: str | None = None
+    """A regular expression (Rust's regex syntax, as llguidance takes it) the output matches."""
+    choice: tuple[str, ...] | None = None
+    """The output is one of these texts."""
+    grammar: str | None = None
+    """A context-free grammar, in Lark's syntax or llama.cpp's GBNF (as vLLM's guidance backend
+    takes it): the output is a sentence of it."""
     json_object: bool | None = None
     """True: the output is a JSON object, any object."""
+
+    def kind(self, prefix: str = "") -> str:
+        """The one field set, by name; RequestError (naming `prefix`structured_outputs) unless
+        exactly one is."""
+        given = [name for name in self.__struct_fields__
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(f"{prefix}structured_outputs: set exactly one of json (a schema), "
+                               "regex, choice, grammar and json_object (true), got "
+                               f"{', '.join(given) or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise RequestError(f"{prefix}structured_outputs: choice must hold at least one text")
+        return given[0]
+
+    def vllm_fields(self) -> dict[str, object]:
+        """The fields as vLLM's StructuredOutputsParams (and its JSON) takes them."""
+        fields = msgspec.structs.asdict(self)
+        fields["choice"] = None if self.choice is None else list(self.choice)
+        return fields
 
 
 class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
@@ -53,7 +79,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, frozen=True):
     logit_bias: dict[int, float] | None = None
     """Token id -> a bias in [-100, 100] added to its logit (before the penalties)."""
     structured_outputs: StructuredOutputs | None = None
-    """Constrain the output to a JSON schema or to JSON objects; it ends where that form does."""
+    """Constrain the output to a JSON schema, JSON objects, a regular expression, one of some
+    texts or a grammar; it ends where that form does."""
     logprobs: int | None = None
     """Return each output token's log probability and those of this many most likely tokens at
     its position (0: the output token's alone); None: none."""
@@ -95,10 +122,8 @@ def check_sampling(fields: SamplingFields, *, vocab_size: int | None = None,
         if not -100 <= bias <= 100:
             raise RequestError(f"{prefix}logit_bias: the bias of {token} must be in "
                                f"[-100, 100], got {bias}")
-    structured = fields.structured_outputs
-    if structured is not None and (structured.json is None) == (not structured.json_object):
-        raise RequestError(f"{prefix}structured_outputs: set exactly one of json (a schema) "
-                           "and json_object (true)")
+    if fields.structured_outputs is not None:
+        fields.structured_outputs.kind(prefix)
     if fields.logprobs is not None and not 0 <= fields.logprobs <= MAX_LOGPROBS:
         raise RequestError(f"{prefix}logprobs must be in 0..{MAX_LOGPROBS}, "
                            f"got {fields.logprobs}")

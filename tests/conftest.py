@@ -104,6 +104,7 @@ NOT_FAST = (
     "test_api.py::test_top_once_into_a_closed_pipe_ends_quietly",
     "test_api.py::test_stats_into_head_ends_quietly_with_the_status_of_a_broken_pipe",
     "test_api.py::test_top_into_head_prints_plain_views_and_ends_with_the_status_of_a_broken_pipe",
+    "test_api.py::test_q_quits_the_live_view_in_a_terminal",
     "test_backend.py::test_the_engine_and_its_config_import_no_backend",
     "test_backend.py::test_a_remote_replica_that_does_not_answer_fails_each_request_retryable",
     "test_backend.py::test_a_request_whose_replica_fails_before_its_first_token_goes_to_another",

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import pty
+import select
 import shlex
 import subprocess
 import sys
+import termios
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -207,6 +211,34 @@ def test_top_into_head_prints_plain_views_and_ends_with_the_status_of_a_broken_p
     assert piped.returncode == EXIT_BROKEN_PIPE, piped.stderr
     assert piped.stdout.count("\n") == 3 and "mmlane top" in piped.stdout, piped.stdout
     assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr
+
+
+def test_q_quits_the_live_view_in_a_terminal(run_dir: Path) -> None:
+    """`mmlane top` in a terminal (a pty): the live view, until the key `q` ends it with 0,
+    leaving the terminal's mode as it found it."""
+    server = StatsServer(Metrics("engine", "live"), interval_s=0.05,
+                         stats_endpoint=f"ipc://{run_dir}/stats-live.sock",
+                         control_endpoint=f"ipc://{run_dir}/control-live.sock").start()
+    controller, terminal = pty.openpty()
+    mode = termios.tcgetattr(terminal)
+    top = subprocess.Popen(
+        [sys.executable, "-m", "mmlane.cli", "top", "--interval", "0.2",
+         "--connect", server.stats_endpoint],
+        cwd=REPO, stdin=terminal, stdout=terminal, stderr=terminal)
+    try:
+        shown = b""
+        while b"mmlane top" not in shown:  # the view is up (and the terminal in cbreak mode)
+            assert select.select([controller], [], [], 60)[0], shown
+            shown += os.read(controller, 65536)
+        os.write(controller, b"q")
+        assert top.wait(timeout=30) == 0
+        assert termios.tcgetattr(terminal) == mode
+    finally:
+        top.kill()
+        top.wait()
+        server.close()
+        os.close(controller)
+        os.close(terminal)
 
 
 def test_stats_into_head_ends_quietly_with_the_status_of_a_broken_pipe(run_dir: Path) -> None:

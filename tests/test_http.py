@@ -42,7 +42,7 @@ from mmlane.client import ChatResult, Client, user_message
 from mmlane.frontend.http_api import Choice, Choices, parallel_requests
 from mmlane.launcher import Child
 from mmlane.model import Preprocessor
-from mmlane.protocol.errors import ErrorInfo
+from mmlane.protocol.errors import ErrorInfo, FatalError
 from mmlane.protocol.messages import (
     AbortRequests,
     ChatError,
@@ -381,6 +381,127 @@ class TestStructuredOutput:
         plain = chat(client, server, user("hi"))
         as_text = chat(client, server, user("hi"), response_format={"type": "text"})
         assert as_text.choices[0].message.content == plain.choices[0].message.content
+
+    @pytest.mark.parametrize(("fields", "matches"), [
+        ({"structured_outputs": {"regex": "(lane|road)-[0-9]{2}"}},
+         lambda text: re.fullmatch("(lane|road)-[0-9]{2}", text)),
+        ({"guided_regex": "[ab]{3}"}, lambda text: re.fullmatch("[ab]{3}", text)),
+        ({"structured_outputs": {"choice": ["north", "south", "east"]}},
+         lambda text: text in ("north", "south", "east")),
+        ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+        ({"structured_outputs": {"grammar": 'start: "go " DIR\nDIR: "left" | "right"'}},
+         lambda text: text in ("go left", "go right")),
+        ({"guided_grammar": 'root ::= "a" ("b" | "c") "d"'},
+         lambda text: text in ("abd", "acd")),
+        ({"guided_json": {"type": "boolean"}}, lambda text: text in ("true", "false")),
+    ], ids=["regex", "guided-regex", "choice", "guided-choice", "lark", "gbnf", "guided-json"])
+    @pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+    def test_vllm_constraints_shape_the_reply(
+        self, client: openai.OpenAI, server: Server, fields: dict[str, Any],
+        matches: Callable[[str], Any], stream: bool,
+    ) -> None:
+        """vLLM's structured_outputs (regex, choice, a Lark or GBNF grammar) and its older
+        guided_* fields, as the openai client sends them (extra_body)."""
+        if stream:
+            text, chunks = streamed(client, server, user("Where to?"), max_tokens=40,
+                                    extra_body=fields)
+            _, reason = usage_and_reason(chunks)
+        else:
+            choice = chat(client, server, user("Where to?"), max_tokens=40,
+                          extra_body=fields).choices[0]
+            text, reason = choice.message.content, choice.finish_reason
+        assert matches(text), text
+        assert reason == "stop"  # each form is finite: the grammar ended the reply
+
+    @pytest.mark.parametrize(("fields", "param", "pattern"), [
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs",
+         "structured_outputs: the regex cannot be used: .*invalid regex"),
+        ({"guided_regex": "("}, "guided_regex", "guided_regex: the regex cannot be used"),
+        ({"guided_grammar": "start: ???"}, "guided_grammar", "guided_grammar: the grammar"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs",
+         "choice must hold at least one text"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         "set exactly one of .* got regex, choice"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs",
+         "structural_tag not supported by this server"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+         "only one of response_format, guided_regex may be set"),
+        ({"structured_outputs": "a"}, "structured_outputs", "must be an object"),
+    ], ids=["bad-regex", "bad-guided-regex", "bad-grammar", "no-choice", "two-kinds",
+            "structural-tag", "two-fields", "not-an-object"])
+    def test_a_bad_constraint_is_a_400_naming_the_field_sent(
+        self, client: openai.OpenAI, server: Server, fields: dict[str, Any], param: str,
+        pattern: str,
+    ) -> None:
+        error = _status_error(client, server, extra_body=fields)
+        _assert_error(error, 400, "invalid_request", pattern)
+        assert error.response.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------- /tokenize and /detokenize
+
+
+def _post_json(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def _root(base_url: str) -> str:
+    return base_url.removesuffix("/v1")
+
+
+class TestTokenize:
+    def test_a_chat_tokenizes_to_the_prompt_the_model_gets(
+        self, client: openai.OpenAI, server: Server, prep: Preprocessor
+    ) -> None:
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Tell me about lanes."}]
+        status, body = _post_json(f"{_root(server.base_url)}/tokenize",
+                                  {"model": server.model, "messages": messages})
+        assert status == 200, body
+        assert body["tokens"] == prep.tokenize_batch([prep.render_prompt(messages)])[0]
+        assert body["count"] == len(body["tokens"]) == \
+            chat(client, server, messages).usage.prompt_tokens
+        assert (body["max_model_len"], body["token_strs"]) == (prep.max_context, None)
+        _, bare = _post_json(f"{_root(server.base_url)}/tokenize",
+                             {"messages": messages, "add_generation_prompt": False})
+        assert bare["tokens"] == body["tokens"][:bare["count"]] and bare["count"] < body["count"]
+
+    def test_a_text_and_back(self, server: Server, prep: Preprocessor) -> None:
+        text = "Lanes, wide and narrow: 12 of them."
+        root = _root(server.base_url)
+        assert _post_json(f"{root}/tokenize", {"prompt": text})[1]["tokens"] == \
+            prep.tokenizer(text)["input_ids"]
+        _, plain = _post_json(f"{root}/tokenize", {"prompt": text, "add_special_tokens": False,
+                                                   "return_token_strs": True})
+        assert plain["token_strs"] == prep.tokenizer.convert_ids_to_tokens(plain["tokens"])
+        assert _post_json(f"{root}/detokenize", {"tokens": plain["tokens"]}) == \
+            (200, {"prompt": text})
+
+    @pytest.mark.parametrize(("path", "body", "status", "param", "pattern"), [
+        ("/tokenize", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         400, "messages", "images cannot be tokenized here"),
+        ("/tokenize", {"prompt": [99999999]}, 400, "prompt", "outside the vocabulary"),
+        ("/tokenize", {}, 400, "prompt", "prompt: a text or a list of token ids is required"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens",
+         "must be a boolean"),
+        ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model", "'gpt-9' does not exist"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens", "a list of token ids is required"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens", "tokens: token id -1 is outside"),
+    ], ids=["image", "bad-id", "no-prompt", "bad-flag", "unknown-model", "not-ids", "bad-id-back"])
+    def test_bad_bodies_are_openai_errors(self, server: Server, path: str, body: Any,
+                                          status: int, param: str, pattern: str) -> None:
+        answer, reply = _post_json(_root(server.base_url) + path, body)
+        assert answer == status, reply
+        assert re.search(pattern, reply["error"]["message"]), reply
+        assert reply["error"]["param"] == param
 
 
 # ---------------------------------------------------------------- logprobs
@@ -1155,6 +1276,55 @@ def test_the_rate_limit_answers_429_with_retry_after_per_key(
             run_dir, lambda s: s.role == "frontend" and "rate_limit_exceeded" in s.http_refused,
             "the frontend's count of the 429").http_refused
         assert refused["rate_limit_exceeded"] == 1
+
+
+def test_served_names_and_a_chat_template_file(
+    run_dir: Path, qwen_dir: Path, prep: Preprocessor, tmp_path: Path
+) -> None:
+    """--served-model-name: every name is listed and taken, replies report the first;
+    --chat-template: the file's template renders the chats; /tokenize needs the API key as /v1
+    does."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    with frontend_with_silent_engine(
+        run_dir, qwen_dir, "--served-model-name", "lanes,lanes-alias",
+        "--chat-template", str(template), "--api-key", "k",
+    ) as (_, base_url, engine), openai.OpenAI(base_url=base_url, api_key="k", max_retries=0,
+                                              timeout=60) as client:
+        hi = [{"role": "user", "content": "hi"}]
+        assert _post_json(f"{_root(base_url)}/tokenize", {"messages": hi})[0] == 401
+        status, body = _post_json(f"{_root(base_url)}/tokenize",
+                                  {"model": "lanes-alias", "messages": hi},
+                                  {"Authorization": "Bearer k"})
+        assert status == 200, body
+        assert body["tokens"] == prep.tokenize_batch(["<<user>>hi\n<<assistant>>"])[0]
+        models = client.models.list().data
+        assert [model.id for model in models] == ["lanes", "lanes-alias"]
+        assert {model.model_extra["root"] for model in models} == {qwen_dir.name}
+        completion = _answered(
+            engine, functools.partial(client.chat.completions.create, model="lanes-alias",
+                                      messages=hi, max_tokens=1),
+            lambda request: EngineOutput(request_id=request.request_id, token_ids=[42],
+                                         finished=True, finish_reason="length",
+                                         prompt_token_ids=request.prompt_token_ids))
+        assert completion.model == "lanes"
+        assert completion.usage.prompt_tokens == body["count"]
+        error = _status_error(client, None, model=qwen_dir.name)  # the directory is no name now
+        _assert_error(error, 404, "model_not_found", "serves 'lanes' and 'lanes-alias'")
+
+
+@pytest.mark.parametrize(("setting", "pattern"), [
+    ("/no/such/template.jinja", "chat_template: cannot read the file /no/such/template.jinja"),
+    ("{% for m in messages %}", "chat_template: not a Jinja template"),
+], ids=["missing-file", "bad-syntax"])
+def test_a_chat_template_that_cannot_be_used_stops_the_frontend_at_start(
+    run_dir: Path, qwen_dir: Path, setting: str, pattern: str
+) -> None:
+    args = ["--model", str(qwen_dir), "--port", "0", "--http-port", "0",
+            "--chat-template", setting]
+    with pytest.raises(FatalError, match=pattern):
+        start_role("frontend", args, run_dir)
 
 
 # ---------------------------------------------------------------- each kind of error, over HTTP

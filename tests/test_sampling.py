@@ -138,10 +138,30 @@ def test_a_forbidden_token_fails_the_request(grammars, prep) -> None:
         matcher.accept(prep.tokenizer.convert_tokens_to_ids("}"))
 
 
+@pytest.mark.parametrize(("structured", "text"), [
+    (StructuredOutputs(regex="(lane|road)-[0-9]"), "road-7"),
+    (StructuredOutputs(choice=("north", "south")), "south"),
+    (StructuredOutputs(grammar='start: "go " DIR\nDIR: "left" | "right"'), "go left"),
+    (StructuredOutputs(grammar='root ::= "a" ("b" | "c") "d"'), "acd"),
+], ids=["regex", "choice", "lark", "gbnf"])
+def test_each_kind_of_constraint_takes_its_text_and_ends(grammars, prep, logits, structured,
+                                                         text) -> None:
+    matcher = grammars.matcher(structured)
+    for token in prep.tokenizer.encode(text, add_special_tokens=False):
+        assert matcher.mask(logits)[token] > float("-inf")
+        matcher.accept(token)
+    assert matcher.done
+
+
 @pytest.mark.parametrize(("structured", "message"), [
     (StructuredOutputs(json='{"type": "strin"}'), "Invalid type: strin"),
     (StructuredOutputs(json="{not json"), "the JSON schema is not a JSON object"),
-], ids=["bad-type", "not-json"])
+    (StructuredOutputs(regex="(a"), "the regex cannot be used"),
+    (StructuredOutputs(grammar="start: ???"), "the grammar cannot be used"),
+    (StructuredOutputs(choice=()), "choice must hold at least one text"),
+    (StructuredOutputs(regex="a", grammar="start: a"), "set exactly one of .* got regex, grammar"),
+    (StructuredOutputs(), "set exactly one of .* got none"),
+], ids=["bad-type", "not-json", "bad-regex", "bad-grammar", "no-choice", "two", "none"])
 def test_a_schema_that_cannot_compile_names_the_field(grammars, structured, message) -> None:
     for check in (check_grammar, grammars.matcher):  # the frontend's check, the engine's compile
         with pytest.raises(RequestError, match=f"structured_outputs: .*{message}"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -653,6 +655,44 @@ def test_structured_output_matches_the_schema_and_vllm_alone(
     assert ours["message"]["content"] == alone["message"]["content"]
 
 
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": {"regex": "(lane|road)-[0-9]{2}"}},
+    {"structured_outputs": {"choice": ["north", "south", "east"]}},
+], ids=["regex", "choice"])
+def test_a_regex_or_choice_gives_vllm_alones_text(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+    fields: dict[str, Any],
+) -> None:
+    """vLLM's own constraint fields through mmlane: the text vLLM alone gives."""
+    messages = _openai_messages(None, "Where to?", [])
+    alone = _vllm_chat(vllm_alone[1], str(qwen_dir), messages, max_tokens=30, **fields)
+    ours = _vllm_chat(mmlane_vllm[0].http_port, qwen_dir.name, messages, max_tokens=30,
+                      **fields)
+    assert ours["choices"][0]["finish_reason"] == "stop"
+    assert ours["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_tokenize_and_detokenize_answer_as_vllm_alone(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+) -> None:
+    def post(port: int, route: str, body: dict[str, Any]) -> Any:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/{route}", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.load(reply)
+
+    ports = (vllm_alone[1], mmlane_vllm[0].http_port)
+    for body in ({"messages": _openai_messages("Be brief.", "Tell me about lanes.", [])},
+                 {"messages": _openai_messages(None, "hi", []), "add_generation_prompt": False},
+                 {"prompt": "Lanes, wide and narrow.", "return_token_strs": True}):
+        alone, ours = (post(port, "tokenize", body) for port in ports)
+        ours.pop("max_model_len"), alone.pop("max_model_len")  # the model's, vLLM's engine arg
+        assert ours == alone, body
+        back = [post(port, "detokenize", {"tokens": ours["tokens"]}) for port in ports]
+        assert back[0] == back[1]
+
+
 def test_vllm_bench_serve_gets_exactly_the_tokens_it_asks_for(
     mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path, tmp_path: Path,
 ) -> None:
@@ -806,6 +846,10 @@ def test_the_sampling_fields_build_vllms_sampling_params() -> None:
     any_object = _sampling_params(SamplingParams(
         structured_outputs=StructuredOutputs(json_object=True)))
     assert any_object.structured_outputs == StructuredOutputsParams(json_object=True)
+    for fields in ({"regex": "[ab]+"}, {"choice": ["yes", "no"]}, {"grammar": 'start: "a"'}):
+        constrained = _sampling_params(SamplingParams(
+            structured_outputs=msgspec.convert(fields, StructuredOutputs)))
+        assert constrained.structured_outputs == StructuredOutputsParams(**fields)
     plain = _sampling_params(SamplingParams())
     assert (plain.structured_outputs, plain.logit_bias, plain.repetition_penalty) == (None, None,
                                                                                       1.0)
@@ -816,8 +860,12 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
 ) -> None:
     """As under supervisord, which restarts only the role it ran: vLLM's engine core outlives an
     engine role killed while vLLM still loads, and the role's next start ends it before
-    starting vLLM again. (A role killed once vLLM is up writes down the same list, once more.)"""
-    args = [f"--vllm-arg={key}={_arg(value)}" for key, value in VLLM_ARGS.items()]
+    starting vLLM again. (A role killed once vLLM is up writes down the same list, once more.)
+    Its KV cache is left to mmlane's CPU default (no gpu_memory_utilization, whose vLLM default
+    would not start beside the other tests' servers): it starts out of the box, and says so."""
+    own_kv = ("gpu_memory_utilization", "kv_cache_memory_bytes")
+    args = [f"--vllm-arg={key}={_arg(value)}" for key, value in VLLM_ARGS.items()
+            if key not in own_kv]
     command = [sys.executable, "-m", "mmlane.cli", "engine", "--backend", "vllm", *args]
     env = {**cpu_wheels.child_env(), "MMLANE_RUN_DIR": str(tmp_path)}
     pids = tmp_path / "vllm-engine.pids"
@@ -859,6 +907,8 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
         assert not any(core.is_running() and core.status() != psutil.STATUS_ZOMBIE
                        for core in cores)
         assert "vLLM process(es) left running" in second_log.read_text()
+        assert re.search(r"vLLM on the CPU: a KV cache of [0-9.]+ GiB \(kv_cache_memory_bytes",
+                         second_log.read_text())
         assert not [name for name in shared if (Path("/dev/shm") / name).exists()]
     finally:
         second.send_signal(signal.SIGTERM)

@@ -23,6 +23,12 @@ DEFAULT_PORT = 8765
 class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """Local Hugging Face model directory (its tokenizer and chat template are used)."""
+    served_model_name: list[str] = []
+    """Names the HTTP API serves the model under (aliases: all are listed and taken as
+    `model`); replies report the first. None: the model directory's name."""
+    chat_template: str = ""
+    """A Jinja chat template to use instead of the model's: a file's path, or the template
+    itself (as vLLM's --chat-template). "": the model's own."""
     host: str = DEFAULT_HOST
     """Host of the native client API (ROUTER, msgspec): it binds tcp://HOST:PORT."""
     port: int = DEFAULT_PORT
@@ -99,6 +105,24 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "max_inflight_requests", "max_stop_strings", "max_stop_string_chars", "max_n",
         )
         self.api_keys()  # refuses an unreadable or empty key file now, by name
+        if any(not name.strip() for name in self.served_model_name):
+            raise ValueError(f"served_model_name: a name must not be empty, got "
+                             f"{self.served_model_name}")
+        self.template()  # refuses an unreadable template file now
+
+    def template(self) -> str | None:
+        """The chat template `chat_template` gives (None: the model's own): a file's text, or
+        the setting itself when it reads as a template (it holds `{`, `}` or a line break), as
+        vLLM's --chat-template; ValueError for a file that cannot be read."""
+        if not self.chat_template:
+            return None
+        try:
+            return Path(self.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            if any(char in self.chat_template for char in "{}\n"):
+                return self.chat_template
+            raise ValueError(f"chat_template: cannot read the file {self.chat_template}: "
+                             f"{exc}") from exc
 
     @property
     def client_endpoint(self) -> str:

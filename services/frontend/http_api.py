@@ -22,7 +22,9 @@ With API keys configured (`--api-key`, `--api-key-file`), every /v1 route needs
 `Authorization: Bearer KEY`, else a 401 with code `invalid_api_key`, as OpenAI answers.
 
 Routes: POST /v1/chat/completions and POST /v1/completions (JSON, or `stream: true` as
-server-sent events ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (this
+server-sent events ending with `data: [DONE]`), GET /v1/models (each served name), POST /tokenize
+and POST /detokenize (vLLM's, run on the frontend's tokenizer threads; like /v1, under the API
+keys), GET /health, GET /metrics (this
 frontend's stats in Prometheus' text format, the families `mmlane exporter` gives it; like
 /health, and like vLLM's /metrics, outside the API keys: a scraper has none). A completion's
 prompt is one text or one list of token ids (alone or as a list's only element); a batch of
@@ -51,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hmac
 import itertools
 import json
@@ -60,8 +63,9 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -74,8 +78,17 @@ from mmlane.common.prometheus import OwnStatsCollector, registry_of
 from mmlane.common.stats import Metrics
 from mmlane.frontend.config import FrontendConfig
 from mmlane.frontend.http_limits import RETRY_AFTER_S, Connections, RateLimiter, retry_after
+from mmlane.frontend.requests import detokenize, tokenize
+from mmlane.model import Preprocessor
 from mmlane.protocol.codec import Codec
-from mmlane.protocol.errors import CODES, ErrorInfo, FatalError, RequestError, http_status
+from mmlane.protocol.errors import (
+    CODES,
+    ErrorInfo,
+    FatalError,
+    RequestError,
+    http_status,
+    translate,
+)
 from mmlane.protocol.messages import (
     CancelChat,
     ChatError,
@@ -91,6 +104,7 @@ from mmlane.protocol.messages import (
 from mmlane.protocol.sampling import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
@@ -107,7 +121,8 @@ _OPENAI_SAMPLING = ("presence_penalty", "frequency_penalty")
 _VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids", "repetition_penalty")
 """vLLM's extra sampling fields (`extra_body` in the openai client), passed on as they are."""
 _OPENAI_NAMES = {"structured_outputs": "response_format"}
-"""Native fields that OpenAI's API names otherwise, as errors name them to its clients."""
+"""Native fields that OpenAI's API names otherwise, as errors name them to its clients (a
+request's own names: `_client_names`)."""
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -133,10 +148,15 @@ class HttpApi:
     bounded by the config's `http_*` limits (http_limits.py)."""
 
     def __init__(
-        self, config: FrontendConfig, *, ctx: zmq.Context, client_endpoint: str, model_id: str,
+        self, config: FrontendConfig, *, ctx: zmq.Context, client_endpoint: str,
+        model_names: list[str], pre: Preprocessor, tokenizers: Executor,
         alive: Callable[[], bool], draining: Callable[[], bool], metrics: Metrics,
     ) -> None:
-        self.model_id = model_id
+        self.model_names = model_names
+        self.model_id = model_names[0]
+        self._pre = pre
+        self._tokenizers = tokenizers
+        """The frontend's tokenizer threads, which /tokenize and /detokenize run on."""
         self._config = config
         self._rates = RateLimiter(config.http_rate_limit, config.http_rate_burst) \
             if config.http_rate_limit else None
@@ -200,6 +220,8 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._prometheus_metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -295,7 +317,7 @@ class HttpApi:
     async def _rate_limit(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """With `--http-rate-limit`, each API key (or client address, without keys) gets that
         many /v1 requests a second; a request over it gets a 429 with `Retry-After`."""
-        if self._rates is None or not request.path.startswith("/v1/"):
+        if self._rates is None or not _keyed(request.path):
             return await handler(request)
         key = request.headers.get("Authorization", "") if self._api_keys else \
             f"address {request.remote}"
@@ -309,8 +331,9 @@ class HttpApi:
 
     @web.middleware
     async def _check_api_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every /v1 route needs one of the API keys, when there are any; /health stays open."""
-        if not self._api_keys or not request.path.startswith("/v1/"):
+        """Every /v1 route and /tokenize and /detokenize need one of the API keys, when there
+        are any; /health and /metrics stay open."""
+        if not self._api_keys or not _keyed(request.path):
             return await handler(request)
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -364,8 +387,59 @@ class HttpApi:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, _: web.Request) -> web.Response:
-        model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mmlane"}
-        return web.json_response({"object": "list", "data": [model]})
+        """Each served name, as vLLM lists them (`root`: the model, `max_model_len`)."""
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "mmlane",
+             "root": self._pre.model_id, "parent": None, "max_model_len": self._pre.max_context}
+            for name in self.model_names]})
+
+    async def _tokenize(self, http: web.Request) -> web.Response:
+        """vLLM's /tokenize: a chat's `messages` (`add_generation_prompt`, default true) or a
+        text `prompt` (`add_special_tokens`, default true) as the model's prompt ids, with
+        their tokens' texts when `return_token_strs`."""
+        try:
+            body = await self._read_json(http)
+            self._check_model(body)
+            request: NativeRequest = ChatRequest(
+                request_id="tokenize", messages=_messages(body["messages"])) \
+                if "messages" in body else \
+                CompletionRequest(request_id="tokenize", prompt=_prompt(body.get("prompt")))
+            options = {name: _flag(body, name) for name in (
+                "add_generation_prompt", "add_special_tokens", "return_token_strs")}
+            ids = await self._on_tokenizers(
+                tokenize, self._pre, request, add_generation_prompt=options[
+                    "add_generation_prompt"], add_special_tokens=options["add_special_tokens"])
+        except ApiError as exc:
+            return self._refuse(exc)
+        strs = self._pre.tokenizer.convert_ids_to_tokens(ids) \
+            if options["return_token_strs"] else None
+        return web.json_response({"count": len(ids), "max_model_len": self._pre.max_context,
+                                  "tokens": ids, "token_strs": strs})
+
+    async def _detokenize(self, http: web.Request) -> web.Response:
+        """vLLM's /detokenize: `tokens` (ids) as one text, special tokens included."""
+        try:
+            body = await self._read_json(http)
+            self._check_model(body)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                    isinstance(token, int) and not isinstance(token, bool) for token in tokens):
+                raise ApiError("tokens: a list of token ids is required", "invalid_request",
+                               "tokens")
+            text = await self._on_tokenizers(detokenize, self._pre, tokens)
+        except ApiError as exc:
+            return self._refuse(exc)
+        return web.json_response({"prompt": text})
+
+    async def _on_tokenizers(self, work: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """`work` run on the frontend's tokenizer threads; a failure (a template's, or an id
+        outside the vocabulary) as the request's error, as for a chat request."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizers, functools.partial(work, *args, **kwargs))
+        except Exception as exc:
+            error = translate(exc, "cannot render prompt", default="invalid_request")
+            raise ApiError(error.message, error.code, _param_of(error.to_info(), {})) from exc
 
     async def _chat(self, http: web.Request) -> web.StreamResponse:
         return await self._answer(http, _CHAT)
@@ -384,7 +458,7 @@ class HttpApi:
         async with self._choices(parallel_requests(request, n)) as choices:
             firsts = await choices.firsts()
             if isinstance(firsts, ChatError):
-                return _error_response(_from_info(firsts.error))
+                return _error_response(_from_info(firsts.error, _client_names(body)))
             if stream:
                 return await self._stream(http, request, choices, firsts, include_usage, route)
             return await self._complete(request, choices, firsts, route)
@@ -467,15 +541,20 @@ class HttpApi:
 
     # ------------------------------------------------------------ the OpenAI request
 
-    def _to_native(self, body: Any, request_id: str,
-                   route: _Route) -> tuple[NativeRequest, bool, bool]:
-        """The native request for an OpenAI body, whether to stream, whether to send usage."""
+    def _check_model(self, body: Any) -> None:
+        """Refuse a body that is not a JSON object, or names a model not served here."""
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object", "invalid_request")
         model = body.get("model")
-        if model is not None and model != self.model_id:
+        if model is not None and model not in self.model_names:
             raise ApiError(f"the model {model!r} does not exist; this server serves "
-                           f"{self.model_id!r}", "model_not_found", "model")
+                           f"{' and '.join(map(repr, self.model_names))}", "model_not_found",
+                           "model")
+
+    def _to_native(self, body: Any, request_id: str,
+                   route: _Route) -> tuple[NativeRequest, bool, bool]:
+        """The native request for an OpenAI body, whether to stream, whether to send usage."""
+        self._check_model(body)
         for name, is_default in {**REJECTED_UNLESS_DEFAULT, **route.refused}.items():
             if name in body and not is_default(body[name]):
                 raise ApiError(f"{name}: not supported by this server", "invalid_request", name)
@@ -487,7 +566,7 @@ class HttpApi:
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
             "seed": body.get("seed"),
             "logit_bias": _logit_bias(body.get("logit_bias")),
-            "structured_outputs": _structured_outputs(body.get("response_format")),
+            "structured_outputs": _structured_outputs(body),
             "logprobs": route.logprobs_asked(body),
             "stop": _stop_list(body.get("stop")),
             **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
@@ -644,10 +723,49 @@ def _logit_bias(raw: Any) -> Any:
                        "invalid_request", "logit_bias") from exc
 
 
-def _structured_outputs(response_format: Any) -> dict[str, Any] | None:
+def _structured_outputs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The native structured_outputs of a body (None: plain text), from whichever one of
+    OpenAI's `response_format`, vLLM's `structured_outputs` and vLLM's older `guided_*` fields
+    it sets."""
+    given = [name for name in ("response_format", "structured_outputs", *_GUIDED)
+             if body.get(name) is not None]
+    if len(given) > 1:
+        raise ApiError(f"{given[1]}: only one of {', '.join(given)} may be set",
+                       "invalid_request", given[1])
+    if not given:
+        return None
+    if given[0] == "response_format":
+        return _response_format(body["response_format"])
+    if given[0] in _GUIDED:
+        return _vllm_structured({_GUIDED[given[0]]: body[given[0]]}, given[0])
+    return _vllm_structured(body["structured_outputs"], "structured_outputs")
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+"""vLLM's older structured output fields, each one of `structured_outputs`'."""
+_STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _vllm_structured(raw: Any, name: str) -> dict[str, Any]:
+    """vLLM's `structured_outputs` (or a `guided_*` field, as one of them), natively: a JSON
+    schema may come as an object or as its JSON text."""
+    if not isinstance(raw, dict):
+        raise ApiError(f"{name} must be an object", "invalid_request", name)
+    unknown = [key for key, value in raw.items() if key not in _STRUCTURED and value]
+    if unknown:
+        raise ApiError(f"{name}: {', '.join(unknown)} not supported by this server (it takes "
+                       f"{', '.join(_STRUCTURED)})", "invalid_request", name)
+    fields = {key: raw[key] for key in _STRUCTURED if raw.get(key) is not None}
+    if isinstance(fields.get("json"), dict | bool):
+        fields["json"] = json.dumps(fields["json"])
+    return fields
+
+
+def _response_format(response_format: Any) -> dict[str, Any] | None:
     """The native structured_outputs for OpenAI's response_format (None: plain text)."""
     kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if response_format is None or kind == "text":
+    if kind == "text":
         return None
     if kind == "json_object":
         return {"json_object": True}
@@ -705,6 +823,19 @@ def _prompt(raw: Any) -> Any:
                            "prompt per request", "invalid_request", "prompt")
         [raw] = raw
     return raw
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean option of /tokenize, true unless set false (`return_token_strs`: false)."""
+    value = body.get(name, name != "return_token_strs")
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be a boolean, got {value!r}", "invalid_request", name)
+    return value
+
+
+def _keyed(path: str) -> bool:
+    """Whether a route needs an API key (when there are keys) and counts against the rate."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 def _known_key(key: bytes, keys: list[bytes]) -> bool:
@@ -863,24 +994,32 @@ def _completion_id(route: _Route) -> str:
     return f"{route.id_prefix}-{uuid.uuid4().hex}"
 
 
-def _from_info(error: ErrorInfo) -> ApiError:
+def _from_info(error: ErrorInfo, names: dict[str, str] = _OPENAI_NAMES) -> ApiError:
+    """The API's error for a native one, naming a field as `names` says the client sent it."""
     message = error.message
     head, colon, rest = message.removeprefix("sampling.").partition(":")
-    if head in _OPENAI_NAMES:  # name the field as the client sent it
-        message = _OPENAI_NAMES[head] + colon + rest
-    return ApiError(message, error.code, _param_of(error), status=http_status(error))
+    if head in names:
+        message = names[head] + colon + rest
+    return ApiError(message, error.code, _param_of(error, names), status=http_status(error))
 
 
-def _param_of(error: ErrorInfo) -> str | None:
+def _client_names(body: dict[str, Any]) -> dict[str, str]:
+    """What the client calls the native fields that several of its fields may set."""
+    structured = next((name for name in ("response_format", "structured_outputs", *_GUIDED)
+                       if body.get(name) is not None), "response_format")
+    return {"structured_outputs": structured}
+
+
+def _param_of(error: ErrorInfo, names: dict[str, str]) -> str | None:
     """The request field an error names (its message starts with it), for `error.param`."""
     if error.message.startswith("prompt: "):  # a completion's prompt ("prompt too long" is not)
         return "prompt"
     head = error.message.replace(":", " ").split(" ", 1)[0].removeprefix("sampling.")
     if head in ("image", "messages", "too"):  # image N: ..., too many images: ...
         return "messages"
-    named = ("max_tokens", "temperature", "top_p", "logit_bias", "stop", *_OPENAI_SAMPLING,
-             *_VLLM_SAMPLING)
-    return _OPENAI_NAMES.get(head) or (head if head in named else None)
+    named = ("max_tokens", "temperature", "top_p", "logit_bias", "stop", "tokens",
+             *_OPENAI_SAMPLING, *_VLLM_SAMPLING)
+    return names.get(head) or (head if head in named else None)
 
 
 def _error_body(error: ApiError) -> dict[str, Any]:

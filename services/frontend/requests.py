@@ -6,6 +6,7 @@ engine need. The two differ only in how their prompt token ids are made.
     check_stop(stop, ...)           validate the stop strings (the frontend applies them)
     prompt_token_ids(pre, checked)  render the chat template and tokenize, or tokenize the text,
                                     or check the token ids (a pool thread's work)
+    tokenize(pre, request, ...)     /tokenize's ids; detokenize(pre, ids) /detokenize's text
 
 Pure functions: the frontend runs them, and so do the in-process designs the benchmark
 (`python -m bench`) measures mmlane against, so every design tokenizes exactly as the frontend
@@ -14,7 +15,9 @@ does.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import cast
 
 from mmlane.model import Preprocessor
 from mmlane.model.grammar import check_grammar
@@ -126,13 +129,41 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
     return token_ids
 
 
-def _token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
+def _token_ids(pre: Preprocessor, checked: CheckedRequest, *, add_generation_prompt: bool = True,
+               add_special_tokens: bool = True) -> list[int]:
     if checked.template_messages is not None:
-        return pre.tokenize_batch([pre.render_prompt(checked.template_messages)])[0]
+        prompt = pre.render_prompt(checked.template_messages,
+                                   add_generation_prompt=add_generation_prompt)
+        return pre.tokenize_batch([prompt])[0]
     if isinstance(checked.prompt, str):
-        return pre.tokenize_text(checked.prompt)
-    top = len(pre.tokenizer) - 1  # as vLLM: ids the tokenizer cannot decode are refused
-    outside = [token for token in checked.prompt if not 0 <= token <= top]
-    if outside:
-        raise RequestError(f"prompt: token id {outside[0]} is outside the vocabulary (0..{top})")
+        return pre.tokenize_text(checked.prompt, add_special_tokens=add_special_tokens)
+    check_token_ids(pre, checked.prompt, "prompt")
     return checked.prompt
+
+
+def check_token_ids(pre: Preprocessor, token_ids: list[int], field: str) -> None:
+    """Refuse ids the tokenizer cannot decode (as vLLM), naming `field`."""
+    top = len(pre.tokenizer) - 1
+    outside = [token for token in token_ids if not 0 <= token <= top]
+    if outside:
+        raise RequestError(f"{field}: token id {outside[0]} is outside the vocabulary (0..{top})")
+
+
+def tokenize(pre: Preprocessor, request: ChatRequest | CompletionRequest, *,
+             add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+    """/tokenize's token ids: those the model gets for the request's prompt (a chat rendered
+    with its template, with the generation prompt unless told not to; a text with the
+    tokenizer's special tokens unless told not to). An image's tokens depend on its size, known
+    only once it is processed, so a chat with images is refused."""
+    checked = check_request(request, max_images=sys.maxsize)  # refused below, by name
+    if checked.images:
+        raise RequestError("messages: images cannot be tokenized here: an image's tokens "
+                           "depend on its size, known once the MM worker has processed it")
+    return _token_ids(pre, checked, add_generation_prompt=add_generation_prompt,
+                      add_special_tokens=add_special_tokens)
+
+
+def detokenize(pre: Preprocessor, token_ids: list[int]) -> str:
+    """/detokenize's text: the ids decoded together, special tokens included (vLLM's)."""
+    check_token_ids(pre, token_ids, "tokens")
+    return cast(str, pre.tokenizer.decode(token_ids))

@@ -41,6 +41,7 @@ engine answers it with a cache miss; and it turns a client's `ResetCache` into t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -51,6 +52,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import jinja2
 import zmq
 from msgspec.structs import replace
 from zmq.utils.monitor import recv_monitor_message
@@ -74,11 +76,12 @@ from mmlane.frontend.requests import (
     check_stop,
     prompt_token_ids,
 )
-from mmlane.model import load_preprocessor, resolve_model_dir
+from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
 from mmlane.protocol.codec import Codec
 from mmlane.protocol.errors import (
     CacheMissError,
     ErrorInfo,
+    FatalError,
     InternalError,
     MMLaneError,
     RequestError,
@@ -176,11 +179,26 @@ class Tokenized:
     error: MMLaneError | None = None
 
 
+def _with_template(pre: Preprocessor, template: str | None) -> Preprocessor:
+    """`pre` with `template` (--chat-template) as its chat template; FatalError when it is not
+    a Jinja template."""
+    if template is None:
+        return pre
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise FatalError(f"chat_template: not a Jinja template: {exc} (line {exc.lineno})",
+                         code="bad_config") from exc
+    return dataclasses.replace(pre, chat_template=template)
+
+
 class Frontend:
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
         self.endpoint = config.client_endpoint
-        self._pre = load_preprocessor(resolve_model_dir(config.model))
+        self._pre = _with_template(load_preprocessor(resolve_model_dir(config.model)),
+                                   config.template())
+        model_names = config.served_model_name or [self._pre.model_id]
         self._space_marker = space_marker(self._pre.tokenizer)  # for TokenTexts
         self._ctx = zmq.Context()
         self._ids = itertools.count()
@@ -189,7 +207,7 @@ class Frontend:
         self._sends = 0  # messages sent for requests to the engine and MM workers (`InFlight.sent`)
         self._tokenizing = 0  # requests handed to the tokenizer pool and not yet back
         self.metrics = Metrics("frontend", config.ops.name)
-        self.metrics.model = self._pre.model_id
+        self.metrics.model = model_names[0]
         self.metrics.epoch = lambda: self._engine_epoch
         self.metrics.in_flight = lambda: len(self._inflight)
         self.metrics.gauge("tokenizing", lambda: self._tokenizing)
@@ -211,7 +229,7 @@ class Frontend:
         if config.http_port:
             self.http = HttpApi(
                 config, ctx=self._ctx, client_endpoint=self._http_endpoint,
-                model_id=self._pre.model_id,
+                model_names=model_names, pre=self._pre, tokenizers=self._pool,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
                 draining=lambda: self._stop.is_set(), metrics=self.metrics,
             )

@@ -1,4 +1,5 @@
-"""Structured output with llguidance: the grammar of a request's `structured_outputs`, checked
+"""Structured output with llguidance: the grammar of a request's `structured_outputs` (a JSON
+schema, any JSON object, a regex, a choice of texts, or a Lark or GBNF grammar), checked
 by the frontend before it admits the request, compiled once per constraint by the HF engine,
 which masks each step's logits to the tokens the grammar allows.
 
@@ -16,6 +17,7 @@ the vllm backend asks vLLM for the same.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any
 
@@ -29,13 +31,15 @@ from mmlane.protocol.sampling import StructuredOutputs
 
 FIELD = "structured_outputs"
 _ANY_OBJECT = '{"type": "object"}'
+_NAMES = {"json": "the JSON schema", "json_object": "the JSON schema", "regex": "the regex",
+          "choice": "the choice", "grammar": "the grammar"}
 
 
 def check_grammar(structured: StructuredOutputs) -> None:
     """Raise RequestError naming the field when the constraint does not make a valid grammar."""
     problem = llguidance.LLMatcher.validate_grammar(_grammar_text(structured))
     if problem:
-        raise RequestError(f"{FIELD}: the JSON schema cannot be used: {problem}")
+        raise RequestError(f"{FIELD}: {_NAMES[structured.kind()]} cannot be used: {problem}")
 
 
 def hf_tokenizer(tokenizer: Any, *, vocab_size: int, eos_token_ids: list[int]) -> Any:
@@ -61,7 +65,7 @@ class Grammars:
             compiled = llguidance.LLMatcher(self._tokenizer, _grammar_text(structured),
                                             log_level=0)
             if compiled.is_error():
-                raise RequestError(f"{FIELD}: the JSON schema cannot be used: "
+                raise RequestError(f"{FIELD}: {_NAMES[structured.kind()]} cannot be used: "
                                    f"{compiled.get_error()}")
             self._compiled[structured] = compiled
             if len(self._compiled) > self._capacity:
@@ -95,9 +99,19 @@ class Grammar:
 
 
 def _grammar_text(structured: StructuredOutputs) -> str:
-    schema = structured.json if structured.json is not None else _ANY_OBJECT
-    try:  # compact JSON: a small model may otherwise emit whitespace until max_tokens
+    """llguidance's grammar for the constraint; RequestError when its text cannot be read."""
+    kind = structured.kind()
+    try:
+        if structured.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(structured.regex)
+        if structured.choice is not None:
+            return llguidance.grammar_from("choice", json.dumps(structured.choice))
+        if structured.grammar is not None:  # Lark, or GBNF turned into Lark
+            return llguidance.grammar_from("grammar", structured.grammar)
+        schema = structured.json if structured.json is not None else _ANY_OBJECT
+        # compact JSON: a small model may otherwise emit whitespace until max_tokens
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_flexible": False})
     except ValueError as exc:
-        raise RequestError(f"{FIELD}: the JSON schema is not a JSON object: {exc}") from exc
+        problem = "is not a JSON object" if kind in ("json", "json_object") else "cannot be read"
+        raise RequestError(f"{FIELD}: {_NAMES[kind]} {problem}: {exc}") from exc

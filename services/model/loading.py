@@ -104,13 +104,13 @@ class Preprocessor:
     image_backend: str
     """The image processor's backend: 'pil' or 'torchvision' (see `load_preprocessor`)."""
 
-    def render_prompt(self, messages: list[dict]) -> str:
+    def render_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         try:
             prompt = self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=self.chat_template,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
             )
         except jinja2.TemplateError as exc:
             raise PromptError(f"cannot apply the chat template of {self.model_id}: {exc}") from exc
@@ -126,11 +126,11 @@ class Preprocessor:
             for prompt, encoding in zip(prompts, encodings, strict=True)
         ]
 
-    def tokenize_text(self, text: str) -> list[int]:
-        """A plain text's token ids with the tokenizer's special tokens, as `tokenizer(text)`
-        gives them (vLLM's /v1/completions default); no chat template is involved."""
+    def tokenize_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """A plain text's token ids with the tokenizer's special tokens (unless told not to), as
+        `tokenizer(text)` gives them (vLLM's /v1/completions default); no chat template."""
         [encoding] = self.tokenizer.backend_tokenizer.encode_batch_fast(
-            [text], add_special_tokens=True
+            [text], add_special_tokens=add_special_tokens
         )
         return encoding.ids
 

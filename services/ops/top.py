@@ -10,14 +10,21 @@ until then they show '-'.
 `--once` waits for two snapshots from every process (or --timeout), prints the view as plain
 text and exits: 1 if a process sent nothing, else 0. Into a pipe or a file (stdout not a
 terminal), the live view is plain text too: one view every --interval, each after a blank line,
-until stopped (or, in a pipe whose reader has gone, with status 141).
+until stopped (or, in a pipe whose reader has gone, with status 141). In a terminal, `q` quits
+the live view.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import select
 import sys
+import termios
 import time
+import tty
+from collections.abc import Callable, Iterator
 
 from rich import box
 from rich.console import Console, Group, JustifyMethod
@@ -30,6 +37,8 @@ from mmlane.ops.feed import ProcessSnapshots, StatsFeed
 from mmlane.ops.lanes import Lane, lanes
 from mmlane.ops.text import counts_text, errors_text, ms_text, state_text, uptime_text
 
+KEY_POLL_S = 0.1
+"""How often the live view looks for a key pressed (`q` quits)."""
 # Columns the plain-text view (--once, output not a terminal) is laid out for.
 PLAIN_WIDTH = 150
 # The process table's columns that never wrap, and how each is aligned.
@@ -76,13 +85,45 @@ def plain_text(view: Group) -> str:
 
 
 def _show_live(feed: StatsFeed, interval_s: float) -> int:
-    with Live(render(feed, time.monotonic()), auto_refresh=False, transient=False) as live:
+    """The view in place, redrawn every interval, until `q` (or Ctrl-C)."""
+    with _keys() as pressed, Live(render(feed, time.monotonic()), auto_refresh=False,
+                                  transient=False) as live:
         try:
             while True:
-                feed.receive_for(interval_s)
+                deadline = time.monotonic() + interval_s
+                while (remaining := deadline - time.monotonic()) > 0:
+                    feed.receive_for(min(remaining, KEY_POLL_S))
+                    if "q" in pressed().lower():
+                        return 0
                 live.update(render(feed, time.monotonic()), refresh=True)
         except KeyboardInterrupt:
             return 0
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Callable[[], str]]:
+    """The keys pressed since the last call, one at a time without Enter (the terminal in
+    cbreak mode, restored on the way out); "" always when stdin is not a terminal."""
+    fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else None
+    if fd is None:
+        yield lambda: ""
+        return
+
+    def pressed() -> str:
+        keys = b""
+        while select.select([fd], [], [], 0)[0]:
+            read = os.read(fd, 64)
+            if not read:
+                break
+            keys += read
+        return keys.decode(errors="replace")
+
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        yield pressed
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 def render(feed: StatsFeed, now: float) -> Group:

@@ -265,8 +265,7 @@ class RemoteVLLMRunner(LoopRunner):
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         sampling = msgspec.structs.asdict(request.sampling)
         if request.sampling.structured_outputs is not None:
-            sampling["structured_outputs"] = msgspec.structs.asdict(
-                request.sampling.structured_outputs)
+            sampling["structured_outputs"] = request.sampling.structured_outputs.vllm_fields()
         if request.sampling.logit_bias is not None:
             sampling["logit_bias"] = {str(k): v for k, v in request.sampling.logit_bias.items()}
         body: dict[str, Any] = {

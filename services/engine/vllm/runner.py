@@ -465,7 +465,7 @@ def _sampling_params(sampling: SamplingParams) -> Any:
         # Whitespace is the engine's setting in vLLM 0.32 (its backends ignore the request's
         # disable_any_whitespace): structured_outputs_config, see README "Serving with vLLM".
         fields["structured_outputs"] = StructuredOutputsParams(
-            **msgspec.structs.asdict(sampling.structured_outputs))
+            **sampling.structured_outputs.vllm_fields())
     return VLLMSamplingParams(
         **fields,
         output_kind=RequestOutputKind.DELTA,
@@ -513,6 +513,33 @@ def _vllm_version() -> str:
     return str(vllm.__version__)
 
 
+CPU_KV_CACHE_SHARE = 0.25
+"""The share of the memory available at start that a CPU host's KV cache gets by default."""
+CPU_KV_CACHE_MAX_BYTES = 4 * 2**30
+"""The most a CPU host's KV cache gets by default."""
+
+
+def _size_cpu_kv_cache(engine_args: dict[str, Any]) -> None:
+    """On a CPU host, vLLM reserves `gpu_memory_utilization` (0.92 by default) of the machine's
+    memory and refuses to start unless that much is free. Unless the arguments (or vLLM's
+    VLLM_CPU_KVCACHE_SPACE) size the KV cache themselves, give it a quarter of the memory
+    available now, at most CPU_KV_CACHE_MAX_BYTES, as `kv_cache_memory_bytes`, and say so."""
+    from vllm.platforms import current_platform
+
+    chosen = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & engine_args.keys()
+    if not current_platform.is_cpu() or chosen or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return
+    import psutil  # a dependency of vLLM's
+
+    available = psutil.virtual_memory().available
+    size = min(int(available * CPU_KV_CACHE_SHARE), CPU_KV_CACHE_MAX_BYTES)
+    engine_args["kv_cache_memory_bytes"] = size
+    log.info("vLLM on the CPU: a KV cache of %.2f GiB (kv_cache_memory_bytes; %d%% of the "
+             "%.1f GiB available, at most %d GiB); choose with --vllm-arg "
+             "kv_cache_memory_bytes=N or gpu_memory_utilization=F", size / 2**30,
+             CPU_KV_CACHE_SHARE * 100, available / 2**30, CPU_KV_CACHE_MAX_BYTES // 2**30)
+
+
 def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
     """The "vllm" backend's factory (BACKENDS in services/engine/runner.py)."""
     model_dir = resolve_model_dir(config.model)
@@ -521,6 +548,7 @@ def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
     # pixels are normalised as there.
     preprocessor = load_preprocessor(model_dir, "auto")
     engine_args = {"model": str(model_dir), **config.vllm.engine_args()}
+    _size_cpu_kv_cache(engine_args)
     encoder = None
     if config.vllm.encoder_lane:
         family = preprocessor.family.name
