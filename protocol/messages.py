@@ -14,7 +14,7 @@ Fields are only ever appended, and new fields get defaults (msgspec schema evolu
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -50,11 +50,29 @@ class ImagePart(msgspec.Struct, tag="image_url", tag_field="type", frozen=True):
 ContentPart = TextPart | ImagePart
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
-    """One chat turn; content is a plain string or a list of parts."""
+class ToolFunction(msgspec.Struct, kw_only=True, frozen=True):
+    """The function a tool call calls: its name and its arguments, as JSON text (OpenAI's)."""
 
-    role: Literal["system", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True, frozen=True):
+    """An assistant's call of a tool, as in OpenAI chat messages."""
+
+    id: str
+    function: ToolFunction
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One chat turn; content is a plain string or a list of parts. An assistant's turn may
+    carry the tool calls it made; a `tool` turn is a tool's result, for the call it names."""
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart]
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
 
 
 class RequestFields(SamplingFields, kw_only=True, frozen=True):
@@ -74,6 +92,10 @@ class ChatRequest(RequestFields, tag="chat", kw_only=True, frozen=True):
 
     request_id: str
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] = []
+    """Tools the chat template offers the model, each an OpenAI tool object
+    ({"type": "function", "function": {"name", "description", "parameters"}}). What the model
+    answers stays text: the HTTP API parses its tool calls (services/frontend/tools.py)."""
 
 
 class CompletionRequest(RequestFields, tag="completion", kw_only=True, frozen=True):

@@ -34,6 +34,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True):
     takes it): the output is a sentence of it."""
     json_object: bool | None = None
     """True: the output is a JSON object, any object."""
+    structural_tag: str | None = None
+    """vLLM's structural tag (xgrammar's StructuralTag, as JSON): the tool calls' envelope that
+    the HTTP API's tool_choice sets (services/frontend/tools.py); not taken from clients."""
 
     def kind(self, prefix: str = "") -> str:
         """The one field set, by name; RequestError (naming `prefix`structured_outputs) unless

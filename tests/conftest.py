@@ -18,7 +18,7 @@ import types
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # ruff: noqa: E402
 from mmlane.common import cpu_wheels
@@ -27,6 +27,7 @@ cpu_wheels.apply()  # before transformers loads: a vLLM CPU install needs it (cp
 
 # isort: split
 import numpy as np
+import openai
 import pytest
 import torch
 import zmq
@@ -93,6 +94,7 @@ FAST = (
     "test_pixels.py",
     "test_protocol.py",
     "test_sampling.py",
+    "test_tools.py::TestReading",
 )
 """The fast lane (`scripts/test --fast`, which is `pytest -m fast`): tests of pure logic and
 in-process code that start no process, neither a role nor `mmlane serve` nor a pool (`no_leaks`
@@ -271,6 +273,15 @@ def as_processor_output(tensors: dict[str, np.ndarray], norm: PixelNorm) -> dict
 def preprocessors(model_dirs: dict[str, Path]) -> dict[str, Preprocessor]:
     """mmlane's preprocessor of each tiny family, loaded once."""
     return {family: load_preprocessor(path) for family, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> Iterator[openai.OpenAI]:
+    """The openai client of the module's `server` (test_http.py's `Server`: `mmlane serve`
+    over HTTP)."""
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

@@ -74,31 +74,42 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
+@contextmanager
+def serve_http(run_dir: Path, model_dir: Path, *args: str) -> Iterator[Server]:
+    """`mmlane serve` with its HTTP API (ARGS added), answering /health; stopped with SIGTERM."""
     http_port, port = free_port(), free_port()
-    log_path = module_run_dir / "serve.log"
+    log_path = run_dir / "serve.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mmlane.cli", "serve", "--model", str(qwen_dir),
+            [sys.executable, "-m", "mmlane.cli", "serve", "--model", str(model_dir),
              "--port", str(port), "--http-port", str(http_port),
-             "--run-dir", str(module_run_dir / "run"), "--max-images-per-request", "2",
-             "--allow-http-media", "--allow-internal-media", "--max-image-bytes", "1000000",
-             "--media-fetch-timeout", str(FETCH_TIMEOUT_S), "--media-fetch-retries", "0",
-             "--http-max-body-bytes", str(MAX_BODY_BYTES)],
+             "--run-dir", str(run_dir / "run"), *args],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         )
-    served = Server(f"http://127.0.0.1:{http_port}/v1", qwen_dir.name, log_path, process,
-                    f"tcp://127.0.0.1:{port}", module_run_dir / "run")
+    served = Server(f"http://127.0.0.1:{http_port}/v1", model_dir.name, log_path, process,
+                    f"tcp://127.0.0.1:{port}", run_dir / "run")
 
     def healthy() -> bool:
         assert process.poll() is None, f"serve exited: {served.log()}"
         return _healthy(http_port)
 
-    wait_until(healthy, "serve answering /health", timeout_s=180)
-    yield served
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 0, served.log()
+    try:
+        wait_until(healthy, "serve answering /health", timeout_s=180)
+        yield served
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, served.log()
+
+
+@pytest.fixture(scope="module")
+def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
+    with serve_http(
+        module_run_dir, qwen_dir, "--max-images-per-request", "2", "--allow-http-media",
+        "--allow-internal-media", "--max-image-bytes", "1000000",
+        "--media-fetch-timeout", str(FETCH_TIMEOUT_S), "--media-fetch-retries", "0",
+        "--http-max-body-bytes", str(MAX_BODY_BYTES),
+    ) as served:
+        yield served
 
 
 def _healthy(port: int) -> bool:
@@ -107,13 +118,6 @@ def _healthy(port: int) -> bool:
             return response.status == 200
     except OSError:
         return False
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
 
 
 def user(text: str, *image_urls: str) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ import pytest
 import torch
 import zmq
 from test_http import SCHEMAS, json_schema
+from test_tools import CLOSED_TOOLS, ends
 
 from bench.images import jpeg_uri, make_image, png_uri
 from conftest import FAILED, REPO, free_port
@@ -74,8 +75,9 @@ VLLM_ARGS: dict[str, Any] = {
     "kv_cache_memory_bytes": 256 * 2**20,
     "dtype": "float32",
     # Compact JSON, as the hf backend makes it: vLLM's default whitespace lets the tiny model
-    # write whitespace until max_tokens.
-    "structured_outputs_config": {"backend": "guidance", "disable_any_whitespace": True},
+    # write whitespace until max_tokens. The backend is vLLM's default: tool calls' structural
+    # tags need xgrammar.
+    "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
 }
 MAX_TOKENS = 10
 TOP_LOGPROBS = 5
@@ -144,8 +146,10 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
     args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
     log = run_dir / "vllm.log"
     # Its scale-out API as well: the replica of mmlane's vllm-remote backend.
+    # Tool calls read as mmlane reads Qwen's (hermes), for requests with tools.
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
-                            "--port", str(port), "--enable-scale-out", *args], log), log)
+                            "--port", str(port), "--enable-scale-out", "--enable-auto-tool-choice",
+                            "--tool-call-parser", "hermes", *args], log), log)
     try:
         yield server, port
     finally:
@@ -670,6 +674,33 @@ def test_a_regex_or_choice_gives_vllm_alones_text(
                       **fields)
     assert ours["choices"][0]["finish_reason"] == "stop"
     assert ours["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}, "auto", "none",
+], ids=["required", "named", "auto", "none"])
+def test_tool_calls_are_vllm_alones(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+    tool_choice: Any,
+) -> None:
+    """The same chat with tools through mmlane and through `vllm serve --tool-call-parser
+    hermes` (its structural tags on, as by default): the same finish reason, content and calls
+    (their ids aside)."""
+    body = {"messages": _openai_messages(None, "Weather in Paris?", []), "tools": CLOSED_TOOLS,
+            "tool_choice": tool_choice, "max_tokens": 60,
+            "logit_bias": ends(load_preprocessor(qwen_dir))}
+    alone, ours = (_vllm_chat(port, model, **body)["choices"][0] for port, model in [
+        (vllm_alone[1], str(qwen_dir)), (mmlane_vllm[0].http_port, qwen_dir.name)])
+
+    def shown(choice: dict[str, Any]) -> tuple[Any, ...]:
+        message = choice["message"]
+        calls = [(call["function"]["name"], call["function"]["arguments"])
+                 for call in message.get("tool_calls") or []]
+        return choice["finish_reason"], message["content"] or "", calls
+
+    assert shown(ours) == shown(alone)
+    if tool_choice == "required":
+        assert shown(ours)[2], shown(ours)  # constrained: calls, whatever the tiny model
 
 
 def test_tokenize_and_detokenize_answer_as_vllm_alone(

@@ -79,6 +79,7 @@ from mmlane.common.stats import Metrics
 from mmlane.frontend.config import FrontendConfig
 from mmlane.frontend.http_limits import RETRY_AFTER_S, Connections, RateLimiter, retry_after
 from mmlane.frontend.requests import detokenize, tokenize
+from mmlane.frontend.tools import ToolUse, tool_use
 from mmlane.model import Preprocessor
 from mmlane.protocol.codec import Codec
 from mmlane.protocol.errors import (
@@ -108,9 +109,8 @@ _T = TypeVar("_T")
 
 
 REJECTED_UNLESS_DEFAULT: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
-    "functions": lambda v: not v,
+    "functions": lambda v: not v,  # OpenAI's older name of tools
+    "function_call": lambda v: v in (None, "none"),
 }
 """Fields we cannot honour: refused with a 400 naming them, unless they ask for the default."""
 _AIOHTTP_KEEPALIVE_S = 7 * 24 * 3600.0
@@ -158,6 +158,10 @@ class HttpApi:
         self._tokenizers = tokenizers
         """The frontend's tokenizer threads, which /tokenize and /detokenize run on."""
         self._config = config
+        self._tool_parser = pre.family.tool_call_format \
+            if config.tool_call_parser == "auto" else \
+            (None if config.tool_call_parser == "none" else config.tool_call_parser)
+        """The tool-call format tool_choice 'auto' reads (None: none; 'auto' is refused)."""
         self._rates = RateLimiter(config.http_rate_limit, config.http_rate_burst) \
             if config.http_rate_limit else None
         self._metrics = metrics
@@ -394,15 +398,16 @@ class HttpApi:
             for name in self.model_names]})
 
     async def _tokenize(self, http: web.Request) -> web.Response:
-        """vLLM's /tokenize: a chat's `messages` (`add_generation_prompt`, default true) or a
-        text `prompt` (`add_special_tokens`, default true) as the model's prompt ids, with
-        their tokens' texts when `return_token_strs`."""
+        """vLLM's /tokenize: a chat's `messages` (its `tools`; `add_generation_prompt`,
+        default true) or a text `prompt` (`add_special_tokens`, default true) as the model's
+        prompt ids, with their tokens' texts when `return_token_strs`."""
         try:
             body = await self._read_json(http)
             self._check_model(body)
+            tools = self._tool_use({"tools": body.get("tools"), "tool_choice": "none"})
             request: NativeRequest = ChatRequest(
-                request_id="tokenize", messages=_messages(body["messages"])) \
-                if "messages" in body else \
+                request_id="tokenize", messages=_messages(body["messages"]),
+                tools=tools.tools if tools else []) if "messages" in body else \
                 CompletionRequest(request_id="tokenize", prompt=_prompt(body.get("prompt")))
             options = {name: _flag(body, name) for name in (
                 "add_generation_prompt", "add_special_tokens", "return_token_strs")}
@@ -450,45 +455,47 @@ class HttpApi:
     async def _answer(self, http: web.Request, route: _Route) -> web.StreamResponse:
         try:
             body = await self._read_json(http)
-            request, stream, include_usage = self._to_native(body, f"http-{next(self._ids)}",
-                                                             route)
+            asked = self._to_native(body, f"http-{next(self._ids)}", route)
             n = n_of(body, self._config.max_n)
         except ApiError as exc:
             return self._refuse(exc)
-        async with self._choices(parallel_requests(request, n)) as choices:
+        async with self._choices(parallel_requests(asked.request, n)) as choices:
             firsts = await choices.firsts()
             if isinstance(firsts, ChatError):
                 return _error_response(_from_info(firsts.error, _client_names(body)))
-            if stream:
-                return await self._stream(http, request, choices, firsts, include_usage, route)
-            return await self._complete(request, choices, firsts, route)
+            if asked.stream:
+                return await self._stream(http, asked, choices, firsts, route)
+            return await self._complete(asked, choices, firsts, route)
 
-    async def _complete(self, request: NativeRequest, choices: Choices,
+    async def _complete(self, asked: _Asked, choices: Choices,
                         firsts: list[ChatOutput], route: _Route) -> web.Response:
         gathered = await choices.gathered(firsts)
         if isinstance(gathered, ChatError):
             return _error_response(_from_info(gathered.error))
+        answers = []
+        for index, choice in enumerate(gathered):
+            reason = _finish_reason(choice.finish_reason)
+            content = route.choice(choice.text)
+            if asked.tools is not None:
+                message, reason = asked.tools.answer(choice.text, reason)
+                content = {"message": message}
+            answers.append({"index": index, **content, "finish_reason": reason,
+                            "logprobs": route.logprobs_of(asked.request, choice.logprobs)})
         return web.json_response({
             "id": _completion_id(route), "object": route.object, "created": int(time.time()),
-            "model": self.model_id,
-            "choices": [{
-                "index": index, **route.choice(choice.text),
-                "finish_reason": _finish_reason(choice.finish_reason),
-                "logprobs": route.logprobs_of(request, choice.logprobs),
-            } for index, choice in enumerate(gathered)],
+            "model": self.model_id, "choices": answers,
             "usage": _usage(prompt_tokens(firsts), sum(choice.tokens for choice in gathered)),
         })
 
-    async def _stream(
-        self, http: web.Request, request: NativeRequest, choices: Choices,
-        firsts: list[ChatOutput], include_usage: bool, route: _Route,
-    ) -> web.StreamResponse:
+    async def _stream(self, http: web.Request, asked: _Asked, choices: Choices,
+                      firsts: list[ChatOutput], route: _Route) -> web.StreamResponse:
+        request = asked.request
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         })
         await response.prepare(http)
         try:
-            await self._stream_events(response, request, choices, firsts, include_usage, route)
+            await self._stream_events(response, asked, choices, firsts, route)
         except _Stalled:  # the client reads nothing: cut it off; `_choices` cancels the rest
             self._metrics.counters["http_stalled_streams"] += 1
             log.warning("HTTP stream of %s: the client read nothing for %g s; closed",
@@ -499,10 +506,8 @@ class HttpApi:
             log.info("HTTP stream of %s: the client went away", request.request_id)
         return response
 
-    async def _stream_events(
-        self, response: web.StreamResponse, request: NativeRequest, choices: Choices,
-        firsts: list[ChatOutput], include_usage: bool, route: _Route,
-    ) -> None:
+    async def _stream_events(self, response: web.StreamResponse, asked: _Asked,
+                             choices: Choices, firsts: list[ChatOutput], route: _Route) -> None:
         async def send(payload: dict[str, Any]) -> None:
             await self._write(response, b"data: " + json.dumps(payload).encode() + b"\n\n")
 
@@ -512,21 +517,32 @@ class HttpApi:
                 await send(chunk.choice(index, route.opening))
         completion_tokens = 0
         text_offsets = [0] * len(firsts)  # each choice's, where its next chunk's tokens start
+        tools = [asked.tools.stream() if asked.tools else None for _ in firsts]
         async for index, output in choices.replies(firsts):
             if isinstance(output, ChatError):  # the status is sent already: an error event
                 await send(_error_body(_from_info(output.error)))
                 break
             completion_tokens += len(output.token_ids)
+            stream = tools[index]
             if output.text or output.logprobs:  # each token's logprobs, text or not (as vLLM)
-                content = route.delta(output.text) if output.text else route.closing
-                logprobs = route.logprobs_of(request, output.logprobs, text_offsets[index])
-                await send(chunk.choice(index, content, logprobs=logprobs))
+                contents = [route.delta(output.text)] if stream is None else \
+                    [{"delta": delta} for delta in stream.feed(output.text)]
+                logprobs = route.logprobs_of(asked.request, output.logprobs, text_offsets[index])
+                if not contents and (logprobs is not None or stream is None):
+                    contents = [route.closing]  # logprobs of tokens without text (yet)
+                for number, content in enumerate(contents):
+                    await send(chunk.choice(index, content,
+                                            logprobs=logprobs if number == 0 else None))
                 text_offsets[index] += _texts_length(output.logprobs or [])
             if output.finished:
-                await send(chunk.choice(index, route.closing,
-                                        _finish_reason(output.finish_reason)))
+                reason = _finish_reason(output.finish_reason)
+                if stream is not None:
+                    deltas, reason = stream.finish(reason)
+                    for delta in deltas:
+                        await send(chunk.choice(index, {"delta": delta}))
+                await send(chunk.choice(index, route.closing, reason))
         else:
-            if include_usage:
+            if asked.include_usage:
                 await send(chunk.usage(_usage(prompt_tokens(firsts), completion_tokens)))
         await self._write(response, b"data: [DONE]\n\n")
         await asyncio.wait_for(response.write_eof(), self._config.http_stream_write_timeout_s)
@@ -551,14 +567,15 @@ class HttpApi:
                            f"{' and '.join(map(repr, self.model_names))}", "model_not_found",
                            "model")
 
-    def _to_native(self, body: Any, request_id: str,
-                   route: _Route) -> tuple[NativeRequest, bool, bool]:
-        """The native request for an OpenAI body, whether to stream, whether to send usage."""
+    def _to_native(self, body: Any, request_id: str, route: _Route) -> _Asked:
+        """The native request for an OpenAI body, and what the answer is to be."""
         self._check_model(body)
         for name, is_default in {**REJECTED_UNLESS_DEFAULT, **route.refused}.items():
             if name in body and not is_default(body[name]):
                 raise ApiError(f"{name}: not supported by this server", "invalid_request", name)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        tools = self._tool_use(body) if route is _CHAT else None
+        tools_fields = _tools_fields(tools, body)
         fields: dict[str, Any] = {
             "request_id": request_id, **route.prompt(body),
             "max_tokens": route.max_tokens if max_tokens is None else max_tokens,
@@ -567,6 +584,7 @@ class HttpApi:
             "seed": body.get("seed"),
             "logit_bias": _logit_bias(body.get("logit_bias")),
             "structured_outputs": _structured_outputs(body),
+            **tools_fields,
             "logprobs": route.logprobs_asked(body),
             "stop": _stop_list(body.get("stop")),
             **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
@@ -583,7 +601,43 @@ class HttpApi:
         if not isinstance(stream, bool) or not isinstance(options, dict):
             raise ApiError("stream must be a boolean and stream_options an object",
                            "invalid_request", "stream")
-        return request, stream, bool(options.get("include_usage"))
+        return _Asked(request, stream, bool(options.get("include_usage")), tools)
+
+    def _tool_use(self, body: dict[str, Any]) -> ToolUse | None:
+        try:
+            return tool_use(body, self._tool_parser)
+        except RequestError as exc:
+            raise ApiError(exc.message, "invalid_request",
+                           re.split(r"[:\[.]", exc.message, maxsplit=1)[0]) from exc
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """An OpenAI request, as the routes answer it."""
+
+    request: NativeRequest
+    stream: bool
+    include_usage: bool
+    """A streamed answer ends with a chunk of the usage."""
+    tools: ToolUse | None
+    """A chat's tool use (None: it has none): its choices' text is read for tool calls."""
+
+
+def _tools_fields(tools: ToolUse | None, body: dict[str, Any]) -> dict[str, Any]:
+    """The native fields of a chat's tool use: the tools, for the template, and the constraint
+    of 'required' or a named function, which takes the place of the output's structure."""
+    if tools is None:
+        return {}
+    constraint = tools.constraint()
+    if constraint is None:
+        return {"tools": tools.tools}
+    structured = next((name for name in ("response_format", "structured_outputs", *_GUIDED)
+                       if body.get(name) is not None), None)
+    if structured is not None:
+        raise ApiError(f"{structured}: cannot be combined with tool_choice "
+                       f"{tools.choice!r}, which gives the output its form", "invalid_request",
+                       structured)
+    return {"tools": tools.tools, "structured_outputs": constraint}
 
 
 def _stop_list(stop: Any) -> Any:
@@ -896,7 +950,8 @@ _CHAT = _Route(
 _COMPLETION = _Route(
     native=CompletionRequest, prompt=lambda body: {"prompt": _prompt(body.get("prompt"))},
     refused={"echo": lambda v: not v, "suffix": lambda v: not v,
-             "best_of": lambda v: v in (None, 1)},
+             "best_of": lambda v: v in (None, 1), "tools": lambda v: not v,
+             "tool_choice": lambda v: v in (None, "none")},
     max_tokens=16, object="text_completion", chunk_object="text_completion", id_prefix="cmpl",
     choice=lambda text: {"text": text}, delta=lambda text: {"text": text},
     opening=None, closing={"text": ""},

@@ -15,14 +15,22 @@ does.
 
 from __future__ import annotations
 
+import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from mmlane.model import Preprocessor
 from mmlane.model.grammar import check_grammar
 from mmlane.protocol.errors import RequestError
-from mmlane.protocol.messages import ChatRequest, CompletionRequest, ImagePart, ImageUrl, TextPart
+from mmlane.protocol.messages import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    ImagePart,
+    ImageUrl,
+    TextPart,
+)
 from mmlane.protocol.sampling import SamplingParams, check_sampling, sampling_of
 
 
@@ -36,6 +44,8 @@ class CheckedRequest:
     sampling: SamplingParams
     prompt: str | list[int] = ""
     """A completion's text (tokenized as it is) or token ids (taken as they are)."""
+    tools: list[dict] = field(default_factory=list)
+    """A chat's tools, for the template."""
 
     def shown_ids(self, token_ids: list[int], finish_reason: str | None) -> list[int]:
         """The output tokens whose text the client sees: a token of `stop_token_ids` that ends
@@ -57,14 +67,35 @@ def check_request(request: ChatRequest | CompletionRequest, *,
     template_messages = []
     for index, message in enumerate(request.messages):
         template_messages.append(
-            {"role": message.role, "content": _content(message.content, images, index)}
+            {"role": message.role, "content": _content(message.content, images, index),
+             **_tool_fields(message, index)}
         )
     if len(images) > max_images:
         raise RequestError(
             f"too many images: {len(images)} in the request, at most {max_images} allowed",
             code="too_many_images",
         )
-    return CheckedRequest(template_messages, images, sampling_of(request))
+    return CheckedRequest(template_messages, images, sampling_of(request), tools=request.tools)
+
+
+def _tool_fields(message: ChatMessage, index: int) -> dict:
+    """A message's tool calls and tool call id, as chat templates take them: each call's
+    arguments as a mapping, not JSON text (transformers' convention, as vLLM renders them)."""
+    fields: dict = {}
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    calls = []
+    for number, call in enumerate(message.tool_calls):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError as exc:
+            raise RequestError(f"messages[{index}].tool_calls[{number}].function.arguments: "
+                               f"not JSON: {exc}") from exc
+        calls.append({"id": call.id, "type": call.type,
+                      "function": {"name": call.function.name, "arguments": arguments}})
+    if calls:
+        fields["tool_calls"] = calls
+    return fields
 
 
 def check_stop(stop: list[str], *, max_strings: int, max_chars: int) -> None:
@@ -132,7 +163,7 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
 def _token_ids(pre: Preprocessor, checked: CheckedRequest, *, add_generation_prompt: bool = True,
                add_special_tokens: bool = True) -> list[int]:
     if checked.template_messages is not None:
-        prompt = pre.render_prompt(checked.template_messages,
+        prompt = pre.render_prompt(checked.template_messages, tools=checked.tools,
                                    add_generation_prompt=add_generation_prompt)
         return pre.tokenize_batch([prompt])[0]
     if isinstance(checked.prompt, str):

@@ -85,6 +85,10 @@ class Family:
     # pixels sent hold one frame (the processor called with the setting at 1); the engine
     # repeats it (services/model/pixels.py, `model_layout`). None: one frame, sent as it is.
     frames_setting: str | None = None
+    # The format of tool calls in the model's output, as vLLM's --tool-call-parser names it
+    # ('hermes': `<tool_call>{"name", "arguments"}</tool_call>`, services/frontend/tools.py);
+    # None: none known (tool_choice 'auto' is refused unless --tool-call-parser names one).
+    tool_call_format: str | None = None
 
     def frames(self, image_processor: Any) -> int:
         """The identical frames of an image in the model's layout (one of them is sent)."""
@@ -671,6 +675,7 @@ QWEN2_VL = Family(
     uint8_pixels=_qwen2_vl_uint8,
     resized_size=_qwen2_vl_resized_size,
     frames_setting="temporal_patch_size",
+    tool_call_format="hermes",
 )
 
 LLAVA = Family(

@@ -32,7 +32,9 @@ from mmlane.protocol.sampling import StructuredOutputs
 FIELD = "structured_outputs"
 _ANY_OBJECT = '{"type": "object"}'
 _NAMES = {"json": "the JSON schema", "json_object": "the JSON schema", "regex": "the regex",
-          "choice": "the choice", "grammar": "the grammar"}
+          "choice": "the choice", "grammar": "the grammar",
+          "structural_tag": "the tool calls' structural tag"}
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
 def check_grammar(structured: StructuredOutputs) -> None:
@@ -108,6 +110,9 @@ def _grammar_text(structured: StructuredOutputs) -> str:
             return llguidance.grammar_from("choice", json.dumps(structured.choice))
         if structured.grammar is not None:  # Lark, or GBNF turned into Lark
             return llguidance.grammar_from("grammar", structured.grammar)
+        if structured.structural_tag is not None:
+            return llguidance.LLMatcher.grammar_from_lark(
+                _tag_lark(json.loads(structured.structural_tag)["format"]))
         schema = structured.json if structured.json is not None else _ANY_OBJECT
         # compact JSON: a small model may otherwise emit whitespace until max_tokens
         return llguidance.LLMatcher.grammar_from_json_schema(
@@ -115,3 +120,27 @@ def _grammar_text(structured: StructuredOutputs) -> str:
     except ValueError as exc:
         problem = "is not a JSON object" if kind in ("json", "json_object") else "cannot be read"
         raise RequestError(f"{FIELD}: {_NAMES[kind]} {problem}: {exc}") from exc
+
+
+def _tag_lark(form: dict[str, Any]) -> str:
+    """Lark for the structural tags tools.py builds (vLLM's, for xgrammar): calls each written
+    as one of its tags, `begin`, JSON, `end`; one or more of them (`tags_with_separator`, no
+    separator), or text with a call wherever a trigger opens one (`triggered_tags`: llguidance's
+    lazy lexeme ends the text at the trigger, as its StructTag does). Its JSON is compact, as
+    elsewhere here."""
+    calls = " | ".join(f"{json.dumps(tag['begin'])} {_tag_json(tag['content'])} "
+                       f"{json.dumps(tag['end'])}" for tag in form["tags"])
+    if form["type"] == "tags_with_separator":
+        return f"start: call{'' if form['stop_after_first'] else '+'}\ncall: {calls}\n"
+    [trigger] = form["triggers"]
+    rests = " | ".join(f"{json.dumps(tag['begin'].removeprefix(trigger))} "
+                       f"{_tag_json(tag['content'])} {json.dumps(tag['end'])}"
+                       for tag in form["tags"])
+    start = "call | TEXT" if form["stop_after_first"] else "call* TEXT"
+    return (f"start: {start}\ncall: opened ({rests})\n"
+            f"opened[lazy]: TEXT {json.dumps(trigger)}\nTEXT: /(.|\\n)*/\n")
+
+
+def _tag_json(content: dict[str, Any]) -> str:
+    schema = content["json_schema"]
+    return "%json " + json.dumps({**(schema if isinstance(schema, dict) else {}), **_COMPACT})

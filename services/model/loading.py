@@ -104,10 +104,12 @@ class Preprocessor:
     image_backend: str
     """The image processor's backend: 'pil' or 'torchvision' (see `load_preprocessor`)."""
 
-    def render_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def render_prompt(self, messages: list[dict], *, tools: list[dict] | None = None,
+                      add_generation_prompt: bool = True) -> str:
         try:
             prompt = self.tokenizer.apply_chat_template(
                 messages,
+                tools=cast("list[dict | Callable]", tools) if tools else None,
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
