@@ -61,6 +61,11 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     API keys (api_key, api_key_file) or insecure_http."""
     http_port: int = 8000
     """Port of the HTTP API; 0 disables it."""
+    http_reuse_port: bool = False
+    """Let the frontends of this host that are given it too listen on the same http_port
+    (SO_REUSEPORT, Linux); the kernel spreads new connections over them. Off, a port already
+    taken refuses the frontend at startup; on, so does one taken by another user or by a
+    process without SO_REUSEPORT, but not by another deployment's frontends: give each its own."""
     insecure_http: bool = False
     """Allow the HTTP API on a non-loopback http_host without API keys: anyone who can reach
     the port can use the model. For a network that is private by other means."""

@@ -235,8 +235,12 @@ class HttpApi:
         self._metrics.gauge("http_connections", lambda: len(self._connections.open))
         # The listening socket is ours rather than a web.TCPSite's, so that every connection
         # goes through `Connections`; the runner still closes the connections at its cleanup.
+        # With http_reuse_port the frontends of a host share the port: Linux lets only sockets
+        # that all set SO_REUSEPORT, under one effective UID, bind it, so another user's or an
+        # unrelated program's listener there still refuses this one.
         self._server = await asyncio.get_running_loop().create_server(
-            self._connections, self._config.http_host, self._config.http_port)
+            self._connections, self._config.http_host, self._config.http_port,
+            reuse_port=self._config.http_reuse_port)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _shutdown(self) -> None:
