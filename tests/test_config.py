@@ -160,6 +160,52 @@ def test_a_bad_value_names_the_setting(
     assert named in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------- the HTTP API off loopback
+
+HTTP_OFF_LOOPBACK = ["--http-host", "0.0.0.0", "--http-port", "8000"]
+
+
+@pytest.mark.parametrize("command", ["frontend", "serve"])
+def test_http_off_loopback_without_a_key_is_refused_naming_the_ways_out(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, *HTTP_OFF_LOOPBACK]) == 1
+    assert ("http_host '0.0.0.0' is not a loopback address, and without an API key anyone who "
+            "reaches port 8000 can use the model: give --api-key or --api-key-file, or "
+            "--insecure-http") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "env"), [
+    (["--api-key", "k1"], {}),
+    (["--api-key-file", "KEYS"], {}),
+    ([], {"MMLANE_API_KEY": "k1,k2"}),
+    ([], {"MMLANE_API_KEY_FILE": "KEYS"}),
+    (["--insecure-http"], {}),
+    ([], {"MMLANE_INSECURE_HTTP": "1"}),
+])
+def test_http_off_loopback_is_served_with_a_key_or_insecure_http(
+    argv: list[str], env: dict[str, str], run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = run_dir / "keys"
+    keys.write_text("k1\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.replace("KEYS", str(keys)))
+    argv = [arg.replace("KEYS", str(keys)) for arg in argv]
+    config = config_from_argv("frontend", [*HTTP_OFF_LOOPBACK, *argv], run_dir)
+    assert (config.http_host, config.http_port) == ("0.0.0.0", 8000)
+    assert config.api_keys() or config.insecure_http
+
+
+@pytest.mark.parametrize("argv", [
+    ["--http-host", "localhost", "--http-port", "8000"],
+    ["--http-host", "127.0.0.2", "--http-port", "8000"],
+    ["--http-host", "::1", "--http-port", "8000"],
+    ["--http-host", "0.0.0.0", "--http-port", "0"],  # HTTP off
+])
+def test_http_on_loopback_or_off_needs_no_key(argv: list[str], run_dir: Path) -> None:
+    assert config_from_argv("frontend", argv, run_dir).api_keys() == []
+
+
 # ---------------------------------------------------------------- --help
 
 

@@ -1076,6 +1076,20 @@ def frontend_with_silent_engine(
         engine.close()
 
 
+@pytest.mark.parametrize("reuse_port", [[], ["--http-reuse-port"]])
+def test_an_http_port_another_program_holds_refuses_the_frontend_at_startup(
+    run_dir: Path, qwen_dir: Path, reuse_port: list[str]
+) -> None:
+    """A frontend fails to start, saying why, on an HTTP port already taken: with
+    --http-reuse-port too, which shares the port only with the frontends that ask for it, not
+    with a listener without SO_REUSEPORT (another program)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(FatalError, match=f"cannot serve HTTP on 127.0.0.1:{port}: .*in use"):
+            start_role("frontend", ["--model", str(qwen_dir), "--port", "0",
+                                    "--http-port", str(port), *reuse_port], run_dir)
+
+
 @pytest.fixture
 def silent_engine(run_dir: Path, qwen_dir: Path) -> Iterator[tuple[str, StandInEngine]]:
     """A frontend (HTTP API on, at most one request in flight, 2 s timeout) whose engine is this

@@ -1,13 +1,16 @@
-"""deploy/supervisord.conf under the real supervisord: two frontends, one MM worker, one engine.
+"""deploy/: its files' command lines through the real CLI parser, and supervisord.conf under the
+real supervisord: two frontends, one MM worker, one engine.
 
-Each test `kill -9`s one role under mixed load and checks what the others say: supervisord
-starts it again, every request gets exactly one terminal reply (a result, or an error such as
-the timeout for work that died with the process), and the lanes serve again afterwards.
+Each test under supervisord `kill -9`s one role under mixed load and checks what the others
+say: supervisord starts it again, every request gets exactly one terminal reply (a result, or an
+error such as the timeout for work that died with the process), and the lanes serve again
+afterwards. Before them, the HTTP API that both frontends serve on one port answers from each.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shlex
 import shutil
@@ -16,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,12 +27,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from supervisor.options import ServerOptions
 
 from bench.images import jpeg_uri
-from conftest import REPO
-from mmlane.cli import build_parser
+from conftest import REPO, free_port
+from mmlane.cli import build_parser, config_from_argv
 from mmlane.client import ChatResult, Client, user_message
-from mmlane.protocol.errors import RetryableError
+from mmlane.engine.config import EngineConfig
+from mmlane.frontend.config import FrontendConfig
+from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.protocol.errors import FatalError, RetryableError
 from mmlane.protocol.messages import ChatMessage
 from peers import wait_for_stats, wait_until
 
@@ -109,6 +117,7 @@ def supervised(module_run_dir: Path, qwen_dir: Path) -> Iterator[Supervised]:
         "MMLANE_BIN": f"{shlex.quote(sys.executable)} -m mmlane.cli",
         "MMLANE_FRONTENDS": str(FRONTENDS),
         "MMLANE_FRONTEND_PORT": str(base_port),
+        "MMLANE_HTTP_PORT": str(free_port()),  # not 8000: a test run beside another
         "MMLANE_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
         "MMLANE_DEVICE": "cpu",
         # Frequent stats: the tests wait on them (`_wait_holding`).
@@ -272,7 +281,172 @@ def _both(make: object) -> list[str]:
     return [make(fe) for fe in range(FRONTENDS)]  # type: ignore[operator]
 
 
+# ---------------------------------------------------------------------------- the deploy files
+
+
+def _dockerfile() -> dict[str, list[str]]:
+    """deploy/Dockerfile's instructions by name, each one's arguments in order (continued lines
+    joined, comments left out)."""
+    instructions: dict[str, list[str]] = {}
+    for line in (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, arguments = line.partition(" ")
+            instructions.setdefault(name, []).append(arguments.strip())
+    return instructions
+
+
+def _image_env() -> dict[str, str]:
+    return dict(item.split("=", 1) for arguments in _dockerfile()["ENV"]
+                for item in shlex.split(arguments))
+
+
+def _image_ports() -> list[int]:
+    return [int(port) for arguments in _dockerfile()["EXPOSE"] for port in arguments.split()]
+
+
+def _image_command() -> Path:
+    """The script the image's CMD runs, in this checkout (the image copies deploy/ into its
+    WORKDIR)."""
+    (workdir,), (command,) = _dockerfile()["WORKDIR"], _dockerfile()["CMD"]
+    (script,) = json.loads(command)
+    return REPO / Path(script).relative_to(workdir)
+
+
+def _in_the_image(tmp: Path, **settings: str) -> dict[str, str]:
+    """What `docker run -e ...` hands the image's CMD: its ENV with `settings`, the folders
+    moved under `tmp` (not /run) and a model named (none is built)."""
+    return {**_image_env(), "MMLANE_RUN_DIR": str(tmp / "run"), "MMLANE_LOG_DIR": str(tmp / "log"),
+            "MMLANE_HOME": str(tmp), "MMLANE_MODEL": str(tmp / "model"), **settings}
+
+
+def _run_supervisord(script: Path, env: dict[str, str], tmp: Path) -> subprocess.CompletedProcess:
+    """`script` (deploy/run-supervisord) with `env` alone, the supervisord it execs a stand-in
+    that prints the environment supervisord would have handed its programs."""
+    stand_in = tmp / "bin" / "supervisord"
+    stand_in.parent.mkdir(exist_ok=True)
+    stand_in.write_text("#!/bin/sh\nexec env -0\n")
+    stand_in.chmod(0o755)
+    return subprocess.run([str(script)], env={"PATH": f"{stand_in.parent}:{os.environ['PATH']}",
+                                              "HOME": str(tmp), **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def _handed_to_supervisord(run: subprocess.CompletedProcess) -> dict[str, str]:
+    """The environment `_run_supervisord`'s stand-in printed."""
+    assert run.returncode == 0, run.stderr
+    return dict(item.split("=", 1) for item in run.stdout.split("\0") if item)
+
+
+def _as_environment(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """This process's MMLANE_* variables become `env`'s (the roles read them for flags not
+    given), until the test ends."""
+    for name in [name for name in os.environ if name.startswith("MMLANE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith("MMLANE_"):
+            monkeypatch.setenv(name, value)
+
+
+def _frontends(env: dict[str, str], run_dir: Path,
+               monkeypatch: pytest.MonkeyPatch) -> list[FrontendConfig]:
+    """The config of each frontend program of supervisord.conf, its command line expanded in
+    `env` (the environment run-supervisord handed supervisord) by supervisor's own config
+    reader and built by the CLI in that environment; every other program's command line must
+    build too."""
+    options = ServerOptions()
+    options.environ_expansions = {f"ENV_{name}": value for name, value in env.items()}
+    options.configfile = str(DEPLOY / "supervisord.conf")
+    options.process_config(do_usage=False)
+    _as_environment(monkeypatch, env)
+    configs = []
+    for group in options.process_group_configs:
+        for process in group.process_configs:
+            program, role, *argv = shlex.split(process.command)  # as supervisord splits it
+            assert program == env["MMLANE_BIN"]
+            configs.append(config_from_argv(role, argv, run_dir))
+    assert {type(config) for config in configs} == {EngineConfig, MMWorkerConfig, FrontendConfig}
+    return [config for config in configs if isinstance(config, FrontendConfig)]
+
+
 # ---------------------------------------------------------------------------- the tests
+
+
+def test_the_images_frontends_all_serve_http_on_a_port_it_exposes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image's CMD with a key and two frontends: both serve the HTTP API on 0.0.0.0 at the
+    one port the image exposes for it, sharing it, with the key."""
+    env = _handed_to_supervisord(_run_supervisord(
+        _image_command(), _in_the_image(tmp_path, MMLANE_FRONTENDS="2", MMLANE_API_KEY="k1"),
+        tmp_path))
+    frontends = _frontends(env, tmp_path / "run", monkeypatch)
+    assert len(frontends) == 2
+    for frontend in frontends:
+        assert (frontend.http_host, frontend.http_port) == ("0.0.0.0", 8000)
+        assert frontend.http_reuse_port and frontend.api_keys() == ["k1"]
+    assert 8000 in _image_ports()
+
+
+def test_the_image_refuses_to_start_without_a_key_unless_told_insecure_http(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused = _run_supervisord(_image_command(), _in_the_image(tmp_path), tmp_path)
+    assert (refused.returncode, refused.stdout) == (1, "")  # supervisord never ran
+    assert ("the HTTP API on 0.0.0.0:8000 needs API keys: set MMLANE_API_KEY (comma-separated) "
+            "or MMLANE_API_KEY_FILE (one key a line), or MMLANE_INSECURE_HTTP=1") in refused.stderr
+
+    env = _handed_to_supervisord(_run_supervisord(
+        _image_command(), _in_the_image(tmp_path, MMLANE_INSECURE_HTTP="1"), tmp_path))
+    (frontend,) = _frontends(env, tmp_path / "run", monkeypatch)
+    assert frontend.insecure_http and frontend.api_keys() == []
+    assert (frontend.http_host, frontend.http_port) == ("0.0.0.0", 8000)
+    # The frontend judges for itself, whatever started it: without the opt-in, it refuses.
+    with pytest.raises(FatalError, match="http_host '0.0.0.0' is not a loopback address"):
+        _frontends(env | {"MMLANE_INSECURE_HTTP": ""}, tmp_path / "run", monkeypatch)
+
+
+def test_run_supervisord_serves_http_on_loopback_from_every_frontend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the image: every frontend (not the first alone) serves the HTTP API, on
+    127.0.0.1:8000, shared, with no key needed."""
+    env = _handed_to_supervisord(_run_supervisord(DEPLOY / "run-supervisord", {
+        "MMLANE_RUN_DIR": str(tmp_path / "run"), "MMLANE_MODEL": str(tmp_path / "model"),
+        "MMLANE_FRONTENDS": "3"}, tmp_path))
+    frontends = _frontends(env, tmp_path / "run", monkeypatch)
+    assert [(f.http_host, f.http_port, f.http_reuse_port) for f in frontends] == [
+        ("127.0.0.1", 8000, True)] * 3
+
+
+def test_k8s_frontend_serves_http_on_its_service_port_with_the_secrets_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/k8s/pod.yaml's frontend, in the image's ENV and its own (the Secret's key given):
+    the HTTP API on 0.0.0.0 at its `http` containerPort, which the image exposes, the readiness
+    probe asks and service.yaml targets; without the Secret's key it refuses to start."""
+    pod = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "frontend"]
+    secrets = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]
+               if "valueFrom" in v}
+    assert secrets == {"MMLANE_API_KEY": {"name": "mmlane-api-key", "key": "api-key"}}
+    values = {v["name"]: v["value"] for v in container["env"] if "value" in v}
+    _as_environment(monkeypatch, {**_image_env(), **values, "MMLANE_API_KEY": "k1"})
+    frontend = config_from_argv("frontend", container["args"], tmp_path)
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert (frontend.http_host, frontend.http_port) == ("0.0.0.0", ports["http"])
+    assert frontend.api_keys() == ["k1"] and ports["http"] in _image_ports()
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+    service = yaml.safe_load((DEPLOY / "k8s" / "service.yaml").read_text())
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "http"
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["pod.yaml", "service.yaml"]
+
+    monkeypatch.delenv("MMLANE_API_KEY")
+    with pytest.raises(FatalError, match="http_host '0.0.0.0' is not a loopback address"):
+        config_from_argv("frontend", container["args"], tmp_path)
 
 
 def test_k8s_pod_runs_each_role_with_flags_it_has() -> None:
@@ -318,6 +492,40 @@ def test_k8s_curve_patch_gives_each_role_its_keys_folder() -> None:
         assert {"secret": {"name": f"mmlane-{role}-key"}} in volumes[mount["name"]], role
         assert {"configMap": {"name": "mmlane-public-keys"}} in volumes[mount["name"]], role
     assert {c["name"] for c in patch["containers"]} == {c["name"] for c in base}
+
+
+def _requests_taken(run_dir: Path, name: str) -> int:
+    """How many requests the frontend called `name` has taken, as its stats say now."""
+    stats = wait_for_stats(run_dir, lambda s: s.name == name, f"{name}'s stats")
+    return stats.counters.get("requests", 0)
+
+
+def test_http_on_the_shared_port_is_answered_by_every_frontend(
+    supervised: Supervised, qwen_dir: Path
+) -> None:
+    """Both frontends listen on MMLANE_HTTP_PORT (SO_REUSEPORT) and the kernel spreads new
+    connections over them: requests, each on a connection of its own, reach both frontends,
+    and each is answered in full."""
+    run_dir = Path(supervised.env["MMLANE_RUN_DIR"])
+    names = [f"frontend-{port}" for port in supervised.ports]
+    before = {name: _requests_taken(run_dir, name) for name in names}
+    chat = urllib.request.Request(
+        f"http://127.0.0.1:{supervised.env['MMLANE_HTTP_PORT']}/v1/chat/completions",
+        data=json.dumps({"model": qwen_dir.name, "max_tokens": 2, "ignore_eos": True,
+                         "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"Content-Type": "application/json"})
+    sent = 0
+    for _ in range(8):  # rounds of 8: one frontend getting them all is 1 in 128 a round
+        for _ in range(8):
+            with urllib.request.urlopen(chat, timeout=PATIENCE_S) as response:  # closes it
+                reply = json.load(response)
+            assert reply["model"] == qwen_dir.name and reply["usage"]["completion_tokens"] == 2
+            assert reply["choices"][0]["finish_reason"] == "length", reply
+            sent += 1
+        taken = {name: _requests_taken(run_dir, name) - before[name] for name in names}
+        if all(taken.values()):
+            break
+    assert all(taken.values()) and sum(taken.values()) == sent, taken
 
 
 def _assert_ended(load: Load, doomed: list[str], racing: list[str]) -> None:

@@ -11,7 +11,9 @@ startup with a message naming the setting. Import-light: no torch, no zmq.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -49,6 +51,20 @@ def run_dir_defaults(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         _RUN_DIR.reset(token)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` listens on loopback addresses only ('', '*' and 0.0.0.0 do not): an
+    address, or a name that resolves to loopback addresses alone."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name or an interface: loopback if everything it names is
+        try:
+            infos = socket.getaddrinfo(host, None)
+        except OSError:
+            return False
+        return bool(infos) and all(
+            ipaddress.ip_address(str(info[4][0]).partition("%")[0]).is_loopback for info in infos)
 
 
 def ipc(name: str, run_dir: Path | None = None) -> str:

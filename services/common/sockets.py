@@ -13,7 +13,6 @@ which every connection already knows.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -28,7 +27,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from mmlane.common.config import DEFAULT_HOST, SecurityConfig
+from mmlane.common.config import DEFAULT_HOST, SecurityConfig, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,8 @@ class Security:
         if not endpoint.startswith("tcp://"):
             return
         if not self.curve:
-            if bind and not self.insecure_tcp and not _is_loopback(endpoint):
+            host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+            if bind and not self.insecure_tcp and not is_loopback(host):
                 raise OSError(
                     f"refusing to bind {endpoint}: plain tcp on a non-loopback address lets "
                     "anyone who reaches it submit work; give --curve-keys DIR (`mmlane keys`) "
@@ -201,20 +201,6 @@ def write_keys(folder: Path, name: str) -> tuple[Path, Path]:
     secret.chmod(0o600)
     public.chmod(0o644)
     return public, secret
-
-
-def _is_loopback(endpoint: str) -> bool:
-    """Whether tcp://HOST:PORT binds loopback addresses only ('*' and 0.0.0.0 do not)."""
-    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name or an interface: loopback if everything it names is
-        try:
-            infos = socket.getaddrinfo(host, None)
-        except OSError:
-            return False
-        return bool(infos) and all(
-            ipaddress.ip_address(str(info[4][0]).partition("%")[0]).is_loopback for info in infos)
 
 
 def make_socket(

@@ -14,6 +14,7 @@ from mmlane.common.config import (
     SecurityConfig,
     _positive,
     ipc,
+    is_loopback,
     process_name,
 )
 
@@ -63,9 +64,18 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_n: int = 16
     """Most choices (`n`) one HTTP request may ask for; each runs as its own request."""
     http_host: str = DEFAULT_HOST
-    """Where the OpenAI-compatible HTTP API listens."""
+    """Where the OpenAI-compatible HTTP API listens; an address other than a loopback one needs
+    API keys (api_key, api_key_file) or insecure_http."""
     http_port: int = 8000
     """Port of the HTTP API; 0 disables it."""
+    http_reuse_port: bool = False
+    """Let the frontends of this host that are given it too listen on the same http_port
+    (SO_REUSEPORT, Linux); the kernel spreads new connections over them. Off, a port already
+    taken refuses the frontend at startup; on, so does one taken by another user or by a
+    process without SO_REUSEPORT, but not by another deployment's frontends: give each its own."""
+    insecure_http: bool = False
+    """Allow the HTTP API on a non-loopback http_host without API keys: anyone who can reach
+    the port can use the model. For a network that is private by other means."""
     http_max_body_bytes: int = 128 * 1024 * 1024
     """Largest HTTP request body accepted (inline images included); larger gets a 413."""
     http_stream_write_timeout_s: float = 30.0
@@ -111,7 +121,12 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self, "tokenizer_workers", "max_images_per_request", "request_timeout_s",
             "max_inflight_requests", "max_stop_strings", "max_stop_string_chars", "max_n",
         )
-        self.api_keys()  # refuses an unreadable or empty key file now, by name
+        keys = self.api_keys()  # refuses an unreadable or empty key file now, by name
+        if self.http_port and not (keys or self.insecure_http or is_loopback(self.http_host)):
+            raise ValueError(
+                f"http_host {self.http_host!r} is not a loopback address, and without an API "
+                f"key anyone who reaches port {self.http_port} can use the model: give "
+                "--api-key or --api-key-file, or --insecure-http")
         if any(not name.strip() for name in self.served_model_name):
             raise ValueError(f"served_model_name: a name must not be empty, got "
                              f"{self.served_model_name}")

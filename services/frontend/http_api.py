@@ -214,10 +214,6 @@ class HttpApi:
         self._loop.close()
 
     async def _startup(self) -> None:
-        self._dealer = self._ctx.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.LINGER, 0)
-        self._dealer.connect(self._client_endpoint)
-        self._reader = asyncio.create_task(self._read_replies(), name="frontend-http-replies")
         app = web.Application(client_max_size=self._config.http_max_body_bytes,
                               middlewares=[self._guard, self._openai_errors, self._check_api_key,
                                            self._rate_limit])
@@ -239,9 +235,20 @@ class HttpApi:
         self._metrics.gauge("http_connections", lambda: len(self._connections.open))
         # The listening socket is ours rather than a web.TCPSite's, so that every connection
         # goes through `Connections`; the runner still closes the connections at its cleanup.
+        # With http_reuse_port the frontends of a host share the port: Linux lets only sockets
+        # that all set SO_REUSEPORT, under one effective UID, bind it, so another user's or an
+        # unrelated program's listener there still refuses this one.
         self._server = await asyncio.get_running_loop().create_server(
-            self._connections, self._config.http_host, self._config.http_port)
+            self._connections, self._config.http_host, self._config.http_port,
+            reuse_port=self._config.http_reuse_port, start_serving=False)
         self.port = self._server.sockets[0].getsockname()[1]
+        # The ZMQ socket only once the port is bound: one left open by a failed bind kept the
+        # frontend's context from closing, so the frontend hung instead of failing to start.
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(self._client_endpoint)
+        self._reader = asyncio.create_task(self._read_replies(), name="frontend-http-replies")
+        await self._server.start_serving()
 
     async def _shutdown(self) -> None:
         self._server.close()
