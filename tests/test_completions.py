@@ -13,13 +13,13 @@ from typing import Any
 import openai
 import pytest
 from test_detokenize import split_stop
-from test_http import SEEDED, Server, client, server, usage_and_reason
+from test_http import SEEDED, Server, server, usage_and_reason
 
 from mmlane.client import Client, user_message
 from mmlane.model import Preprocessor
 from mmlane.protocol.errors import RequestError
 
-__all__ = ["client", "server"]  # test_http's module fixtures, served here once more
+__all__ = ["server"]  # test_http's module fixture, served here once more (its `client`: conftest's)
 
 PROMPT = "Tell me about lanes."
 

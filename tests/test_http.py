@@ -752,7 +752,7 @@ ERROR_CASES = [
     # id, request fields, status, error code, message pattern
     ("unknown-model", {"model": "gpt-9"}, 404, "model_not_found", "the model 'gpt-9' does not"),
     ("no-messages", {"messages": []}, 400, "invalid_request", "messages: a non-empty list"),
-    ("bad-role", {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request",
+    ("bad-role", {"messages": [{"role": "function", "content": "x"}]}, 400, "invalid_request",
      r"messages\[0\]"),
     ("n-too-large", {"n": 17}, 400, "invalid_request",
      r"n: must be an integer in 1\.\.16, got 17"),
@@ -1088,6 +1088,67 @@ def test_an_http_port_another_program_holds_refuses_the_frontend_at_startup(
         with pytest.raises(FatalError, match=f"cannot serve HTTP on 127.0.0.1:{port}: .*in use"):
             start_role("frontend", ["--model", str(qwen_dir), "--port", "0",
                                     "--http-port", str(port), *reuse_port], run_dir)
+
+
+def test_a_draining_frontend_leaves_its_shared_port_to_the_others(
+    run_dir: Path, qwen_dir: Path
+) -> None:
+    """Two frontends on one HTTP port (--http-reuse-port): once one drains (SIGTERM, a request
+    held), every new connection is the other's to answer, none gets the drainer's 503."""
+    engine = StandInEngine.at(zmq.Context.instance(), f"ipc://{run_dir}/engine.sock")
+    port = free_port()
+    frontends = [start_role("frontend", [
+        "--model", str(qwen_dir), "--engine-endpoint", engine.endpoint,
+        "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock", "--port", "0",
+        "--output-endpoint", f"ipc://{run_dir}/out-{name}.sock", "--http-port", str(port),
+        "--http-reuse-port", "--name", name,
+    ], run_dir, log_dir=run_dir / name) for name in ("first", "second")]
+    body = json.dumps({"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            # new connections until one request reaches the engine from `first`
+            held: list[Any] = []
+            while not held:
+                pool.submit(_chat_on_a_new_connection, port, body)
+                request = _engine_message(engine)
+                if request.reply_to.endswith("out-first.sock"):
+                    held.append(request)
+                else:
+                    engine.reply(request.reply_to, EngineOutput(
+                        request_id=request.request_id, token_ids=[42], finished=True,
+                        finish_reason="length", prompt_token_ids=request.prompt_token_ids))
+            frontends[0].process.send_signal(signal.SIGTERM)
+            wait_until(lambda: "draining 1 requests" in role_log(frontends[0]),
+                       "the first frontend draining")
+            statuses = [_health_on_a_new_connection(port) for _ in range(12)]
+            assert statuses == [200] * 12  # the second's, every one
+            engine.reply(held[0].reply_to, EngineOutput(
+                request_id=held[0].request_id, token_ids=[42], finished=True,
+                finish_reason="length", prompt_token_ids=held[0].prompt_token_ids))
+            assert frontends[0].process.wait(timeout=30) == 0, role_log(frontends[0])
+    finally:
+        for frontend in frontends:
+            stop_role(frontend)
+        engine.close()
+
+
+def _chat_on_a_new_connection(port: int, body: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", "/v1/chat/completions", body,
+                           {"Content-Type": "application/json"})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def _health_on_a_new_connection(port: int) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status
+    finally:
+        connection.close()
 
 
 @pytest.fixture

@@ -194,6 +194,13 @@ class HttpApi:
             ) from self._error
         log.info("HTTP API on http://%s:%d/v1", self._config.http_host, self.port)
 
+    def stop_listening(self) -> None:
+        """Take no more connections, while those open are served: with --http-reuse-port the
+        host's other frontends get the new ones while this one drains (alone on its port, it
+        keeps listening, so that its /health tells load balancers it is draining)."""
+        if self._config.http_reuse_port and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._server.close)
+
     def close(self) -> None:
         if not self._thread.is_alive():
             return

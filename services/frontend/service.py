@@ -276,6 +276,8 @@ class Frontend:
             poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
             self._turn(poller)
+        if self.http is not None:
+            self.http.stop_listening()
         # Requests arriving from now on are refused at once (`_accept`).
         drain(stop, log, held=lambda: len(self._inflight), turn=lambda: self._turn(poller))
         self._read_clients()  # the last arrivals get their refusal too
