@@ -769,8 +769,8 @@ ERROR_CASES = [
      "Expected `array`, got `int` - at `stop`"),
     ("stop-not-texts", {"stop": ["a", 5]}, 400, "invalid_request",
      r"Expected `str`, got `int` - at `stop\[1\]`"),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "invalid_request", "tools: not supported"),
+    ("functions", {"functions": [{"name": "f"}]}, 400, "invalid_request",
+     "functions: not supported"),  # OpenAI's older name of tools
     ("max-tokens-0", {"max_tokens": 0}, 400, "invalid_request", "max_tokens must be at least 1"),
     ("min-tokens-above-max", {"max_tokens": 2, "extra_body": {"min_tokens": 3}}, 400,
      "invalid_request", r"min_tokens must be in 0\.\.max_tokens \(2\), got 3"),
