@@ -85,6 +85,10 @@ class RequestFields(SamplingFields, kw_only=True, frozen=True):
     the frontend applies them where it turns tokens into text, because the engine sees token
     ids only (the vllm backend runs vLLM with detokenize=False, so vLLM could not apply them);
     on a match the frontend stops the request in the engine."""
+    render: bool = False
+    """Answer with the request as vLLM's scale-out API takes it (its GenerateRequest JSON, in
+    `ChatOutput.rendered`: prompt ids after the images' expansion, the images' features,
+    sampling) instead of running it: mmlane as the render tier in front of vLLM servers."""
 
 
 class ChatRequest(RequestFields, tag="chat", kw_only=True, frozen=True):
@@ -149,6 +153,8 @@ class ChatOutput(msgspec.Struct, tag="out", kw_only=True, frozen=True):
     prompt_token_ids: list[int] | None = None
     logprobs: list[ChatLogprobs] | None = None
     """One per token of `token_ids` when the request asked for `logprobs`; else None."""
+    rendered: bytes = b""
+    """A `render` request's one reply: the request as vLLM's GenerateRequest, JSON."""
 
 
 class ChatError(msgspec.Struct, tag="err", kw_only=True, frozen=True):
@@ -185,6 +191,8 @@ class MMJob(msgspec.Struct, tag="job", kw_only=True, frozen=True, array_like=Tru
     """The newest engine cache epoch the frontend has seen (0: none yet)."""
     mm_cache_invalidate: list[str] = []
     """mm_hashes to drop from the sender and receiver caches first (a resend after a miss)."""
+    render: bool = False
+    """Rendered only, not run (`RequestFields.render`)."""
 
 
 class EngineEpoch(msgspec.Struct, tag="engine_epoch", kw_only=True, frozen=True, array_like=True):
@@ -260,6 +268,9 @@ class EngineRequest(
     'timeout' error instead of running more of it; 0 = none."""
     mm_cache: MMCacheHeader | None = None
     """Set by an MM worker whose sender cache is on; None for requests sent uncached."""
+    render: bool = False
+    """Answer with the request in vLLM's scale-out format instead of running it
+    (`RequestFields.render`)."""
 
 
 class AbortRequests(msgspec.Struct, tag="abort", kw_only=True, frozen=True, array_like=True):
@@ -306,6 +317,8 @@ class EngineOutput(
     """The engine's cache epoch when it sent this (0 from senders that are no engine)."""
     logprobs: list[TokenLogprobs] | None = None
     """One per token of `token_ids` when the request asked for `sampling.logprobs`; else None."""
+    rendered: bytes = b""
+    """A `render` request's one reply: the request as vLLM's GenerateRequest, JSON."""
 
 
 class RequestFailed(msgspec.Struct, tag="err", kw_only=True, frozen=True, array_like=True):

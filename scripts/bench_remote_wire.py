@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.images import make_image  # noqa: E402
-from mmlane.engine.vllm import wire  # noqa: E402
+from mmlane.engine import wire  # noqa: E402
 from mmlane.model import load_preprocessor, resolve_model_dir  # noqa: E402
 from mmlane.protocol.codec import Codec  # noqa: E402
 from mmlane.protocol.messages import (  # noqa: E402

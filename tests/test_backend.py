@@ -57,7 +57,7 @@ SPEC = ModelSpec(
     family="fake", model_id="fake", image_token_id=0, eos_token_ids=frozenset({1}),
     max_context=FOREVER + 100, vocab_size=100, image_fields=(),
     count_image_tokens=lambda tensors: 0, expand_image=lambda tensors: (),
-    check_items=lambda items: None,
+    check_items=lambda items: None, pixel_norm=None,  # no images: no pixels to render
 )
 _ids = itertools.count()
 

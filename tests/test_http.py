@@ -7,6 +7,7 @@ Images by URL come from a loopback server, allowed here by --allow-http-media an
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import functools
 import http.client
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import msgspec
 import openai
 import pytest
 import zmq
@@ -506,6 +508,60 @@ class TestTokenize:
         assert answer == status, reply
         assert re.search(pattern, reply["error"]["message"]), reply
         assert reply["error"]["param"] == param
+
+
+# ---------------------------------------------------------------- the render API
+
+
+class TestRender:
+    def test_a_chat_renders_to_the_prompt_and_sampling_the_model_would_get(
+        self, server: Server, prep: Preprocessor
+    ) -> None:
+        messages = [{"role": "user", "content": "Tell me about lanes."}]
+        status, rendered = _post_json(f"{server.base_url}/chat/completions/render",
+                                      {"messages": messages, "max_tokens": 7,
+                                       "temperature": 0.5, "seed": 3})
+        assert status == 200, rendered
+        assert rendered["token_ids"] == prep.tokenize_batch([prep.render_prompt(messages)])[0]
+        sampling = rendered["sampling_params"]
+        assert (sampling["max_tokens"], sampling["temperature"], sampling["seed"]) == (7, 0.5, 3)
+        assert "features" not in rendered
+        status, completions = _post_json(f"{server.base_url}/completions/render",
+                                         {"prompt": "Lanes", "max_tokens": 2})
+        assert status == 200 and len(completions) == 1, completions
+        assert completions[0]["token_ids"] == prep.tokenize_text("Lanes")
+
+    def test_an_image_renders_with_its_features_whole_also_from_the_cache(
+        self, server: Server, prep: Preprocessor
+    ) -> None:
+        """The image's hash, its placeholder range over its tokens, and its item (uint8 pixels
+        in the model's layout), the same when the MM worker sent it as a cached hash."""
+        messages = user("What is in it?", png_uri(make_image(64, 48, seed=21)))
+        renders = [_post_json(f"{server.base_url}/chat/completions/render",
+                              {"messages": messages})[1] for _ in range(2)]
+        first, again = renders
+        assert first["features"] == again["features"] and first["token_ids"] == again[
+            "token_ids"]
+        features = first["features"]
+        [placeholder] = features["mm_placeholders"]["image"]
+        span = first["token_ids"][placeholder["offset"]:][:placeholder["length"]]
+        assert span == [prep.image_token_id] * placeholder["length"]
+        [item] = features["kwargs_data"]["image"]
+        decoded = msgspec.msgpack.decode(base64.b64decode(item))
+        assert set(decoded) == {"pixel_values", "image_grid_thw"}
+        dtype, shape, _ = decoded["pixel_values"]["data"]
+        assert dtype == "uint8" and shape[0] == placeholder["length"] * 4  # 2x2 merged patches
+        assert len(features["mm_hashes"]["image"][0]) > 8
+
+    @pytest.mark.parametrize(("body", "status", "pattern"), [
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n: a render is of one"),
+        ({"messages": []}, 400, "messages: a non-empty list"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ], ids=["two-choices", "no-messages", "bad-sampling"])
+    def test_bad_renders_are_openai_errors(self, server: Server, body: dict[str, Any],
+                                           status: int, pattern: str) -> None:
+        answer, reply = _post_json(f"{server.base_url}/chat/completions/render", body)
+        assert answer == status and re.search(pattern, reply["error"]["message"]), reply
 
 
 # ---------------------------------------------------------------- logprobs

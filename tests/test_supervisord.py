@@ -421,10 +421,10 @@ def test_run_supervisord_serves_http_on_loopback_from_every_frontend(
 def test_k8s_frontend_serves_http_on_its_service_port_with_the_secrets_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """deploy/k8s/pod.yaml's frontend, in the image's ENV and its own (the Secret's key given):
+    """deploy/k8s/base/pod.yaml's frontend, in the image's ENV and its own (the Secret's key given):
     the HTTP API on 0.0.0.0 at its `http` containerPort, which the image exposes, the readiness
     probe asks and service.yaml targets; without the Secret's key it refuses to start."""
-    pod = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())
+    pod = yaml.safe_load((DEPLOY / "k8s" / "base" / "pod.yaml").read_text())
     (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "frontend"]
     secrets = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"]
                if "valueFrom" in v}
@@ -437,11 +437,11 @@ def test_k8s_frontend_serves_http_on_its_service_port_with_the_secrets_key(
     assert frontend.api_keys() == ["k1"] and ports["http"] in _image_ports()
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
-    service = yaml.safe_load((DEPLOY / "k8s" / "service.yaml").read_text())
+    service = yaml.safe_load((DEPLOY / "k8s" / "base" / "service.yaml").read_text())
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "http"
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text())
     assert kustomization["resources"] == ["pod.yaml", "service.yaml"]
 
     monkeypatch.delenv("MMLANE_API_KEY")
@@ -449,9 +449,24 @@ def test_k8s_frontend_serves_http_on_its_service_port_with_the_secrets_key(
         config_from_argv("frontend", container["args"], tmp_path)
 
 
+def test_no_k8s_overlay_sits_inside_its_base() -> None:
+    """Each kustomization's directory resources are outside it and it outside them: kustomize
+    refuses an overlay inside its base ("cycle detected"); with kubectl at hand, each builds."""
+    kustomizations = sorted((DEPLOY / "k8s").rglob("kustomization.yaml"))
+    assert len(kustomizations) == 4
+    for path in kustomizations:
+        for resource in yaml.safe_load(path.read_text())["resources"]:
+            target = (path.parent / resource).resolve()
+            if target.is_dir():
+                assert not path.parent.resolve().is_relative_to(target), (path, resource)
+        if shutil.which("kubectl"):
+            subprocess.run(["kubectl", "kustomize", str(path.parent)], check=True,
+                           capture_output=True, timeout=60)
+
+
 def test_k8s_pod_runs_each_role_with_flags_it_has() -> None:
-    """Every container of deploy/k8s/pod.yaml is a role command line the CLI accepts."""
-    pod = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())
+    """Every container of deploy/k8s/base/pod.yaml is a role command line the CLI accepts."""
+    pod = yaml.safe_load((DEPLOY / "k8s" / "base" / "pod.yaml").read_text())
     roles = {}
     for container in pod["spec"]["containers"]:
         program, role = container["command"]
@@ -466,7 +481,7 @@ def test_k8s_pod_runs_each_role_with_flags_it_has() -> None:
 def test_k8s_vllm_patch_runs_the_engine_on_vllm_beside_the_same_roles() -> None:
     """deploy/k8s/vllm/ patches containers the base Pod has; its engine args are an engine
     command line the CLI accepts, on the vllm backend, at the base's endpoint."""
-    base = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())["spec"]["containers"]
+    base = yaml.safe_load((DEPLOY / "k8s" / "base" / "pod.yaml").read_text())["spec"]["containers"]
     patch = yaml.safe_load((DEPLOY / "k8s" / "vllm" / "engine.yaml").read_text())
     patched = {container["name"]: container for container in patch["spec"]["containers"]}
     assert set(patched) <= {container["name"] for container in base}
@@ -481,7 +496,7 @@ def test_k8s_vllm_patch_runs_the_engine_on_vllm_beside_the_same_roles() -> None:
 def test_k8s_curve_patch_gives_each_role_its_keys_folder() -> None:
     """deploy/k8s/curve/ gives every container of the base Pod MMLANE_CURVE_KEYS naming a
     mounted folder of its own role's Secret and the public keys."""
-    base = yaml.safe_load((DEPLOY / "k8s" / "pod.yaml").read_text())["spec"]["containers"]
+    base = yaml.safe_load((DEPLOY / "k8s" / "base" / "pod.yaml").read_text())["spec"]["containers"]
     patch = yaml.safe_load((DEPLOY / "k8s" / "curve" / "keys.yaml").read_text())["spec"]
     volumes = {volume["name"]: volume["projected"]["sources"] for volume in patch["volumes"]}
     for container in patch["containers"]:

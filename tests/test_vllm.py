@@ -471,7 +471,7 @@ def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path) -> None:
     from vllm.model_executor.models.qwen2_vl import _create_qwen2vl_field_factory
     from vllm.multimodal.inputs import MultiModalKwargsItems
 
-    from mmlane.engine.vllm import wire
+    from mmlane.engine import wire
     from mmlane.model import model_layout
 
     prep = load_preprocessor(qwen_dir, "auto")
@@ -701,6 +701,34 @@ def test_tool_calls_are_vllm_alones(
     assert shown(ours) == shown(alone)
     if tool_choice == "required":
         assert shown(ours)[2], shown(ours)  # constrained: calls, whatever the tiny model
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["text", "image"])
+def test_a_render_posted_to_vllms_generate_answers_as_vllm_alone(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+    image: bool,
+) -> None:
+    """mmlane as the render tier: its /v1/chat/completions/render, posted as it is to a
+    `vllm serve --enable-scale-out`'s /inference/v1/generate, gives the tokens vLLM alone gives
+    for the same chat."""
+    images = [png_uri(make_image(96, 64, seed=5))] if image else []
+    body = {"messages": _openai_messages(None, "Describe it.", images), "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    alone = _vllm_chat(vllm_alone[1], str(qwen_dir), **body)["choices"][0]
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{mmlane_vllm[0].http_port}/v1/chat/completions/render",
+        data=json.dumps({"model": qwen_dir.name, **body}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        rendered = json.load(reply)
+    assert ("features" in rendered) == image
+    generate = urllib.request.Request(
+        f"http://127.0.0.1:{vllm_alone[1]}/inference/v1/generate",
+        data=json.dumps(rendered).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(generate, timeout=120) as reply:
+        generated = json.load(reply)["choices"][0]
+    assert generated["token_ids"] == alone["token_ids"]
+    assert generated["finish_reason"] == alone["finish_reason"]
 
 
 def test_tokenize_and_detokenize_answer_as_vllm_alone(

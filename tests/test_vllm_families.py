@@ -30,7 +30,7 @@ from test_vllm import (
 )
 
 from bench.images import jpeg_uri, make_image
-from mmlane.engine.vllm import wire
+from mmlane.engine import wire
 from mmlane.model import load_preprocessor
 from peers import SERVE_READY, wait_until
 

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 from msgspec.structs import replace
 
@@ -244,6 +245,9 @@ class Engine:
         handle = next(self._handles)
         try:
             validate_request(request, self.runner.spec)
+            if request.render:
+                self._render(request)
+                return
             self.runner.add(handle, request, arrived=received_at)
         except Exception as exc:  # a bad request fails alone
             self.metrics.counters["invalid_requests"] += 1
@@ -255,6 +259,18 @@ class Engine:
         self._by_id[request.request_id] = handle
         if request.deadline:
             heapq.heappush(self._deadlines, (request.deadline, handle))
+
+    def _render(self, request: EngineRequest) -> None:
+        """Answer a render request with its GenerateRequest (wire.py): it takes no runner."""
+        from mmlane.engine.wire import generate_body  # the model's pixels: torch, not at import
+
+        spec = self.runner.spec
+        body = msgspec.json.encode(generate_body(request, spec.family, spec.pixel_norm))
+        self.metrics.counters["rendered_requests"] += 1
+        self._replies.put((request.reply_to, EngineOutput(
+            request_id=request.request_id, token_ids=[], finished=True, finish_reason="stop",
+            prompt_token_ids=request.prompt_token_ids, rendered=body)))
+        self._capacity.release()
 
     def _expire(self, now: float) -> None:
         """Drop every held request whose deadline has passed, with a 'timeout' error."""

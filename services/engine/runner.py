@@ -29,6 +29,7 @@ from mmlane.protocol.messages import EngineRequest, MMItem, TokenLogprobs
 if TYPE_CHECKING:
     from mmlane.common.stats import Metrics
     from mmlane.engine.config import EngineConfig
+    from mmlane.model import PixelNorm
 
 BACKENDS: dict[str, str] = {
     "hf": "mmlane.engine.hf.runner:load",
@@ -62,6 +63,8 @@ class ModelSpec:
     check_items: Callable[[list[MMItem]], None]
     """Raises RequestError when the images' tensors have shapes the model cannot take (the
     family's check, services/model/families.py)."""
+    pixel_norm: PixelNorm
+    """What turns an item's uint8 pixels into the processor's (for rendered requests)."""
 
     @classmethod
     def of(cls, preprocessor: Any, model_config: Any, *, vocab_size: int,
@@ -81,6 +84,7 @@ class ModelSpec:
             count_image_tokens=preprocessor.count_image_tokens,
             expand_image=preprocessor.expand_image,
             check_items=family.item_checker(model_config),
+            pixel_norm=preprocessor.pixel_norm,
         )
 
 

@@ -227,6 +227,8 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions/render", self._chat_render)
+        app.router.add_post("/v1/completions/render", self._completions_render)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
@@ -466,6 +468,32 @@ class HttpApi:
     async def _completions(self, http: web.Request) -> web.StreamResponse:
         return await self._answer(http, _COMPLETION)
 
+    async def _chat_render(self, http: web.Request) -> web.Response:
+        return await self._render(http, _CHAT)
+
+    async def _completions_render(self, http: web.Request) -> web.Response:
+        return await self._render(http, _COMPLETION)
+
+    async def _render(self, http: web.Request, route: _Route) -> web.Response:
+        """vLLM's render API (`vllm launch render`): the request rendered by the whole pipeline
+        (template and tokenizer, the MM worker's images, their expansion) and written by the
+        engine as vLLM's GenerateRequest, to be posted to a vLLM server's
+        /inference/v1/generate, not run here; a completion's is a list of one, as vLLM's."""
+        try:
+            body = await self._read_json(http)
+            asked = self._to_native(body, f"http-{next(self._ids)}", route, render=True)
+            if n_of(body, self._config.max_n) != 1:
+                raise ApiError("n: a render is of one choice", "invalid_request", "n")
+        except ApiError as exc:
+            return self._refuse(exc)
+        async with self._choices([asked.request]) as choices:
+            firsts = await choices.firsts()
+        if isinstance(firsts, ChatError):
+            return _error_response(_from_info(firsts.error, _client_names(body)))
+        rendered = firsts[0].rendered
+        return web.Response(body=rendered if route is _CHAT else b"[" + rendered + b"]",
+                            content_type="application/json")
+
     async def _answer(self, http: web.Request, route: _Route) -> web.StreamResponse:
         try:
             body = await self._read_json(http)
@@ -581,8 +609,10 @@ class HttpApi:
                            f"{' and '.join(map(repr, self.model_names))}", "model_not_found",
                            "model")
 
-    def _to_native(self, body: Any, request_id: str, route: _Route) -> _Asked:
-        """The native request for an OpenAI body, and what the answer is to be."""
+    def _to_native(self, body: Any, request_id: str, route: _Route, *,
+                   render: bool = False) -> _Asked:
+        """The native request for an OpenAI body (`render`: to be rendered only), and what the
+        answer is to be."""
         self._check_model(body)
         for name, is_default in {**REJECTED_UNLESS_DEFAULT, **route.refused}.items():
             if name in body and not is_default(body[name]):
@@ -591,7 +621,7 @@ class HttpApi:
         tools = self._tool_use(body) if route is _CHAT else None
         tools_fields = _tools_fields(tools, body)
         fields: dict[str, Any] = {
-            "request_id": request_id, **route.prompt(body),
+            "request_id": request_id, "render": render, **route.prompt(body),
             "max_tokens": route.max_tokens if max_tokens is None else max_tokens,
             "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],

@@ -46,6 +46,8 @@ class CheckedRequest:
     """A completion's text (tokenized as it is) or token ids (taken as they are)."""
     tools: list[dict] = field(default_factory=list)
     """A chat's tools, for the template."""
+    render: bool = False
+    """Rendered only, not run (`RequestFields.render`)."""
 
     def shown_ids(self, token_ids: list[int], finish_reason: str | None) -> list[int]:
         """The output tokens whose text the client sees: a token of `stop_token_ids` that ends
@@ -75,7 +77,8 @@ def check_request(request: ChatRequest | CompletionRequest, *,
             f"too many images: {len(images)} in the request, at most {max_images} allowed",
             code="too_many_images",
         )
-    return CheckedRequest(template_messages, images, sampling_of(request), tools=request.tools)
+    return CheckedRequest(template_messages, images, sampling_of(request), tools=request.tools,
+                          render=request.render)
 
 
 def _tool_fields(message: ChatMessage, index: int) -> dict:
@@ -115,7 +118,7 @@ def _check_completion(request: CompletionRequest) -> CheckedRequest:
     if not request.prompt:
         raise RequestError("prompt: must not be empty")
     check_sampling(request)
-    return CheckedRequest(None, [], sampling_of(request), request.prompt)
+    return CheckedRequest(None, [], sampling_of(request), request.prompt, render=request.render)
 
 
 def _content(content: str | list, images: list[ImageUrl], index: int) -> str | list[dict]:

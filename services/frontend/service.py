@@ -411,14 +411,14 @@ class Frontend:
             message = MMJob(
                 request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
                 images=checked.images, sampling=checked.sampling, deadline=deadline,
-                engine_epoch=self._engine_epoch,
+                engine_epoch=self._engine_epoch, render=checked.render,
             )
             pending.job, pending.worker = message, self._worker_for(checked.images[0])
             sock = self._mm_workers[pending.worker]
         else:
             message = EngineRequest(
                 request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
-                sampling=checked.sampling, deadline=deadline,
+                sampling=checked.sampling, deadline=deadline, render=checked.render,
             )
             sock = self._engine
         self._number_send(pending)
@@ -619,6 +619,7 @@ class Frontend:
             finished=finished, finish_reason=reason, prompt_token_ids=output.prompt_token_ids,
             logprobs=None if output.logprobs is None
             else self._chat_logprobs(pending, output)[: len(token_ids)],
+            rendered=output.rendered,
         )
         if finished:
             del self._inflight[output.request_id]

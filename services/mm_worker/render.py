@@ -77,6 +77,7 @@ def render_request(
         sampling=job.sampling,
         mm_items=mm_items,
         deadline=job.deadline,
+        render=job.render,
     )
 
 

@@ -25,12 +25,6 @@ FINISH_REASONS = frozenset({"stop", "length"})
 an error."""
 
 
-def mm_hashes(request: EngineRequest) -> list[str]:
-    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own."""
-    return [item.mm_hash or f"{request.request_id}:{index}"
-            for index, item in enumerate(request.mm_items)]
-
-
 def refusal(message: str) -> RequestError:
     """vLLM's refusal of a request (its message) as the request's error."""
     code = "prompt_too_long" if "maximum model length" in message else "invalid_request"

@@ -4,8 +4,8 @@ Each request goes to a replica's scale-out API (`vllm serve --enable-scale-out`)
 /inference/v1/generate` with the prompt's token ids and, for an image request, `features`:
 mmlane's hash of each image (`mm_hashes`, so a repeated image hits the replica's encoder and
 prefix caches), its placeholder range, and its tensors in full, as vLLM's own item encoding
-(wire.py). The reply streams back as server-sent events of new token ids (`output_mode`
-tokens: the frontend detokenizes). Nothing here imports vLLM: a frontend host needs none.
+(services/engine/wire.py). The reply streams back as server-sent events of new token ids
+(`output_mode` tokens: the frontend detokenizes). Nothing here imports vLLM.
 
 The requests run on this process's `vllm-remote` thread, an asyncio loop with one HTTP client
 session (loop.py). Cancelling a request closes its stream, and vLLM aborts it when
@@ -38,10 +38,10 @@ import transformers
 
 from mmlane.common.prometheus import exposition, labelled, vllm_series
 from mmlane.common.stats import Metrics
+from mmlane.engine import wire
 from mmlane.engine.config import EngineConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
-from mmlane.engine.vllm import wire
-from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, mm_hashes, refusal
+from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
 from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
 from mmlane.protocol.errors import FatalError, MMLaneError, RetryableError, translate
 from mmlane.protocol.messages import EngineRequest, TokenLogprobs
@@ -93,7 +93,6 @@ class RemoteVLLMRunner(LoopRunner):
         self.spec = spec
         self.metrics = metrics
         self._priority = priority
-        self._item = wire.ITEMS[preprocessor.family.name]
         super().__init__("vllm-remote")
         self._session: Any = self._call(self._open())
         for replica in self._replicas:
@@ -263,29 +262,10 @@ class RemoteVLLMRunner(LoopRunner):
         return next((replica for replica in ranked if replica.outstanding <= bound), ranked[0])
 
     def _body(self, request: EngineRequest) -> dict[str, Any]:
-        sampling = msgspec.structs.asdict(request.sampling)
-        if request.sampling.structured_outputs is not None:
-            sampling["structured_outputs"] = request.sampling.structured_outputs.vllm_fields()
-        if request.sampling.logit_bias is not None:
-            sampling["logit_bias"] = {str(k): v for k, v in request.sampling.logit_bias.items()}
-        body: dict[str, Any] = {
-            "request_id": request.request_id,
-            "token_ids": list(request.prompt_token_ids),
-            "sampling_params": {**sampling, "detokenize": False},
-            "stream": True,
-            "output_mode": "tokens",
-            "priority": 1 if self._priority and request.mm_items else 0,
-        }
-        if request.mm_items:
-            norm = self._pre.pixel_norm
-            body["features"] = {
-                "mm_hashes": {"image": mm_hashes(request)},
-                "mm_placeholders": {"image": [{"offset": item.offset, "length": item.length}
-                                              for item in request.mm_items]},
-                "kwargs_data": {"image": [wire.encode_item(self._item(item.tensors, norm))
-                                          for item in request.mm_items]},
-            }
-        return body
+        body = wire.generate_body(request, self._pre.family.name, self._pre.pixel_norm)
+        body["sampling_params"]["detokenize"] = False
+        return {**body, "stream": True, "output_mode": "tokens",
+                "priority": 1 if self._priority and request.mm_items else 0}
 
 
 def _status_error(url: str, status: int, text: str) -> MMLaneError:

@@ -63,7 +63,8 @@ from mmlane.engine.config import EngineConfig, VisionConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
 from mmlane.engine.vision import VisionEncoder, VisionLane, load_encoder, torch_threads
 from mmlane.engine.vllm import leftovers
-from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, mm_hashes, refusal
+from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
+from mmlane.engine.wire import mm_hashes
 from mmlane.model import (
     Preprocessor,
     load_preprocessor,

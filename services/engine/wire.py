@@ -1,0 +1,107 @@
+"""vLLM's scale-out wire format, written here so that neither the remote backend nor the render
+API needs vLLM: a request as the body of `/inference/v1/generate` (vLLM 0.32's
+`GenerateRequest`, which its `/v1/chat/completions/render` answers too), and each image in it
+as one `MultiModalKwargsItem` in `features.kwargs_data`
+(vllm/entrypoints/scale_out/token_in_token_out/mm_serde.py): base64 of msgpack, as vLLM's
+`MsgpackEncoder` writes it with every tensor inline.
+
+    generate_body(request, family, norm)    the request's GenerateRequest, as a dict
+    mm_hashes(request)                      its images' hashes, as vLLM takes them
+    encode_item(tensors)                    one image's item
+
+An item maps each tensor name to {"data": [dtype, shape, raw bytes as msgpack extension 3],
+"field": [factory, keywords]}: its field says how vLLM's model batches it with other items
+('flat': rows along dim 0, the item's slice of them; 'batched': one entry per item, without the
+batch dimension). The fields per family are those vLLM's processor gives the model
+(`_get_mm_fields_config`); tests/test_vllm_remote.py decodes these items with vLLM's own
+decoder and compares them with the items vLLM builds.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from mmlane.model import PixelNorm, model_layout
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import EngineRequest
+
+RAW_VIEW = 3
+"""vLLM's msgpack extension code for a tensor's bytes (`CUSTOM_TYPE_RAW_VIEW`)."""
+
+Field = list[Any]
+
+
+def flat(rows: int) -> Field:
+    """A tensor whose rows (dim 0) are the item's, concatenated with other items' rows."""
+    return ["flat", {"keep_on_cpu": False, "slices": [[[0, rows, None]]], "dim": 0}]
+
+
+def batched(*, keep_on_cpu: bool = False) -> Field:
+    """One entry per item, stacked on a new first dimension."""
+    return ["batched", {"keep_on_cpu": keep_on_cpu}]
+
+
+def encode_item(tensors: Mapping[str, tuple[np.ndarray, Field]]) -> str:
+    """The item (each tensor with its field) as vLLM's `decode_mm_kwargs_item` takes it."""
+    item = {name: {"data": _tensor(array), "field": field}
+            for name, (array, field) in tensors.items()}
+    return base64.b64encode(msgspec.msgpack.encode(item)).decode("ascii")
+
+
+def _tensor(array: np.ndarray) -> list[Any]:
+    array = np.ascontiguousarray(array)
+    return [array.dtype.name, list(array.shape), msgspec.msgpack.Ext(RAW_VIEW, array.tobytes())]
+
+
+def _qwen2_vl(tensors: Mapping[str, np.ndarray],
+              norm: PixelNorm) -> dict[str, tuple[np.ndarray, Field]]:
+    # uint8 pixels in the model's layout: vLLM 0.32 normalises Qwen2-VL's on the device.
+    pixels = model_layout(tensors["pixel_values"], norm)
+    return {"pixel_values": (pixels, flat(len(pixels))),
+            "image_grid_thw": (tensors["image_grid_thw"][0], batched(keep_on_cpu=True))}
+
+
+ITEMS: dict[str, Callable[[Mapping[str, np.ndarray], PixelNorm],
+                          dict[str, tuple[np.ndarray, Field]]]] = {
+    "qwen2_vl": _qwen2_vl,
+}
+"""An image's tensors (as the MM worker sends them) as the tensors and fields of vLLM's item,
+by family."""
+
+
+def mm_hashes(request: EngineRequest) -> list[str]:
+    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own."""
+    return [item.mm_hash or f"{request.request_id}:{index}"
+            for index, item in enumerate(request.mm_items)]
+
+
+def generate_body(request: EngineRequest, family: str, norm: PixelNorm) -> dict[str, Any]:
+    """`request` as vLLM's GenerateRequest: its prompt ids, its sampling fields (vLLM's names),
+    and its images' hashes, placeholder ranges and items in the layout of the model's `family`
+    (RequestError for a family whose layout is not written here yet)."""
+    sampling = msgspec.structs.asdict(request.sampling)
+    if request.sampling.structured_outputs is not None:
+        sampling["structured_outputs"] = request.sampling.structured_outputs.vllm_fields()
+    if request.sampling.logit_bias is not None:
+        sampling["logit_bias"] = {str(k): v for k, v in request.sampling.logit_bias.items()}
+    body: dict[str, Any] = {"request_id": request.request_id,
+                            "token_ids": list(request.prompt_token_ids),
+                            "sampling_params": sampling}
+    if request.mm_items:
+        item = ITEMS.get(family)
+        if item is None:
+            raise RequestError(f"images of {family} models cannot be written in vLLM's "
+                               f"scale-out format yet (only {', '.join(ITEMS)})")
+        body["features"] = {
+            "mm_hashes": {"image": mm_hashes(request)},
+            "mm_placeholders": {"image": [{"offset": one.offset, "length": one.length}
+                                          for one in request.mm_items]},
+            "kwargs_data": {"image": [encode_item(item(one.tensors, norm))
+                                      for one in request.mm_items]},
+        }
+    return body
