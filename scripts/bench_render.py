@@ -23,12 +23,17 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_common import REPO, free_tcp_port
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
-from bench.images import data_uri, encode, make_image
-from bench.stats import percentile
-from mmlane.common import cpu_wheels
-from mmlane.model import resolve_model_dir
+from mmlane.common import cpu_wheels  # noqa: E402
+
+cpu_wheels.apply()  # this script runs where vLLM is: before transformers imports torchvision
+
+from bench.images import data_uri, encode, make_image  # noqa: E402
+from bench.stats import percentile  # noqa: E402
+from mmlane.common.sockets import free_tcp_port  # noqa: E402
+from mmlane.model import resolve_model_dir  # noqa: E402
 
 SIZES = {"1024x1024": (1024, 1024), "4032x3024": (4032, 3024)}
 DISTINCT = 24
@@ -74,7 +79,10 @@ def _start(server: str, model: Path, port: int, out: Path) -> subprocess.Popen:
                    "--served-model-name", model.name, "--port", str(port),
                    "--mm-processor-cache-gb", "0"]
     else:
+        # A render takes no engine: the remote backend's role loads no model (its replica,
+        # never reached, is down). vLLM's environment runs no hf backend.
         command = [sys.executable, "-m", "mmlane.cli", "serve", "--model", str(model),
+                   "--backend", "vllm-remote", "--vllm-url", f"http://127.0.0.1:{free_tcp_port()}",
                    "--port", str(free_tcp_port()), "--http-port", str(port),
                    "--mm-cache-gb", "0", "--run-dir", str(out / "run")]
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
