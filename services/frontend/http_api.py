@@ -675,8 +675,7 @@ def _tools_fields(tools: ToolUse | None, body: dict[str, Any]) -> dict[str, Any]
     constraint = tools.constraint()
     if constraint is None:
         return {"tools": tools.tools}
-    structured = next((name for name in ("response_format", "structured_outputs", *_GUIDED)
-                       if body.get(name) is not None), None)
+    structured = next(iter(_structured_fields(body)), None)
     if structured is not None:
         raise ApiError(f"{structured}: cannot be combined with tool_choice "
                        f"{tools.choice!r}, which gives the output its form", "invalid_request",
@@ -825,8 +824,7 @@ def _structured_outputs(body: dict[str, Any]) -> dict[str, Any] | None:
     """The native structured_outputs of a body (None: plain text), from whichever one of
     OpenAI's `response_format`, vLLM's `structured_outputs` and vLLM's older `guided_*` fields
     it sets."""
-    given = [name for name in ("response_format", "structured_outputs", *_GUIDED)
-             if body.get(name) is not None]
+    given = _structured_fields(body)
     if len(given) > 1:
         raise ApiError(f"{given[1]}: only one of {', '.join(given)} may be set",
                        "invalid_request", given[1])
@@ -837,6 +835,13 @@ def _structured_outputs(body: dict[str, Any]) -> dict[str, Any] | None:
     if given[0] in _GUIDED:
         return _vllm_structured({_GUIDED[given[0]]: body[given[0]]}, given[0])
     return _vllm_structured(body["structured_outputs"], "structured_outputs")
+
+
+def _structured_fields(body: dict[str, Any]) -> list[str]:
+    """The fields a body sets of those that give the output a form: OpenAI's
+    `response_format`, vLLM's `structured_outputs` and its older `guided_*`, in that order."""
+    return [name for name in ("response_format", "structured_outputs", *_GUIDED)
+            if body.get(name) is not None]
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -1104,9 +1109,7 @@ def _from_info(error: ErrorInfo, names: dict[str, str] = _OPENAI_NAMES) -> ApiEr
 
 def _client_names(body: dict[str, Any]) -> dict[str, str]:
     """What the client calls the native fields that several of its fields may set."""
-    structured = next((name for name in ("response_format", "structured_outputs", *_GUIDED)
-                       if body.get(name) is not None), "response_format")
-    return {"structured_outputs": structured}
+    return {"structured_outputs": next(iter(_structured_fields(body)), "response_format")}
 
 
 def _param_of(error: ErrorInfo, names: dict[str, str]) -> str | None:

@@ -171,11 +171,11 @@ def _token_ids(pre: Preprocessor, checked: CheckedRequest, *, add_generation_pro
         return pre.tokenize_batch([prompt])[0]
     if isinstance(checked.prompt, str):
         return pre.tokenize_text(checked.prompt, add_special_tokens=add_special_tokens)
-    check_token_ids(pre, checked.prompt, "prompt")
+    _check_token_ids(pre, checked.prompt, "prompt")
     return checked.prompt
 
 
-def check_token_ids(pre: Preprocessor, token_ids: list[int], field: str) -> None:
+def _check_token_ids(pre: Preprocessor, token_ids: list[int], field: str) -> None:
     """Refuse ids the tokenizer cannot decode (as vLLM), naming `field`."""
     top = len(pre.tokenizer) - 1
     outside = [token for token in token_ids if not 0 <= token <= top]
@@ -199,5 +199,5 @@ def tokenize(pre: Preprocessor, request: ChatRequest | CompletionRequest, *,
 
 def detokenize(pre: Preprocessor, token_ids: list[int]) -> str:
     """/detokenize's text: the ids decoded together, special tokens included (vLLM's)."""
-    check_token_ids(pre, token_ids, "tokens")
+    _check_token_ids(pre, token_ids, "tokens")
     return cast(str, pre.tokenizer.decode(token_ids))

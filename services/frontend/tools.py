@@ -267,11 +267,7 @@ class ToolStream:
             calls = [self._named] if self._named_opened else []
             return [], self._use.finish_reason(calls, reason)
         held, self._held = self._held, ""
-        if self._use.format is not None and not self._calling:
-            content, calls = self._use.calls(held)  # no call: all content
-            return ([{"content": content}] if content else []), self._use.finish_reason(
-                calls, reason)
-        content, calls = self._use.calls(held)
+        content, calls = self._use.calls(held)  # before a `<tool_call>`: all content, no call
         deltas: list[dict[str, Any]] = [{"content": content}] if content else []
         deltas += [{"tool_calls": [call.openai(index)]} for index, call in enumerate(calls)]
         return deltas, self._use.finish_reason(calls, reason)

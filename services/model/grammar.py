@@ -128,17 +128,21 @@ def _tag_lark(form: dict[str, Any]) -> str:
     separator), or text with a call wherever a trigger opens one (`triggered_tags`: llguidance's
     lazy lexeme ends the text at the trigger, as its StructTag does). Its JSON is compact, as
     elsewhere here."""
-    calls = " | ".join(f"{json.dumps(tag['begin'])} {_tag_json(tag['content'])} "
-                       f"{json.dumps(tag['end'])}" for tag in form["tags"])
     if form["type"] == "tags_with_separator":
+        calls = _tags(form["tags"])
         return f"start: call{'' if form['stop_after_first'] else '+'}\ncall: {calls}\n"
     [trigger] = form["triggers"]
-    rests = " | ".join(f"{json.dumps(tag['begin'].removeprefix(trigger))} "
-                       f"{_tag_json(tag['content'])} {json.dumps(tag['end'])}"
-                       for tag in form["tags"])
+    rests = _tags(form["tags"], opened=trigger)
     start = "call | TEXT" if form["stop_after_first"] else "call* TEXT"
     return (f"start: {start}\ncall: opened ({rests})\n"
             f"opened[lazy]: TEXT {json.dumps(trigger)}\nTEXT: /(.|\\n)*/\n")
+
+
+def _tags(tags: list[dict[str, Any]], opened: str = "") -> str:
+    """The tags as Lark alternatives, each `begin` (less the `opened` text before it), JSON,
+    `end`."""
+    return " | ".join(f"{json.dumps(tag['begin'].removeprefix(opened))} "
+                      f"{_tag_json(tag['content'])} {json.dumps(tag['end'])}" for tag in tags)
 
 
 def _tag_json(content: dict[str, Any]) -> str:
