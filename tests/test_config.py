@@ -28,6 +28,7 @@ from mmlane.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role
 from mmlane.common.config import default_of
 from mmlane.common.settings import Settings, flag_name
 from mmlane.engine.config import EngineConfig
+from mmlane.frontend.config import FrontendConfig
 from mmlane.launcher import (
     KILL_GRACE_S,
     SERVE_SETTINGS,
@@ -161,6 +162,17 @@ def test_a_bad_value_names_the_setting(
 
 
 # ---------------------------------------------------------------- the HTTP API off loopback
+
+def test_served_model_names_drop_empty_items_from_the_command_line_and_refuse_blank_ones(
+    run_dir: Path
+) -> None:
+    """`--served-model-name a,,b` serves a and b; a config handed over whole (as `serve` hands
+    its children theirs) with a blank name is refused, naming the setting."""
+    names = config_from_argv("frontend", ["--served-model-name", "a,,b"], run_dir)
+    assert names.served_model_name == ["a", "b"]
+    with pytest.raises(msgspec.ValidationError, match="served_model_name: a name must not be"):
+        msgspec.convert({"served_model_name": ["a", " "]}, FrontendConfig)
+
 
 HTTP_OFF_LOOPBACK = ["--http-host", "0.0.0.0", "--http-port", "8000"]
 
