@@ -396,6 +396,12 @@ def processes() -> Iterator[Process]:
                       int(fields[2]), fields[0], int(fields[19]))
 
 
+def running() -> Iterator[Process]:
+    """The processes that have not ended: a zombie has (it holds no more than its pid until
+    its parent reaps it, or init once it is orphaned, which may take a while in a container)."""
+    return (process for process in processes() if process.state != "Z")
+
+
 # --- Leaks: a test fails if it leaves a process it started running or a ZMQ socket open -------
 
 OWNER_ENV = "MMLANE_TEST_OWNER"

@@ -34,7 +34,7 @@ from bench.results import BenchResult, Latency, ModeResult
 from bench.stats import cpu_seconds, percentile
 from bench.throughput import ThroughputResult
 from bench.workload import poisson_arrivals
-from conftest import REPO, processes
+from conftest import REPO, processes, running
 from mmlane.client import Client, user_message
 from mmlane.protocol.errors import FatalError, RequestError
 
@@ -207,7 +207,7 @@ def test_sigterm_stops_every_process_the_bench_started(
         bench.kill()
     assert bench.returncode == 128 + signal.SIGTERM, stderr
     assert "bench: stopped by SIGTERM" in stderr
-    assert not [process for process in processes() if process.session in sessions]
+    assert not [process for process in running() if process.session in sessions]
 
 
 def test_schema_flag_prints_json_schema(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, processes
+from conftest import REPO, processes, running
 
 pytest.importorskip("matplotlib", reason="the soak's chart needs the 'bench' extra")
 
@@ -55,4 +55,4 @@ def test_sigterm_stops_the_roles_the_soak_started(tmp_path: Path) -> None:
     finally:
         soak.kill()
     assert "KeyboardInterrupt" in stderr, stderr[-3000:]
-    assert not [process for process in processes() if process.session in sessions]
+    assert not [process for process in running() if process.session in sessions]
