@@ -56,6 +56,7 @@ from mmlane.protocol.sampling import StructuredOutputs
 from peers import (
     SERVE_READY,
     StandInFrontend,
+    counter,
     counters,
     one_reply_each,
     wait_for_stats,
@@ -458,8 +459,57 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens(
     assert f'replica="{live}"' in stats.exposition and DEAD_REPLICA not in stats.exposition
 
 
-def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path) -> None:
-    """wire.py's encoding of an image, decoded by vLLM's own decoder, is the item vLLM builds
+@pytest.fixture(scope="module")
+def mmlane_remote_lane(vllm_alone: tuple[Server, int], module_run_dir: Path,
+                       qwen_dir: Path) -> Iterator[tuple[Server, str, Path]]:
+    """`mmlane serve --backend vllm-remote --encoder-lane` in front of vLLM alone's server: the
+    E of EPD, on a host of its own in front of the replica."""
+    run_dir = module_run_dir / "remote-lane"
+    run_dir.mkdir()
+    with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote", "--encoder-lane",
+                      "--vllm-url", f"http://127.0.0.1:{vllm_alone[1]}") as ours:
+        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
+                   is not None, "mmlane serve --encoder-lane (remote) ready", timeout_s=STARTUP_S)
+        assert ours[0].process.poll() is None, ours[0].log.read_text()
+        yield ours
+
+
+def test_the_encoder_lane_in_front_of_a_replica_gives_vllm_alone_s_tokens(
+    vllm_alone: tuple[Server, int], mmlane_remote_lane: tuple[Server, str, Path],
+    qwen_dir: Path,
+) -> None:
+    """--encoder-lane on vllm-remote: mmlane runs the vision tower, and the replica gets each
+    image's embeddings through its scale-out API. Every chat with images: the same tokens and
+    top tokens as vLLM alone's chat API, logprobs within LANE_LOGPROB_BOUND; each image ran one
+    pass; asked again, a chat's images come from mmlane's encoder cache, with no pass and the
+    same tokens."""
+    chats = [chat for chat in CHATS.values() if chat[2]]
+    run_dir = mmlane_remote_lane[2]
+    worst = worst_logprob_difference(vllm_alone[1], mmlane_remote_lane[1], qwen_dir, chats)
+    print(f"--encoder-lane (remote): the largest logprob difference from vLLM alone: {worst:.3g}")
+    assert worst <= LANE_LOGPROB_BOUND
+    images = sum(len(chat[2]) for chat in chats)
+    before = wait_for_stats(run_dir, lambda s: s.role == "engine" and sum(
+        s.histograms["engine_step:vision"].counts) >= images, "the vision lane's passes")
+    assert sum(before.histograms["engine_step:vision"].counts) == images
+    assert before.counters["encoder_cache_misses"] == images
+    assert before.counters.get("encoder_cache_hits", 0) == 0
+    system, prompt, urls = chats[-1]
+    with Client(mmlane_remote_lane[1], timeout_s=300) as client:
+        again = client.chat(_native_messages(system, prompt, urls), max_tokens=MAX_TOKENS)
+        first = client.chat(_native_messages(*chats[0]), max_tokens=MAX_TOKENS)
+    alone = _vllm_chat(vllm_alone[1], str(qwen_dir), _openai_messages(system, prompt, urls))
+    assert again.error is None and again.token_ids == alone["choices"][0]["token_ids"]
+    assert first.error is None
+    after = counter(run_dir, "engine", "encoder_cache_hits", len(urls) + 1)
+    assert sum(after.histograms["engine_step:vision"].counts) == images
+
+
+@pytest.mark.parametrize("embeds", [None, torch.float32, torch.bfloat16],
+                         ids=["pixels", "float32 embeddings", "bfloat16 embeddings"])
+def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path, embeds: torch.dtype | None) -> None:
+    """wire.py's encoding of an image (its pixels, or with --encoder-lane its embeddings, in a
+    dtype numpy has or one it lacks), decoded by vLLM's own decoder, is the item vLLM builds
     from the same tensors, as vLLM's own encoding carries it: the same fields and the same
     tensors, bit for bit."""
     from test_engine import make_request
@@ -479,12 +529,19 @@ def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path) -> None:
     merge = json.loads((qwen_dir / "config.json").read_text())["vision_config"][
         "spatial_merge_size"]
     for item in request.mm_items:
-        ours = decode_mm_kwargs_item(wire.encode_item(
-            wire.ITEMS["qwen2_vl"](item.tensors, prep.pixel_norm)))
-        batch = BatchFeature({
-            "pixel_values": torch.from_numpy(np.array(model_layout(
-                item.tensors["pixel_values"], prep.pixel_norm))),
-            "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
+        grid = torch.from_numpy(np.array(item.tensors["image_grid_thw"]))
+        if embeds is None:
+            ours = decode_mm_kwargs_item(wire.encode_item(
+                wire.ITEMS["qwen2_vl"](item.tensors, prep.pixel_norm)))
+            batch = BatchFeature({
+                "pixel_values": torch.from_numpy(np.array(model_layout(
+                    item.tensors["pixel_values"], prep.pixel_norm))),
+                "image_grid_thw": grid})
+        else:
+            rows = torch.randn(int(grid.prod()) // merge**2, 32).to(embeds)
+            ours = decode_mm_kwargs_item(wire.encode_item(
+                wire.EMBEDS["qwen2_vl"](item.tensors, rows)))
+            batch = BatchFeature({"image_embeds": rows, "image_grid_thw": grid})
         [built] = MultiModalKwargsItems.from_hf_inputs(
             batch, _create_qwen2vl_field_factory(merge)(batch))["image"]
         theirs = decode_mm_kwargs_item(encode_mm_kwargs_item(built))
@@ -1024,7 +1081,7 @@ def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
                        mm_items=[replace(fresh.mm_items[0], mm_hash="lost")])
 
         async def only_in_p0() -> None:  # rendered for vLLM, never sent to its engine core
-            await runner._vllm_items(lost.mm_items, ["lost"])
+            await runner._vllm_items(lost, ["lost"])
 
         runner._call(only_in_p0())
         assert runner.engine.renderer.mm_processor_cache.is_cached_item("lost")
@@ -1060,14 +1117,14 @@ def test_an_encoder_lane_failure_or_abort_ends_its_request_alone(qwen_dir: Path,
         aborted = make_request(prep, "and this?", ((1024, 768),), max_tokens=3)
         good = make_request(prep, "what is it?", ((320, 240),), max_tokens=MAX_TOKENS,
                             ignore_eos=True)
-        encode = runner._lane._encode
+        encode = runner._lane._vision._encode
 
         def failing(tensors: Any) -> Any:
             if tensors is broken.mm_items[0].tensors:
                 raise torch.OutOfMemoryError("no memory for this image")
             return encode(tensors)
 
-        runner._lane._encode = failing
+        runner._lane._vision._encode = failing
         for handle, request in enumerate((broken, aborted, good)):
             runner.add(handle, request)
         runner.abort(1)

@@ -51,21 +51,15 @@ class HFConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar_cache_size: int = 64
     """Structured-output grammars kept compiled, the most recently used (one per JSON schema):
     a request whose schema is among them starts without compiling it."""
-    encoder_cache_gb: float = 1.0
-    """GiB of vision-encoder outputs kept by image hash, the most recently used, on the model's
-    device: a repeated image (one the MM worker hashed: its cache on, or a client uuid) skips
-    its vision pass, with the same bits as running it again. 0: off."""
-
     def __post_init__(self) -> None:
         _positive(self, "prefill_chunk_tokens", "max_batch", "grammar_cache_size")
-        capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
         _automatic(self, "torch_threads")
 
 
 class VisionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The vision lane's settings (services/engine/vision.py): where images' vision-encoder
     passes run, on a thread of their own, apart from text work. The 'hf' backend always runs
-    one; the 'vllm' backend with --encoder-lane."""
+    one; the 'vllm' and 'vllm-remote' backends with --encoder-lane."""
 
     vision_threads: int = 0
     """Threads torch may use for one CPU operation of a vision pass. 0: hf, as --torch-threads;
@@ -75,9 +69,15 @@ class VisionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sets the MM worker's --image-nice too). Where cores are shared, text work takes one first,
     and image work gets what text leaves idle (at 10 about a tenth of a core that text fills).
     0: off. Linux counts niceness per thread."""
+    encoder_cache_gb: float = 1.0
+    """GiB of vision-encoder outputs kept by image hash, the most recently used (hf: on the
+    model's device; vllm --encoder-lane: in this process's memory): a repeated image (one the
+    MM worker hashed: its cache on, or a client uuid) skips its vision pass, with the same bits
+    as running it again. 0: off."""
 
     def __post_init__(self) -> None:
         check_nice(self, "image_nice")
+        capacity_bytes(self.encoder_cache_gb, "encoder_cache_gb")  # refuses negative, NaN
         _automatic(self, "vision_threads")
 
 

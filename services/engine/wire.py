@@ -5,7 +5,8 @@ as one `MultiModalKwargsItem` in `features.kwargs_data`
 (vllm/entrypoints/scale_out/token_in_token_out/mm_serde.py): base64 of msgpack, as vLLM's
 `MsgpackEncoder` writes it with every tensor inline.
 
-    generate_body(request, family, norm)    the request's GenerateRequest, as a dict
+    generate_body(request, family, norm[, embeds])
+                                            the request's GenerateRequest, as a dict
     mm_hashes(request)                      its images' hashes, as vLLM takes them
     encode_item(tensors)                    one image's item
 
@@ -25,6 +26,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 from mmlane.model import PixelNorm, model_layout
 from mmlane.protocol.errors import RequestError
@@ -46,32 +48,52 @@ def batched(*, keep_on_cpu: bool = False) -> Field:
     return ["batched", {"keep_on_cpu": keep_on_cpu}]
 
 
-def encode_item(tensors: Mapping[str, tuple[np.ndarray, Field]]) -> str:
+Array = np.ndarray | torch.Tensor
+
+
+def encode_item(tensors: Mapping[str, tuple[Array, Field]]) -> str:
     """The item (each tensor with its field) as vLLM's `decode_mm_kwargs_item` takes it."""
     item = {name: {"data": _tensor(array), "field": field}
             for name, (array, field) in tensors.items()}
     return base64.b64encode(msgspec.msgpack.encode(item)).decode("ascii")
 
 
-def _tensor(array: np.ndarray) -> list[Any]:
+def _tensor(array: Array) -> list[Any]:
+    if isinstance(array, torch.Tensor):  # its dtype may be one numpy lacks (bfloat16)
+        raw = array.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return [str(array.dtype).removeprefix("torch."), list(array.shape),
+                msgspec.msgpack.Ext(RAW_VIEW, raw)]
     array = np.ascontiguousarray(array)
     return [array.dtype.name, list(array.shape), msgspec.msgpack.Ext(RAW_VIEW, array.tobytes())]
 
 
 def _qwen2_vl(tensors: Mapping[str, np.ndarray],
-              norm: PixelNorm) -> dict[str, tuple[np.ndarray, Field]]:
+              norm: PixelNorm) -> dict[str, tuple[Array, Field]]:
     # uint8 pixels in the model's layout: vLLM 0.32 normalises Qwen2-VL's on the device.
     pixels = model_layout(tensors["pixel_values"], norm)
     return {"pixel_values": (pixels, flat(len(pixels))),
             "image_grid_thw": (tensors["image_grid_thw"][0], batched(keep_on_cpu=True))}
 
 
+def _qwen2_vl_embeds(tensors: Mapping[str, np.ndarray],
+                    embeds: torch.Tensor) -> dict[str, tuple[Array, Field]]:
+    return {"image_embeds": (embeds, flat(len(embeds))),
+            "image_grid_thw": (tensors["image_grid_thw"][0], batched(keep_on_cpu=True))}
+
+
 ITEMS: dict[str, Callable[[Mapping[str, np.ndarray], PixelNorm],
-                          dict[str, tuple[np.ndarray, Field]]]] = {
+                          dict[str, tuple[Array, Field]]]] = {
     "qwen2_vl": _qwen2_vl,
 }
 """An image's tensors (as the MM worker sends them) as the tensors and fields of vLLM's item,
 by family."""
+
+EMBEDS: dict[str, Callable[[Mapping[str, np.ndarray], torch.Tensor],
+                           dict[str, tuple[Array, Field]]]] = {
+    "qwen2_vl": _qwen2_vl_embeds,
+}
+"""An image's tensors and its embeddings (--encoder-lane) as the tensors and fields of vLLM's
+item of embedding inputs (`image_embeds`), by family."""
 
 
 def mm_hashes(request: EngineRequest) -> list[str]:
@@ -80,10 +102,12 @@ def mm_hashes(request: EngineRequest) -> list[str]:
             for index, item in enumerate(request.mm_items)]
 
 
-def generate_body(request: EngineRequest, family: str, norm: PixelNorm) -> dict[str, Any]:
+def generate_body(request: EngineRequest, family: str, norm: PixelNorm,
+                  embeds: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """`request` as vLLM's GenerateRequest: its prompt ids, its sampling fields (vLLM's names),
     and its images' hashes, placeholder ranges and items in the layout of the model's `family`
-    (RequestError for a family whose layout is not written here yet)."""
+    (RequestError for a family whose layout is not written here yet): their pixels, or with
+    `embeds` (one per image) their embeddings."""
     sampling = msgspec.structs.asdict(request.sampling)
     if request.sampling.structured_outputs is not None:
         sampling["structured_outputs"] = request.sampling.structured_outputs.vllm_fields()
@@ -101,7 +125,9 @@ def generate_body(request: EngineRequest, family: str, norm: PixelNorm) -> dict[
             "mm_hashes": {"image": mm_hashes(request)},
             "mm_placeholders": {"image": [{"offset": one.offset, "length": one.length}
                                           for one in request.mm_items]},
-            "kwargs_data": {"image": [encode_item(item(one.tensors, norm))
-                                      for one in request.mm_items]},
+            "kwargs_data": {"image": [
+                encode_item(item(one.tensors, norm)) if embeds is None
+                else encode_item(EMBEDS[family](one.tensors, embeds[index]))
+                for index, one in enumerate(request.mm_items)]},
         }
     return body

@@ -107,7 +107,7 @@ class HFRunner:
             self.max_batch = 1
         self._grammars = grammars
         self._encoded: FeatureCache[torch.Tensor] = FeatureCache(
-            capacity_bytes(config.encoder_cache_gb, "encoder_cache_gb"))
+            capacity_bytes(vision.encoder_cache_gb, "encoder_cache_gb"))
         """Vision-encoder outputs by mm_hash: the same image's features are the same bits
         whoever runs its pass, so a request takes them instead."""
         self._sequences: dict[int, Sequence] = {}

@@ -20,7 +20,10 @@ Each replica's state, outstanding requests and errors are in the stats.
 Errors: a replica's 4xx is the request's fault (RequestError with vLLM's message), a 5xx, a
 broken stream or an unreachable replica a retryable one; an error chunk in the stream ends the
 request with vLLM's message. Text first: with `--remote-priority` (the replicas run
-`--scheduling-policy priority`), text goes ahead of images in each replica's queue.
+`--scheduling-policy priority`), text goes ahead of images in each replica's queue; with
+`--encoder-lane` (lane.py), images' vision passes run here and the replicas (started with
+`--enable-mm-embeds`) get their embeddings in place of pixels, so no replica's step runs a
+vision encoder.
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 import transformers
 
 from mmlane.common.prometheus import exposition, labelled, vllm_series
 from mmlane.common.stats import Metrics
 from mmlane.engine import wire
-from mmlane.engine.config import EngineConfig
+from mmlane.engine.config import EngineConfig, VisionConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
+from mmlane.engine.vision import VisionEncoder
+from mmlane.engine.vllm.lane import EncoderLane, load_lane
 from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
 from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
 from mmlane.protocol.errors import FatalError, MMLaneError, RetryableError, translate
@@ -87,13 +93,16 @@ class RemoteVLLMRunner(LoopRunner):
     """Runs requests on remote vLLM replicas (see the module docstring)."""
 
     def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
-                 metrics: Metrics, *, priority: bool) -> None:
+                 metrics: Metrics, *, priority: bool, encoder: VisionEncoder | None = None,
+                 vision: VisionConfig | None = None) -> None:
         self._replicas = [Replica(url) for url in dict.fromkeys(u.rstrip("/") for u in urls)]
         self._pre = preprocessor
         self.spec = spec
         self.metrics = metrics
         self._priority = priority
         super().__init__("vllm-remote")
+        self._lane = None if encoder is None else EncoderLane(
+            encoder, preprocessor.image_token_id, vision or VisionConfig(), self._loop, metrics)
         self._session: Any = self._call(self._open())
         for replica in self._replicas:
             self._loop.call_soon_threadsafe(self._watch, replica)
@@ -117,8 +126,11 @@ class RemoteVLLMRunner(LoopRunner):
                                      timeout=aiohttp.ClientTimeout(total=None))
 
     def close(self) -> None:
-        """Close the HTTP session (what is in flight is cancelled) and the loop thread."""
+        """Close the HTTP session (what is in flight is cancelled), the vision lane and the
+        loop thread."""
         self._call(self._session.close())
+        if self._lane is not None:
+            self._lane.close()
         self._stop_loop()
 
     @property
@@ -171,8 +183,15 @@ class RemoteVLLMRunner(LoopRunner):
     async def _run(self, handle: int, request: EngineRequest) -> None:
         """(Cancelled, its stream closes: vLLM aborts the request.) A request whose replica
         fails before its first token goes to another replica, once."""
+        embeds = None
+        if self._lane is not None and request.mm_items:
+            try:
+                embeds = await self._lane.embeddings(request, range(len(request.mm_items)))
+            except MMLaneError as exc:
+                self._outputs.put(StepOutput(handle, [], error=exc))
+                return
         try:  # once, however many replicas it goes to
-            body = msgspec.json.encode(self._body(request))
+            body = msgspec.json.encode(self._body(request, embeds))
         except Exception as exc:  # ours to fix, not a replica's failure: it is not sent
             self._outputs.put(StepOutput(handle, [], error=translate(
                 exc, "cannot encode the request for vLLM", default="internal")))
@@ -261,8 +280,9 @@ class RemoteVLLMRunner(LoopRunner):
         bound = LOAD_SLACK * sum(r.outstanding for r in candidates) / len(candidates) + 1
         return next((replica for replica in ranked if replica.outstanding <= bound), ranked[0])
 
-    def _body(self, request: EngineRequest) -> dict[str, Any]:
-        body = wire.generate_body(request, self._pre.family.name, self._pre.pixel_norm)
+    def _body(self, request: EngineRequest,
+              embeds: list[torch.Tensor] | None) -> dict[str, Any]:
+        body = wire.generate_body(request, self._pre.family.name, self._pre.pixel_norm, embeds)
         body["sampling_params"]["detokenize"] = False
         return {**body, "stream": True, "output_mode": "tokens",
                 "priority": 1 if self._priority and request.mm_items else 0}
@@ -309,7 +329,10 @@ def load(config: EngineConfig, metrics: Metrics) -> RemoteVLLMRunner:
     model_config = transformers.AutoConfig.from_pretrained(model_dir)
     spec = ModelSpec.of(preprocessor, model_config, max_context=preprocessor.max_context,
                         vocab_size=model_config.get_text_config().vocab_size)
+    encoder = load_lane(config, model_dir, preprocessor, wire.EMBEDS)
     runner = RemoteVLLMRunner(config.vllm.vllm_url, preprocessor, spec, metrics,
-                              priority=config.vllm.remote_priority)
-    log.info("vllm-remote serves %s on %s", preprocessor.model_id, ", ".join(runner.urls))
+                              priority=config.vllm.remote_priority, encoder=encoder,
+                              vision=config.vision)
+    log.info("vllm-remote serves %s on %s%s", preprocessor.model_id, ", ".join(runner.urls),
+             "" if encoder is None else f", images encoded here, on {encoder.model.device}")
     return runner

@@ -29,10 +29,10 @@ any token and drops the hashes from P0; the runner then sends it again, once, in
 Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go ahead of image
 requests (priority 0 before 1). That only orders vLLM's queue: a text request still waits in a
 step behind the image's encoder pass that step runs. With `encoder_lane`, the vision lane
-(services/engine/vision.py, the embedded runner's) runs the encoder here, on its own thread at
-image priority, and vLLM gets each image's embeddings in place of its pixels (`image_embeds`,
-in the layout of vLLM's own embedding inputs, `_EMBEDS_INPUTS`): its steps run only the language
-model. An image vLLM's processor cache holds is sent as its hash, so it is not encoded again.
+(lane.py) runs the encoder here, on its own thread at image priority, and vLLM gets each
+image's embeddings in place of its pixels (`image_embeds`, in the layout of vLLM's own embedding
+inputs, `_EMBEDS_INPUTS`): its steps run only the language model. An image vLLM's processor
+cache holds is sent as its hash, so it is not encoded again.
 
 vLLM's engine core dying fails every request it held (retryable, 'backend_died'), and the next
 `step` raises FatalError: the engine role exits, and its supervisor starts it again. vLLM's
@@ -43,7 +43,6 @@ leave in shared memory is unlinked then or at the role's stop (leftovers.py).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -61,8 +60,9 @@ from mmlane.common.prometheus import vllm_series
 from mmlane.common.stats import Metrics
 from mmlane.engine.config import EngineConfig, VisionConfig
 from mmlane.engine.runner import ModelSpec, StepOutput
-from mmlane.engine.vision import VisionEncoder, VisionLane, load_encoder, torch_threads
+from mmlane.engine.vision import VisionEncoder
 from mmlane.engine.vllm import leftovers
+from mmlane.engine.vllm.lane import EncoderLane, load_lane
 from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
 from mmlane.engine.wire import mm_hashes
 from mmlane.model import (
@@ -73,7 +73,7 @@ from mmlane.model import (
     resolve_model_dir,
 )
 from mmlane.protocol.errors import FatalError, MMLaneError, RetryableError, translate
-from mmlane.protocol.messages import EngineRequest, MMItem, SamplingParams, TokenLogprobs
+from mmlane.protocol.messages import EngineRequest, SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,8 @@ class VLLMRunner(LoopRunner):
         self._dead: BaseException | None = None
         self._scheduler: dict[int, Any] = {}  # vLLM's latest SchedulerStats, by engine index
         super().__init__("vllm-loop")
-        self._lane = None if encoder is None else self._start_lane(encoder,
-                                                                   vision or VisionConfig())
-        self._encodings: dict[int, asyncio.Future[torch.Tensor]] = {}  # loop thread only
-        self._jobs = itertools.count()
+        self._lane = None if encoder is None else EncoderLane(
+            encoder, preprocessor.image_token_id, vision or VisionConfig(), self._loop, metrics)
         try:
             with leftovers.Watch(pids_file):  # a kill while vLLM loads leaves it behind too
                 self.engine = self._call(self._start(engine_args))
@@ -121,17 +119,6 @@ class VLLMRunner(LoopRunner):
                  f"images encoded here, on {encoder.model.device}" if encoder is not None
                  else "pixels normalised " + (
                      "here" if self._normalize_pixels else "by vLLM on the device"))
-
-    def _start_lane(self, encoder: VisionEncoder, vision: VisionConfig) -> VisionLane:
-        """The vision lane for the encoder; its results reach the loop thread (_take_encoded).
-        It gives the embeddings on the CPU, where vLLM's inputs travel from."""
-        return VisionLane(lambda tensors: encoder(tensors).cpu(),
-                          threads=vision.vision_threads or torch_threads(0),
-                          device=torch.device("cpu"), nice=vision.image_nice,
-                          wake=self._lane_woke)
-
-    def _lane_woke(self) -> None:  # on the lane's thread
-        self._loop.call_soon_threadsafe(self._take_encoded)
 
     async def _start(self, engine_args: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -275,7 +262,7 @@ class VLLMRunner(LoopRunner):
         from vllm.multimodal.inputs import PlaceholderRange
 
         hashes = mm_hashes(request)
-        kwargs = await self._vllm_items(request.mm_items, hashes)
+        kwargs = await self._vllm_items(request, hashes)
         prompt = torch.tensor(request.prompt_token_ids)
         placeholders = [PlaceholderRange(item.offset, item.length, _is_embed(
             prompt[item.offset:item.offset + item.length], self._pre.image_token_id))
@@ -283,7 +270,7 @@ class VLLMRunner(LoopRunner):
         return mm_input(list(request.prompt_token_ids), kwargs, {"image": hashes},
                         {"image": placeholders})
 
-    async def _vllm_items(self, items: list[MMItem], hashes: list[str]) -> Any:
+    async def _vllm_items(self, request: EngineRequest, hashes: list[str]) -> Any:
         """The items as vLLM's kwargs, each in full or, where vLLM's processor cache (P0, which
         mirrors its engine core's) holds its hash, as None: the engine core takes that one
         from its cache. P0 is updated as vLLM's processor updates it (`_merge_mm_kwargs`):
@@ -294,6 +281,7 @@ class VLLMRunner(LoopRunner):
         from transformers import BatchFeature
         from vllm.multimodal.inputs import MultiModalKwargsItems
 
+        items = request.mm_items
         cache = self.engine.renderer.mm_processor_cache
         encoded: dict[int, torch.Tensor] = {}
         while True:
@@ -302,8 +290,7 @@ class VLLMRunner(LoopRunner):
             if self._lane is None or not todo:
                 break
             # Dropped from P0 during the wait, an item is encoded in the next round.
-            embeds = await asyncio.gather(*(self._encode(items[index]) for index in todo))
-            encoded.update(zip(todo, embeds, strict=True))
+            encoded.update(zip(todo, await self._lane.embeddings(request, todo), strict=True))
         missing = [self._item_tensors(item.tensors) if self._lane is None
                    else _embeds_item(item.tensors, encoded[index])
                    for index, (item, hit) in enumerate(zip(items, held, strict=True)) if not hit]
@@ -324,34 +311,6 @@ class VLLMRunner(LoopRunner):
             cache.release_sender_touches()
         self.engine.renderer.update_mm_cache_stats()
         return MultiModalKwargsItems({"image": sent})
-
-    async def _encode(self, item: MMItem) -> torch.Tensor:
-        """The item's embeddings, from a pass on the vision lane (cancelled with the request,
-        if it has not started)."""
-        assert self._lane is not None
-        job = next(self._jobs)
-        self._encodings[job] = future = self._loop.create_future()
-        self._lane.submit(job, item.tensors)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self._lane.cancel(job)
-            self._encodings.pop(job, None)
-            raise
-
-    def _take_encoded(self) -> None:
-        """The lane's results to the requests that wait for them (on the loop thread)."""
-        assert self._lane is not None
-        for result in self._lane.finished():
-            future = self._encodings.pop(result.job, None)
-            if future is None or future.done():
-                continue
-            if isinstance(result.features, Exception):
-                future.set_exception(translate(
-                    result.features, "the encoder lane failed on an image", default="model_error"))
-            elif result.features is not None:
-                self.metrics.observe("engine_step:vision", result.seconds)
-                future.set_result(result.features)
 
     def _item_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """An item's tensors as torch's, its pixels in the model's layout (`model_layout`) and
@@ -550,15 +509,9 @@ def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
     preprocessor = load_preprocessor(model_dir, "auto")
     engine_args = {"model": str(model_dir), **config.vllm.engine_args()}
     _size_cpu_kv_cache(engine_args)
-    encoder = None
-    if config.vllm.encoder_lane:
-        family = preprocessor.family.name
-        if family not in _EMBEDS_INPUTS:
-            raise FatalError(f"--encoder-lane does not support {family} models yet, only "
-                             f"{', '.join(_EMBEDS_INPUTS)}", code="bad_config")
-        if engine_args.setdefault("enable_mm_embeds", True) is not True:
-            raise FatalError("--encoder-lane hands vLLM image embeddings: it needs vLLM's "
-                             "enable_mm_embeds, which --vllm-arg turns off", code="bad_config")
-        encoder = load_encoder(model_dir, preprocessor, config.vllm.encoder_device)
+    if config.vllm.encoder_lane and engine_args.setdefault("enable_mm_embeds", True) is not True:
+        raise FatalError("--encoder-lane hands vLLM image embeddings: it needs vLLM's "
+                         "enable_mm_embeds, which --vllm-arg turns off", code="bad_config")
+    encoder = load_lane(config, model_dir, preprocessor, _EMBEDS_INPUTS)
     pids = leftovers.pids_file(default_run_dir(), config.ops.name)
     return VLLMRunner(engine_args, preprocessor, metrics, pids, encoder, config.vision)
