@@ -7,6 +7,7 @@ reply socket. Greedy outputs are checked against the same Hugging Face model's `
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 from collections.abc import Callable, Iterator
@@ -703,3 +704,57 @@ def test_an_encoder_cache_too_small_for_an_image_keeps_nothing(qwen_dir, prep) -
     assert _tokens_alone(runner, hashed) == _tokens_alone(runner, hashed)
     assert runner.metrics.counters["encoder_cache_misses"] == 2
     assert runner.metrics.counters.get("encoder_cache_hits", 0) == 0
+
+
+def test_the_vllm_encoder_lane_runs_one_pass_per_image_and_keeps_it(
+    qwen_dir: Path, prep: Preprocessor
+) -> None:
+    """--encoder-lane's face on a vLLM runner's loop (vllm/lane.py; no vLLM needed): three
+    requests for one image at once share one pass, and a later one takes it from the encoder
+    cache, each with the vision tower's own embeddings. A request cancelled while its image
+    waits alone cancels the pass, and the image runs a pass the next time. A cached image
+    whose span holds another count of image tokens is refused, naming both counts."""
+    from mmlane.common.stats import Metrics
+    from mmlane.engine.vision import load_encoder
+    from mmlane.engine.vllm.lane import EncoderLane
+
+    def hashed(request: EngineRequest, mm_hash: str) -> EngineRequest:
+        return replace(request, mm_items=[replace(request.mm_items[0], mm_hash=mm_hash)])
+
+    encoder = load_encoder(qwen_dir, prep, "cpu")
+    metrics = Metrics("engine", "test")
+    loop = asyncio.new_event_loop()
+    lane = EncoderLane(encoder, prep.image_token_id, VisionConfig(image_nice=0), loop, metrics)
+    image = hashed(make_request(prep, "what is it?", ((64, 48),)), "image")
+    busy = hashed(make_request(prep, "and this?", ((1024, 768),), image_seed=1), "busy")
+    dropped = hashed(make_request(prep, "or this?", ((320, 240),), image_seed=2), "dropped")
+    other_size = hashed(make_request(prep, "what is it?", ((128, 96),)), "image")
+
+    def passes() -> int:
+        return sum(metrics.histograms["engine_step:vision"].counts)
+
+    async def story() -> None:
+        together = await asyncio.gather(*(lane.embeddings(image, [0]) for _ in range(3)))
+        later = await lane.embeddings(image, [0])
+        with torch.inference_mode():
+            expected = encoder(image.mm_items[0].tensors)
+        assert all(torch.equal(embeds, expected) for [embeds] in [*together, later])
+        assert (metrics.counters["encoder_cache_misses"], metrics.counters["encoder_cache_hits"],
+                passes()) == (1, 3, 1)
+        first = asyncio.ensure_future(lane.embeddings(busy, [0]))
+        waiting = asyncio.ensure_future(lane.embeddings(dropped, [0]))
+        while metrics.counters["encoder_cache_misses"] < 3:  # both submitted: the lane runs
+            await asyncio.sleep(0)                             # the large image's pass first
+        waiting.cancel()
+        await first
+        await lane.embeddings(dropped, [0])  # a pass of its own: the cancelled one never ran
+        assert (metrics.counters["encoder_cache_misses"], passes()) == (4, 3)
+        with pytest.raises(RequestError, match=r"mm_items\[0\] has \d+ image tokens, but its "
+                                               r"image made \d+ image embeddings"):
+            await lane.embeddings(other_size, [0])
+
+    try:
+        loop.run_until_complete(story())
+    finally:
+        lane.close()
+        loop.close()

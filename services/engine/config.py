@@ -107,12 +107,14 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """'vllm-remote' backend: the replicas schedule by priority (`vllm serve
     --scheduling-policy priority`): text requests are sent ahead of image requests."""
     encoder_lane: bool = False
-    """Run the model's vision encoder in mmlane's vision lane (a thread of the engine role, at
-    --image-nice, on --encoder-device) and hand vLLM each image's embeddings instead of its
-    pixels (vLLM started with enable_mm_embeds): vLLM's steps then run only the language model,
-    and a text request no longer waits in a step behind an image's encoder pass. Opt-in: the
-    encoder is transformers' implementation, not vLLM's, so logprobs may differ from `vllm
-    serve`'s in the last digits (README, "Serving with vLLM"). Qwen2-VL models only, so far."""
+    """'vllm' and 'vllm-remote' backends: run the model's vision encoder in mmlane's vision lane
+    (a thread of the engine role, at --image-nice, on --encoder-device; repeated images from
+    --encoder-cache-gb) and hand vLLM each image's embeddings instead of its pixels ('vllm'
+    starts vLLM with enable_mm_embeds; a replica's scale-out API takes them as it is): vLLM's
+    steps then run only the language model, and a text request no longer waits in a step
+    behind an image's encoder pass. Opt-in: the encoder is transformers' implementation, not
+    vLLM's, so logprobs may differ from `vllm serve`'s in the last digits (README, "Serving
+    with vLLM"). Qwen2-VL models only, so far."""
     encoder_device: str = "auto"
     """Where --encoder-lane runs the vision encoder: 'auto' (CUDA when available, else CPU),
     'cpu' or 'cuda[:N]' (another GPU than vLLM's keeps the two apart)."""
