@@ -128,7 +128,7 @@ def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None =
     vLLM alone's server and port, and mmlane's server, native endpoint and run directory."""
     engine_args = VLLM_ARGS if engine_args is None else engine_args
     with _vllm_alone(run_dir, model_dir, engine_args) as alone, \
-            _mmlane_vllm(run_dir, model_dir, engine_args) as ours:
+            mmlane_serve_vllm(run_dir, model_dir, engine_args) as ours:
         wait_until(lambda: _healthy(alone[1]) or alone[0].process.poll() is not None,
                    "vllm serve ready", timeout_s=STARTUP_S)
         assert alone[0].process.poll() is None, alone[0].log.read_text()
@@ -158,7 +158,7 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
 
 
 @contextmanager
-def _mmlane_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any],
+def mmlane_serve_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any],
                  *serve_args: str) -> Iterator[tuple[Server, str, Path]]:
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
     engine_args = {**engine_args, "scheduling_policy": "priority"}
@@ -361,7 +361,7 @@ def mmlane_encoder_lane(vllm_alone: tuple[Server, int], module_run_dir: Path,
     """`mmlane serve --backend vllm --encoder-lane`, with vLLM alone's engine arguments."""
     run_dir = module_run_dir / "encoder-lane"
     run_dir.mkdir()
-    with _mmlane_vllm(run_dir, qwen_dir, VLLM_ARGS, "--encoder-lane") as ours:
+    with mmlane_serve_vllm(run_dir, qwen_dir, VLLM_ARGS, "--encoder-lane") as ours:
         wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
                    is not None, "mmlane serve --encoder-lane ready", timeout_s=STARTUP_S)
         assert ours[0].process.poll() is None, ours[0].log.read_text()
@@ -390,13 +390,15 @@ def test_the_encoder_lane_gives_vllm_alone_s_tokens(
 
 def worst_logprob_difference(alone_port: int, endpoint: str, model_dir: Path,
                               chats: list[tuple[str | None, str, list[str]]]) -> float:
-    """Asks vLLM alone and mmlane at `endpoint` each chat: asserts the same tokens and top
-    tokens; returns the largest difference of a logprob between the two."""
+    """Asks vLLM alone (with the special tokens mmlane adds) and mmlane at `endpoint` each chat:
+    asserts the same tokens and top tokens; returns the largest difference of a logprob between
+    the two."""
     worst = 0.0
     for system, prompt, urls in chats:
         messages = _openai_messages(system, prompt, urls)
         alone = _vllm_chat(alone_port, str(model_dir), messages, logprobs=True,
-                           top_logprobs=TOP_LOGPROBS)["choices"][0]
+                           top_logprobs=TOP_LOGPROBS,
+                           add_special_tokens=_adds_special_tokens(model_dir))["choices"][0]
         with Client(endpoint, timeout_s=300) as client:
             ours = client.chat(_native_messages(system, prompt, urls), max_tokens=MAX_TOKENS,
                                logprobs=TOP_LOGPROBS)
@@ -507,7 +509,9 @@ def test_the_encoder_lane_in_front_of_a_replica_gives_vllm_alone_s_tokens(
 
 @pytest.mark.parametrize("embeds", [None, torch.float32, torch.bfloat16],
                          ids=["pixels", "float32 embeddings", "bfloat16 embeddings"])
-def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path, embeds: torch.dtype | None) -> None:
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_the_remote_wire_items_are_vllm_s_own(model_dirs: dict[str, Path], family: str,
+                                              embeds: torch.dtype | None) -> None:
     """wire.py's encoding of an image (its pixels, or with --encoder-lane its embeddings, in a
     dtype numpy has or one it lacks), decoded by vLLM's own decoder, is the item vLLM builds
     from the same tensors, as vLLM's own encoding carries it: the same fields and the same
@@ -518,32 +522,39 @@ def test_the_remote_wire_items_are_vllm_s_own(qwen_dir: Path, embeds: torch.dtyp
         decode_mm_kwargs_item,
         encode_mm_kwargs_item,
     )
+    from vllm.model_executor.models.llava import LlavaMultiModalProcessor
     from vllm.model_executor.models.qwen2_vl import _create_qwen2vl_field_factory
     from vllm.multimodal.inputs import MultiModalKwargsItems
 
     from mmlane.engine import wire
-    from mmlane.model import model_layout
+    from mmlane.model import model_layout, normalize
 
-    prep = load_preprocessor(qwen_dir, "auto")
+    model_dir = model_dirs[family]
+    prep = load_preprocessor(model_dir, "auto")
     request = make_request(prep, "two of them", ((320, 240), (64, 48)))
-    merge = json.loads((qwen_dir / "config.json").read_text())["vision_config"][
-        "spatial_merge_size"]
+    config = json.loads((model_dir / "config.json").read_text())
+    if family == "qwen2_vl":
+        fields = _create_qwen2vl_field_factory(config["vision_config"]["spatial_merge_size"])
+    else:
+        fields = functools.partial(LlavaMultiModalProcessor._get_mm_fields_config, None,
+                                   hf_processor_mm_kwargs={})
     for item in request.mm_items:
-        grid = torch.from_numpy(np.array(item.tensors["image_grid_thw"]))
+        uint8 = torch.from_numpy(np.array(item.tensors["pixel_values"]))
         if embeds is None:
             ours = decode_mm_kwargs_item(wire.encode_item(
-                wire.ITEMS["qwen2_vl"](item.tensors, prep.pixel_norm)))
-            batch = BatchFeature({
-                "pixel_values": torch.from_numpy(np.array(model_layout(
-                    item.tensors["pixel_values"], prep.pixel_norm))),
-                "image_grid_thw": grid})
+                wire.ITEMS[family](item.tensors, prep.pixel_norm)))
+            batch = BatchFeature({"pixel_values": normalize(uint8, prep.pixel_norm)}
+                                 if family == "llava" else {
+                "pixel_values": model_layout(uint8, prep.pixel_norm),
+                "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
         else:
-            rows = torch.randn(int(grid.prod()) // merge**2, 32).to(embeds)
+            rows = torch.randn(item.length, 32).to(embeds)
             ours = decode_mm_kwargs_item(wire.encode_item(
-                wire.EMBEDS["qwen2_vl"](item.tensors, rows)))
-            batch = BatchFeature({"image_embeds": rows, "image_grid_thw": grid})
-        [built] = MultiModalKwargsItems.from_hf_inputs(
-            batch, _create_qwen2vl_field_factory(merge)(batch))["image"]
+                wire.EMBEDS[family](item.tensors, rows)))
+            batch = BatchFeature({"image_embeds": rows[None]} if family == "llava" else {
+                "image_embeds": rows,
+                "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
+        [built] = MultiModalKwargsItems.from_hf_inputs(batch, fields(batch))["image"]
         theirs = decode_mm_kwargs_item(encode_mm_kwargs_item(built))
         assert ours.keys() == theirs.keys()
         for name in ours:
@@ -1033,12 +1044,12 @@ def test_a_restarted_engine_role_ends_what_its_killed_predecessor_left_of_vllm(
 
 
 @pytest.mark.parametrize(("model", "vllm_arg", "refusal"), [
-    ("llava", [], "--encoder-lane does not support llava models yet, only qwen2_vl"),
-    ("qwen", ["enable_mm_embeds=false"], "it needs vLLM's enable_mm_embeds"),
+    ("mistral3", [], "--encoder-lane does not support mistral3 models yet, only qwen2_vl, "
+                     "llava"),
+    ("qwen2_vl", ["enable_mm_embeds=false"], "it needs vLLM's enable_mm_embeds"),
 ])
 def test_the_encoder_lane_refuses_what_it_cannot_serve_by_name(
-    model: str, vllm_arg: list[str], refusal: str, qwen_dir: Path, llava_dir: Path,
-    tmp_path: Path,
+    model: str, vllm_arg: list[str], refusal: str, model_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     """Before anything loads: a family whose embeddings it cannot hand vLLM yet, and vLLM's
     embeddings turned off."""
@@ -1047,9 +1058,8 @@ def test_the_encoder_lane_refuses_what_it_cannot_serve_by_name(
     from mmlane.engine.config import VLLMConfig
     from mmlane.engine.vllm.runner import load
 
-    model_dir = {"qwen": qwen_dir, "llava": llava_dir}[model]
     with run_dir_defaults(tmp_path), pytest.raises(FatalError, match=refusal) as refused:
-        config = EngineConfig(backend="vllm", model=str(model_dir), vllm=VLLMConfig(
+        config = EngineConfig(backend="vllm", model=str(model_dirs[model]), vllm=VLLMConfig(
             vllm_arg=vllm_arg, encoder_lane=True))
         load(config, Metrics("engine", config.ops.name))
     assert refused.value.code == "bad_config"

@@ -10,6 +10,7 @@ image spans hold other tokens too, which of the span's positions take the image'
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,18 +20,21 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 from test_pixels import assert_normalises_to_the_processor_output
 from test_vllm import (
     CHATS,
+    LANE_LOGPROB_BOUND,
     REMOTE_LOGPROB_BOUND,
     STARTUP_S,
     VLLM_ARGS,
     Server,
     assert_the_same_tokens_as_vllm_alone,
     mmlane_serve,
+    mmlane_serve_vllm,
     serving,
     worst_logprob_difference,
 )
 
 from bench.images import jpeg_uri, make_image
 from mmlane.engine import wire
+from mmlane.engine.vllm.runner import _EMBEDS_INPUTS
 from mmlane.model import load_preprocessor
 from peers import SERVE_READY, wait_until
 
@@ -111,3 +115,50 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens(
     worst = worst_logprob_difference(alone_port, family_remote[1], model_dir,
                                       list(FAMILY_CHATS.values()))
     assert worst <= REMOTE_LOGPROB_BOUND
+
+
+@contextmanager
+def _ready(server: Iterator[tuple[Server, str, Path]], what: str
+           ) -> Iterator[tuple[Server, str, Path]]:
+    with server as ours:
+        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
+                   is not None, f"{what} ready", timeout_s=STARTUP_S)
+        assert ours[0].process.poll() is None, ours[0].log.read_text()
+        yield ours
+
+
+@pytest.fixture(scope="module")
+def family_lanes(family_servers: tuple[Path, int, tuple[Server, str, Path]]
+                 ) -> Iterator[list[tuple[str, str]]]:
+    """For the families --encoder-lane serves: `mmlane serve --backend vllm --encoder-lane`
+    (vLLM alone's engine arguments), and `--backend vllm-remote --encoder-lane` in front of
+    vLLM alone's scale-out API; (name, native endpoint) of each."""
+    model_dir, port, ours = family_servers
+    family = load_preprocessor(model_dir).family.name
+    if family not in _EMBEDS_INPUTS or family not in wire.EMBEDS:
+        pytest.skip(f"--encoder-lane does not serve {family} models yet")
+    run_dir = ours[2].parent
+    (run_dir / "lane").mkdir()
+    (run_dir / "remote-lane").mkdir()
+    with _ready(mmlane_serve_vllm(run_dir / "lane", model_dir, FAMILY_VLLM_ARGS, "--encoder-lane"),
+                "mmlane serve --encoder-lane") as lane, \
+            _ready(mmlane_serve(run_dir / "remote-lane", model_dir, "--backend", "vllm-remote",
+                                "--encoder-lane", "--vllm-url", f"http://127.0.0.1:{port}"),
+                   "mmlane serve --backend vllm-remote --encoder-lane") as remote:
+        yield [("vllm", lane[1]), ("vllm-remote", remote[1])]
+
+
+def test_the_encoder_lane_gives_vllm_alone_s_tokens(
+    family_servers: tuple[Path, int, tuple[Server, str, Path]],
+    family_lanes: list[tuple[str, str]],
+) -> None:
+    """Every chat with images through --encoder-lane, on both vLLM backends: vLLM alone's
+    tokens and top tokens, logprobs within LANE_LOGPROB_BOUND (transformers' vision tower
+    against vLLM's)."""
+    model_dir, alone_port, _ = family_servers
+    chats = [chat for chat in FAMILY_CHATS.values() if chat[2]]
+    for backend, endpoint in family_lanes:
+        worst = worst_logprob_difference(alone_port, endpoint, model_dir, chats)
+        print(f"{model_dir.name}, {backend} --encoder-lane: the largest logprob difference "
+              f"from vLLM alone: {worst:.3g}")
+        assert worst <= LANE_LOGPROB_BOUND, backend

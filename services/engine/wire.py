@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import torch
 
-from mmlane.model import PixelNorm, model_layout
+from mmlane.model import PixelNorm, model_layout, normalize
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import EngineRequest
 
@@ -81,9 +81,22 @@ def _qwen2_vl_embeds(tensors: Mapping[str, np.ndarray],
             "image_grid_thw": (tensors["image_grid_thw"][0], batched(keep_on_cpu=True))}
 
 
+def _llava(tensors: Mapping[str, np.ndarray], norm: PixelNorm) -> dict[str, tuple[Array, Field]]:
+    # float32 pixels, normalised as vLLM's processor gives them (vLLM 0.32 does not normalise
+    # LLaVA's on the device); the worker sends one image as a batch of one
+    pixels = normalize(torch.from_numpy(np.array(tensors["pixel_values"])), norm)
+    return {"pixel_values": (pixels[0], batched())}
+
+
+def _llava_embeds(tensors: Mapping[str, np.ndarray],
+                  embeds: torch.Tensor) -> dict[str, tuple[Array, Field]]:
+    return {"image_embeds": (embeds, batched())}
+
+
 ITEMS: dict[str, Callable[[Mapping[str, np.ndarray], PixelNorm],
                           dict[str, tuple[Array, Field]]]] = {
     "qwen2_vl": _qwen2_vl,
+    "llava": _llava,
 }
 """An image's tensors (as the MM worker sends them) as the tensors and fields of vLLM's item,
 by family."""
@@ -91,6 +104,7 @@ by family."""
 EMBEDS: dict[str, Callable[[Mapping[str, np.ndarray], torch.Tensor],
                            dict[str, tuple[Array, Field]]]] = {
     "qwen2_vl": _qwen2_vl_embeds,
+    "llava": _llava_embeds,
 }
 """An image's tensors and its embeddings (--encoder-lane) as the tensors and fields of vLLM's
 item of embedding inputs (`image_embeds`), by family."""

@@ -410,6 +410,8 @@ _VLLM_INPUTS: dict[str, Callable[[Items, int], dict[str, Any]]] = {
 
 _EMBEDS_INPUTS: dict[str, Callable[[Items, int], dict[str, Any]]] = {
     "qwen2_vl": _concatenated("image_embeds", "image_grid_thw"),
+    "llava": lambda items, image_token_id: {  # one (tokens, hidden) entry per image
+        "image_embeds": torch.stack([item["image_embeds"] for item in items])},
 }
 """With the vision lane: the batch of a request's items as vLLM's embedding inputs (its
 models' `image_embeds` fields), from each item's embeddings and its other tensors."""
