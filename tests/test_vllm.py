@@ -776,22 +776,29 @@ def test_a_render_posted_to_vllms_generate_answers_as_vllm_alone(
     vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
     image: bool,
 ) -> None:
+    images = [png_uri(make_image(96, 64, seed=5))] if image else []
+    assert_a_render_generates_vllm_alone_s_tokens(vllm_alone[1], mmlane_vllm[0].http_port,
+                                                  qwen_dir, images)
+
+
+def assert_a_render_generates_vllm_alone_s_tokens(alone_port: int, http_port: int,
+                                                  model_dir: Path, images: list[str]) -> None:
     """mmlane as the render tier: its /v1/chat/completions/render, posted as it is to a
     `vllm serve --enable-scale-out`'s /inference/v1/generate, gives the tokens vLLM alone gives
     for the same chat."""
-    images = [png_uri(make_image(96, 64, seed=5))] if image else []
     body = {"messages": _openai_messages(None, "Describe it.", images), "max_tokens": MAX_TOKENS,
             "temperature": 0}
-    alone = _vllm_chat(vllm_alone[1], str(qwen_dir), **body)["choices"][0]
+    alone = _vllm_chat(alone_port, str(model_dir), **body,
+                       add_special_tokens=_adds_special_tokens(model_dir))["choices"][0]
     request = urllib.request.Request(
-        f"http://127.0.0.1:{mmlane_vllm[0].http_port}/v1/chat/completions/render",
-        data=json.dumps({"model": qwen_dir.name, **body}).encode(),
+        f"http://127.0.0.1:{http_port}/v1/chat/completions/render",
+        data=json.dumps({"model": model_dir.name, **body}).encode(),
         headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as reply:
         rendered = json.load(reply)
-    assert ("features" in rendered) == image
+    assert ("features" in rendered) == bool(images)
     generate = urllib.request.Request(
-        f"http://127.0.0.1:{vllm_alone[1]}/inference/v1/generate",
+        f"http://127.0.0.1:{alone_port}/inference/v1/generate",
         data=json.dumps(rendered).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(generate, timeout=120) as reply:
         generated = json.load(reply)["choices"][0]

@@ -25,6 +25,7 @@ from test_vllm import (
     STARTUP_S,
     VLLM_ARGS,
     Server,
+    assert_a_render_generates_vllm_alone_s_tokens,
     assert_the_same_tokens_as_vllm_alone,
     mmlane_serve,
     mmlane_serve_vllm,
@@ -32,7 +33,7 @@ from test_vllm import (
     worst_logprob_difference,
 )
 
-from bench.images import jpeg_uri, make_image
+from bench.images import jpeg_uri, make_image, png_uri
 from mmlane.engine import wire
 from mmlane.engine.vllm.runner import _EMBEDS_INPUTS
 from mmlane.model import load_preprocessor
@@ -86,6 +87,19 @@ def test_the_same_tokens_as_vllm_alone(family_servers: tuple[Path, int, tuple[Se
                                        chat: str) -> None:
     model_dir, alone_port, ours = family_servers
     assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, FAMILY_CHATS[chat])
+
+
+def test_a_render_posted_to_vllms_generate_answers_as_vllm_alone(
+    family_servers: tuple[Path, int, tuple[Server, str, Path]],
+) -> None:
+    """The render tier, for the families whose images wire.py writes in vLLM's scale-out
+    format."""
+    model_dir, alone_port, ours = family_servers
+    family = load_preprocessor(model_dir).family.name
+    if family not in wire.ITEMS:
+        pytest.skip(f"images of {family} models cannot be rendered for vLLM's scale-out API yet")
+    assert_a_render_generates_vllm_alone_s_tokens(alone_port, ours[0].http_port, model_dir,
+                                                  [png_uri(make_image(96, 64, seed=5))])
 
 
 @pytest.fixture(scope="module")
