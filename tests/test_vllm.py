@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,7 @@ from mmlane.protocol.messages import (
     RequestFailed,
     ResetEngineCache,
     SamplingParams,
+    Stats,
     TextPart,
     TokenLogprobs,
 )
@@ -505,6 +506,143 @@ def test_the_encoder_lane_in_front_of_a_replica_gives_vllm_alone_s_tokens(
     assert first.error is None
     after = counter(run_dir, "engine", "encoder_cache_hits", len(urls) + 1)
     assert sum(after.histograms["engine_step:vision"].counts) == images
+
+
+def test_a_repeated_image_reaches_its_replica_as_its_hash(
+    mmlane_remote: tuple[Server, str, Path],
+) -> None:
+    """vllm-remote mirrors each replica's cache of images (vLLM's P1): asked again, an image
+    goes as its hash alone, and the answer is the same."""
+    _, endpoint, run_dir = mmlane_remote
+    image = jpeg_uri(480, 360, 50)
+    before = counters(run_dir, "engine")
+    with Client(endpoint, timeout_s=300) as client:
+        first, again = (client.chat([user_message("what is it?", [image])], max_tokens=MAX_TOKENS)
+                        for _ in range(2))
+    assert first.error is None and again.error is None and again.token_ids == first.token_ids
+    after = counter(run_dir, "engine", "remote_mm_items_sent",
+                    before.get("remote_mm_items_sent", 0) + 2)
+    assert (after.counters["remote_mm_items_held"]
+            - before.get("remote_mm_items_held", 0)) == 1
+    assert after.counters.get("remote_mm_cache_resends", 0) == before.get(
+        "remote_mm_cache_resends", 0)
+
+
+def test_an_image_a_replica_lost_is_sent_again_in_full(vllm_alone: tuple[Server, int],
+                                                       qwen_dir: Path, tmp_path: Path) -> None:
+    """The mirror says the replica holds an image its engine core lacks (another client's
+    images evicted it, or it restarted): vLLM ends the request before any token, and it goes
+    again with the image in full, once: the tokens of the image sent in full at once. The
+    runner runs in this process, in front of vLLM alone's server."""
+    from msgspec.structs import replace
+    from test_engine import make_request
+
+    from mmlane.common.config import run_dir_defaults
+    from mmlane.common.stats import Metrics
+    from mmlane.engine.config import VLLMConfig
+    from mmlane.engine.vllm.remote import load
+
+    with run_dir_defaults(tmp_path):
+        config = EngineConfig(backend="vllm-remote", model=str(qwen_dir), vllm=VLLMConfig(
+            vllm_url=[f"http://127.0.0.1:{vllm_alone[1]}"]))
+        metrics = Metrics("engine", config.ops.name)
+        runner = load(config, metrics)
+    try:
+        fresh = make_request(load_preprocessor(qwen_dir, "auto"), "what is it?", ((320, 240),),
+                             max_tokens=MAX_TOKENS, ignore_eos=True, image_seed=60)
+        lost = replace(fresh, request_id="lost",
+                       mm_items=[replace(fresh.mm_items[0], mm_hash="lost-in-the-replica")])
+        runner._replicas[0].images.put("lost-in-the-replica", 1, True)
+        tokens = {request.request_id: _tokens_alone(runner, handle, request)
+                  for handle, request in enumerate((fresh, lost))}
+        assert tokens["lost"] == tokens[fresh.request_id]
+        assert len(tokens["lost"]) == MAX_TOKENS
+        assert metrics.counters["remote_mm_cache_resends"] == 1
+        assert metrics.counters["remote_mm_items_held"] == 1
+    finally:
+        runner.close()
+
+
+def test_a_replica_killed_mid_stream_under_load_costs_each_request_one_reply(
+    vllm_alone: tuple[Server, int], module_run_dir: Path, qwen_dir: Path,
+) -> None:
+    """vllm-remote in front of two real replicas, one of them killed (its whole process tree)
+    while both stream, text and images: every request gets exactly one reply, its tokens in
+    full or a retryable error (the killed replica's after their first token); the stats show
+    that replica down, and what comes next is served by the other in full. A repeated image
+    went to one replica each time (affinity)."""
+    run_dir = module_run_dir / "two-replicas"
+    run_dir.mkdir()
+    with _vllm_alone(run_dir, qwen_dir, VLLM_ARGS) as doomed:
+        wait_until(lambda: _healthy(doomed[1]) or doomed[0].process.poll() is not None,
+                   "a second vllm serve ready", timeout_s=STARTUP_S)
+        assert doomed[0].process.poll() is None, doomed[0].log.read_text()
+        dead, live = (f"http://127.0.0.1:{port}" for port in (doomed[1], vllm_alone[1]))
+        with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote", "--vllm-url", dead,
+                          "--vllm-url", live) as ours:
+            wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
+                       is not None, "mmlane serve in front of two replicas", timeout_s=STARTUP_S)
+            assert ours[0].process.poll() is None, ours[0].log.read_text()
+            _, endpoint, mmlane_run = ours
+            image = jpeg_uri(320, 240, 30)
+            with Client(endpoint, timeout_s=300) as client:
+                before = _finished(mmlane_run, [dead, live], lambda counts: True)
+                for _ in range(3):  # one replica holds it: no other sees a request for it
+                    assert client.chat([user_message("what is it?", [image])],
+                                       max_tokens=2).error is None
+                after = _finished(mmlane_run, [dead, live], lambda counts: sum(counts) >= sum(
+                    before) + 3)
+                assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3]
+                load = [client.submit([user_message(f"hello {i}")], max_tokens=2000,
+                                      ignore_eos=True) for i in range(6)]
+                load += [client.submit([user_message("and this?", [jpeg_uri(640, 480, 40 + i)])],
+                                       max_tokens=2000, ignore_eos=True) for i in range(2)]
+                written = _metric(doomed[1], "vllm:generation_tokens_total")
+                wait_until(lambda: _metric(doomed[1], "vllm:generation_tokens_total")
+                           > written + 50, "tokens streaming from the replica to be killed")
+                tree = psutil.Process(doomed[0].process.pid)
+                for process in [*tree.children(recursive=True), tree]:
+                    process.kill()
+                results = one_reply_each(client, load, timeout_s=300)
+                errors = [r.error for r in results.values() if r.error is not None]
+                assert errors, "nothing ran on the killed replica"
+                assert all(error.kind == "retryable" for error in errors), errors
+                assert all(len(r.token_ids) == 2000 for r in results.values() if r.error is None)
+                wait_for_stats(mmlane_run, lambda s: s.role == "engine"
+                               and s.queues.get(f"replica_up:{dead}") == 0
+                               and s.queues.get(f"replica_up:{live}") == 1,
+                               "the killed replica down")
+                after = [client.chat([user_message(f"and now {i}")], max_tokens=4,
+                                     ignore_eos=True) for i in range(4)]
+                assert all(a.error is None and len(a.token_ids) == 4 for a in after)
+
+
+def _finished(run_dir: Path, replicas: list[str],
+              done: Callable[[list[int]], bool]) -> list[int]:
+    """How many requests each replica has finished, from its vLLM series as the engine's
+    stats carry them (`vllm:request_success_total`, scraped with its health checks), once
+    `done` holds for the counts."""
+    def counts(stats: Stats) -> list[int]:
+        return [int(sum(float(line.rsplit(" ", 1)[1]) for line in stats.exposition.splitlines()
+                        if line.startswith("vllm:request_success_total{")
+                        and f'replica="{replica}"' in line)) for replica in replicas]
+
+    stats = wait_for_stats(run_dir, lambda s: s.role == "engine" and all(
+        f'replica="{replica}"' in s.exposition for replica in replicas) and done(counts(s)),
+        "the replicas' finished requests")
+    return counts(stats)
+
+
+def _metric(port: int, name: str) -> float:
+    """A vLLM series' sum over its labels, from the server at `port`'s /metrics (0 when it
+    does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
 
 
 @pytest.mark.parametrize("embeds", [None, torch.float32, torch.bfloat16],

@@ -106,6 +106,14 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remote_priority: bool = False
     """'vllm-remote' backend: the replicas schedule by priority (`vllm serve
     --scheduling-policy priority`): text requests are sent ahead of image requests."""
+    remote_mm_cache_gb: float = 4.0
+    """'vllm-remote' backend: GiB of each replica's engine-core cache of images (vLLM's
+    --mm-processor-cache-gb, 4 by default) that mmlane mirrors, so that an image a replica
+    holds is sent as its hash alone. Give the replicas' own setting; 0 sends every image in
+    full, as is needed where a replica has no such cache (--mm-processor-cache-gb 0, or the
+    'shm' cache type, several API servers, or data parallelism behind one address). A replica
+    that lacks an image after all ends the request before any token, which is then sent again
+    with its images in full (counted in remote_mm_cache_resends)."""
     encoder_lane: bool = False
     """'vllm' and 'vllm-remote' backends: run the model's vision encoder in mmlane's vision lane
     (a thread of the engine role, at --image-nice, on --encoder-device; repeated images from
@@ -138,6 +146,7 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         self.engine_args()  # a malformed setting fails at startup, before vLLM loads
+        capacity_bytes(self.remote_mm_cache_gb, "remote_mm_cache_gb")  # refuses negative, NaN
 
 
 def _read_args_file(path: Path) -> dict[str, Any]:

@@ -5,10 +5,13 @@ as one `MultiModalKwargsItem` in `features.kwargs_data`
 (vllm/entrypoints/scale_out/token_in_token_out/mm_serde.py): base64 of msgpack, as vLLM's
 `MsgpackEncoder` writes it with every tensor inline.
 
-    generate_body(request, family, norm[, embeds])
+    generate_body(request, family, norm[, kwargs_data])
                                             the request's GenerateRequest, as a dict
     mm_hashes(request)                      its images' hashes, as vLLM takes them
+    item_tensors(request, family, norm[, embeds])
+                                            its images' tensors and fields
     encode_item(tensors)                    one image's item
+    nbytes(tensors)                         an item's size in vLLM's processor caches
 
 An item maps each tensor name to {"data": [dtype, shape, raw bytes as msgpack extension 3],
 "field": [factory, keywords]}: its field says how vLLM's model batches it with other items
@@ -56,6 +59,12 @@ def encode_item(tensors: Mapping[str, tuple[Array, Field]]) -> str:
     item = {name: {"data": _tensor(array), "field": field}
             for name, (array, field) in tensors.items()}
     return base64.b64encode(msgspec.msgpack.encode(item)).decode("ascii")
+
+
+def nbytes(tensors: Mapping[str, tuple[Array, Field]]) -> int:
+    """The bytes an item stands for in vLLM's processor caches (its tensors' bytes, as
+    `MultiModalCache.get_item_size` counts them)."""
+    return sum(array.nbytes for array, _ in tensors.values())
 
 
 def _tensor(array: Array) -> list[Any]:
@@ -110,18 +119,41 @@ EMBEDS: dict[str, Callable[[Mapping[str, np.ndarray], torch.Tensor],
 item of embedding inputs (`image_embeds`), by family."""
 
 
-def mm_hashes(request: EngineRequest) -> list[str]:
-    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own."""
-    return [item.mm_hash or f"{request.request_id}:{index}"
+EMBEDS_HASH = "+embeds"
+"""Added to an image's hash where vLLM gets its embeddings (--encoder-lane): vLLM's caches
+(items, encoder outputs, prefix blocks) then never give one in place of the other."""
+
+
+def mm_hashes(request: EngineRequest, *, embeds: bool = False) -> list[str]:
+    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own;
+    with `embeds`, marked as its embeddings' (EMBEDS_HASH)."""
+    mark = EMBEDS_HASH if embeds else ""
+    return [(item.mm_hash or f"{request.request_id}:{index}") + mark
             for index, item in enumerate(request.mm_items)]
 
 
+def item_tensors(request: EngineRequest, family: str, norm: PixelNorm,
+                 embeds: list[torch.Tensor] | None = None) -> list[dict[str, tuple[Array, Field]]]:
+    """The request's images as the tensors and fields of vLLM's items in the layout of the
+    model's `family`: their pixels, or with `embeds` (one per image) their embeddings
+    (RequestError for a family whose layout is not written here yet)."""
+    layouts: Mapping[str, object] = ITEMS if embeds is None else EMBEDS
+    if request.mm_items and family not in layouts:
+        raise RequestError(f"images of {family} models cannot be written in vLLM's "
+                           f"scale-out format yet (only {', '.join(layouts)})")
+    if embeds is None:
+        return [ITEMS[family](one.tensors, norm) for one in request.mm_items]
+    return [EMBEDS[family](one.tensors, rows)
+            for one, rows in zip(request.mm_items, embeds, strict=True)]
+
+
 def generate_body(request: EngineRequest, family: str, norm: PixelNorm,
-                  embeds: list[torch.Tensor] | None = None) -> dict[str, Any]:
+                  kwargs_data: list[str | None] | None = None, *,
+                  embeds: bool = False) -> dict[str, Any]:
     """`request` as vLLM's GenerateRequest: its prompt ids, its sampling fields (vLLM's names),
-    and its images' hashes, placeholder ranges and items in the layout of the model's `family`
-    (RequestError for a family whose layout is not written here yet): their pixels, or with
-    `embeds` (one per image) their embeddings."""
+    and its images' hashes (`embeds`: of their embeddings), placeholder ranges and items:
+    `kwargs_data` (an encoded item, or None for one the server's engine core holds by its
+    hash), by default each image's pixels in full (`item_tensors`)."""
     sampling = msgspec.structs.asdict(request.sampling)
     if request.sampling.structured_outputs is not None:
         sampling["structured_outputs"] = request.sampling.structured_outputs.vllm_fields()
@@ -131,17 +163,13 @@ def generate_body(request: EngineRequest, family: str, norm: PixelNorm,
                             "token_ids": list(request.prompt_token_ids),
                             "sampling_params": sampling}
     if request.mm_items:
-        item = ITEMS.get(family)
-        if item is None:
-            raise RequestError(f"images of {family} models cannot be written in vLLM's "
-                               f"scale-out format yet (only {', '.join(ITEMS)})")
+        if kwargs_data is None:
+            kwargs_data = [encode_item(tensors)
+                           for tensors in item_tensors(request, family, norm)]
         body["features"] = {
-            "mm_hashes": {"image": mm_hashes(request)},
+            "mm_hashes": {"image": mm_hashes(request, embeds=embeds)},
             "mm_placeholders": {"image": [{"offset": one.offset, "length": one.length}
                                           for one in request.mm_items]},
-            "kwargs_data": {"image": [
-                encode_item(item(one.tensors, norm)) if embeds is None
-                else encode_item(EMBEDS[family](one.tensors, embeds[index]))
-                for index, one in enumerate(request.mm_items)]},
+            "kwargs_data": {"image": kwargs_data},
         }
     return body

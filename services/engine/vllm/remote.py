@@ -4,7 +4,9 @@ Each request goes to a replica's scale-out API (`vllm serve --enable-scale-out`)
 /inference/v1/generate` with the prompt's token ids and, for an image request, `features`:
 mmlane's hash of each image (`mm_hashes`, so a repeated image hits the replica's encoder and
 prefix caches), its placeholder range, and its tensors in full, as vLLM's own item encoding
-(services/engine/wire.py). The reply streams back as server-sent events of new token ids
+(services/engine/wire.py); an image the replica's engine core holds (vLLM's P1, which
+`Replica.images` mirrors, as vLLM's own processor cache does) goes as its hash alone. The reply
+streams back as server-sent events of new token ids
 (`output_mode` tokens: the frontend detokenizes). Nothing here imports vLLM.
 
 The requests run on this process's `vllm-remote` thread, an asyncio loop with one HTTP client
@@ -33,13 +35,13 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import torch
 import transformers
 
+from mmlane.common.feature_cache import FeatureCache, capacity_bytes
 from mmlane.common.prometheus import exposition, labelled, vllm_series
 from mmlane.common.stats import Metrics
 from mmlane.engine import wire
@@ -83,6 +85,9 @@ class Replica:
     """How long until its next health check: doubled while it is down, up to HEALTH_BACKOFF_S."""
     metrics: str = ""
     """vLLM's `vllm:` series from its /metrics, as of its last health check while up."""
+    images: FeatureCache[bool] = field(default_factory=lambda: FeatureCache(0))
+    """The images its engine core's cache (vLLM's P1) holds, by hash and size, as mmlane's
+    requests went through it (--remote-mm-cache-gb: 0 sends every image in full)."""
 
     def failed(self) -> None:
         self.errors += 1
@@ -94,8 +99,9 @@ class RemoteVLLMRunner(LoopRunner):
 
     def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
                  metrics: Metrics, *, priority: bool, encoder: VisionEncoder | None = None,
-                 vision: VisionConfig | None = None) -> None:
-        self._replicas = [Replica(url) for url in dict.fromkeys(u.rstrip("/") for u in urls)]
+                 vision: VisionConfig | None = None, mm_cache_bytes: int = 0) -> None:
+        self._replicas = [Replica(url, images=FeatureCache(mm_cache_bytes))
+                          for url in dict.fromkeys(u.rstrip("/") for u in urls)]
         self._pre = preprocessor
         self.spec = spec
         self.metrics = metrics
@@ -191,7 +197,9 @@ class RemoteVLLMRunner(LoopRunner):
                 self._outputs.put(StepOutput(handle, [], error=exc))
                 return
         try:  # once, however many replicas it goes to
-            body = msgspec.json.encode(self._body(request, embeds))
+            images = _Images(request, wire.item_tensors(request, self._pre.family.name,
+                                                        self._pre.pixel_norm, embeds),
+                             embeds=embeds is not None)
         except Exception as exc:  # ours to fix, not a replica's failure: it is not sent
             self._outputs.put(StepOutput(handle, [], error=translate(
                 exc, "cannot encode the request for vLLM", default="internal")))
@@ -203,13 +211,17 @@ class RemoteVLLMRunner(LoopRunner):
             started = False
             replica.outstanding += 1
             try:
-                async for output in self._generate(handle, request, body, replica.url):
+                async for output in self._stream(handle, request, images, replica):
                     started = True
                     self._outputs.put(output)
                 return
             except asyncio.CancelledError:
+                if not started:  # it may never have reached the replica's engine core
+                    images.forget(replica)
                 raise
             except Exception as exc:
+                if not started:
+                    images.forget(replica)
                 error = exc if isinstance(exc, MMLaneError) else RetryableError(
                     f"vLLM replica {replica.url} failed: {type(exc).__name__}: {exc}",
                     code="backend_unavailable")
@@ -225,8 +237,36 @@ class RemoteVLLMRunner(LoopRunner):
             finally:
                 replica.outstanding -= 1
 
-    async def _generate(self, handle: int, request: EngineRequest, body: bytes,
-                        url: str) -> AsyncIterator[StepOutput]:
+    async def _stream(self, handle: int, request: EngineRequest, images: _Images,
+                      replica: Replica) -> AsyncIterator[StepOutput]:
+        """The request's outputs from `replica`, its images sent as their hashes where the
+        replica's engine core holds them (`Replica.images`). If the core lacks one after all
+        (its cache and the mirror drifted: another client's images, a restart), vLLM ends the
+        request with an error before any token; it is sent again, once, in full."""
+        held = images.held_by(replica)
+        self.metrics.counters["remote_mm_items_sent"] += len(held)
+        self.metrics.counters["remote_mm_items_held"] += sum(held)
+        try:
+            async for output in self._generate(handle, request, images.body(self, held),
+                                               replica.url, hash_only=any(held)):
+                yield output
+            return
+        except _DriftedCache:
+            images.forget(replica)
+            self.metrics.counters["remote_mm_cache_resends"] += 1
+            log.warning("request %s: vLLM replica %s lacked an image its cache was thought to "
+                        "hold; sent again with its images in full", request.request_id,
+                        replica.url)
+        full = images.held_by(replica, resend=True)
+        async for output in self._generate(handle, request, images.body(self, full),
+                                           replica.url, hash_only=False):
+            yield output
+
+    async def _generate(self, handle: int, request: EngineRequest, body: bytes, url: str, *,
+                        hash_only: bool) -> AsyncIterator[StepOutput]:
+        """The outputs of one POST of `body` to `url`; _DriftedCache when the body sent images
+        by hash (`hash_only`) and vLLM ended the request with an error before any token."""
+        first = True
         async with self._session.post(f"{url}/inference/v1/generate", data=body,
                                       headers={"Content-Type": "application/json"}) as reply:
             if reply.status >= 400:
@@ -237,8 +277,12 @@ class RemoteVLLMRunner(LoopRunner):
                 payload = line[len(b"data: "):].strip()
                 if payload == b"[DONE]":
                     break
-                output = self._output(handle, json.loads(payload), request.sampling.logprobs)
+                chunk = json.loads(payload)
+                if first and hash_only and "error" in chunk:
+                    raise _DriftedCache
+                output = self._output(handle, chunk, request.sampling.logprobs)
                 if output is not None:
+                    first = False
                     yield output
                     if output.finished:
                         return
@@ -280,12 +324,66 @@ class RemoteVLLMRunner(LoopRunner):
         bound = LOAD_SLACK * sum(r.outstanding for r in candidates) / len(candidates) + 1
         return next((replica for replica in ranked if replica.outstanding <= bound), ranked[0])
 
-    def _body(self, request: EngineRequest,
-              embeds: list[torch.Tensor] | None) -> dict[str, Any]:
-        body = wire.generate_body(request, self._pre.family.name, self._pre.pixel_norm, embeds)
+    def _body(self, request: EngineRequest, kwargs_data: list[str | None], *,
+              embeds: bool) -> bytes:
+        body = wire.generate_body(request, self._pre.family.name, self._pre.pixel_norm,
+                                  kwargs_data, embeds=embeds)
         body["sampling_params"]["detokenize"] = False
-        return {**body, "stream": True, "output_mode": "tokens",
-                "priority": 1 if self._priority and request.mm_items else 0}
+        return msgspec.json.encode({**body, "stream": True, "output_mode": "tokens",
+                                    "priority": 1 if self._priority and request.mm_items else 0})
+
+
+class _DriftedCache(Exception):
+    """A replica lacked an image sent as its hash."""
+
+
+class _Images:
+    """A request's images for the replicas: each encoded once, when first sent in full."""
+
+    def __init__(self, request: EngineRequest,
+                 tensors: list[dict[str, tuple[wire.Array, wire.Field]]], *,
+                 embeds: bool) -> None:
+        self.request = request
+        self.embeds = embeds
+        self.hashes = wire.mm_hashes(request, embeds=embeds)
+        self._tensors = tensors
+        self._sizes = [wire.nbytes(item) for item in tensors]
+        self._encoded: dict[int, str] = {}
+
+    def held_by(self, replica: Replica, *, resend: bool = False) -> list[bool]:
+        """Which images `replica`'s engine core holds, as its cache goes through the request
+        (vLLM's `get_and_update_features`): every hash it holds touched, then each image in
+        order looked up, or cached as it arrives in full (evicting the least recently used).
+        `resend`: none, each arriving in full again."""
+        images = replica.images
+        if resend:
+            for mm_hash, size in zip(self.hashes, self._sizes, strict=True):
+                images.put(mm_hash, size, True)
+            return [False] * len(self.hashes)
+        for mm_hash in self.hashes:
+            images.touch(mm_hash)
+        held = []
+        for mm_hash, size in zip(self.hashes, self._sizes, strict=True):
+            held.append(mm_hash in images and images.touch(mm_hash) is not None)
+            if not held[-1]:
+                images.put(mm_hash, size, True)
+        return held
+
+    def forget(self, replica: Replica) -> None:
+        """The request may not have reached `replica`'s engine core: it holds none of its
+        images for sure."""
+        for mm_hash in self.hashes:
+            replica.images.drop(mm_hash)
+
+    def body(self, runner: RemoteVLLMRunner, held: list[bool]) -> bytes:
+        return runner._body(self.request, [None if hit else self._item(index)
+                                           for index, hit in enumerate(held)],
+                            embeds=self.embeds)
+
+    def _item(self, index: int) -> str:
+        if index not in self._encoded:
+            self._encoded[index] = wire.encode_item(self._tensors[index])
+        return self._encoded[index]
 
 
 def _status_error(url: str, status: int, text: str) -> MMLaneError:
@@ -332,7 +430,8 @@ def load(config: EngineConfig, metrics: Metrics) -> RemoteVLLMRunner:
     encoder = load_lane(config, model_dir, preprocessor, wire.EMBEDS)
     runner = RemoteVLLMRunner(config.vllm.vllm_url, preprocessor, spec, metrics,
                               priority=config.vllm.remote_priority, encoder=encoder,
-                              vision=config.vision)
+                              vision=config.vision, mm_cache_bytes=capacity_bytes(
+                                  config.vllm.remote_mm_cache_gb, "remote_mm_cache_gb"))
     log.info("vllm-remote serves %s on %s%s", preprocessor.model_id, ", ".join(runner.urls),
              "" if encoder is None else f", images encoded here, on {encoder.model.device}")
     return runner

@@ -248,7 +248,7 @@ class VLLMRunner(LoopRunner):
             # image is only sent again; one held there but not in the core fails a request).
             cache = self.engine.renderer.mm_processor_cache
             if first and cache is not None:
-                for mm_hash in mm_hashes(request):
+                for mm_hash in mm_hashes(request, embeds=self._lane is not None):
                     cache.invalidate(mm_hash)
             raise
         return False
@@ -261,7 +261,7 @@ class VLLMRunner(LoopRunner):
         from vllm.inputs import mm_input
         from vllm.multimodal.inputs import PlaceholderRange
 
-        hashes = mm_hashes(request)
+        hashes = mm_hashes(request, embeds=self._lane is not None)
         kwargs = await self._vllm_items(request, hashes)
         prompt = torch.tensor(request.prompt_token_ids)
         placeholders = [PlaceholderRange(item.offset, item.length, _is_embed(
