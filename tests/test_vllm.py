@@ -125,7 +125,8 @@ def _start(command: list[str], log: Path) -> subprocess.Popen:
 def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None = None,
             ) -> Iterator[tuple[tuple[Server, int], tuple[Server, str, Path]]]:
     """`vllm serve` and `mmlane serve --backend vllm` on the model, with the same engine
-    arguments (default VLLM_ARGS), started together, ready, mmlane's logprobs kernel compiled:
+    arguments (default VLLM_ARGS), started together (vLLM alone starts while mmlane does),
+    ready, mmlane's logprobs kernel compiled:
     vLLM alone's server and port, and mmlane's server, native endpoint and run directory."""
     engine_args = VLLM_ARGS if engine_args is None else engine_args
     with _vllm_alone(run_dir, model_dir, engine_args) as alone, \
@@ -133,9 +134,6 @@ def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None =
         wait_until(lambda: _healthy(alone[1]) or alone[0].process.poll() is not None,
                    "vllm serve ready", timeout_s=STARTUP_S)
         assert alone[0].process.poll() is None, alone[0].log.read_text()
-        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
-                   is not None, "mmlane serve ready", timeout_s=STARTUP_S)
-        assert ours[0].process.poll() is None, ours[0].log.read_text()
         wait_until(lambda: _logprobs_compiled(ours[1]), "vLLM's logprobs kernel compiled",
                    timeout_s=STARTUP_S)
         yield alone, ours
@@ -160,7 +158,7 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
 
 @contextmanager
 def mmlane_serve_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any],
-                 *serve_args: str) -> Iterator[tuple[Server, str, Path]]:
+                      *serve_args: str) -> Iterator[tuple[Server, str, Path]]:
     # Priority scheduling: text-only requests go first (a single request's tokens are the same).
     engine_args = {**engine_args, "scheduling_policy": "priority"}
     args = [f"--vllm-arg={key}={_arg(value)}" for key, value in engine_args.items()]
@@ -171,7 +169,8 @@ def mmlane_serve_vllm(run_dir: Path, model_dir: Path, engine_args: dict[str, Any
 @contextmanager
 def mmlane_serve(run_dir: Path, model_dir: Path,
                  *serve_args: str) -> Iterator[tuple[Server, str, Path]]:
-    """`mmlane serve SERVE_ARGS` on the model: its server, native endpoint and run folder."""
+    """`mmlane serve SERVE_ARGS` on the model, once it says it is ready (failing with its log if
+    it exits first): its server, native endpoint and run folder."""
     port, http_port = free_port(), free_port()
     log = run_dir / "serve.log"
     run_dir = run_dir / "run"
@@ -182,6 +181,9 @@ def mmlane_serve(run_dir: Path, model_dir: Path,
          "--startup-timeout", str(STARTUP_S), "--request-timeout", "60", *serve_args], log),
         log, http_port)
     try:
+        wait_until(lambda: SERVE_READY in log.read_text() or server.process.poll() is not None,
+                   f"mmlane serve {' '.join(serve_args)} ready", timeout_s=STARTUP_S)
+        assert server.process.poll() is None, log.read_text()
         yield server, f"tcp://127.0.0.1:{port}", run_dir
     finally:
         server.stop()
@@ -363,9 +365,6 @@ def mmlane_encoder_lane(vllm_alone: tuple[Server, int], module_run_dir: Path,
     run_dir = module_run_dir / "encoder-lane"
     run_dir.mkdir()
     with mmlane_serve_vllm(run_dir, qwen_dir, VLLM_ARGS, "--encoder-lane") as ours:
-        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
-                   is not None, "mmlane serve --encoder-lane ready", timeout_s=STARTUP_S)
-        assert ours[0].process.poll() is None, ours[0].log.read_text()
         wait_until(lambda: _logprobs_compiled(ours[1]), "vLLM's logprobs kernel compiled",
                    timeout_s=STARTUP_S)
         yield ours
@@ -425,9 +424,6 @@ def mmlane_remote(vllm_alone: tuple[Server, int], module_run_dir: Path,
     with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote",
                       "--vllm-url", f"http://127.0.0.1:{vllm_alone[1]}",
                       "--vllm-url", DEAD_REPLICA) as ours:
-        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
-                   is not None, "mmlane serve --backend vllm-remote ready", timeout_s=STARTUP_S)
-        assert ours[0].process.poll() is None, ours[0].log.read_text()
         yield ours
 
 
@@ -471,9 +467,6 @@ def mmlane_remote_lane(vllm_alone: tuple[Server, int], module_run_dir: Path,
     run_dir.mkdir()
     with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote", "--encoder-lane",
                       "--vllm-url", f"http://127.0.0.1:{vllm_alone[1]}") as ours:
-        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
-                   is not None, "mmlane serve --encoder-lane (remote) ready", timeout_s=STARTUP_S)
-        assert ours[0].process.poll() is None, ours[0].log.read_text()
         yield ours
 
 
@@ -532,15 +525,17 @@ def test_an_image_a_replica_lost_is_sent_again_in_full(vllm_alone: tuple[Server,
                                                        qwen_dir: Path, tmp_path: Path) -> None:
     """The mirror says the replica holds an image its engine core lacks (another client's
     images evicted it, or it restarted): vLLM ends the request before any token, and it goes
-    again with the image in full, once: the tokens of the image sent in full at once. The
-    runner runs in this process, in front of vLLM alone's server."""
+    again with the image in full, once: the tokens of the image sent in full at once. After
+    DRIFTS_IN_A_ROW such requests in a row the replica is taken to keep no image cache, and
+    the mirror of it is off. The runner runs in this process, in front of vLLM alone's
+    server."""
     from msgspec.structs import replace
     from test_engine import make_request
 
     from mmlane.common.config import run_dir_defaults
     from mmlane.common.stats import Metrics
     from mmlane.engine.config import VLLMConfig
-    from mmlane.engine.vllm.remote import load
+    from mmlane.engine.vllm.remote import DRIFTS_IN_A_ROW, load
 
     with run_dir_defaults(tmp_path):
         config = EngineConfig(backend="vllm-remote", model=str(qwen_dir), vllm=VLLMConfig(
@@ -550,15 +545,18 @@ def test_an_image_a_replica_lost_is_sent_again_in_full(vllm_alone: tuple[Server,
     try:
         fresh = make_request(load_preprocessor(qwen_dir, "auto"), "what is it?", ((320, 240),),
                              max_tokens=MAX_TOKENS, ignore_eos=True, image_seed=60)
-        lost = replace(fresh, request_id="lost",
-                       mm_items=[replace(fresh.mm_items[0], mm_hash="lost-in-the-replica")])
-        runner._replicas[0].images.put("lost-in-the-replica", 1, True)
-        tokens = {request.request_id: _tokens_alone(runner, handle, request)
-                  for handle, request in enumerate((fresh, lost))}
-        assert tokens["lost"] == tokens[fresh.request_id]
-        assert len(tokens["lost"]) == MAX_TOKENS
-        assert metrics.counters["remote_mm_cache_resends"] == 1
-        assert metrics.counters["remote_mm_items_held"] == 1
+        tokens = _tokens_alone(runner, 0, fresh)
+        assert len(tokens) == MAX_TOKENS
+        replica = runner._replicas[0]
+        for number in range(1, DRIFTS_IN_A_ROW + 1):
+            assert replica.images.capacity > 0
+            lost = replace(fresh, request_id=f"lost-{number}",
+                           mm_items=[replace(fresh.mm_items[0], mm_hash=f"lost-{number}")])
+            replica.images.put(f"lost-{number}", 1, True)
+            assert _tokens_alone(runner, number, lost) == tokens
+            assert metrics.counters["remote_mm_cache_resends"] == number
+        assert metrics.counters["remote_mm_items_held"] == DRIFTS_IN_A_ROW
+        assert replica.images.capacity == 0
     finally:
         runner.close()
 
@@ -580,9 +578,6 @@ def test_a_replica_killed_mid_stream_under_load_costs_each_request_one_reply(
         dead, live = (f"http://127.0.0.1:{port}" for port in (doomed[1], vllm_alone[1]))
         with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote", "--vllm-url", dead,
                           "--vllm-url", live) as ours:
-            wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
-                       is not None, "mmlane serve in front of two replicas", timeout_s=STARTUP_S)
-            assert ours[0].process.poll() is None, ours[0].log.read_text()
             _, endpoint, mmlane_run = ours
             image = jpeg_uri(320, 240, 30)
             with Client(endpoint, timeout_s=300) as client:

@@ -10,7 +10,6 @@ image spans hold other tokens too, which of the span's positions take the image'
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from test_vllm import (
     CHATS,
     LANE_LOGPROB_BOUND,
     REMOTE_LOGPROB_BOUND,
-    STARTUP_S,
     VLLM_ARGS,
     Server,
     assert_a_render_generates_vllm_alone_s_tokens,
@@ -37,7 +35,6 @@ from bench.images import jpeg_uri, make_image, png_uri
 from mmlane.engine import wire
 from mmlane.engine.vllm.runner import _EMBEDS_INPUTS
 from mmlane.model import load_preprocessor
-from peers import SERVE_READY, wait_until
 
 pytestmark = pytest.mark.timeout(1200)  # each family's first test waits for its servers
 
@@ -115,9 +112,6 @@ def family_remote(family_servers: tuple[Path, int, tuple[Server, str, Path]]
     run_dir.mkdir()
     with mmlane_serve(run_dir, model_dir, "--backend", "vllm-remote",
                  "--vllm-url", f"http://127.0.0.1:{port}") as remote:
-        wait_until(lambda: SERVE_READY in remote[0].log.read_text() or remote[0].process.poll()
-                   is not None, "mmlane serve --backend vllm-remote ready", timeout_s=STARTUP_S)
-        assert remote[0].process.poll() is None, remote[0].log.read_text()
         yield remote
 
 
@@ -129,16 +123,6 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens(
     worst = worst_logprob_difference(alone_port, family_remote[1], model_dir,
                                       list(FAMILY_CHATS.values()))
     assert worst <= REMOTE_LOGPROB_BOUND
-
-
-@contextmanager
-def _ready(server: Iterator[tuple[Server, str, Path]], what: str
-           ) -> Iterator[tuple[Server, str, Path]]:
-    with server as ours:
-        wait_until(lambda: SERVE_READY in ours[0].log.read_text() or ours[0].process.poll()
-                   is not None, f"{what} ready", timeout_s=STARTUP_S)
-        assert ours[0].process.poll() is None, ours[0].log.read_text()
-        yield ours
 
 
 @pytest.fixture(scope="module")
@@ -154,11 +138,10 @@ def family_lanes(family_servers: tuple[Path, int, tuple[Server, str, Path]]
     run_dir = ours[2].parent
     (run_dir / "lane").mkdir()
     (run_dir / "remote-lane").mkdir()
-    with _ready(mmlane_serve_vllm(run_dir / "lane", model_dir, FAMILY_VLLM_ARGS, "--encoder-lane"),
-                "mmlane serve --encoder-lane") as lane, \
-            _ready(mmlane_serve(run_dir / "remote-lane", model_dir, "--backend", "vllm-remote",
-                                "--encoder-lane", "--vllm-url", f"http://127.0.0.1:{port}"),
-                   "mmlane serve --backend vllm-remote --encoder-lane") as remote:
+    with mmlane_serve_vllm(run_dir / "lane", model_dir, FAMILY_VLLM_ARGS,
+                           "--encoder-lane") as lane, \
+            mmlane_serve(run_dir / "remote-lane", model_dir, "--backend", "vllm-remote",
+                         "--encoder-lane", "--vllm-url", f"http://127.0.0.1:{port}") as remote:
         yield [("vllm", lane[1]), ("vllm-remote", remote[1])]
 
 

@@ -68,6 +68,9 @@ HEALTH_INTERVAL_S = 2.0
 HEALTH_BACKOFF_S = 30.0
 """The longest wait between a down replica's health checks (doubled from the interval)."""
 HEALTH_TIMEOUT_S = 5.0
+DRIFTS_IN_A_ROW = 3
+"""After this many requests in a row for which a replica lacked an image the mirror said it
+held, its images go in full: it keeps no image cache to mirror."""
 
 
 @dataclass
@@ -88,6 +91,8 @@ class Replica:
     images: FeatureCache[bool] = field(default_factory=lambda: FeatureCache(0))
     """The images its engine core's cache (vLLM's P1) holds, by hash and size, as mmlane's
     requests went through it (--remote-mm-cache-gb: 0 sends every image in full)."""
+    drifts: int = 0
+    """Requests in a row that it lacked an image for that the mirror said it held."""
 
     def failed(self) -> None:
         self.errors += 1
@@ -242,21 +247,33 @@ class RemoteVLLMRunner(LoopRunner):
         """The request's outputs from `replica`, its images sent as their hashes where the
         replica's engine core holds them (`Replica.images`). If the core lacks one after all
         (its cache and the mirror drifted: another client's images, a restart), vLLM ends the
-        request with an error before any token; it is sent again, once, in full."""
+        request with an error before any token; it is sent again, once, in full. After
+        DRIFTS_IN_A_ROW such resends with no image found between them, the replica is taken to
+        keep no such cache, and gets every image in full from then on."""
         held = images.held_by(replica)
         self.metrics.counters["remote_mm_items_sent"] += len(held)
         self.metrics.counters["remote_mm_items_held"] += sum(held)
         try:
             async for output in self._generate(handle, request, images.body(self, held),
                                                replica.url, hash_only=any(held)):
+                if any(held):
+                    replica.drifts = 0
                 yield output
             return
         except _DriftedCache:
             images.forget(replica)
+            replica.drifts += 1
             self.metrics.counters["remote_mm_cache_resends"] += 1
             log.warning("request %s: vLLM replica %s lacked an image its cache was thought to "
                         "hold; sent again with its images in full", request.request_id,
                         replica.url)
+            if replica.drifts >= DRIFTS_IN_A_ROW:
+                replica.images = FeatureCache(0)
+                log.warning("vLLM replica %s lacked a cached image %d times in a row: it keeps "
+                            "no image cache mmlane can mirror (--mm-processor-cache-gb 0, the "
+                            "shm cache, several API servers); its images go in full from now "
+                            "on (--remote-mm-cache-gb 0 says so at start)", replica.url,
+                            replica.drifts)
         full = images.held_by(replica, resend=True)
         async for output in self._generate(handle, request, images.body(self, full),
                                            replica.url, hash_only=False):
