@@ -637,10 +637,16 @@ def test_the_same_image_in_requests_arriving_together_runs_one_pass(qwen_dir, pr
     assert (counters["encoder_cache_misses"], counters["encoder_cache_hits"]) == (1, 1)
 
 
-def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(qwen_dir,
-                                                                         prep) -> None:
-    """Whatever the pass raises (here, out of memory) is those requests' error, once each;
-    the lane goes on with the next image."""
+@pytest.mark.parametrize(("raised", "message"), [
+    (torch.OutOfMemoryError("no memory for this image"), "out of device memory"),
+    (SystemExit(3), "the vision pass died (SystemExit: 3); the lane serves on"),
+], ids=["out of memory", "not an Exception"])
+def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(
+    qwen_dir, prep, raised: BaseException, message: str
+) -> None:
+    """Whatever the pass raises (out of memory; even what is not an Exception, which would end
+    the lane's thread) is those requests' retryable error, once each; the lane goes on with the
+    next image."""
     runner = load_runner(qwen_dir)
     broken = _hashed(make_request(prep, "look", ((90, 70),), max_tokens=3), "broken")
     good = make_request(prep, *ONE_IMAGE, max_tokens=3)
@@ -648,7 +654,7 @@ def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(qwen_dir
 
     def failing(tensors):
         if tensors is broken.mm_items[0].tensors:
-            raise torch.OutOfMemoryError("no memory for this image")
+            raise raised
         return encode(tensors)
 
     runner._lane._encode = failing
@@ -656,7 +662,7 @@ def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(qwen_dir
     for handle in (0, 1):
         [output] = outputs[handle]
         assert isinstance(output.error, RetryableError), output.error
-        assert "out of device memory" in output.error.message
+        assert message in output.error.message
     assert outputs[2][-1].finish_reason == "length"
     assert not runner._vision_jobs  # the failed job is gone: the image may come again
     runner._lane._encode = encode

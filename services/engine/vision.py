@@ -20,7 +20,8 @@ The lane holds no request state. Its user submits jobs by number, cancels the on
 waits for any more, and takes the results (`finished`); the lane calls `wake` after each result
 so that a user waiting for work looks at once. Every job submitted before `close` gets exactly
 one result: its features, the exception its pass raised, or None if it was cancelled before it
-ran.
+ran. Nothing a pass raises ends the lane's thread: what is not an Exception (a SystemExit from
+a library, say) fails the job with a retryable error, and the next job runs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 
 from mmlane.common.lifecycle import lower_priority
 from mmlane.model import PixelNorm, Preprocessor, load_model, normalize
-from mmlane.protocol.errors import FatalError
+from mmlane.protocol.errors import FatalError, RetryableError
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,10 @@ class VisionLane:
         with torch.inference_mode(), torch.cuda.stream(stream):
             while (job := self._jobs.get()) is not None:
                 self._results.put(self._pass(*job))
-                self._wake()
+                try:
+                    self._wake()
+                except Exception:  # its user's failure: the lane serves on
+                    log.exception("the vision lane's wake failed")
 
     def _pass(self, job: int, tensors: Mapping[str, np.ndarray]) -> VisionResult:
         if job in self._cancelled:
@@ -215,5 +219,9 @@ class VisionLane:
         except Exception as exc:  # its user fails the requests that wait for it
             log.warning("a vision pass failed", exc_info=True)
             features = exc
+        except BaseException as exc:  # not the image's fault: its requests may try again
+            log.error("a vision pass died; the lane serves on", exc_info=True)
+            features = RetryableError(f"the vision pass died ({type(exc).__name__}: {exc}); "
+                                      f"the lane serves on", code="backend_died")
         self._cancelled.discard(job)
         return VisionResult(job, features, time.monotonic() - started)
