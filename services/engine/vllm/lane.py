@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,7 +52,7 @@ class _Pass:
 
     mm_hash: str
     future: asyncio.Future[torch.Tensor]
-    waiting: int = field(default=0)
+    waiting: int = 0
 
 
 class EncoderLane:
@@ -72,10 +72,9 @@ class EncoderLane:
         """The job of the pass under way for an image's hash."""
         self._jobs = itertools.count()
         self._vision = VisionLane(lambda tensors: encoder(tensors).cpu(),
-                                threads=vision.vision_threads or torch_threads(0),
-                                device=torch.device("cpu"), nice=vision.image_nice,
-                                wake=self._woke)
-        self.device = encoder.model.device
+                                  threads=vision.vision_threads or torch_threads(0),
+                                  device=torch.device("cpu"), nice=vision.image_nice,
+                                  wake=self._woke)
 
     def close(self) -> None:
         self._vision.close()
