@@ -6,8 +6,8 @@ mmlane's hash of each image (`mm_hashes`, so a repeated image hits the replica's
 prefix caches), its placeholder range, and its tensors in full, as vLLM's own item encoding
 (services/engine/wire.py); an image the replica's engine core holds (vLLM's P1, which
 `Replica.images` mirrors, as vLLM's own processor cache does) goes as its hash alone. The reply
-streams back as server-sent events of new token ids
-(`output_mode` tokens: the frontend detokenizes). Nothing here imports vLLM.
+streams back as server-sent events of new token ids (`output_mode` tokens: the frontend
+detokenizes). Nothing here imports vLLM.
 
 The requests run on this process's `vllm-remote` thread, an asyncio loop with one HTTP client
 session (loop.py). Cancelling a request closes its stream, and vLLM aborts it when
@@ -23,9 +23,9 @@ Errors: a replica's 4xx is the request's fault (RequestError with vLLM's message
 broken stream or an unreachable replica a retryable one; an error chunk in the stream ends the
 request with vLLM's message. Text first: with `--remote-priority` (the replicas run
 `--scheduling-policy priority`), text goes ahead of images in each replica's queue; with
-`--encoder-lane` (lane.py), images' vision passes run here and the replicas (started with
-`--enable-mm-embeds`) get their embeddings in place of pixels, so no replica's step runs a
-vision encoder.
+`--encoder-lane` (lane.py), images' vision passes run here and the replicas get their
+embeddings in place of pixels (vLLM 0.32's scale-out API takes them without
+`--enable-mm-embeds`), so no replica's step runs a vision encoder.
 """
 
 from __future__ import annotations
@@ -251,12 +251,13 @@ class RemoteVLLMRunner(LoopRunner):
         DRIFTS_IN_A_ROW such resends with no image found between them, the replica is taken to
         keep no such cache, and gets every image in full from then on."""
         held = images.held_by(replica)
+        hash_only = any(held)
         self.metrics.counters["remote_mm_items_sent"] += len(held)
         self.metrics.counters["remote_mm_items_held"] += sum(held)
         try:
             async for output in self._generate(handle, request, images.body(self, held),
-                                               replica.url, hash_only=any(held)):
-                if any(held):
+                                               replica.url, hash_only=hash_only):
+                if hash_only:  # the replica had what the mirror said
                     replica.drifts = 0
                 yield output
             return
@@ -381,7 +382,7 @@ class _Images:
             images.touch(mm_hash)
         held = []
         for mm_hash, size in zip(self.hashes, self._sizes, strict=True):
-            held.append(mm_hash in images and images.touch(mm_hash) is not None)
+            held.append(images.touch(mm_hash) is not None)
             if not held[-1]:
                 images.put(mm_hash, size, True)
         return held
