@@ -85,6 +85,9 @@ class RequestFields(SamplingFields, kw_only=True, frozen=True):
     the frontend applies them where it turns tokens into text, because the engine sees token
     ids only (the vllm backend runs vLLM with detokenize=False, so vLLM could not apply them);
     on a match the frontend stops the request in the engine."""
+    skip_special_tokens: bool = True
+    """The output's text leaves out special tokens (vLLM's `skip_special_tokens`); false: it
+    shows them (a Mistral tool call's [TOOL_CALLS] is one). The frontend applies it."""
     render: bool = False
     """Answer with the request as vLLM's scale-out API takes it (its GenerateRequest JSON, in
     `ChatOutput.rendered`: prompt ids after the images' expansion, the images' features,

@@ -1,6 +1,7 @@
 """Tool calling on the HTTP API: the request's tools checked and rendered by the chat template,
 'required' and named choices constrained to valid calls (even from the tiny random model),
-'auto' replies read in the hermes format, whole and streamed, as vLLM's parser reads them.
+'auto' replies read in the hermes and mistral formats, whole and streamed, as vLLM's parsers
+read them.
 
 The reading itself is tested on texts (fast); the rest over `mmlane serve` and over a frontend
 whose engine is the test's socket, answering with the tokens of a chosen reply."""
@@ -28,8 +29,8 @@ from test_http import (
     serve_http,
 )
 
-from mmlane.frontend.tools import ToolStream, ToolUse, tool_use
-from mmlane.model import Preprocessor
+from mmlane.frontend.tools import ToolStream, ToolUse, tool_format, tool_use
+from mmlane.model import Preprocessor, load_preprocessor
 from mmlane.model.grammar import Grammars, hf_tokenizer
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import EngineOutput
@@ -78,6 +79,9 @@ COMPACT_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city":"Par
                  '\n</tool_call><tool_call>{"name": "forecast", "arguments": {"days":3}}'
                  '</tool_call>')
 HERMES_CALLS = [("get_weather", '{"city": "Paris", "unit": "c"}'), ("forecast", '{"days": 3}')]
+MISTRAL_REPLY = ('Let me look.[TOOL_CALLS] [{"name": "get_weather", "arguments": '
+                 '{"city": "Paris", "unit": "c"}}, {"name": "forecast", "arguments": {"days": 3}}]')
+NAMED_NOW = {"type": "function", "function": {"name": "now"}}
 
 
 def use(format: str | None = "hermes", **body: Any) -> ToolUse:
@@ -158,6 +162,86 @@ class TestReading:
         message, reason = named.answer('{"days": 5}', "stop")
         assert (calls_of(message), reason) == ([("forecast", '{"days": 5}')], "stop")
 
+    def test_auto_reads_mistral_calls_and_the_content_before_them(self) -> None:
+        message, reason = use("mistral").answer(MISTRAL_REPLY, "stop")
+        assert (message["content"], calls_of(message), reason) == (
+            "Let me look.", HERMES_CALLS, "tool_calls")
+        assert all(len(call["id"]) == 9 and call["id"].isalnum()  # Mistral's ids, as vLLM's
+                   for call in message["tool_calls"])
+        message, _ = use("mistral").answer('[TOOL_CALLS] {"name": "now"}', "stop")
+        assert (message["content"], calls_of(message)) == (None, [("now", "{}")])
+        message, _ = use("mistral", parallel_tool_calls=False).answer(MISTRAL_REPLY, "stop")
+        assert calls_of(message) == HERMES_CALLS[:1]
+
+    @pytest.mark.parametrize(("text", "content"), [
+        ("No tools needed.", "No tools needed."),
+        ('[{"name": "now", "arguments": {}}]', '[{"name": "now", "arguments": {}}]'),
+        ("Look: [TOOL_CALLS] {not json}", "{not json}"),
+        ('[TOOL_CALLS] [{"days": 3}]', '[{"days": 3}]'),
+    ], ids=["plain", "unmarked", "not-json", "no-call"])
+    def test_mistral_text_that_does_not_read_as_calls_is_content(self, text: str,
+                                                                 content: str) -> None:
+        """As vLLM's parser: after a marker, what follows it is the content."""
+        message, reason = use("mistral").answer(text, "length")
+        assert (message["content"], message["tool_calls"], reason) == (content, [], "length")
+
+    def test_mistral_required_and_named_read_the_array_without_its_marker(self) -> None:
+        text = '[{"name": "forecast", "arguments": {"days": 2}}, {"name": "now", ' \
+               '"arguments": {}}]'
+        message, reason = use("mistral", tool_choice="required").answer(text, "stop")
+        assert (message["content"], calls_of(message), reason) == (
+            "", [("forecast", '{"days": 2}'), ("now", "{}")], "tool_calls")
+        message, reason = use("mistral", tool_choice=NAMED_NOW).answer(
+            '[{"name": "now", "arguments": {}}]', "stop")
+        assert (message["content"], calls_of(message), reason) == ("", [("now", "{}")], "stop")
+        message, reason = use("mistral", tool_choice="required").answer(text[:20], "length")
+        assert (message["content"], message["tool_calls"], reason) == (text[:20], [], "length")
+
+    def test_mistral_choices_keep_special_tokens_and_constrain_as_vllm(self) -> None:
+        """vLLM's parser for a Hugging Face tokenizer before v11: the [TOOL_CALLS] token kept
+        in the text unless the choice is 'none'; 'required' and a named function constrained
+        to the array of {"name", "arguments"} (its `_build_guided_schema_pre_v11`)."""
+        assert use("mistral").keeps_special_tokens and use("mistral").constraint() is None
+        assert not use("mistral", tool_choice="none").keeps_special_tokens
+        assert not use("hermes", tool_choice="required").keeps_special_tokens
+
+        def schema(**body: Any) -> Any:
+            constraint = use("mistral", **body).constraint()
+            assert constraint is not None
+            return json.loads(constraint["json"])
+
+        def item(name: str) -> dict[str, Any]:
+            return {"type": "object", "properties": {
+                "name": {"type": "string", "enum": [name]},
+                "arguments": SCHEMAS[name]}, "required": ["name", "arguments"]}
+
+        assert schema(tool_choice="required", parallel_tool_calls=False) == {
+            "type": "array", "minItems": 1,
+            "items": {"type": "object", "anyOf": [item(name) for name in SCHEMAS]}}
+        assert schema(tool_choice=NAMED_NOW) == {
+            "type": "array", "minItems": 1, "maxItems": 1,
+            "items": {"type": "object", "anyOf": [item("now")]}}
+
+    def test_mistrals_v11_calls_are_not_read(self) -> None:
+        """A tokenizer with [ARGS] writes `[TOOL_CALLS]name[ARGS]{...}`: no format is read, so
+        'auto' is refused rather than misread."""
+        assert tool_format("auto", "mistral", {"[TOOL_CALLS]": 9}) == "mistral"
+        assert tool_format("auto", "mistral", {"[TOOL_CALLS]": 9, "[ARGS]": 32}) is None
+        assert tool_format("mistral", None, {"[ARGS]": 32}) is None
+        assert tool_format("none", "hermes", {}) is None
+        assert tool_format("hermes", None, {}) == "hermes"
+
+    def test_the_template_gets_the_tools_as_vllm_hands_them(self) -> None:
+        """vLLM's dump of its request model: description and parameters null where absent,
+        strict where given, other keys dropped (a tool's JSON in the prompt is vLLM's)."""
+        extra = {"type": "function", "cache": True,
+                 "function": {"name": "later", "strict": False, "examples": [1]}}
+        assert use(tools=[NO_PARAMETERS, extra]).tools == [
+            {"type": "function", "function": {"name": "now", "description": None,
+                                              "parameters": None}},
+            {"type": "function", "function": {"name": "later", "description": None,
+                                              "parameters": None, "strict": False}}]
+
     def test_none_reads_nothing(self) -> None:
         message, reason = use(tool_choice="none").answer(HERMES_REPLY, "stop")
         assert (message, reason) == ({"role": "assistant", "content": HERMES_REPLY}, "stop")
@@ -172,7 +256,13 @@ class TestReading:
                             '<tool_call>{"name": "now", "arguments": {}}</tool_call>'),
                            ({"format": None, "tool_choice": "required"},
                             '[{"name": "now", "parameters": {}}]'),
-                           ({"format": None, "tool_choice": named}, "{}")]:
+                           ({"format": None, "tool_choice": named}, "{}"),
+                           ({"format": "mistral"}, MISTRAL_REPLY),
+                           ({"format": "mistral"}, "Text that ends in [TOOL"),
+                           ({"format": "mistral", "tool_choice": "required"},
+                            '[{"name": "now", "arguments": {}}]'),
+                           ({"format": "mistral", "tool_choice": named},
+                            '[{"name": "now", "arguments": {}}]')]:
             whole, reason = use(**body).answer(text, "stop")
             content, calls, streamed_reason = streamed(use(**body).stream(), text, piece)
             assert content == (whole["content"] or ""), (body, text)
@@ -293,13 +383,36 @@ class TestReading:
 # ---------------------------------------------------------------- over HTTP
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "mistral3"])
+def family(request: pytest.FixtureRequest) -> str:
+    """The tiny model served: Qwen2-VL reads hermes calls, Mistral 3 mistral ones."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def server(module_run_dir: Path, qwen_dir: Path) -> Iterator[Server]:
-    """`mmlane serve` with a chat template that renders tools (its `client`: conftest's)."""
-    template = module_run_dir / "tool-template.jinja"
-    template.write_text(TOOL_TEMPLATE)
-    with serve_http(module_run_dir, qwen_dir, "--chat-template", str(template)) as served:
+def server(module_run_dir: Path, model_dirs: dict[str, Path], family: str) -> Iterator[Server]:
+    """`mmlane serve` with a chat template that renders tools (its `client`: conftest's): the
+    tiny Qwen2-VL with Qwen2.5's tool section, the tiny Mistral 3 with its own."""
+    args: list[str] = []
+    if family == "qwen2_vl":
+        template = module_run_dir / "tool-template.jinja"
+        template.write_text(TOOL_TEMPLATE)
+        args = ["--chat-template", str(template)]
+    run_dir = module_run_dir / family
+    run_dir.mkdir()
+    with serve_http(run_dir, model_dirs[family], *args) as served:
         yield served
+
+
+@pytest.fixture(scope="module")
+def served_prep(model_dirs: dict[str, Path], family: str) -> Preprocessor:
+    return load_preprocessor(model_dirs[family])
+
+
+@pytest.fixture(scope="module")
+def bias(served_prep: Preprocessor, family: str) -> dict[str, int]:
+    """The served model's `ends`."""
+    return ends(served_prep, array=family == "mistral3")
 
 
 CLOSED_TOOLS = [WEATHER, FORECAST]
@@ -307,14 +420,18 @@ CLOSED_TOOLS = [WEATHER, FORECAST]
 JSON)."""
 
 
-def ends(prep: Preprocessor) -> dict[str, int]:
+def ends(prep: Preprocessor, *, array: bool = False) -> dict[str, int]:
     """A bias on the end of text: without it the tiny model would go on calling to max_tokens
-    wherever the grammar lets it (another call, or text after one)."""
-    return {str(prep.eos_token_ids[0]): 10}
+    wherever the grammar lets it (another call, or text after one). With `array` (Mistral's
+    calls are one JSON array), on the array's end too."""
+    bias = {str(prep.eos_token_ids[0]): 10}
+    if array:
+        bias[str(prep.tokenizer.convert_tokens_to_ids("]"))] = 10
+    return bias
 
 
 def ask(client: openai.OpenAI, server: Server, **fields: Any) -> Any:
-    fields = {"model": server.model, "max_tokens": 60, "temperature": 0, "tools": CLOSED_TOOLS,
+    fields = {"model": server.model, "max_tokens": 100, "temperature": 0, "tools": CLOSED_TOOLS,
               "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
     return client.chat.completions.create(**fields)
 
@@ -338,10 +455,10 @@ def joined_stream(chunks: list[Any]) -> tuple[str, list[tuple[str, str]], str]:
 class TestOverHttp:
     @pytest.mark.parametrize("parallel", [True, False])
     def test_required_gives_valid_calls_whole_and_streamed(
-        self, client: openai.OpenAI, server: Server, prep: Preprocessor, parallel: bool
+        self, client: openai.OpenAI, server: Server, bias: dict[str, int], parallel: bool
     ) -> None:
         fields = {"tool_choice": "required", "parallel_tool_calls": parallel,
-                  "logit_bias": ends(prep)}
+                  "logit_bias": bias}
         choice = ask(client, server, **fields).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content == ""
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
@@ -352,18 +469,18 @@ class TestOverHttp:
         assert streamed_calls == ("", calls, "tool_calls")
 
     def test_a_named_function_gets_its_arguments(self, client: openai.OpenAI, server: Server,
-                                                 prep: Preprocessor) -> None:
+                                                 bias: dict[str, int]) -> None:
         named = {"type": "function", "function": {"name": "get_weather"}}
-        choice = ask(client, server, tool_choice=named, logit_bias=ends(prep)).choices[0]
+        choice = ask(client, server, tool_choice=named, logit_bias=bias).choices[0]
         [call] = choice.message.tool_calls
         assert call.function.name == "get_weather" and choice.finish_reason == "stop"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
         assert joined_stream(list(ask(client, server, tool_choice=named, stream=True,
-                                      logit_bias=ends(prep)))) == (
+                                      logit_bias=bias))) == (
             "", [("get_weather", call.function.arguments)], "stop")
 
     def test_the_template_renders_the_tools_and_the_calls_history(
-        self, server: Server, prep: Preprocessor
+        self, server: Server, served_prep: Preprocessor, family: str
     ) -> None:
         messages = [
             {"role": "user", "content": "Weather in Paris?"},
@@ -375,11 +492,20 @@ class TestOverHttp:
         status, body = _post_json(f"{_root(server.base_url)}/tokenize",
                                   {"messages": messages, "tools": TOOLS})
         assert status == 200, body
-        prompt = prep.tokenizer.decode(body["tokens"])
-        assert json.dumps(WEATHER) in prompt  # the tools, as the template writes them
-        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", ' \
-               '"unit": "c"}}\n</tool_call>' in prompt
-        assert "<tool_response>\n21 degrees\n</tool_response>" in prompt
+        prompt = served_prep.tokenizer.decode(body["tokens"])
+        as_vllm = {"type": "function", "function": {
+            key: WEATHER["function"][key] for key in ("name", "description", "parameters",
+                                                      "strict")}}
+        assert json.dumps(as_vllm) in prompt  # the tools, as vLLM hands them to the template
+        call, result = {
+            "qwen2_vl": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                         '"unit": "c"}}\n</tool_call>',
+                         "<tool_response>\n21 degrees\n</tool_response>"),
+            "mistral3": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
+                         '"unit": "c"}, "id": "call-1"}]</s>',
+                         '[TOOL_RESULTS] {"content": 21 degrees, "call_id": "call-1"}'
+                         '[/TOOL_RESULTS]')}[family]
+        assert call in prompt and result in prompt
 
     @pytest.mark.parametrize(("fields", "param", "pattern"), [
         ({"tool_choice": "required", "response_format": {"type": "json_object"}},
@@ -407,21 +533,29 @@ class TestOverHttp:
                                       extra_body={"tools": TOOLS})
 
 
+@pytest.mark.parametrize(("family", "reply"), [("qwen2_vl", HERMES_REPLY),
+                                               ("mistral3", MISTRAL_REPLY)],
+                         ids=["hermes", "mistral"])
 def test_auto_reads_the_models_calls_whole_and_streamed(
-    run_dir: Path, qwen_dir: Path, prep: Preprocessor
+    run_dir: Path, model_dirs: dict[str, Path], family: str, reply: str
 ) -> None:
-    """The engine is this test's socket, answering with the tokens of a hermes reply (the tiny
-    model writes none of its own): 'auto' reads its calls, a token at a time when streamed."""
-    ids = prep.tokenizer.encode(HERMES_REPLY, add_special_tokens=False)
+    """The engine is this test's socket, answering with the tokens of a reply in the family's
+    format (the tiny model writes none of its own): 'auto' reads its calls, a token at a time
+    when streamed. Mistral's [TOOL_CALLS] is a special token: the text keeps it for 'auto', and
+    for a client that asks (`skip_special_tokens` false), not for 'none'; the end of sequence
+    that ends the reply never shows."""
+    model_dir = model_dirs[family]
+    prep = load_preprocessor(model_dir)  # the reply ends as the model's do: its text does not
+    ids = [*prep.tokenizer.encode(reply, add_special_tokens=False), prep.eos_token_ids[0]]
 
     def whole(request: Any) -> EngineOutput:
         return EngineOutput(request_id=request.request_id, token_ids=ids, finished=True,
                             finish_reason="stop", prompt_token_ids=request.prompt_token_ids)
 
-    with frontend_with_silent_engine(run_dir, qwen_dir) as (_, base_url, engine), \
+    with frontend_with_silent_engine(run_dir, model_dir) as (_, base_url, engine), \
             openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0,
                           timeout=60) as client:
-        create = functools.partial(client.chat.completions.create, model=qwen_dir.name,
+        create = functools.partial(client.chat.completions.create, model=model_dir.name,
                                    messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
         choice = _answered(engine, create, whole).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
@@ -438,3 +572,10 @@ def test_auto_reads_the_models_calls_whole_and_streamed(
 
         chunks = _answered(engine, lambda: list(create(stream=True)), one_token_at_a_time)
         assert joined_stream(chunks) == ("Let me look.", HERMES_CALLS, "tool_calls")
+        if family == "mistral3":
+            unmarked = reply.replace("[TOOL_CALLS]", "")
+            none = _answered(engine, functools.partial(create, tool_choice="none"), whole)
+            assert none.choices[0].message.content == unmarked
+            asked = _answered(engine, functools.partial(
+                create, tools=None, extra_body={"skip_special_tokens": False}), whole)
+            assert asked.choices[0].message.content == reply

@@ -146,10 +146,12 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
     args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
     log = run_dir / "vllm.log"
     # Its scale-out API as well: the replica of mmlane's vllm-remote backend.
-    # Tool calls read as mmlane reads Qwen's (hermes), for requests with tools.
+    # Tool calls read as mmlane reads the family's (hermes where it knows none), for requests
+    # with tools.
+    parser = load_preprocessor(model_dir).family.tool_call_format or "hermes"
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
                             "--port", str(port), "--enable-scale-out", "--enable-auto-tool-choice",
-                            "--tool-call-parser", "hermes", *args], log), log)
+                            "--tool-call-parser", parser, *args], log), log)
     try:
         yield server, port
     finally:
@@ -877,21 +879,31 @@ def test_a_regex_or_choice_gives_vllm_alones_text(
     assert ours["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize("tool_choice", [
-    "required", {"type": "function", "function": {"name": "get_weather"}}, "auto", "none",
-], ids=["required", "named", "auto", "none"])
+TOOL_CHOICES = ["required", {"type": "function", "function": {"name": "get_weather"}}, "auto",
+                "none"]
+TOOL_CHOICE_IDS = ["required", "named", "auto", "none"]
+
+
+@pytest.mark.parametrize("tool_choice", TOOL_CHOICES, ids=TOOL_CHOICE_IDS)
 def test_tool_calls_are_vllm_alones(
     vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
     tool_choice: Any,
 ) -> None:
-    """The same chat with tools through mmlane and through `vllm serve --tool-call-parser
-    hermes` (its structural tags on, as by default): the same finish reason, content and calls
-    (their ids aside)."""
+    assert_tool_calls_are_vllm_alones(vllm_alone[1], mmlane_vllm[0].http_port, qwen_dir,
+                                      tool_choice)
+
+
+def assert_tool_calls_are_vllm_alones(alone_port: int, http_port: int, model_dir: Path,
+                                      tool_choice: Any) -> None:
+    """The same chat with tools through mmlane and through `vllm serve --tool-call-parser` of
+    the model's format (its structural tags on, as by default): the same finish reason,
+    content and calls (their ids aside)."""
+    prep = load_preprocessor(model_dir)
     body = {"messages": _openai_messages(None, "Weather in Paris?", []), "tools": CLOSED_TOOLS,
             "tool_choice": tool_choice, "max_tokens": 60,
-            "logit_bias": ends(load_preprocessor(qwen_dir))}
+            "logit_bias": ends(prep, array=prep.family.tool_call_format == "mistral")}
     alone, ours = (_vllm_chat(port, model, **body)["choices"][0] for port, model in [
-        (vllm_alone[1], str(qwen_dir)), (mmlane_vllm[0].http_port, qwen_dir.name)])
+        (alone_port, str(model_dir)), (http_port, model_dir.name)])
 
     def shown(choice: dict[str, Any]) -> tuple[Any, ...]:
         message = choice["message"]

@@ -21,10 +21,13 @@ from test_vllm import (
     CHATS,
     LANE_LOGPROB_BOUND,
     REMOTE_LOGPROB_BOUND,
+    TOOL_CHOICE_IDS,
+    TOOL_CHOICES,
     VLLM_ARGS,
     Server,
     assert_a_render_generates_vllm_alone_s_tokens,
     assert_the_same_tokens_as_vllm_alone,
+    assert_tool_calls_are_vllm_alones,
     mmlane_serve,
     mmlane_serve_vllm,
     serving,
@@ -84,6 +87,19 @@ def test_the_same_tokens_as_vllm_alone(family_servers: tuple[Path, int, tuple[Se
                                        chat: str) -> None:
     model_dir, alone_port, ours = family_servers
     assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, FAMILY_CHATS[chat])
+
+
+@pytest.mark.parametrize("tool_choice", TOOL_CHOICES, ids=TOOL_CHOICE_IDS)
+def test_tool_calls_are_vllm_alones(
+    family_servers: tuple[Path, int, tuple[Server, str, Path]], tool_choice: object,
+) -> None:
+    """For the families whose tool-call format mmlane reads besides Qwen's hermes (test_vllm.py):
+    vLLM alone runs with that format's --tool-call-parser."""
+    model_dir, alone_port, ours = family_servers
+    format = load_preprocessor(model_dir).family.tool_call_format
+    if format in (None, "hermes"):
+        pytest.skip(f"{model_dir.name}: {format or 'no'} tool-call format read besides hermes")
+    assert_tool_calls_are_vllm_alones(alone_port, ours[0].http_port, model_dir, tool_choice)
 
 
 def test_a_render_posted_to_vllms_generate_answers_as_vllm_alone(

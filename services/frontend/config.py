@@ -28,12 +28,13 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     served_model_name: list[str] = []
     """Names the HTTP API serves the model under (aliases: all are listed and taken as
     `model`); replies report the first. None: the model directory's name."""
-    tool_call_parser: Literal["auto", "hermes", "none"] = "auto"
-    """How the HTTP API reads tool calls out of the model's text for tool_choice 'auto' (as
-    vLLM's --tool-call-parser): 'auto' is the model family's format (hermes for Qwen2-VL and
-    Qwen2.5-VL, none known for the others); 'hermes': `<tool_call>{"name", "arguments"}
-    </tool_call>`; 'none': tool_choice 'auto' is refused. 'required' and a named function
-    work with every model (the output is constrained to the calls' JSON)."""
+    tool_call_parser: Literal["auto", "hermes", "mistral", "none"] = "auto"
+    """How the HTTP API reads tool calls out of the model's text (as vLLM's
+    --tool-call-parser): 'auto' is the model family's format (hermes for Qwen2-VL and
+    Qwen2.5-VL, mistral for Mistral 3, none known for the others); 'hermes': `<tool_call>
+    {"name", "arguments"}</tool_call>`; 'mistral': `[TOOL_CALLS] [{"name", "arguments"}]`;
+    'none': tool_choice 'auto' is refused. 'required' and a named function work with every
+    model (the output is constrained to the calls' JSON)."""
     chat_template: str = ""
     """A Jinja chat template to use instead of the model's: a file's path, or the template
     itself (as vLLM's --chat-template). "": the model's own."""

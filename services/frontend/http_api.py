@@ -79,7 +79,7 @@ from mmlane.common.stats import Metrics
 from mmlane.frontend.config import FrontendConfig
 from mmlane.frontend.http_limits import RETRY_AFTER_S, Connections, RateLimiter, retry_after
 from mmlane.frontend.requests import detokenize, tokenize
-from mmlane.frontend.tools import ToolUse, tool_use
+from mmlane.frontend.tools import ToolUse, tool_format, tool_use
 from mmlane.model import Preprocessor
 from mmlane.protocol.codec import Codec
 from mmlane.protocol.errors import (
@@ -118,8 +118,10 @@ _AIOHTTP_KEEPALIVE_S = 7 * 24 * 3600.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPENAI_SAMPLING = ("presence_penalty", "frequency_penalty")
 """OpenAI's sampling fields passed on as they are (null: the default)."""
-_VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids", "repetition_penalty")
-"""vLLM's extra sampling fields (`extra_body` in the openai client), passed on as they are."""
+_VLLM_SAMPLING = ("ignore_eos", "min_tokens", "stop_token_ids", "repetition_penalty",
+                  "skip_special_tokens")
+"""vLLM's extra sampling (and output) fields (`extra_body` in the openai client), passed on as
+they are."""
 _OPENAI_NAMES = {"structured_outputs": "response_format"}
 """Native fields that OpenAI's API names otherwise, as errors name them to its clients (a
 request's own names: `_client_names`)."""
@@ -158,9 +160,8 @@ class HttpApi:
         self._tokenizers = tokenizers
         """The frontend's tokenizer threads, which /tokenize and /detokenize run on."""
         self._config = config
-        self._tool_parser = pre.family.tool_call_format \
-            if config.tool_call_parser == "auto" else \
-            (None if config.tool_call_parser == "none" else config.tool_call_parser)
+        self._tool_parser = tool_format(config.tool_call_parser, pre.family.tool_call_format,
+                                        pre.tokenizer.get_vocab())
         """The tool-call format tool_choice 'auto' reads (None: none; 'auto' is refused)."""
         self._rates = RateLimiter(config.http_rate_limit, config.http_rate_burst) \
             if config.http_rate_limit else None
@@ -634,6 +635,8 @@ class HttpApi:
             **{name: body[name] for name in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING)
                if body.get(name) is not None},
         }
+        if tools is not None and tools.keeps_special_tokens:  # vLLM's, whatever was asked
+            fields["skip_special_tokens"] = False
         try:
             request = msgspec.convert(fields, route.native)
         except msgspec.ValidationError as exc:

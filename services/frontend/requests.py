@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -49,10 +50,13 @@ class CheckedRequest:
     render: bool = False
     """Rendered only, not run (`RequestFields.render`)."""
 
-    def shown_ids(self, token_ids: list[int], finish_reason: str | None) -> list[int]:
-        """The output tokens whose text the client sees: a token of `stop_token_ids` that ends
-        the output counts among its tokens but adds no text, as in vLLM."""
-        if finish_reason == "stop" and token_ids and token_ids[-1] in self.sampling.stop_token_ids:
+    def shown_ids(self, token_ids: list[int], finish_reason: str | None,
+                  eos_token_ids: Sequence[int]) -> list[int]:
+        """The output tokens whose text the client sees: a token of `stop_token_ids`, or the
+        model's end of sequence, that ends the output counts among its tokens but adds no text,
+        as in vLLM (which shows when special tokens are not skipped)."""
+        if finish_reason == "stop" and token_ids and (
+                token_ids[-1] in self.sampling.stop_token_ids or token_ids[-1] in eos_token_ids):
             return token_ids[:-1]
         return token_ids
 

@@ -42,6 +42,7 @@ engine answers it with a cache miss; and it turns a client's `ResetCache` into t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -343,7 +344,9 @@ class Frontend:
         self._tokenizing += 1
         request_id = f"{self._prefix}-{next(self._ids)}"
         deadline = time.monotonic() + self.config.request_timeout_s
-        text = OutputText(self._pre.decode, stop=request.stop, min_tokens=request.min_tokens)
+        decode = self._pre.decode if request.skip_special_tokens else \
+            functools.partial(self._pre.decode, skip_special_tokens=False)
+        text = OutputText(decode, stop=request.stop, min_tokens=request.min_tokens)
         self._inflight[request_id] = InFlight(client, request.request_id, deadline, checked,
                                               text)
         self._pool.submit(self._tokenize, request_id, checked)
@@ -609,7 +612,8 @@ class Frontend:
         pending.job = None  # the engine has it: no MM worker holds it any more
         shown = output.token_ids
         if pending.checked is not None:  # a stop token adds no text (see `shown_ids`)
-            shown = pending.checked.shown_ids(shown, output.finish_reason)
+            shown = pending.checked.shown_ids(shown, output.finish_reason,
+                                              self._pre.eos_token_ids)
         text, stopped_after = pending.text.step(shown, final=output.finished)
         token_ids, finished, reason = list(output.token_ids), output.finished, output.finish_reason
         if stopped_after is not None:  # a stop string ended the text: usage counts to its token

@@ -86,8 +86,9 @@ class Family:
     # repeats it (services/model/pixels.py, `model_layout`). None: one frame, sent as it is.
     frames_setting: str | None = None
     # The format of tool calls in the model's output, as vLLM's --tool-call-parser names it
-    # ('hermes': `<tool_call>{"name", "arguments"}</tool_call>`, services/frontend/tools.py);
-    # None: none known (tool_choice 'auto' is refused unless --tool-call-parser names one).
+    # ('hermes': `<tool_call>{"name", "arguments"}</tool_call>`; 'mistral': `[TOOL_CALLS]
+    # [{"name", "arguments"}]`; services/frontend/tools.py); None: none known (tool_choice
+    # 'auto' is refused unless --tool-call-parser names one).
     tool_call_format: str | None = None
 
     def frames(self, image_processor: Any) -> int:
@@ -728,6 +729,7 @@ MISTRAL3 = Family(
     resized_size=_pixtral_resized_size,
     placeholder_text=_mistral3_placeholder_text,
     image_processor_settings=_mistral3_image_processor_settings,
+    tool_call_format="mistral",
 )
 
 # GotOcr2's tiles: resize to the grid (in uint8), cut, a thumbnail beside them; then rescale and

@@ -185,8 +185,9 @@ class Preprocessor:
                 expanded.append(token)
         return expanded
 
-    def decode(self, token_ids: list[int]) -> str:
-        return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return cast(str, self.tokenizer.decode(token_ids,
+                                               skip_special_tokens=skip_special_tokens))
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:

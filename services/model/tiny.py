@@ -148,7 +148,11 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
 
 # Mistral-Small-3.1-Instruct's format: BOS, the system prompt, then [INST]...[/INST] turns with
 # each image's [IMG] where its block stands (before or after the text); plain-string content
-# too. Its default system prompt is shortened (the published one names today's date).
+# too. Its default system prompt is shortened (the published one names today's date). Tools as
+# vLLM's template for Mistral 3 with tools (examples/tool_chat_template_mistral3.jinja) writes
+# them, which its `--tool-call-parser mistral` reads: the tools' JSON in [AVAILABLE_TOOLS] before
+# the last user turn, an assistant's calls as `[TOOL_CALLS] [{"name", "arguments", "id"}]`, a
+# tool's result in [TOOL_RESULTS] (ids are their last 9 characters, as Mistral's).
 MISTRAL3_CHAT_TEMPLATE = (
     "{%- set default_system_message = 'You are Mistral Small 3, a Large Language Model (LLM) "
     "created by Mistral AI.' %}"
@@ -162,8 +166,14 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{%- set system_message = default_system_message %}{%- set loop_messages = messages %}"
     "{%- endif %}"
     "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- set last_user = namespace(index=-1) %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}{%- set last_user.index = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
     "{%- for message in loop_messages %}"
     "{%- if message['role'] == 'user' %}"
+    "{%- if tools and loop.index0 == last_user.index %}"
+    "{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
     "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
     "{%- else %}{{- '[INST]' }}"
     "{%- for block in message['content'] %}"
@@ -179,10 +189,18 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{%- else %}"
     "{{- '[SYSTEM_PROMPT]' + message['content'][0]['text'] + '[/SYSTEM_PROMPT]' }}"
     "{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '[TOOL_CALLS] [' }}{%- for call in message['tool_calls'] %}"
+    "{{- (call['function'] | tojson)[:-1] + ', \"id\": \"' + call['id'][-9:] + '\"}' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ']' + eos_token }}"
     "{%- elif message['role'] == 'assistant' %}"
     "{%- if message['content'] is string %}{{- message['content'] + eos_token }}"
     "{%- else %}{{- message['content'][0]['text'] + eos_token }}{%- endif %}"
-    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '[TOOL_RESULTS] {\"content\": ' + message['content'] | string + ', \"call_id\": \"'"
+    " + message['tool_call_id'][-9:] + '\"}[/TOOL_RESULTS]' }}"
+    "{%- else %}"
+    "{{- raise_exception('Only user, system, assistant and tool roles are supported!') }}"
     "{%- endif %}{%- endfor %}"
 )
 
@@ -215,7 +233,7 @@ def _utterance_template(start: str) -> str:
     )
 
 
-BUILDER_VERSION = 4  # bump whenever the built files change
+BUILDER_VERSION = 5  # bump whenever the built files change
 
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
 # serving (1280 * 28 * 28), so a 12-megapixel photo becomes 1,280 tokens instead of 15,552 —
@@ -532,7 +550,8 @@ QWEN_LLAVA_TOKENS = _Tokens(
 
 MISTRAL_TOKENS = _Tokens(
     special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]",
-             "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+             "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]",
+             "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
     eos="</s>", pad="<pad>", bos="<s>", unk="<unk>", named={"image_token": "[IMG]"},
 )
 
