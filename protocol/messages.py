@@ -436,6 +436,9 @@ class Stats(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
     exposition: str = ""
     """Metrics of what the process hosts, in Prometheus' text format: an engine on vLLM, vLLM's
     own `vllm:` series (`mmlane exporter` adds the process's role and name to them)."""
+    memory: dict[str, int] = {}
+    """The process's memory in bytes, by kind (services/common/memory.py, `usage`): resident,
+    its anonymous part, and glibc's heaps (in use, free but kept)."""
 
 
 StatsMessage = Stats

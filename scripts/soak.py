@@ -1,9 +1,12 @@
 """Soak: minutes of mixed load on `mmlane serve`, sampling each role's RSS and open fds.
 
-    python scripts/soak.py [--minutes 10] [--clients 4] [--sample-s 5] [--out soak]
+    python scripts/soak.py [--minutes 10] [--clients 4] [--sample-s 5] [--caches small|default]
+                           [--serve-arg=ARG ...] [--out soak]
 
-Runs `mmlane serve` on the embedded model with small caches (so that they are full early) and
-its HTTP API, and sends from `--clients` threads, until the time is up, a seeded mix of:
+Runs `mmlane serve` on the embedded model with small caches (so that they are full early;
+`--caches default`: its own defaults) and its HTTP API, ARGs added, and sends from `--clients`
+threads (full rate: as many as keep the cores busy, 16 on two cores), until the time is up, a
+seeded mix of:
 text chats; chats with a new image (a new picture each time) and with a repeated one (one of a
 few: feature and encoder cache hits); streams abandoned after their first event;
 requests whose client gives up before the answer (a cancel downstream); bad input (a broken
@@ -11,12 +14,15 @@ image, an unknown model, invalid JSON, a negative max_tokens); a slow client who
 head never completes (the frontend's --http-header-timeout cuts it off). Every request must get
 exactly its one expected answer: the counts of the unexpected ones are printed (and fail the
 run). Every `--sample-s`, it reads each role's RSS and open fds from /proc (the processes are
-found by their stats, as `mmlane top` finds them), and the caches' evictions (a cache that
-evicts is full) from the stats.
+found by their stats, as `mmlane top` finds them), its anonymous memory (the heap, tensors)
+apart from its files' pages (libraries) from smaps_rollup; from the stats, what glibc's heaps
+hold (in use, free but kept, mapped apart) and the caches' evictions (a cache that evicts is
+full).
 
-Prints, per role, RSS and fds at the start of the second half (caches full by then) and at the
-end, and their growth over the second half; writes OUT.json (every sample) and OUT.png (the
-curves). Asserts nothing about the figures: read them (BENCHMARKS.md has a run's).
+Prints, per role, RSS, anonymous memory and fds at the start of the last ten minutes (of the
+second half, in a shorter run: the caches are full by then) and at the end, and their growth
+over that window; the requests answered per second; writes OUT.json (every sample) and OUT.png
+(the curves). Asserts nothing about the figures: read them (BENCHMARKS.md has a run's).
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ from mmlane.common.sockets import free_tcp_port
 from mmlane.ops.discovery import Targets
 from mmlane.ops.feed import StatsFeed
 
-SERVE_ARGS = ["--mm-cache-gb", "0.05", "--encoder-cache-gb", "0.05",
-              "--request-timeout", "120"]
+SMALL_CACHES = ["--mm-cache-gb", "0.05", "--encoder-cache-gb", "0.05"]
 """Caches of 50 MiB each, full within the first minutes of this load."""
+SERVE_ARGS = ["--request-timeout", "120"]
+WINDOW_S = 600.0
+"""The window the growth is measured over: the last ten minutes (issue 44's goal)."""
 REPEATED = 4
 """Images sent again and again (the rest are new each time)."""
 
@@ -171,11 +179,12 @@ class Load:
         return self._expect(int(answer.split()[1]), answer, 408)
 
 
-def _proc(pid: int) -> tuple[float, int]:
-    """A process's RSS in MiB and its open fds, from /proc."""
-    with open(f"/proc/{pid}/status") as status:
-        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+def _proc(pid: int) -> tuple[float, float, int]:
+    """A process's RSS and its anonymous part in MiB, and its open fds, from /proc."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in rollup
+               if line.split(":")[0] in ("Rss", "Anonymous")}
+    return kib["Rss"] / 1024, kib["Anonymous"] / 1024, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def sample(feed: StatsFeed, started: float) -> dict[str, Any]:
@@ -185,27 +194,39 @@ def sample(feed: StatsFeed, started: float) -> dict[str, Any]:
     for process in feed.ordered():
         if process.latest is None:
             continue
-        rss, fds = _proc(process.latest.pid)
-        roles[process.name] = {"rss_mib": round(rss, 1), "fds": fds, "caches": {
+        rss, anonymous, fds = _proc(process.latest.pid)
+        roles[process.name] = {"rss_mib": round(rss, 1), "anon_mib": round(anonymous, 1),
+                               "fds": fds, "heap_mib": {
+            kind.removeprefix("heap_"): round(size / 2**20, 1)
+            for kind, size in process.latest.memory.items() if kind.startswith("heap_")},
+                               "caches": {
             name: value for name, value in process.latest.counters.items()
             if "cache" in name and (name.endswith("_bytes") or name.endswith("evictions"))}}
     return {"t_s": round(time.monotonic() - started, 1), "roles": roles}
 
 
 def report(samples: list[dict[str, Any]], load: Load, out: Path) -> None:
-    half = samples[len(samples) // 2]
     last = samples[-1]
-    print(f"\n{'role':<24} {'RSS MiB half':>12} {'end':>8} {'growth':>8}   "
-          f"{'fds half':>8} {'end':>5} {'max':>5}")
+    start_s = max(last["t_s"] - WINDOW_S, last["t_s"] / 2)
+    first = next(s for s in samples if s["t_s"] >= start_s)
+    print(f"\nfrom {first['t_s']:.0f} s to {last['t_s']:.0f} s:")
+    print(f"{'role':<24} {'RSS MiB':>8} {'end':>8} {'growth':>7}   {'anon MiB':>8} {'end':>8} "
+          f"{'growth':>7}   {'fds':>4} {'end':>4} {'max':>4}   heap at the end (MiB)")
     for name, end in last["roles"].items():
-        mid = half["roles"].get(name, end)
+        begin = first["roles"].get(name, end)
         peak = max(s["roles"][name]["fds"] for s in samples if name in s["roles"])
-        print(f"{name:<24} {mid['rss_mib']:>12.1f} {end['rss_mib']:>8.1f} "
-              f"{end['rss_mib'] - mid['rss_mib']:>+8.1f}   {mid['fds']:>8} {end['fds']:>5} "
-              f"{peak:>5}")
+        print(f"{name:<24} {begin['rss_mib']:>8.1f} {end['rss_mib']:>8.1f} "
+              f"{_growth(begin['rss_mib'], end['rss_mib']):>7}   {begin['anon_mib']:>8.1f} "
+              f"{end['anon_mib']:>8.1f} {_growth(begin['anon_mib'], end['anon_mib']):>7}   "
+              f"{begin['fds']:>4} {end['fds']:>4} {peak:>4}   "
+              + " ".join(f"{kind} {size:.0f}" for kind, size in end["heap_mib"].items()))
         for counter, value in end["caches"].items():
             print(f"    {counter}: {value / 2**20:.1f} MiB" if counter.endswith("_bytes")
-                  else f"    {counter}: {value} (half: {mid['caches'].get(counter, 0)})")
+                  else f"    {counter}: {value} (from {begin['caches'].get(counter, 0)})")
+    total = sum(role["rss_mib"] for role in last["roles"].values())
+    answered = sum(load.outcomes.values())
+    print(f"\nthe tree: {total:.0f} MiB at the end; {answered} requests, "
+          f"{answered / max(last['t_s'], 1e-9):.1f}/s")
     print("\nrequests:")
     for outcome, count in sorted(load.outcomes.items()):
         print(f"  {count:6d}  {outcome}")
@@ -213,6 +234,10 @@ def report(samples: list[dict[str, Any]], load: Load, out: Path) -> None:
         {"samples": samples, "outcomes": dict(load.outcomes)}, indent=1))
     chart(samples, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def _growth(begin: float, end: float) -> str:
+    return f"{(end - begin) / begin * 100:+.1f}%" if begin else "-"
 
 
 def chart(samples: list[dict[str, Any]], path: Path) -> None:
@@ -237,19 +262,27 @@ def chart(samples: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
     parser.add_argument("--clients", type=int, default=4, help="client threads")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--seed", type=int, default=0, help="seeds the mix of actions")
+    parser.add_argument("--caches", choices=["small", "default"], default="small",
+                        help="small: 50 MiB caches, full early; default: mmlane serve's own")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="added to mmlane serve's arguments (repeatable; "
+                             "--serve-arg=--flag for one that starts with -)")
     parser.add_argument("--out", type=Path, default=Path("soak"),
                         help="OUT.json and OUT.png are written")
     args = parser.parse_args()
+    caches = SMALL_CACHES if args.caches == "small" else []
     http_port = free_tcp_port()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        with serving(run_dir, "--http-port", str(http_port), *SERVE_ARGS,
-                     log_dir=run_dir / "logs"), StatsFeed(Targets("stats", (), run_dir)) as feed:
+        with serving(run_dir, "--http-port", str(http_port), *SERVE_ARGS, *caches,
+                     *args.serve_arg, log_dir=run_dir / "logs"), \
+                StatsFeed(Targets("stats", (), run_dir)) as feed:
             with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models") as reply:
                 model = json.load(reply)["data"][0]["id"]
             load = Load(http_port, model, args.seed)

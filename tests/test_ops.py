@@ -327,6 +327,13 @@ def test_exporter_serves_histograms_and_counters_that_grow(deployment: Deploymen
     names = {name for name, _ in second}
     assert {"mmlane_decode_seconds_bucket", "mmlane_engine_step_seconds_count",
             "mmlane_in_flight", "mmlane_uptime_seconds", "mmlane_queue_depth"} <= names
+    for role, name in [("frontend", frontend["name"]), ("mm-worker", "mm-worker"),
+                       ("engine", "engine")]:  # each process's memory, glibc's heaps too
+        memory = {kind: sample(second, "mmlane_memory_bytes", role=role, name=name, kind=kind)
+                  for kind in ("resident", "anonymous", "heap_in_use")}
+        assert 0 < memory["anonymous"] < memory["resident"] and memory["heap_in_use"] > 0
+        assert ("mmlane_memory_bytes", frozenset(
+            {"role": role, "name": name, "kind": "heap_free"}.items())) in second
 
 
 def _frontend_name(deployment: Deployment) -> str:

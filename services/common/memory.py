@@ -1,9 +1,14 @@
 """How a role's process keeps the memory it frees: an image's buffers are reused for the next
-image instead of being mapped afresh (page faults) every time."""
+image instead of being mapped afresh (page faults) every time; and what it holds.
+
+    keep_freed_memory()     glibc's thresholds fixed (roles that handle images)
+    usage()                 the process's memory by kind, for its stats
+"""
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 KEPT_BLOCK_BYTES = 32 << 20
@@ -22,7 +27,38 @@ def keep_freed_memory() -> None:
     thread of the bench, 30-100 ms of system time each (BENCHMARKS.md, "MM lane throughput").
     The engine role copies each image's tensors as it receives them, the same way. Fixed
     thresholds keep them; other C libraries are left as they are."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    mallopt = getattr(_LIBC, "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES)
         mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES)
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (2.33 on): totals over all of malloc's arenas."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+_LIBC = ctypes.CDLL(None)
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _Mallinfo2
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def usage() -> dict[str, int]:
+    """This process's memory, in bytes: `resident` (RSS) and its `anonymous` part (RSS less
+    file-backed and shared pages: the heap, tensors, buffers), from /proc; with glibc, its
+    heaps' `heap_in_use` (allocated), `heap_free` (freed and kept for reuse: in its arenas,
+    not given back) and `heap_mapped` (allocations mapped apart, above the mmap threshold).
+    Reads all of malloc's arenas: once per stats interval, not per request."""
+    with open("/proc/self/statm") as statm:
+        resident, shared = (int(field) * _PAGE for field in statm.read().split()[1:3])
+    usage = {"resident": resident, "anonymous": resident - shared}
+    if _MALLINFO2 is not None:
+        info = _MALLINFO2()
+        usage.update(heap_in_use=info.uordblks, heap_free=info.fordblks,
+                     heap_mapped=info.hblkhd)
+    return usage

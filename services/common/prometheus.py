@@ -10,6 +10,8 @@ process's latest snapshot) and the frontend's GET /metrics (its own current snap
     mmlane_queue_depth{role,name,queue}           each internal queue
     mmlane_in_flight{role,name}                   requests held, not yet answered
     mmlane_uptime_seconds{role,name}
+    mmlane_memory_bytes{role,name,kind}           the process's memory (resident, anonymous,
+                                                  heap_in_use, heap_free, heap_mapped)
     mmlane_up{role,name}                          1 while its stats are fresh, else 0
 
 and, from the exporter, each process's own `Stats.exposition` (an engine on vLLM: vLLM's `vllm:`
@@ -152,12 +154,17 @@ def _gauges(snapshots: list[Stats]) -> Iterator[Metric]:
     queues = GaugeMetricFamily(
         "mmlane_queue_depth", "Depth of each internal queue", labels=[*LABELS, "queue"]
     )
+    memory = GaugeMetricFamily(
+        "mmlane_memory_bytes", "The process's memory, by kind", labels=[*LABELS, "kind"]
+    )
     for stats in snapshots:
         in_flight.add_metric([stats.role, stats.name], stats.in_flight)
         uptime.add_metric([stats.role, stats.name], stats.uptime_s)
         for queue, depth in stats.queues.items():
             queues.add_metric([stats.role, stats.name, queue], depth)
-    yield from (in_flight, uptime, queues)
+        for kind, size in stats.memory.items():
+            memory.add_metric([stats.role, stats.name, kind], size)
+    yield from (in_flight, uptime, queues, memory)
 
 
 def _counters(snapshots: list[Stats]) -> Iterator[Metric]:

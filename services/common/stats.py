@@ -32,6 +32,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from mmlane.common import memory
 from mmlane.common.sockets import make_socket
 from mmlane.protocol.codec import Codec
 from mmlane.protocol.errors import RequestError
@@ -155,6 +156,7 @@ class Metrics:
             histograms={name: h.snapshot() for name, h in dict(self.histograms).items()},
             interval_s=self.interval_s, restarts=self.restarts,
             http_refused=dict(self.http_refused), exposition=self.exposition(),
+            memory=memory.usage(),
         )
 
     def pong(self) -> Pong:
