@@ -2,7 +2,7 @@
 every bound and every kind of hostile file refused with a message naming the video.
 
 The videos are made here, offline, with PyAV's own encoders (MPEG-4 Part 2, H.264 with B-frames,
-VP9, MJPEG; mp4, WebM, Matroska, AVI). Frame i carries its number: two flat bands on top whose grey
+VP9, MJPEG, 10-bit HEVC; mp4, WebM, Matroska, AVI). Frame i carries its number: two flat bands on top whose grey
 levels are its digits, above a texture that moves with i. The hostile ones are made from them:
 cut short, overwritten, with a header patched to claim hours or a giant frame. The indices
 expected are vLLM's own (tests/test_vllm_video.py computes them with vLLM and decodes with it).
@@ -99,15 +99,18 @@ VIDEOS = [
     Video("h264-long", "libx264", 160, 90, 240, Fraction(24)),
     Video("h264-ntsc-mkv", "libx264", 64, 36, 45, Fraction(30000, 1001), "matroska"),
     Video("mjpeg-avi", "mjpeg", 64, 64, 15, Fraction(15), "avi", "yuvj422p"),  # full range
+    Video("hevc-10bit", "libx265", 96, 54, 24, Fraction(24), "mp4", "yuv420p10le"),
 ]
 BY_NAME = {video.name: video for video in VIDEOS}
 
 
 def reference_frames(data: bytes) -> np.ndarray:
-    """Every frame of a video, decoded and converted by PyAV with nothing skipped."""
+    """Every frame of a video, decoded by PyAV with nothing skipped, converted as OpenCV
+    converts (to BGR, bicubic; from 10-bit that is not the same as to RGB)."""
     with av.open(io.BytesIO(data)) as container:
-        return np.stack([frame.to_ndarray(format="rgb24")
-                         for frame in container.decode(container.streams.video[0])])
+        return np.stack([
+            frame.to_ndarray(format="bgr24", interpolation="BICUBIC")[..., ::-1]
+            for frame in container.decode(container.streams.video[0])])
 
 
 def assert_numbered(decoded: DecodedVideo) -> None:
