@@ -2,10 +2,11 @@
 every bound and every kind of hostile file refused with a message naming the video.
 
 The videos are made here, offline, with PyAV's own encoders (MPEG-4 Part 2, H.264 with B-frames,
-VP9, MJPEG, 10-bit HEVC; mp4, WebM, Matroska, AVI). Frame i carries its number: two flat bands on top whose grey
-levels are its digits, above a texture that moves with i. The hostile ones are made from them:
-cut short, overwritten, with a header patched to claim hours or a giant frame. The indices
-expected are vLLM's own (tests/test_vllm_video.py computes them with vLLM and decodes with it).
+VP9, MJPEG, 10-bit HEVC; mp4, WebM, Matroska, AVI). Frame i carries its number: two flat bands
+on top whose grey levels are its digits, above a texture that moves with i. The hostile files
+are made from them: overwritten, cut, with a header patched to claim hours or giant frames.
+The indices expected are vLLM's own (tests/test_vllm_video.py computes them with vLLM, and
+decodes with it).
 """
 
 from __future__ import annotations
