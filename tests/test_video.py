@@ -58,14 +58,18 @@ def frame_image(i: int, width: int, height: int) -> np.ndarray:
 
 
 def encode(codec: str, width: int, height: int, frames: int, rate: Fraction | int, *,
-           container: str = "mp4", pix_fmt: str = "yuv420p") -> bytes:
-    """A video of `frames` frames made by PyAV's encoder `codec`."""
+           container: str = "mp4", pix_fmt: str = "yuv420p",
+           keyframe_every: int | None = None) -> bytes:
+    """A video of `frames` frames made by PyAV's encoder `codec` (its keyframe interval by
+    default: 12 frames for MPEG-4, 250 for x264)."""
     buffer = io.BytesIO()
     with av.open(buffer, "w", format=container) as output:
         # MPEG-4's default quantiser lets a flat band drift by 11 levels: bound it.
         stream = output.add_stream(codec, rate=rate,
                                    options={"qmax": "4"} if codec == "mpeg4" else None)
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+        if keyframe_every is not None:
+            stream.codec_context.gop_size = keyframe_every
         for i in range(frames):
             frame = av.VideoFrame.from_ndarray(frame_image(i, width, height), format="rgb24")
             output.mux(stream.encode(frame))
@@ -82,6 +86,7 @@ class Video(NamedTuple):
     rate: Fraction
     container: str = "mp4"
     pix_fmt: str = "yuv420p"
+    keyframe_every: int | None = None
 
     @property
     def data(self) -> bytes:
@@ -91,7 +96,8 @@ class Video(NamedTuple):
 @functools.cache
 def _encoded(video: Video) -> bytes:
     return encode(video.codec, video.width, video.height, video.frames, video.rate,
-                  container=video.container, pix_fmt=video.pix_fmt)
+                  container=video.container, pix_fmt=video.pix_fmt,
+                  keyframe_every=video.keyframe_every)
 
 
 VIDEOS = [
@@ -102,6 +108,9 @@ VIDEOS = [
     Video("h264-ntsc-mkv", "libx264", 64, 36, 45, Fraction(30000, 1001), "matroska"),
     Video("mjpeg-avi", "mjpeg", 64, 64, 15, Fraction(15), "avi", "yuvj422p"),  # full range
     Video("hevc-10bit", "libx265", 96, 54, 24, Fraction(24), "mp4", "yuv420p10le"),
+    # Keyframes often enough that sampling seeks past runs of frames:
+    Video("h264-gop24", "libx264", 128, 72, 240, Fraction(24), keyframe_every=24),
+    Video("vp9-gop10-webm", "libvpx-vp9", 64, 48, 100, Fraction(10), "webm", keyframe_every=10),
 ]
 BY_NAME = {video.name: video for video in VIDEOS}
 
@@ -187,8 +196,9 @@ class TestSampling:
 
 class TestDecode:
     @pytest.mark.parametrize("video", VIDEOS, ids=lambda video: video.name)
-    @pytest.mark.parametrize("sampling", [Qwen2VLSampling(), UniformSampling(num_frames=8)],
-                             ids=["qwen2vl", "uniform8"])
+    @pytest.mark.parametrize("sampling", [Qwen2VLSampling(), Qwen2VLSampling(fps=0.5),
+                                          UniformSampling(num_frames=8)],
+                             ids=["qwen2vl", "qwen2vl-fps0.5", "uniform8"])
     def test_keeps_the_sampled_frames_exactly(self, video: Video,
                                               sampling: Qwen2VLSampling | UniformSampling
                                               ) -> None:
@@ -202,6 +212,30 @@ class TestDecode:
         assert_numbered(decoded)
         every = reference_frames(video.data)
         assert np.array_equal(decoded.frames, every[decoded.frames_indices])
+
+    def test_a_run_of_frames_with_none_kept_is_not_decoded(self) -> None:
+        # Qwen2-VL at 0.5 fps keeps frames 0, 60, 120 and 180 of 240, keyframes every 24: the
+        # decoder seeks to 48, 120 and 168, past frames 1-47, 61-119 and 121-167. Frames 72-95
+        # overwritten with zeros cannot be decoded, and need not be.
+        video = BY_NAME["h264-gop24"]
+        damaged = _zeroed_frames(video.data, range(72, 96))
+        with pytest.raises(RequestError, match="cannot decode the h264 data"):
+            decode_video(damaged, 0, UniformSampling(num_frames=-1, fps=24), VideoLimits(
+                max_kept_frames=240))  # every frame: the damage is decoded
+        decoded = decode_video(damaged, 0, Qwen2VLSampling(fps=0.5))
+        assert decoded.frames_indices == [0, 60, 120, 180]
+        assert np.array_equal(decoded.frames, reference_frames(video.data)[[0, 60, 120, 180]])
+
+    def test_frames_out_of_their_timestamps_order_are_decoded_in_turn(self) -> None:
+        # Every composition offset the same: the timestamps follow the decoding order, not the
+        # order the decoder gives the frames in, which is what the indices count (in OpenCV
+        # too). Seeking cannot find frames by timestamp there: the frames are decoded in turn.
+        video = BY_NAME["h264-gop24"]
+        shuffled = timestamps_in_decoding_order(video.data)
+        decoded = decode_video(shuffled, 0, Qwen2VLSampling(fps=0.5))
+        every = reference_frames(shuffled)
+        assert np.array_equal(decoded.frames, every[decoded.frames_indices])
+        assert_numbered(decoded)
 
     def test_metadata_is_vllms(self) -> None:
         decoded = decode_video(BY_NAME["h264"].data, 0, Qwen2VLSampling())
@@ -237,6 +271,28 @@ class TestDecode:
         upright = decode_video(plain, 0, UniformSampling())
         assert np.array_equal(decoded.frames, np.rot90(upright.frames, quarter_turns, (1, 2)))
         assert decoded.frames.flags.c_contiguous
+
+
+def timestamps_in_decoding_order(mp4: bytes) -> bytes:
+    """The mp4 with each frame's composition offset (its 'ctts' entries) set to the largest."""
+    at = mp4.index(b"ctts") + 4 + 4  # version and flags, then the entry count and entries
+    (count,) = struct.unpack(">I", mp4[at:at + 4])
+    entries = [struct.unpack(">Ii", mp4[at + 4 + 8 * i:at + 12 + 8 * i]) for i in range(count)]
+    largest = max(offset for _, offset in entries)
+    table = b"".join(struct.pack(">Ii", frames, largest) for frames, _ in entries)
+    return mp4[:at + 4] + table + mp4[at + 4 + len(table):]
+
+
+def _zeroed_frames(data: bytes, frames: range) -> bytes:
+    """The video with the packets of these frames (by presentation index) zeroed in place."""
+    with av.open(io.BytesIO(data)) as container:
+        packets = sorted((packet.pts, packet.pos, packet.size)
+                         for packet in container.demux(container.streams.video[0])
+                         if packet.size)
+    damaged = bytearray(data)
+    for _, pos, size in (packets[i] for i in frames):
+        damaged[pos:pos + size] = bytes(size)
+    return bytes(damaged)
 
 
 def with_display_matrix(mp4: bytes, matrix: tuple[int, int, int, int]) -> bytes:

@@ -17,20 +17,22 @@ numbers through PyAV, and the two rules here are vLLM's, index for index
 (tests/test_vllm_video.py compares them with vLLM's own functions). The metadata is what vLLM
 hands the HF processor (`DecodedVideo.hf_metadata`), but for `video_backend`, which says "pyav".
 
-Decoding. One pass over the packets (demuxing only: no decoding) counts the frames the file
-really holds and checks their timestamps against `max_duration_s`; then the decoder runs from the
-start and stops after the last kept frame, and only the kept frames are converted to RGB and
-kept. A frame is converted as OpenCV converts it: swscale, bicubic, to BGR, then the channels
-swapped (from 8-bit 4:2:0 that is the same as straight to RGB; from 10-bit it is not, by up to
-25 levels), and turned upright by its display matrix (multiples of 90°). The pixels are then
-vLLM's bit for bit (tests/test_vllm_video.py) on H.264, HEVC, AV1, VP8, VP9, MPEG-4 Part 2,
-MJPEG and FFV1, 8-bit and 10-bit, 4:2:0 to 4:4:4, limited and full range, BT.601 and BT.709,
-except where the stream is tagged with BT.2020 primaries: OpenCV 5.1's newer swscale maps
-them to BT.709's and PyAV's does not (max abs difference about 160, most values differ).
+Decoding. One pass over the packets (demuxing only, no decoding) counts the frames the file
+really holds, checks their timestamps against `max_duration_s`, and notes each frame's timestamp
+and which frames are keyframes (`_Timeline`). The decoder then runs from the start and stops
+after the last kept frame; where the next kept frame's keyframe lies `_SEEK_MIN_FRAMES` or more
+ahead, it seeks there instead of decoding the frames in between. vLLM's indices count the frames
+the decoder gives, not timestamps, so every frame decoded on that path must carry the timestamp
+of its index; if one does not (frames shown in another order than their timestamps say, hidden
+frames, split fields), the video is decoded again frame by frame, as it is where two frames
+share a timestamp or one has none. Only the kept frames are converted: as OpenCV converts them
+(swscale, bicubic, to BGR, the channels swapped: from 8-bit 4:2:0 the same as straight to RGB,
+from 10-bit not, by up to 25 levels), turned upright by their display matrix (multiples of 90°).
 
-Seeking is not used: it needs the frame at each timestamp to be the frame the decoder outputs at
-that index (no hidden frames, no split fields), which holds for most files but not all, and
-vLLM's frame indices count what the decoder outputs.
+The pixels are vLLM's bit for bit (tests/test_vllm_video.py: H.264, 10-bit HEVC, VP9, MPEG-4
+Part 2, MJPEG; measured as well on AV1, VP8, FFV1, 10-bit H.264, 4:2:2, 4:4:4, grey, BT.709,
+full range) except where the stream is tagged with BT.2020 primaries: OpenCV 5.1's newer
+swscale maps them to BT.709's, PyAV 18's does not (max abs difference about 160, most values).
 
 Every failure is the request's fault and leaves as a `RequestError` whose message starts with
 the video's position in the request (`video 2: ...`). Codes: `invalid_video` (not a video we can
@@ -41,6 +43,7 @@ for images.
 
 from __future__ import annotations
 
+import array
 import io
 import math
 import time
@@ -59,6 +62,11 @@ from mmlane.protocol.errors import RequestError, translated
 VIDEO_BACKEND = "pyav"
 """`video_backend` in the metadata: vLLM says which of its decoders it used ("opencv")."""
 
+_SEEK_MIN_FRAMES = 16
+"""Seek only where that skips this many frames: a seek drops the frames in the decoder (H.264
+holds up to 16 to reorder them) and reads from the keyframe again."""
+_TIMELINE_MAX_FRAMES = 1 << 20
+"""Frames whose timestamps the scan keeps (8 MiB); a video with more is decoded frame by frame."""
 _CV_ROTATIONS = {90: -1, 180: 2, 270: 1}
 """OpenCV's upright turn (its angle: clockwise degrees) as `np.rot90`'s `k` (counterclockwise
 quarter turns)."""
@@ -211,7 +219,7 @@ def decode_video(data: bytes, index: int, sampling: FrameSampling,
     with _open(data, index, limits) as container:
         stream = _video_stream(container, index)
         _check_header(container, stream, index, limits)
-        held = _count_frames(container, stream, index, limits, deadline)
+        held, timeline = _scan(container, stream, index, limits, deadline)
         source = _source(container, stream, held, index)
         if source.duration > limits.max_duration_s:
             raise _too_large(index, f"it lasts {source.duration:.1f} s ({source.total_frames} "
@@ -221,9 +229,7 @@ def decode_video(data: bytes, index: int, sampling: FrameSampling,
     if len(wanted) > limits.max_kept_frames:
         raise _too_large(index, f"the sampling keeps {len(wanted)} frames",
                          f"max_kept_frames {limits.max_kept_frames}")
-    with _open(data, index, limits) as container:  # the scan read to the end: start afresh
-        stream = container.streams.video[0]
-        frames = _decode_kept(container, stream, wanted, index, limits, deadline)
+    frames = _decode_kept(data, wanted, timeline, index, limits, deadline)
     return DecodedVideo(frames=frames, source=source, frames_indices=wanted)
 
 
@@ -262,12 +268,13 @@ def _check_header(container: av.container.InputContainer,
                          f"max_duration_s {limits.max_duration_s:g}")
 
 
-def _count_frames(container: av.container.InputContainer,
-                  stream: av.video.stream.VideoStream, index: int, limits: VideoLimits,
-                  deadline: _Deadline) -> int:
-    """The video frames the file holds (its packets, without decoding them); refuses frames
-    whose timestamps run past `max_duration_s`."""
+def _scan(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
+          index: int, limits: VideoLimits, deadline: _Deadline) -> tuple[int, _Timeline | None]:
+    """The video frames the file holds (its packets, read without decoding them) and, where
+    their timestamps tell them apart, their timeline; refuses frames whose timestamps run past
+    `max_duration_s`."""
     held = 0
+    times, keyframes = array.array("q"), array.array("q")
     start = stream.start_time or 0
     with translated(f"video {index}: the data is corrupt", default="invalid_video"):
         for packet in container.demux(stream):
@@ -279,9 +286,41 @@ def _count_frames(container: av.container.InputContainer,
             if at > limits.max_duration_s:
                 raise _too_large(index, f"its frames run past {at:.1f} s",
                                  f"max_duration_s {limits.max_duration_s:g}")
+            if packet.pts is not None and held <= _TIMELINE_MAX_FRAMES:
+                times.append(packet.pts)
+                if packet.is_keyframe:
+                    keyframes.append(packet.pts)
     if held == 0:
         raise _invalid(index, "its video stream has no frames")
-    return held
+    return held, _Timeline.of(times, keyframes) if len(times) == held else None
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """Where each frame is: the frames' timestamps in presentation order, one each, and which
+    frames are keyframes, where decoding may start."""
+
+    times: np.ndarray
+    keyframes: np.ndarray
+    """Indices of `times`, ascending."""
+
+    @classmethod
+    def of(cls, times: array.array[int], keyframes: array.array[int]) -> _Timeline | None:
+        """None where two frames share a timestamp (hidden frames, split fields)."""
+        ordered = np.sort(np.frombuffer(times, np.int64))
+        if np.any(ordered[1:] == ordered[:-1]):
+            return None
+        return cls(ordered, np.searchsorted(ordered, np.sort(np.frombuffer(keyframes, np.int64))))
+
+    def frame_at(self, pts: int | None) -> int:
+        """The index of the frame with this timestamp; -1 for none."""
+        at = int(np.searchsorted(self.times, pts)) if pts is not None else len(self.times)
+        return at if at < len(self.times) and self.times[at] == pts else -1
+
+    def keyframe_before(self, frame: int) -> int:
+        """The last keyframe at or before this frame (0 where there is none)."""
+        before = int(np.searchsorted(self.keyframes, frame, side="right"))
+        return int(self.keyframes[before - 1]) if before else 0
 
 
 def _source(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
@@ -305,35 +344,77 @@ def _source(container: av.container.InputContainer, stream: av.video.stream.Vide
 # ---------------------------------------------------------------- decoding
 
 
-def _decode_kept(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
-                 wanted: list[int], index: int, limits: VideoLimits,
-                 deadline: _Deadline) -> np.ndarray:
-    """Decode from the first frame to the last wanted one, converting only the wanted ones."""
+def _decode_kept(data: bytes, wanted: list[int], timeline: _Timeline | None, index: int,
+                 limits: VideoLimits, deadline: _Deadline) -> np.ndarray:
+    """The wanted frames, upright RGB: seeking past runs of frames with no wanted one where the
+    timeline allows it, else decoding every frame up to the last wanted one."""
+    if timeline is not None:
+        with _open(data, index, limits) as container:
+            try:
+                return _decode(container, wanted, timeline, index, deadline)
+            except _Misplaced:  # a frame is not where the timeline put it
+                pass
+    with _open(data, index, limits) as container:
+        return _decode(container, wanted, None, index, deadline)
+
+
+class _Misplaced(Exception):
+    """A decoded frame's timestamp does not say the index the decoder gave it at."""
+
+
+def _decode(container: av.container.InputContainer, wanted: list[int],
+            timeline: _Timeline | None, index: int, deadline: _Deadline) -> np.ndarray:
+    """Decode from the first frame to the last wanted one, converting only the wanted ones. With
+    a timeline, each frame's timestamp must say its index (else `_Misplaced`), and the decoder
+    seeks to a wanted frame's keyframe where that skips `_SEEK_MIN_FRAMES` frames or more."""
+    stream = container.streams.video[0]
     width, height = stream.codec_context.width, stream.codec_context.height
     frames: np.ndarray | None = None
-    start = stream.start_time or 0
-    kept = decoded = 0
-    for position, frame in enumerate(_frames(container, stream, index)):
+    decoded = position = 0  # frames the decoder gave; the index of the next one
+    settled = True  # False after a seek until the keyframe comes (earlier frames may come first)
+    kept = 0
+    source = _frames(container, stream, index)
+    while kept < len(wanted):
+        if timeline is not None:
+            keyframe = timeline.keyframe_before(wanted[kept])
+            if keyframe - position >= _SEEK_MIN_FRAMES:
+                _seek(container, stream, int(timeline.times[keyframe]))
+                source, position, settled = _frames(container, stream, index), keyframe, False
+        frame = next(source, None)
+        if frame is None:
+            raise _invalid(index, f"it ends early: the decoder gave {decoded} frames, frame "
+                                  f"{wanted[kept]} was to be kept (the file is cut short or "
+                                  "corrupt)")
         decoded += 1
         deadline.check(f"decoding frame {position}")
+        if timeline is not None:
+            at = timeline.frame_at(frame.pts)
+            if not settled and 0 <= at < position:  # a picture shown before the keyframe
+                continue
+            if at != position:
+                raise _Misplaced
+            settled = True
         if (frame.width, frame.height) != (width, height):
             raise _invalid(index, f"frame {position} is {frame.width}x{frame.height}, "
                                   f"its stream's are {width}x{height}")
-        at = _seconds(None if frame.pts is None else frame.pts - start, stream.time_base)
-        if at > limits.max_duration_s:
-            raise _too_large(index, f"frame {position} is at {at:.1f} s",
-                             f"max_duration_s {limits.max_duration_s:g}")
-        if position != wanted[kept]:
-            continue
-        rgb = _upright_rgb(frame, index)
-        if frames is None:  # its shape is known once the first frame says how it turns
-            frames = np.empty((len(wanted), *rgb.shape), np.uint8)
-        frames[kept] = rgb
-        kept += 1
-        if kept == len(wanted):
-            return frames
-    raise _invalid(index, f"it ends early: the decoder gave {decoded} frames, frame "
-                          f"{wanted[kept]} was to be kept (the file is cut short or corrupt)")
+        if position == wanted[kept]:
+            rgb = _upright_rgb(frame, index)
+            if frames is None:  # its shape is known once the first frame says how it turns
+                frames = np.empty((len(wanted), *rgb.shape), np.uint8)
+            frames[kept] = rgb
+            kept += 1
+        position += 1
+    assert frames is not None  # wanted is never empty
+    return frames
+
+
+def _seek(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
+          pts: int) -> None:
+    """Seek to the keyframe at this timestamp; PyAV flushes the decoder."""
+    try:
+        container.seek(pts, stream=stream)
+    except av.FFmpegError as exc:  # the frames the scan found, but a container that cannot seek
+        raise _Misplaced from exc
 
 
 def _frames(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
