@@ -398,10 +398,11 @@ def _decode(container: av.container.InputContainer, wanted: list[int],
             raise _invalid(index, f"frame {position} is {frame.width}x{frame.height}, "
                                   f"its stream's are {width}x{height}")
         if position == wanted[kept]:
-            rgb = _upright_rgb(frame, index)
+            bgr = _upright_bgr(frame, index)
             if frames is None:  # its shape is known once the first frame says how it turns
-                frames = np.empty((len(wanted), *rgb.shape), np.uint8)
-            frames[kept] = rgb
+                frames = np.empty((len(wanted), *bgr.shape), np.uint8)
+            for channel in range(3):  # 3x faster than copying bgr[..., ::-1] at once
+                frames[kept, ..., channel] = bgr[..., 2 - channel]
             kept += 1
         position += 1
     assert frames is not None  # wanted is never empty
@@ -430,14 +431,14 @@ def _frames(container: av.container.InputContainer, stream: av.video.stream.Vide
         yield frame
 
 
-def _upright_rgb(frame: av.VideoFrame, index: int) -> np.ndarray:
-    """The frame as OpenCV gives it to vLLM: swscale's bicubic conversion to BGR (the same
-    pixels as to RGB from 8-bit 4:2:0, not from 10-bit), its channels swapped, turned upright."""
+def _upright_bgr(frame: av.VideoFrame, index: int) -> np.ndarray:
+    """The frame as OpenCV gives it to vLLM before vLLM swaps its channels to RGB: swscale's
+    bicubic conversion to BGR (from 10-bit not the same pixels as to RGB), turned upright."""
     with translated(f"video {index}: cannot convert a {frame.format.name} frame to RGB",
                     default="invalid_video"):
-        rgb = frame.to_ndarray(format="bgr24", interpolation="BICUBIC")[..., ::-1]
+        bgr = frame.to_ndarray(format="bgr24", interpolation="BICUBIC")
     turn = _CV_ROTATIONS.get(-round(frame.rotation) % 360)  # OpenCV's rotation_angle
-    return rgb if turn is None else np.rot90(rgb, turn)
+    return bgr if turn is None else np.rot90(bgr, turn)
 
 
 # ---------------------------------------------------------------- helpers
