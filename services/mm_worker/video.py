@@ -77,8 +77,8 @@ class VideoLimits:
     """How big a video may be; over any bound the video is refused (`video_too_large`).
 
     Together the bounds cap a video's memory: at most `max_kept_frames * max_frame_pixels * 3`
-    bytes of frames (1.6 GB with the defaults), plus `max_video_bytes` of input and one frame
-    the decoder holds.
+    bytes of frames (1.6 GB with the defaults), plus `max_video_bytes` of input and the few
+    frames the decoder holds for reference.
     """
 
     max_video_bytes: int = 256 * 1024 * 1024
