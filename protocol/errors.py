@@ -4,7 +4,8 @@
     ├── RequestError                 the request's fault: reply with the message, keep serving
     │     │ codes: invalid_request, invalid_message, invalid_image, bad_image, media_not_allowed,
     │     │        fetch_failed, too_many_images, prompt_too_long, model_error, model_not_found,
-    │     │        image_too_large, request_too_large, invalid_api_key
+    │     │        image_too_large, request_too_large, invalid_api_key, invalid_video,
+    │     │        video_too_large
     │     └── TensorsRefused         a message's shared-memory tensors named no slot of its sender's
     ├── RetryableError               not the request's fault; the same request may succeed later
     │     │ codes: overloaded, peer_restarted, aborted, timeout, cache_miss, backend_died,
@@ -55,6 +56,8 @@ CODES: dict[str, Code] = {
     "image_too_large": Code("request", 413),
     "request_too_large": Code("request", 413),
     "invalid_api_key": Code("request", 401),  # no key, or a wrong one, for the HTTP API
+    "invalid_video": Code("request", 400),
+    "video_too_large": Code("request", 413),  # over a bound of mm_worker/video.py's VideoLimits
     "request_timeout": Code("retryable", 408),  # an HTTP client too slow sending its request
     "rate_limit_exceeded": Code("retryable", 429),  # over the HTTP API's --http-rate-limit
     "overloaded": Code("retryable", 503),
