@@ -95,6 +95,7 @@ FAST = (
     "test_protocol.py",
     "test_sampling.py",
     "test_tools.py::TestReading",
+    "test_video.py",
 )
 """The fast lane (`scripts/test --fast`, which is `pytest -m fast`): tests of pure logic and
 in-process code that start no process, neither a role nor `mmlane serve` nor a pool (`no_leaks`

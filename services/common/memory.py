@@ -3,19 +3,24 @@ image instead of being mapped afresh (page faults) every time; and what it holds
 
     keep_freed_memory()     glibc's thresholds fixed (roles that handle images)
     usage()                 the process's memory by kind, for its stats
+    bound_freed_memory(usage)   give freed memory back past KEPT_FREE_BYTES (each snapshot)
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections import Counter
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 KEPT_BLOCK_BYTES = 32 << 20
 """Allocations up to this size come from the heap, whose freed memory is reused (glibc's most;
 Pillow holds an image in blocks of 16 MiB)."""
 KEPT_FREE_BYTES = 256 << 20
-"""Freed heap memory kept for reuse before any is given back to the system."""
+"""Freed heap memory kept for reuse before any is given back to the system (at the top of the
+heap by glibc's trim threshold; anywhere in its heaps by `bound_freed_memory`)."""
+counters: Counter[str] = Counter(heap_trims=0)
+"""`heap_trims`: how often `bound_freed_memory` gave memory back (published in the stats)."""
 
 
 def keep_freed_memory() -> None:
@@ -45,6 +50,7 @@ _LIBC = ctypes.CDLL(None)
 _MALLINFO2 = getattr(_LIBC, "mallinfo2", None)
 if _MALLINFO2 is not None:
     _MALLINFO2.restype = _Mallinfo2
+_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -62,3 +68,18 @@ def usage() -> dict[str, int]:
         usage.update(heap_in_use=info.uordblks, heap_free=info.fordblks,
                      heap_mapped=info.hblkhd)
     return usage
+
+
+def bound_freed_memory(usage: dict[str, int]) -> None:
+    """Give glibc's free memory back to the system once its heaps keep more than
+    KEPT_FREE_BYTES of it (`usage`: this process's, just read).
+
+    The trim threshold bounds only the free memory at the top of the main heap. Below it, the
+    holes that a long run of buffers of many sizes leaves (the engine's received tensors, freed
+    in the cache's eviction order) kept growing under sustained load, with the memory in use
+    flat (BENCHMARKS.md, "Memory under sustained load"). `malloc_trim` returns every free page
+    of every arena; what is in use stays, and up to KEPT_FREE_BYTES stays kept for reuse
+    between two snapshots."""
+    if _MALLOC_TRIM is not None and usage.get("heap_free", 0) > KEPT_FREE_BYTES:
+        _MALLOC_TRIM(0)
+        counters["heap_trims"] += 1

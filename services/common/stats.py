@@ -144,7 +144,9 @@ class Metrics:
         self._counter_sources.append(source)
 
     def snapshot(self) -> Stats:
-        counters = dict(self.counters)
+        usage = memory.usage()
+        memory.bound_freed_memory(usage)
+        counters = {**self.counters, **memory.counters}
         for source in self._counter_sources:
             counters.update(dict(source))
         return Stats(
@@ -156,7 +158,7 @@ class Metrics:
             histograms={name: h.snapshot() for name, h in dict(self.histograms).items()},
             interval_s=self.interval_s, restarts=self.restarts,
             http_refused=dict(self.http_refused), exposition=self.exposition(),
-            memory=memory.usage(),
+            memory=usage,
         )
 
     def pong(self) -> Pong:
