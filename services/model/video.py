@@ -7,16 +7,18 @@ from transformers' `Qwen2VLVideoProcessor`.
     VideoPreprocessor.expand_placeholders(ids, items)  each <|video_pad|> to its video's tokens
 
 What vLLM calls. vLLM samples and decodes the frames itself (mmlane.mm_worker.video gives the
-same frames and metadata), then calls the model's HF processor once per prompt: `videos=[frames,
-...]` with `return_tensors="pt"` and no other setting (none unless the server is given
-`--mm-processor-kwargs`), so the video processor keeps its default `do_sample_frames=False`
-and processes every frame it is given. For Qwen2-VL it passes no metadata, and the processor
-returns `pixel_values_videos` and `video_grid_thw`. For Qwen2.5-VL it passes `video_metadata`:
-the decoder's metadata as a `VideoMetadata`, less `do_sample_frames`; the processor adds
-`second_per_grid_ts`, `temporal_patch_size / sampled_fps` where `sampled_fps` is the kept
-frames over the source's frames times the source's `fps` (the seconds one temporal patch spans;
-the model's M-RoPE reads it). vLLM reads no `fps` of its own there: its `fps` setting
-(`--media-io-kwargs`) only picks the frames.
+same frames and metadata), then calls the model's HF processor once per prompt with `videos=
+[frames, ...]`, `return_tensors="pt"` and `do_rescale=False, do_normalize=False` (its
+`mm_device_do_normalize`, on by default for these models: the model normalises on its device)
+and nothing else unless the server is given `--mm-processor-kwargs`. So the video processor
+keeps its default `do_sample_frames=False` and processes every frame it is given. For Qwen2-VL
+vLLM passes no metadata, and the processor returns `pixel_values_videos` and `video_grid_thw`.
+For Qwen2.5-VL it passes `video_metadata`: the decoder's metadata as a `VideoMetadata`, less
+`do_sample_frames`; the processor adds `second_per_grid_ts`, `temporal_patch_size /
+sampled_fps` where `sampled_fps` is the kept frames over the source's frames times the source's
+`fps` (the seconds one temporal patch spans; the model's M-RoPE reads it), which vLLM then casts
+to the model's dtype, as it casts every floating output. vLLM reads no `fps` of its own there:
+its `fps` setting (`--media-io-kwargs`) only picks the frames.
 
 What the processor does, and what this does instead. `Qwen2VLVideoProcessor` (transformers'
 torchvision backend) resizes all frames of a video at once with torch's antialiased bicubic
@@ -164,7 +166,8 @@ class VideoItem:
 
     tensors: dict[str, np.ndarray]
     """`pixel_values_videos` (uint8 patch rows), `video_grid_thw` (1, 3), and for Qwen2.5-VL
-    `second_per_grid_ts` (1,) float32."""
+    `second_per_grid_ts` (1,), float32 as the HF processor returns it (vLLM casts it to the
+    model's dtype)."""
     num_tokens: int
 
     @property
