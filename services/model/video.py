@@ -51,6 +51,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -131,21 +132,15 @@ class VideoSettings:
             raise ModelDirError(f"{where}: mmlane renders videos as Qwen2VLVideoProcessor does "
                                 f"with its bicubic resize (do_resize true, resample 3), got "
                                 f"do_resize {raw['do_resize']}, resample {raw['resample']}")
-        rescale = float(raw["rescale_factor"]) if raw["do_rescale"] else None
-        mean = _per_channel(raw["image_mean"]) if raw["do_normalize"] else None
-        std = _per_channel(raw["image_std"]) if raw["do_normalize"] else None
         return cls(
             min_pixels=int(size["shortest_edge"]), max_pixels=int(size["longest_edge"]),
             patch_size=int(raw["patch_size"]), temporal_patch_size=int(raw["temporal_patch_size"]),
             merge_size=int(raw["merge_size"]),
             cap_pixels_per_frame=bool(raw["cap_pixels_per_frame"]),
             max_video_tokens=int(raw["max_video_tokens"]),
-            norm=PixelNorm(rescale, mean, std, torchvision=True),
+            # The video processor is transformers' torchvision backend, whatever its settings say.
+            norm=PixelNorm.of(SimpleNamespace(**{**raw, "backend": "torchvision"})),
         )
-
-
-def _per_channel(values: Any) -> tuple[float, ...]:
-    return tuple(float(v) for v in np.atleast_1d(np.asarray(values)))
 
 
 def _stored_settings(model_dir: Path) -> tuple[Path, dict[str, Any]]:
@@ -222,7 +217,7 @@ class VideoPreprocessor:
         s = self.settings
         width, height = self.resized_size(frames, width, height)
         return VideoGrid(-(-frames // s.temporal_patch_size), height // s.patch_size,
-                    width // s.patch_size)
+                         width // s.patch_size)
 
     def count_tokens(self, frames: int, width: int, height: int) -> int:
         """The video tokens of a video of `frames` frames of this size."""
