@@ -96,6 +96,7 @@ FAST = (
     "test_sampling.py",
     "test_tools.py::TestReading",
     "test_video.py",
+    "test_video_render.py",
 )
 """The fast lane (`scripts/test --fast`, which is `pytest -m fast`): tests of pure logic and
 in-process code that start no process, neither a role nor `mmlane serve` nor a pool (`no_leaks`

@@ -12,7 +12,7 @@ wrong in mmlane's terms:
 """
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -169,25 +169,32 @@ class Preprocessor:
 
     def expand_placeholders(self, token_ids: list[int], items: list[ImageItem]) -> list[int]:
         """Replace the i-th image placeholder with items[i]'s expansion."""
-        placeholders = token_ids.count(self.image_token_id)
-        if placeholders != len(items):
-            raise PromptError(
-                f"the prompt has {placeholders} image placeholders "
-                f"but the request has {len(items)} images"
-            )
-        expanded: list[int] = []
-        images = iter(items)
-        for token in token_ids:
-            if token == self.image_token_id:
-                item = next(images)
-                expanded.extend(item.token_ids or [token] * item.num_tokens)
-            else:
-                expanded.append(token)
-        return expanded
+        spans = [item.token_ids or (self.image_token_id,) * item.num_tokens for item in items]
+        return expand_placeholder(token_ids, self.image_token_id, spans, "image")
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return cast(str, self.tokenizer.decode(token_ids,
                                                skip_special_tokens=skip_special_tokens))
+
+
+def expand_placeholder(token_ids: list[int], placeholder: int, spans: Sequence[Sequence[int]],
+                       noun: str) -> list[int]:
+    """`token_ids` with the i-th `placeholder` replaced by spans[i]; PromptError where the
+    prompt has another number of them (`noun` names what they stand for: image, video)."""
+    placeholders = token_ids.count(placeholder)
+    if placeholders != len(spans):
+        raise PromptError(
+            f"the prompt has {placeholders} {noun} placeholders "
+            f"but the request has {len(spans)} {noun}s"
+        )
+    expanded: list[int] = []
+    next_spans = iter(spans)
+    for token in token_ids:
+        if token == placeholder:
+            expanded.extend(next(next_spans))
+        else:
+            expanded.append(token)
+    return expanded
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:

@@ -1,0 +1,296 @@
+"""mmlane.model.video: a decoded video's tensors, token count and prompt for the tiny Qwen2-VL and
+Qwen2.5-VL, against transformers' own processor as vLLM 0.32 calls it.
+
+The videos are made here with PyAV (tests/test_video.py's `encode`) and decoded with
+mmlane.mm_worker.video's `decode_video`, as vLLM's loader samples them. The reference is the
+model's AutoProcessor: `videos=[frames]`, `return_tensors="pt"`, and for Qwen2.5-VL the
+decoder's metadata (less `do_sample_frames`), which is how vLLM calls it. transformers' video
+processor needs torchvision: the tests that run it skip where it does not import (the main test
+environment has none; the vLLM environment has it: `.venv-vllm/bin/python -m pytest
+tests/test_video_render.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from test_video import encode, frame_image
+
+from bench.images import make_image
+from mmlane.mm_worker.video import (
+    DecodedVideo,
+    FrameSampling,
+    Qwen2VLSampling,
+    UniformSampling,
+    decode_video,
+)
+from mmlane.model import ModelDirError, Preprocessor, UnsupportedModelError, load_preprocessor
+from mmlane.model import normalize as normalise
+from mmlane.model.video import (
+    PROCESSOR_DEFAULTS,
+    VideoPreprocessor,
+    VideoSettings,
+    load_video_preprocessor,
+)
+from mmlane.protocol.errors import RequestError
+
+MODELS = ["qwen2_vl", "qwen2_5_vl"]
+NO_LIMIT = 10**9
+
+
+class Case(NamedTuple):
+    name: str
+    codec: str
+    width: int
+    height: int
+    frames: int
+    rate: Fraction
+    sampling: FrameSampling
+
+    def decoded(self) -> DecodedVideo:
+        data = encode(self.codec, self.width, self.height, self.frames, self.rate)
+        return decode_video(data, 0, self.sampling)
+
+
+CASES = [
+    # 64x48 becomes 56x56: vLLM's default sampling (2 fps, at least 4 frames) of a 1 s clip.
+    Case("mpeg4-4-frames", "mpeg4", 64, 48, 30, Fraction(30), Qwen2VLSampling()),
+    Case("h264-ntsc-fps4", "libx264", 160, 90, 60, Fraction(30000, 1001), Qwen2VLSampling(fps=4)),
+    Case("h264-10fps-fps0.5", "libx264", 96, 64, 100, Fraction(10), Qwen2VLSampling(fps=0.5)),
+    # Already whole patches: no resize (the processor's resize returns a same-size frame).
+    Case("mpeg4-unresized", "mpeg4", 84, 56, 24, Fraction(24), Qwen2VLSampling()),
+    # Odd counts: the processor repeats the last frame into a whole temporal patch.
+    Case("mpeg4-5-frames", "mpeg4", 100, 60, 25, Fraction(25), UniformSampling(num_frames=5)),
+    Case("mpeg4-1-frame", "mpeg4", 48, 100, 10, Fraction(10), UniformSampling(num_frames=1)),
+    # Over max_pixels (1280 * 28 * 28): scaled down.
+    Case("mpeg4-over-max-pixels", "mpeg4", 1296, 800, 8, Fraction(4), Qwen2VLSampling()),
+]
+
+
+@pytest.fixture(scope="module")
+def decoded() -> dict[str, DecodedVideo]:
+    return {case.name: case.decoded() for case in CASES}
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request: pytest.FixtureRequest, model_dirs: dict[str, Path]
+          ) -> tuple[Path, Preprocessor, VideoPreprocessor]:
+    model_dir = model_dirs[request.param]
+    preprocessor = load_preprocessor(model_dir)
+    return model_dir, preprocessor, load_video_preprocessor(model_dir, preprocessor)
+
+
+def hf_processor(model_dir: Path) -> Any:
+    """The model's AutoProcessor, with its video processor (which needs torchvision)."""
+    pytest.importorskip("torchvision", reason="transformers' video processor needs torchvision")
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def hf_call(processor: Any, videos: list[DecodedVideo], **inputs: Any) -> dict[str, Any]:
+    """`processor(...)` as vLLM calls it for these videos (module docstring)."""
+    from transformers.video_utils import VideoMetadata
+
+    if "second_per_grid_ts" in processor.model_input_names:  # Qwen2_5_VLProcessor
+        inputs["video_metadata"] = [
+            VideoMetadata(**{k: v for k, v in video.hf_metadata().items()
+                             if k != "do_sample_frames"})
+            for video in videos]
+    return dict(processor(videos=[video.frames for video in videos], return_tensors="pt",
+                          **inputs))
+
+
+def as_processor_output(items: list, video: VideoPreprocessor) -> dict[str, torch.Tensor]:
+    """Our items as the processor's batch: pixels normalised, every field concatenated."""
+    fields = items[0].tensors
+    joined = {field: torch.from_numpy(np.concatenate([item.tensors[field] for item in items]))
+              for field in fields}
+    joined["pixel_values_videos"] = normalise(joined["pixel_values_videos"], video.pixel_norm)
+    return joined
+
+
+def assert_equal_tensors(ours: dict[str, torch.Tensor], expected: dict[str, Any]) -> None:
+    fields = {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts"} & expected.keys()
+    assert ours.keys() == fields
+    for field in fields:
+        assert ours[field].dtype == expected[field].dtype, field
+        assert torch.equal(ours[field], expected[field]), field
+
+
+def video_chat(*parts: str) -> list[dict]:
+    content = [{"type": part} if part != "text" else {"type": "text", "text": "what happens?"}
+               for part in parts]
+    return [{"role": "user", "content": content}]
+
+
+# ---------------------------------------------------------------- against transformers
+
+
+@pytest.mark.parametrize("case", [case.name for case in CASES])
+def test_tensors_tokens_and_prompt_are_the_processors(model, decoded, case: str) -> None:
+    """pixel_values_videos (normalised), video_grid_thw and, for Qwen2.5-VL, second_per_grid_ts
+    are the processor's bit for bit; the uint8 pixels are its output with rescale and normalise
+    off; the prompt expands to its input ids."""
+    model_dir, preprocessor, video = model
+    processor = hf_processor(model_dir)
+    decoded_video = decoded[case]
+    prompt = preprocessor.render_prompt(video_chat("video", "text"))
+    expected = hf_call(processor, [decoded_video], text=[prompt])
+
+    item = video.process_video(decoded_video.frames, decoded_video.hf_metadata(), index=0,
+                               max_tokens=NO_LIMIT)
+    assert_equal_tensors(as_processor_output([item], video), expected)
+    uint8 = processor.video_processor(videos=[decoded_video.frames], do_rescale=False,
+                                      do_normalize=False, return_tensors="pt")
+    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"]),
+                       uint8["pixel_values_videos"])
+
+    [token_ids] = preprocessor.tokenize_batch([prompt])
+    input_ids = expected["input_ids"][0].tolist()
+    assert video.expand_placeholders(token_ids, [item]) == input_ids
+    assert item.num_tokens == input_ids.count(video.video_token_id)
+    frames, height, width = decoded_video.frames.shape[:3]
+    assert video.count_tokens(frames, width, height) == item.num_tokens
+
+
+def test_a_chat_with_images_and_videos_is_the_processors(model, decoded) -> None:
+    """Two videos of different sizes and an image between them: one processor call, as vLLM
+    makes it for a prompt, and its ids with both kinds of placeholder expanded."""
+    model_dir, preprocessor, video = model
+    processor = hf_processor(model_dir)
+    videos = [decoded["h264-ntsc-fps4"], decoded["mpeg4-5-frames"]]
+    image = make_image(200, 150, seed=3)
+    prompt = preprocessor.render_prompt(video_chat("video", "image", "text", "video"))
+    expected = hf_call(processor, videos, text=[prompt], images=[image])
+
+    items = [video.process_video(v.frames, v.hf_metadata(), index=i, max_tokens=NO_LIMIT)
+             for i, v in enumerate(videos)]
+    assert_equal_tensors(as_processor_output(items, video), expected)
+    [token_ids] = preprocessor.tokenize_batch([prompt])
+    with_images = preprocessor.expand_placeholders(token_ids, [preprocessor.process_image(image)])
+    assert video.expand_placeholders(with_images, items) == expected["input_ids"][0].tolist()
+
+
+def test_the_defaults_are_the_video_processors() -> None:
+    pytest.importorskip("torchvision", reason="transformers' video processor needs torchvision")
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    for name, value in PROCESSOR_DEFAULTS.items():
+        assert getattr(Qwen2VLVideoProcessor, name) == value, name
+
+
+SETTINGS_FILES = {
+    # The tiny models' own preprocessor_config.json (min_pixels and max_pixels).
+    "image-processor-file": {},
+    "video-processor-file": {"video_preprocessor_config.json": {
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 8 * 28 * 28}, "merge_size": 2}},
+    # qwen-vl-utils' total budget, small enough to bite on a few frames.
+    "cap-pixels-per-frame": {"video_preprocessor_config.json": {
+        "min_pixels": 28 * 28, "max_pixels": 64 * 28 * 28, "cap_pixels_per_frame": True,
+        "max_video_tokens": 80}},
+    "nested-in-processor-config": {"processor_config.json": {"video_processor": {
+        "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}}},
+}
+
+
+def model_dir_with(model_dir: Path, tmp_path: Path, files: dict[str, dict]) -> Path:
+    copy = tmp_path / model_dir.name
+    shutil.copytree(model_dir, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name, settings in files.items():
+        (copy / name).write_text(json.dumps(settings))
+    return copy
+
+
+@pytest.mark.parametrize("files", list(SETTINGS_FILES))
+def test_settings_are_read_as_the_processor_reads_them(model, decoded, tmp_path: Path,
+                                                       files: str) -> None:
+    model_dir, preprocessor, _ = model
+    model_dir = model_dir_with(model_dir, tmp_path, SETTINGS_FILES[files])
+    video = load_video_preprocessor(model_dir, preprocessor)
+    processor = hf_processor(model_dir)
+    hf = processor.video_processor
+    settings = video.settings
+    assert (settings.min_pixels, settings.max_pixels) == (hf.size.shortest_edge,
+                                                          hf.size.longest_edge)
+    assert settings.cap_pixels_per_frame == bool(hf.cap_pixels_per_frame)
+    for case in ("mpeg4-over-max-pixels", "mpeg4-5-frames"):
+        item = video.process_video(decoded[case].frames, decoded[case].hf_metadata(), index=0,
+                                   max_tokens=NO_LIMIT)
+        assert_equal_tensors(as_processor_output([item], video),
+                             hf_call(processor, [decoded[case]], text=["<|video_pad|>"]))
+
+
+# ---------------------------------------------------------------- bounds and refusals
+
+
+def test_a_video_over_the_token_limit_is_refused_before_any_pixel_work(model) -> None:
+    _, _, video = model
+    # 256 frames of 1080p, never materialised: refused from their count and size alone.
+    frames = np.broadcast_to(np.uint8(0), (256, 1080, 1920, 3))
+    tokens = video.count_tokens(256, 1920, 1080)
+    assert tokens == 128 * (728 // 14) * (1316 // 14) // 4  # each frame 1316x728: max_pixels
+    with pytest.raises(RequestError, match=rf"^video 3: its 256 frames of 1920x1080 make "
+                                           rf"{tokens} tokens .* more than the 32768 it may take"
+                       ) as refused:
+        video.process_video(frames, {}, index=3, max_tokens=32768)
+    assert refused.value.code == "video_too_large"
+
+
+def test_a_video_at_the_limit_is_taken(model) -> None:
+    _, _, video = model
+    frames = np.stack([frame_image(i, 64, 48) for i in range(4)])
+    metadata = {"fps": 30.0, "total_num_frames": 30, "frames_indices": [0, 7, 15, 22]}
+    item = video.process_video(frames, metadata, index=0, max_tokens=8)
+    assert item.num_tokens == 8  # resized to 56x56: 2 temporal patches of 4x4, merged 2x2
+    with pytest.raises(RequestError, match="video 0: .* make 8 tokens") as refused:
+        video.process_video(frames, metadata, index=0, max_tokens=7)
+    assert refused.value.code == "video_too_large"
+
+
+def test_frames_the_processor_would_refuse_are_invalid(model) -> None:
+    _, _, video = model
+    with pytest.raises(RequestError, match="video 1: its 2 frames of 2010x10 cannot be processed"
+                                           ": absolute aspect ratio") as refused:
+        video.process_video(np.zeros((2, 10, 2010, 3), np.uint8), {}, index=1, max_tokens=NO_LIMIT)
+    assert refused.value.code == "invalid_video"
+
+
+def test_qwen2_5_vl_needs_the_frame_rate(model_dirs: dict[str, Path]) -> None:
+    preprocessor = load_preprocessor(model_dirs["qwen2_5_vl"])
+    video = load_video_preprocessor(model_dirs["qwen2_5_vl"], preprocessor)
+    frames = np.zeros((2, 56, 56, 3), np.uint8)
+    with pytest.raises(RequestError, match="video 0: its frame rate is unknown") as refused:
+        video.process_video(frames, {"fps": 0.0, "total_num_frames": 2, "frames_indices": [0, 1]},
+                            index=0, max_tokens=NO_LIMIT)
+    assert refused.value.code == "invalid_video"
+
+
+def test_only_the_qwen2_vl_family_renders_videos(model_dirs: dict[str, Path]) -> None:
+    llava = model_dirs["llava"]
+    with pytest.raises(UnsupportedModelError, match="Qwen2-VL and Qwen2.5-VL only, not the llava"):
+        load_video_preprocessor(llava, load_preprocessor(llava))
+
+
+@pytest.mark.parametrize(("settings", "refusal"), [
+    ({"resample": 2}, "bicubic resize"),
+    ({"do_resize": False}, "bicubic resize"),
+    ({"size": {"min_pixels": 3136, "max_pixels": 50176}}, "needs a shortest_edge"),
+])
+def test_settings_it_does_not_reproduce_are_refused(model, tmp_path: Path, settings: dict,
+                                                    refusal: str) -> None:
+    model_dir, preprocessor, _ = model
+    stock = json.loads((model_dir / "preprocessor_config.json").read_text())
+    stock = {k: v for k, v in stock.items() if k not in ("min_pixels", "max_pixels")}
+    model_dir = model_dir_with(model_dir, tmp_path,
+                               {"preprocessor_config.json": {**stock, **settings}})
+    with pytest.raises(ModelDirError, match=refusal):
+        VideoSettings.read(model_dir)
