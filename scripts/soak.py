@@ -20,9 +20,10 @@ hold (in use, free but kept, mapped apart) and the caches' evictions (a cache th
 full).
 
 Prints, per role, RSS, anonymous memory and fds at the start of the last ten minutes (of the
-second half, in a shorter run: the caches are full by then) and at the end, and their growth
-over that window; the requests answered per second; writes OUT.json (every sample) and OUT.png
-(the curves). Asserts nothing about the figures: read them (BENCHMARKS.md has a run's).
+second half, in a run of ten minutes or less: the caches are full by then) and at the end, and
+their growth over that window; the requests answered per second; writes OUT.json (every
+sample) and OUT.png (the curves). Asserts nothing about the figures: read them (BENCHMARKS.md
+has a run's).
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def sample(feed: StatsFeed, started: float) -> dict[str, Any]:
 
 def report(samples: list[dict[str, Any]], load: Load, out: Path) -> None:
     last = samples[-1]
-    start_s = max(last["t_s"] - WINDOW_S, last["t_s"] / 2)
+    start_s = last["t_s"] - WINDOW_S if last["t_s"] > WINDOW_S else last["t_s"] / 2
     first = next(s for s in samples if s["t_s"] >= start_s)
     print(f"\nfrom {first['t_s']:.0f} s to {last['t_s']:.0f} s:")
     print(f"{'role':<24} {'RSS MiB':>8} {'end':>8} {'growth':>7}   {'anon MiB':>8} {'end':>8} "
