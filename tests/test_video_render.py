@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from test_video import encode, frame_image
+from test_video import Video, frame_image
 
 from bench.images import make_image
 from mmlane.mm_worker.video import (
@@ -46,31 +46,32 @@ NO_LIMIT = 10**9
 
 
 class Case(NamedTuple):
-    name: str
-    codec: str
-    width: int
-    height: int
-    frames: int
-    rate: Fraction
+    video: Video
     sampling: FrameSampling
 
+    @property
+    def name(self) -> str:
+        return self.video.name
+
     def decoded(self) -> DecodedVideo:
-        data = encode(self.codec, self.width, self.height, self.frames, self.rate)
-        return decode_video(data, 0, self.sampling)
+        return decode_video(self.video.data, 0, self.sampling)
 
 
 CASES = [
     # 64x48 becomes 56x56: vLLM's default sampling (2 fps, at least 4 frames) of a 1 s clip.
-    Case("mpeg4-4-frames", "mpeg4", 64, 48, 30, Fraction(30), Qwen2VLSampling()),
-    Case("h264-ntsc-fps4", "libx264", 160, 90, 60, Fraction(30000, 1001), Qwen2VLSampling(fps=4)),
-    Case("h264-10fps-fps0.5", "libx264", 96, 64, 100, Fraction(10), Qwen2VLSampling(fps=0.5)),
+    Case(Video("mpeg4-4-frames", "mpeg4", 64, 48, 30, Fraction(30)), Qwen2VLSampling()),
+    Case(Video("h264-ntsc-fps4", "libx264", 160, 90, 60, Fraction(30000, 1001)),
+         Qwen2VLSampling(fps=4)),
+    Case(Video("h264-10fps-fps0.5", "libx264", 96, 64, 100, Fraction(10)),
+         Qwen2VLSampling(fps=0.5)),
     # Already whole patches: no resize (the processor's resize returns a same-size frame).
-    Case("mpeg4-unresized", "mpeg4", 84, 56, 24, Fraction(24), Qwen2VLSampling()),
+    Case(Video("mpeg4-unresized", "mpeg4", 84, 56, 24, Fraction(24)), Qwen2VLSampling()),
     # Odd counts: the processor repeats the last frame into a whole temporal patch.
-    Case("mpeg4-5-frames", "mpeg4", 100, 60, 25, Fraction(25), UniformSampling(num_frames=5)),
-    Case("mpeg4-1-frame", "mpeg4", 48, 100, 10, Fraction(10), UniformSampling(num_frames=1)),
+    Case(Video("mpeg4-5-frames", "mpeg4", 100, 60, 25, Fraction(25)),
+         UniformSampling(num_frames=5)),
+    Case(Video("mpeg4-1-frame", "mpeg4", 48, 100, 10, Fraction(10)), UniformSampling(num_frames=1)),
     # Over max_pixels (1280 * 28 * 28): scaled down.
-    Case("mpeg4-over-max-pixels", "mpeg4", 1296, 800, 8, Fraction(4), Qwen2VLSampling()),
+    Case(Video("mpeg4-over-max-pixels", "mpeg4", 1296, 800, 8, Fraction(4)), Qwen2VLSampling()),
 ]
 
 
