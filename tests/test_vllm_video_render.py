@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_video import encode
 from test_video_render import CASES, MODELS, NO_LIMIT, Case, video_chat
 
 from mmlane.common import cpu_wheels
@@ -51,7 +50,7 @@ def models(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> tuple
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_tensors_and_prompt_are_vllms(models: tuple[Any, ...], case: Case) -> None:
     preprocessor, video, vllm_processor, dtype = models
-    data = encode(case.codec, case.width, case.height, case.frames, case.rate)
+    data = case.video.data
     [prompt] = preprocessor.tokenize_batch([preprocessor.render_prompt(video_chat("video",
                                                                                   "text"))])
     frames, metadata = _vllm_load(data, case.sampling)
