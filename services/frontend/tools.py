@@ -318,7 +318,8 @@ class ToolStream:
         self._held += text
         if self._use.choice != "auto" or self._calling:  # calls' JSON: held to the end
             return []
-        opener = _OPENERS[self._use.format or "hermes"]
+        assert self._use.format is not None  # 'auto' is refused without one (tool_use)
+        opener = _OPENERS[self._use.format]
         start = self._held.find(opener)
         if start >= 0:
             self._calling = True

@@ -279,7 +279,7 @@ def load_model(model_dir: str | Path, device: str) -> torch.nn.Module:
 def _load_config(model_dir: Path) -> tuple[Family, Any]:
     # Resolve the family from the raw file first, so an unknown model_type gets our message
     # rather than AutoConfig's.
-    raw = _read_json(model_dir / "config.json")
+    raw = read_json(model_dir / "config.json")
     model_type = raw.get("model_type")
     if model_type is None:
         raise ModelDirError(f"{model_dir / 'config.json'} has no model_type")
@@ -324,7 +324,7 @@ def _read_chat_template(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> 
         return jinja_file.read_text(encoding="utf-8")
     json_file = model_dir / "chat_template.json"
     if json_file.is_file():
-        return _read_json(json_file)["chat_template"]
+        return read_json(json_file)["chat_template"]
     if isinstance(tokenizer.chat_template, str):
         return tokenizer.chat_template
     raise ModelDirError(f"{model_dir} has no chat template")
@@ -368,7 +368,8 @@ def _added_special_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], l
     return full[:start], full[start + len(plain) :]
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A model directory's JSON file; ModelDirError where it cannot be read."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

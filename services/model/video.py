@@ -46,7 +46,6 @@ context left) with `video_too_large`, naming the video (`video 2: ...`) as the d
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +59,13 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImage
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmlane.model.families import QWEN2_VL, UnsupportedModelError
-from mmlane.model.loading import ModelDirError, Preprocessor, expand_placeholder, resolve_model_dir
+from mmlane.model.loading import (
+    ModelDirError,
+    Preprocessor,
+    expand_placeholder,
+    read_json,
+    resolve_model_dir,
+)
 from mmlane.model.pixels import RGB, PixelNorm
 from mmlane.protocol.errors import RequestError
 
@@ -145,12 +150,13 @@ class VideoSettings:
 
 def _stored_settings(model_dir: Path) -> tuple[Path, dict[str, Any]]:
     """The settings file AutoVideoProcessor would read, and what it holds."""
-    nested = _read_json(model_dir / "processor_config.json").get("video_processor")
+    processor = model_dir / "processor_config.json"
+    nested = read_json(processor).get("video_processor") if processor.is_file() else None
     if nested is not None:
-        return model_dir / "processor_config.json", nested
+        return processor, nested
     for name in _SETTINGS_FILES:
         if (model_dir / name).is_file():
-            return model_dir / name, _read_json(model_dir / name)
+            return model_dir / name, read_json(model_dir / name)
     raise ModelDirError(f"{model_dir} has no video processor settings "
                         f"({', '.join(_SETTINGS_FILES)})")
 
@@ -299,17 +305,8 @@ def load_video_preprocessor(model_dir: str | Path, preprocessor: Preprocessor) -
     video_token_id = preprocessor.tokenizer.backend_tokenizer.token_to_id(VIDEO_TOKEN)
     if video_token_id is None:
         raise ModelDirError(f"the tokenizer in {model_dir} lacks the video token {VIDEO_TOKEN!r}")
-    model_type = _read_json(model_dir / "config.json").get("model_type")
+    model_type = read_json(model_dir / "config.json").get("model_type")
     return VideoPreprocessor(settings=VideoSettings.read(model_dir),
                              video_token_id=video_token_id,
                              timed=model_type in TIMED_MODEL_TYPES)
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A settings file's contents; {} where there is none."""
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelDirError(f"cannot read {path}: {exc}") from exc
