@@ -3,7 +3,7 @@
     python scripts/bench_cache.py [--requests 20]
 
 Starts one `mmlane mm-worker` with this script standing in for its engine (bench_common's
-`LoneMMWorker`), with `--mm-cache-gb 0` and then with the default 4 GiB, and sends the same image
+`LoneMMWorker`), with `--mm-cache-gb 0` and then with its default (1 GiB), and sends the same image
 (a data URI) `--requests` times, one job at a time, each job carrying an engine epoch as a
 frontend's jobs do once the engine has replied; then the same with the client naming the image
 by a uuid. For each job it measures the time from sending the job to receiving the rendered

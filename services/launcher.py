@@ -45,7 +45,6 @@ from typing import IO, Any
 import msgspec
 import zmq
 
-from mmlane.common import cpu_wheels
 from mmlane.common.config import (
     OpsConfig,
     default_run_dir,
@@ -54,6 +53,7 @@ from mmlane.common.config import (
     run_dir_defaults,
 )
 from mmlane.common.lifecycle import RESTARTS_ENV, setup_logging
+from mmlane.common.model_dir import resolve_model_dir
 from mmlane.common.settings import Settings
 from mmlane.common.sockets import make_socket, write_keys
 from mmlane.common.stats import Metrics, StatsServer
@@ -294,9 +294,6 @@ def _give_throwaway_keys(config: ServeConfig, folder: Path) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
-    from mmlane.model import resolve_model_dir  # heavy (transformers): not for --help
-
     log = setup_logging("serve")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -125,6 +125,7 @@ NOT_FAST = (
     "test_detokenize.py::test_a_streamed_reply_carries_the_whole_text",
     "test_fetch.py::test_https_fetch_verifies_the_certificate",
     "test_model.py::test_importing_the_model_package_patches_no_environment",
+    "test_model.py::TestTinyModel::test_default_model_is_built_once",
 )
 """The tests of a file in FAST that start a process (named as in FAST)."""
 

@@ -105,10 +105,10 @@ def test_a_command_line_it_cannot_read_is_refused(argv: list[str], match: str) -
 
 def test_one_flag_sets_every_leaf_of_its_name() -> None:
     config = serve_config(SERVE_SETTINGS.parse(["--model", "/m", "--drain-timeout", "3",
-                                                "--mm-cache-gb", "1"]))
+                                                "--mm-cache-gb", "2"]))
     assert config.engine.model == config.mm_worker.model == config.frontend.model == "/m"
     assert {c.ops.drain_timeout_s for c in config.roles().values()} == {3.0}
-    assert config.engine.mm_cache_gb == config.mm_worker.mm_cache_gb == 1.0
+    assert config.engine.mm_cache_gb == config.mm_worker.mm_cache_gb == 2.0
 
 
 # ---------------------------------------------------------------- precedence: flag > env > default
@@ -698,6 +698,14 @@ def test_mmlane_imports_nothing_of_the_bench() -> None:
              if isinstance(node, ast.Import | ast.ImportFrom)
              and any(name.partition(".")[0] == "bench" for name in _imports(node))]
     assert len(files) > 50 and not found, found
+
+
+def test_serve_imports_no_model_code() -> None:
+    """`mmlane serve` only starts and watches the roles: torch and transformers would cost it
+    about 280 MB of its own for nothing (the default model is built by a child process)."""
+    loaded = loaded_on_import("mmlane.launcher")
+    assert "mmlane.common.model_dir" in loaded
+    assert not {m for m in loaded if m.startswith(("torch", "transformers", "mmlane.model"))}
 
 
 @pytest.mark.parametrize(("config", "others"), [

@@ -24,7 +24,7 @@ installed); on a CUDA install, or a CPU one with CPU wheels, `apply` changes not
 
 Nothing applies the fixes on import: a process that needs them says so at its entry point. Each
 role's (`mmlane frontend|mm-worker|engine`, services/cli.py: every role imports transformers'
-image processors, which import torchvision), serve's, the bench's and `mmlane tiny-model`'s;
+image processors, which import torchvision), the bench's and `mmlane tiny-model`'s;
 the engine's backend factory (services/engine/runner.py), for engines built in process; and
 scripts/bench_vllm.py. Processes those start as new interpreters (spawn: vLLM's engine core and
 workers, the MM worker's pool) must apply the fixes before they import anything:

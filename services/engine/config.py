@@ -69,11 +69,13 @@ class VisionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sets the MM worker's --image-nice too). Where cores are shared, text work takes one first,
     and image work gets what text leaves idle (at 10 about a tenth of a core that text fills).
     0: off. Linux counts niceness per thread."""
-    encoder_cache_gb: float = 1.0
+    encoder_cache_gb: float = 0.25
     """GiB of vision-encoder outputs kept by image hash, the most recently used (hf: on the
     model's device; vllm --encoder-lane: in this process's memory): a repeated image (one the
     MM worker hashed: its cache on, or a client uuid) skips its vision pass, with the same bits
-    as running it again. 0: off."""
+    as running it again. 0: off. Sized for a laptop; an image's outputs are its image tokens
+    times the hidden size times the dtype's bytes (Qwen2-VL-7B, 1,280 tokens in bfloat16:
+    9 MB), so a server gives a few GiB."""
 
     def __post_init__(self) -> None:
         check_nice(self, "image_nice")

@@ -5,19 +5,23 @@ Importing it imports transformers' image processors, which import torchvision wh
 installed: in a vLLM CPU install, whose torchvision fails beside CPU torch, a process applies
 services/common/cpu_wheels.py first (each role's entry point in services/cli.py does)."""
 
+from mmlane.common.model_dir import (
+    ModelDirError,
+    default_model_dir,
+    ensure_default_model,
+    resolve_model_dir,
+)
 from mmlane.model.families import FAMILIES, Family, UnsupportedModelError, family_for
 from mmlane.model.loading import (
     ImageError,
     ImageItem,
-    ModelDirError,
     Preprocessor,
     PromptError,
     load_model,
     load_preprocessor,
-    resolve_model_dir,
 )
 from mmlane.model.pixels import PixelNorm, model_layout, normalize
-from mmlane.model.tiny import build_tiny_model, default_model_dir, ensure_default_model
+from mmlane.model.tiny import build_tiny_model
 
 __all__ = [
     "FAMILIES",

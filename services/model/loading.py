@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from mmlane.common.config import ImageBackend
+from mmlane.common.model_dir import ModelDirError, resolve_model_dir
 from mmlane.model.families import (
     Family,
     Tensors,
@@ -41,17 +42,12 @@ from mmlane.model.families import (
     processor_uint8,
 )
 from mmlane.model.pixels import PixelNorm
-from mmlane.model.tiny import ensure_default_model
 
 REFERENCE_IMAGE_BACKEND: ImageBackend = "pil"
 """What `load_preprocessor` renders images with unless told: PIL, transformers' reference, which
 needs no torchvision. It is not the MM worker's `image_backend` setting ('auto' by default):
 roles that render no image (the frontend, the engine) and the tests' references take it; a
 role that renders images passes its setting."""
-
-
-class ModelDirError(ValueError):
-    """The model directory is missing, incomplete or unusable."""
 
 
 class PromptError(ValueError):
@@ -195,20 +191,6 @@ def expand_placeholder(token_ids: list[int], placeholder: int, spans: Sequence[S
         else:
             expanded.append(token)
     return expanded
-
-
-def resolve_model_dir(model: str | Path | None) -> Path:
-    """The directory to load: the embedded default when `model` is None, else `model` checked."""
-    if model is None:
-        return ensure_default_model()
-    model_dir = Path(model).expanduser()
-    if not model_dir.is_dir():
-        raise ModelDirError(f"model directory {model_dir} does not exist")
-    if not (model_dir / "config.json").is_file():
-        raise ModelDirError(
-            f"{model_dir} has no config.json; expected a Hugging Face model directory"
-        )
-    return model_dir
 
 
 def load_preprocessor(

@@ -3,12 +3,10 @@
 A tiny model is a real Hugging Face model directory (tokenizer, image processor config, chat
 template, config and safetensors weights) with a few MB of randomly initialised weights, so every
 role can run end to end without a download. The same seed always gives byte-identical files.
+Any change to the files built here bumps `BUILDER_VERSION` (services/common/model_dir.py).
 """
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +47,6 @@ from transformers import (
     SmolVLMForConditionalGeneration,
 )
 
-DEFAULT_MODEL_NAME = "tiny-qwen2-vl"
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 BPE_VOCAB_SIZE = 1500
 MAX_POSITIONS = 4096
@@ -233,8 +230,6 @@ def _utterance_template(start: str) -> str:
     )
 
 
-BUILDER_VERSION = 5  # bump whenever the built files change
-
 # Stock Qwen2-VL preprocessor_config.json, except max_pixels: the value Qwen documents for
 # serving (1280 * 28 * 28), so a 12-megapixel photo becomes 1,280 tokens instead of 15,552 —
 # which a few-MB model on a CPU can prefill, and which matches common deployments.
@@ -409,32 +404,6 @@ def build_tiny_model(out_dir: Path, family: str = "qwen2_vl", seed: int = 0) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     builder(out_dir, seed)
     return out_dir
-
-
-def default_model_dir() -> Path:
-    home = Path(os.environ.get("MMLANE_HOME", Path.home() / ".cache" / "mmlane"))
-    # The builder's version is part of the path, so a changed builder never reuses a stale cache.
-    return home / f"builder-v{BUILDER_VERSION}" / DEFAULT_MODEL_NAME
-
-
-def ensure_default_model() -> Path:
-    """Build the embedded default model once; later calls (and concurrent starts) reuse it."""
-    target = default_model_dir()
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: readers never see a half-written directory, and when
-    # two processes race, the loser's rename fails and it uses the winner's identical build.
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
-    try:
-        build_tiny_model(staging)
-        os.rename(staging, target)
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _build_qwen2_vl(out_dir: Path, seed: int) -> None:
