@@ -81,15 +81,18 @@ Passive, they sleep: a 1024x1024 image's processor took 7.2 ms of CPU with 2 thr
 1, in 5.4 ms against 7.2 (13.4 ms of CPU spinning). Pool processes run 1 thread each."""
 
 
-def _cmd_role(role: str, module: str, name: str,
-              environment: dict[str, str] | None = None) -> Callable[[argparse.Namespace], int]:
+def _cmd_role(role: str, module: str, name: str, environment: dict[str, str] | None = None,
+              *, torch: bool = True) -> Callable[[argparse.Namespace], int]:
     """Run ROLE, the class `name` of `module` built from its config, with `environment`'s
     variables set where the user's environment has not (before the module imports torch,
-    whose OpenMP runtime reads them once, as it loads)."""
+    whose OpenMP runtime reads them once, as it loads). Without `torch`, the role runs with
+    torch hidden (`_hide_torch`)."""
 
     def run(args: argparse.Namespace) -> int:
         for key, value in (environment or {}).items():
             os.environ.setdefault(key, value)
+        if not torch:
+            _hide_torch()
         # Every role imports transformers' image processors, which import torchvision: a vLLM
         # CPU install's fails beside CPU torch until fixed, here and in the processes the role
         # starts (the MM worker's pool, vLLM's): cpu_wheels.py.
@@ -99,6 +102,15 @@ def _cmd_role(role: str, module: str, name: str,
         return run_role(role, lambda: service(config), args.ready_endpoint, config.ops)  # type: ignore[attr-defined]
 
     return run
+
+
+def _hide_torch() -> None:
+    """Make `import torch` fail in this process (unless it is loaded already). The frontend
+    needs transformers' tokenizers and chat templates, never torch, but transformers imports
+    torch wherever it is installed; hidden, transformers runs without it, and the frontend
+    holds about 280 MB less (docs/ARCHITECTURE.md, "Memory")."""
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
 
 
 def _add_watch_args(p: argparse.ArgumentParser, kind: str) -> None:
@@ -120,7 +132,7 @@ def _add_watch_args(p: argparse.ArgumentParser, kind: str) -> None:
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     cpu_wheels.apply()  # before transformers imports torchvision (vLLM CPU install: cpu_wheels.py)
-    from mmlane.model import build_tiny_model
+    from mmlane.model.tiny import build_tiny_model
 
     out = build_tiny_model(args.out, family=args.family, seed=args.seed)
     print(out)
@@ -158,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
             "run frontend, MM worker and engine on this machine")
     SERVE_SETTINGS.add_to(p)
 
-    p = add("frontend", _cmd_role("frontend", "mmlane.frontend.service", "Frontend"),
+    p = add("frontend", _cmd_role("frontend", "mmlane.frontend.service", "Frontend", torch=False),
             "run one frontend (client API, chat template, tokenizer)")
     _add_role_args(p, ROLE_SETTINGS["frontend"][1])
 

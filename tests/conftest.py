@@ -312,7 +312,8 @@ def qwen2_5_dir() -> Path:
 
 def _tiny_model(family: str) -> Path:
     """The tiny model of `family`, built once beside the default one."""
-    from mmlane.model import build_tiny_model, default_model_dir
+    from mmlane.model import default_model_dir
+    from mmlane.model.tiny import build_tiny_model
 
     target = default_model_dir().parent / f"tiny-{family.replace('_', '-')}"
     if not (target / "config.json").exists():

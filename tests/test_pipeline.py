@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
-from conftest import REPO, free_port
+from conftest import REPO, free_port, processes
 from mmlane.client import Client, user_message
 from mmlane.protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
 from peers import SERVE_READY
@@ -77,6 +77,23 @@ def ask(client: Client, text: str, images: list[str] = (), **kw: object):  # typ
 
 
 # ---------------------------------------------------------------- happy paths
+
+
+def test_only_the_roles_that_run_tensors_load_torch(served: Served) -> None:
+    """`mmlane serve` and its frontend never load torch (about 280 MB each): serve imports no
+    model code, and the frontend runs transformers with torch hidden (services/cli.py). The MM
+    worker (its image processors) and the engine load it."""
+    def loads_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    roles = {role: child.pid for child in processes() if child.parent == served.process.pid
+             for role in ("frontend", "mm-worker", "engine")
+             if f"mmlane.cli\0{role}\0".encode() in child.cmdline}
+    assert set(roles) == {"frontend", "mm-worker", "engine"}, roles
+    assert not loads_torch(served.process.pid)
+    assert not loads_torch(roles["frontend"])
+    assert loads_torch(roles["mm-worker"]) and loads_torch(roles["engine"])
+
 
 
 def test_text_chat_streams_a_full_reply(client: Client) -> None:

@@ -21,7 +21,6 @@ from mmlane.model.loading import (
     load_preprocessor,
 )
 from mmlane.model.pixels import PixelNorm, model_layout, normalize
-from mmlane.model.tiny import build_tiny_model
 
 __all__ = [
     "FAMILIES",
@@ -33,7 +32,6 @@ __all__ = [
     "Preprocessor",
     "PromptError",
     "UnsupportedModelError",
-    "build_tiny_model",
     "default_model_dir",
     "ensure_default_model",
     "family_for",

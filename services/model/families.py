@@ -22,7 +22,6 @@ from transformers.image_utils import ChannelDimension
 from transformers.models.idefics3.image_processing_pil_idefics3 import (
     get_resize_output_image_size as idefics3_resized_size,
 )
-from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 from transformers.models.pixtral import image_processing_pil_pixtral as pixtral
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -300,9 +299,18 @@ def _split_llava_next(image_processor: Any, batch: Tensors) -> list[dict[str, np
     tile = _tile_side(image_processor)
     items = []
     for pixels, size in zip(batch["pixel_values"], batch["image_sizes"], strict=True):
-        tiles = image_size_to_num_patches(size, image_processor.image_grid_pinpoints, tile)
+        tiles = _llava_next_tiles(size, image_processor.image_grid_pinpoints, tile)
         items.append({"pixel_values": pixels[:tiles], "image_sizes": size[None]})
     return items
+
+
+def _llava_next_tiles(size: Any, pinpoints: list, tile: int) -> int:
+    """The tiles LLaVA-NeXT makes of an image of `size` (height, width), the whole image first,
+    as its model counts them."""
+    # From its modeling module, which imports torch: the frontend loads this module without.
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    return int(image_size_to_num_patches(size, pinpoints, tile))
 
 
 def _unpadded_grid(item: Tensors, pinpoints: list, features_per_side: int) -> tuple[int, int]:
@@ -373,7 +381,7 @@ def _llava_next_item_checker(config: Any) -> ItemChecker:
                 f"got {sizes.tolist()}"
             )
         # The model reads the number of tiles from the image's size, and takes that many.
-        tiles = image_size_to_num_patches(sizes[0], config.image_grid_pinpoints, tile_shape[-1])
+        tiles = _llava_next_tiles(sizes[0], config.image_grid_pinpoints, tile_shape[-1])
         if pixels.shape != (tiles, *tile_shape):
             raise RequestError(
                 f"{where}.pixel_values has shape {pixels.shape}, an image of size "

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import numpy as np
-import torch
 
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.sampling import StructuredOutputs
+
+if TYPE_CHECKING:
+    import torch
 
 FIELD = "structured_outputs"
 _ANY_OBJECT = '{"type": "object"}'
@@ -84,6 +86,8 @@ class Grammar:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (vocab,) with every token the grammar forbids next set to -inf."""
+        import torch  # here: the frontend checks grammars without torch (services/cli.py)
+
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[0]].astype(bool)
         forbidden = torch.from_numpy(~allowed).to(logits.device)

@@ -16,16 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jinja2
 import numpy as np
-import torch
 from PIL import Image
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
-    AutoModelForImageTextToText,
     AutoTokenizer,
     GenerationConfig,
     PreTrainedTokenizerBase,
@@ -42,6 +40,9 @@ from mmlane.model.families import (
     processor_uint8,
 )
 from mmlane.model.pixels import PixelNorm
+
+if TYPE_CHECKING:
+    import torch
 
 REFERENCE_IMAGE_BACKEND: ImageBackend = "pil"
 """What `load_preprocessor` renders images with unless told: PIL, transformers' reference, which
@@ -246,7 +247,11 @@ def _image_expansion(
     return lambda tensors: tokenized(placeholder_text(tensors))
 
 
-def load_model(model_dir: str | Path, device: str) -> torch.nn.Module:
+def load_model(model_dir: str | Path, device: str) -> "torch.nn.Module":
+    # torch here, not above: the frontend loads this module without it (services/cli.py).
+    import torch
+    from transformers import AutoModelForImageTextToText
+
     model_dir = resolve_model_dir(model_dir)
     _load_config(model_dir)  # refuse unsupported families before loading weights
     # CPUs run float32 well and half precision poorly; accelerators keep the checkpoint's dtype.

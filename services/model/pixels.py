@@ -24,10 +24,12 @@ after normalising where it normalises (half the work): copying values changes no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 RGB = 3
 """Channels of every image the processor sees (the MM worker converts each to RGB)."""
@@ -70,7 +72,7 @@ def normalize(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     return model_layout(_normalized(pixels, norm), norm)
 
 
-Pixels = TypeVar("Pixels", np.ndarray, torch.Tensor)
+Pixels = TypeVar("Pixels", np.ndarray, "torch.Tensor")
 
 
 def model_layout(pixels: Pixels, norm: PixelNorm) -> Pixels:
@@ -86,6 +88,8 @@ def model_layout(pixels: Pixels, norm: PixelNorm) -> Pixels:
 
 
 def _normalized(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
+    import torch  # the engine's: the frontend loads this module (PixelNorm) without torch
+
     if norm.torchvision:
         return _normalize_as_torchvision(pixels, norm)
     if norm.rescale_factor is None:
@@ -99,6 +103,8 @@ def _normalized(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
 
 def _normalize_as_torchvision(pixels: torch.Tensor, norm: PixelNorm) -> torch.Tensor:
     # transformers' TorchvisionBackend.rescale_and_normalize, step for step.
+    import torch
+
     values = pixels.to(torch.float32)
     if norm.mean is None or norm.std is None:
         return values if norm.rescale_factor is None else values * norm.rescale_factor
@@ -111,6 +117,8 @@ def _normalize_as_torchvision(pixels: torch.Tensor, norm: PixelNorm) -> torch.Te
 def _per_channel_normalize(values: torch.Tensor, mean: torch.Tensor,
                            std: torch.Tensor) -> torch.Tensor:
     """`(values - mean) / std` in float32, channel by channel (the layouts above)."""
+    import torch
+
     mean = mean.to(torch.float32, copy=False).to(values.device)[:, None]
     std = std.to(torch.float32, copy=False).to(values.device)[:, None]
     channels = values.reshape(values.shape[0], len(mean), -1)
