@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -115,10 +116,11 @@ def _vllm_serve_option(key: str, value: Any) -> str:
     return f"--{option}={_arg(value)}"
 
 
-def _start(command: list[str], log: Path) -> subprocess.Popen:
+def _start(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`command` with its output in `log`, in this environment and `env`."""
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=cpu_wheels.child_env())
+                                env=cpu_wheels.child_env({**os.environ, **(env or {})}))
 
 
 @contextmanager
@@ -140,8 +142,10 @@ def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None =
 
 
 @contextmanager
-def _vllm_alone(run_dir: Path, model_dir: Path,
-                engine_args: dict[str, Any]) -> Iterator[tuple[Server, int]]:
+def _vllm_alone(run_dir: Path, model_dir: Path, engine_args: dict[str, Any], *serve_args: str,
+                env: dict[str, str] | None = None) -> Iterator[tuple[Server, int]]:
+    """`vllm serve` on the model with `engine_args` and `serve_args`, in this environment and
+    `env`, its log run_dir/vllm.log: its server and port (not yet ready)."""
     port = free_port()
     args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
     log = run_dir / "vllm.log"
@@ -151,7 +155,7 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
     parser = load_preprocessor(model_dir).family.tool_call_format or "hermes"
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
                             "--port", str(port), "--enable-scale-out", "--enable-auto-tool-choice",
-                            "--tool-call-parser", parser, *args], log), log)
+                            "--tool-call-parser", parser, *args, *serve_args], log, env), log)
     try:
         yield server, port
     finally:
