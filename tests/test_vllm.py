@@ -955,6 +955,37 @@ def assert_a_render_generates_vllm_alone_s_tokens(alone_port: int, http_port: in
     assert generated["finish_reason"] == alone["finish_reason"]
 
 
+@pytest.mark.parametrize("route", ["chat/completions", "completions"])
+def test_a_render_for_n_choices_generates_vllm_alone_s_choices(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+    route: str,
+) -> None:
+    """A render for n sampled, seeded choices is one GenerateRequest asking for n, as `vllm
+    launch render`'s: posted as it is to vLLM's generate, it gives the n choices vLLM alone
+    gives for the same request."""
+    body = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 11, "n": 3,
+            **({"messages": _openai_messages(None, "Describe it.", [])}
+               if route == "chat/completions" else {"prompt": "Lanes, wide and narrow."})}
+    alone = _post(vllm_alone[1], route, {"model": str(qwen_dir), **body})["choices"]
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{mmlane_vllm[0].http_port}/v1/{route}/render",
+        data=json.dumps({"model": qwen_dir.name, **body}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        rendered = json.load(reply)
+    [rendered] = [rendered] if route == "chat/completions" else rendered
+    assert rendered["sampling_params"]["n"] == 3
+    generate = urllib.request.Request(
+        f"http://127.0.0.1:{vllm_alone[1]}/inference/v1/generate",
+        data=json.dumps(rendered).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(generate, timeout=120) as reply:
+        generated = json.load(reply)["choices"]
+    choices = [sorted((c["index"], c["token_ids"]) for c in answer)
+               for answer in (generated, alone)]
+    assert choices[0] == choices[1]
+    assert len({tuple(tokens) for _, tokens in choices[0]}) > 1  # sampled, each its own
+
+
 def test_tokenize_and_detokenize_answer_as_vllm_alone(
     vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
 ) -> None:
