@@ -112,6 +112,7 @@ NOT_FAST = (
     "test_backend.py::test_the_engine_and_its_config_import_no_backend",
     "test_backend.py::test_a_remote_replica_that_does_not_answer_fails_each_request_retryable",
     "test_backend.py::test_a_request_whose_replica_fails_before_its_first_token_goes_to_another",
+    "test_backend.py::test_the_requests_of_a_replica_that_stops_answering_go_to_another",
     "test_backend.py::test_a_replica_s_failure_is_the_request_s_one_reply",
     "test_bench.py::TestRun",
     "test_bench.py::test_throughput_run_reports_every_design",

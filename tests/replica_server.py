@@ -4,13 +4,16 @@ aiohttp on 127.0.0.1 in its own thread (image_server.py's `LoopbackServer`). `GE
 answers 200 (the replica looks up), `GET /metrics` one vLLM gauge, and `POST
 /inference/v1/generate` as `mode` says: 'ok' streams one token (ID) per chunk up to the
 request's max_tokens, as vLLM's tokens output mode does; '5xx' and '4xx' answer an error body as
-vLLM's; 'cut' sends one token, then drops the connection; 'error chunk' sends an error in the
-stream, as vLLM does for a failure after its headers. The real vLLM's answers are
-tests/test_vllm.py's.
+vLLM's; '413' as a body limit in front of vLLM does; 'cut' sends one token, then drops the
+connection; 'error chunk' sends an error in the stream, as vLLM does for a failure after its
+headers; 'stalled' answers nothing, /health neither, as a stopped replica (the connection is
+accepted). The real vLLM's answers are tests/test_vllm.py's and
+tests/test_vllm_remote_failures.py's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,6 +24,8 @@ from image_server import LoopbackServer
 ID = 7
 """The token every 'ok' chunk carries."""
 MESSAGE = "the stand-in replica refuses this"
+STALLED_S = 3600.0
+"""How long a 'stalled' stand-in takes to answer: longer than any test."""
 
 
 class StandInReplica(LoopbackServer):
@@ -41,6 +46,8 @@ class StandInReplica(LoopbackServer):
         app.router.add_post("/inference/v1/generate", self._generate)
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.mode == "stalled":
+            await asyncio.sleep(STALLED_S)
         return web.Response()
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -50,8 +57,10 @@ class StandInReplica(LoopbackServer):
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.generated += 1
-        if self.mode in ("5xx", "4xx"):
-            status = 500 if self.mode == "5xx" else 400
+        if self.mode == "stalled":
+            await asyncio.sleep(STALLED_S)
+        if self.mode in ("5xx", "4xx", "413"):
+            status = {"5xx": 500, "4xx": 400, "413": 413}[self.mode]
             return web.json_response({"error": {"message": MESSAGE, "code": status}},
                                      status=status)
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -353,8 +353,32 @@ def test_a_request_whose_replica_fails_before_its_first_token_goes_to_another(
         working.close()
 
 
+def test_the_requests_of_a_replica_that_stops_answering_go_to_another(
+    qwen_dir: Path, run_dir: Path,
+) -> None:
+    """One replica takes connections and answers nothing, /health neither (stopped): its
+    health check fails, and each request that went there, before any token, is sent to the
+    other one and served in full, long before its deadline. tests/test_vllm_remote_failures.py
+    stops a real replica mid-stream."""
+    stalled, working = StandInReplica("stalled"), StandInReplica()
+    try:
+        with remote_engine(run_dir, qwen_dir, stalled.base_url, working.base_url) as frontend:
+            sent = [request(frontend, [3 + index, 4], 3) for index in range(8)]
+            began = time.monotonic()
+            replies = frontend.run(*sent)
+            for one in sent:
+                assert_streamed(replies[one.request_id], one)
+            assert time.monotonic() - began < 30
+            assert_nothing_more(frontend)
+        assert stalled.generated >= 1 and working.generated == len(sent)
+    finally:
+        stalled.close()
+        working.close()
+
+
 @pytest.mark.parametrize(("mode", "code", "tokens"), [
     ("4xx", "invalid_request", 0),  # the request's fault: not sent elsewhere
+    ("413", "request_too_large", 0),  # a body limit in front of the replica: the same
     ("cut", "backend_unavailable", 1),  # after its first token: not sent elsewhere either
     ("error chunk", "aborted", 1),
 ])

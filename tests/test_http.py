@@ -553,11 +553,27 @@ class TestRender:
         assert dtype == "uint8" and shape[0] == placeholder["length"] * 4  # 2x2 merged patches
         assert len(features["mm_hashes"]["image"][0]) > 8
 
+    @pytest.mark.parametrize("route", ["chat/completions", "completions"])
+    def test_n_choices_render_as_one_request_for_n(self, server: Server, route: str) -> None:
+        """As vLLM's render: one GenerateRequest whose sampling asks for the choices (vLLM
+        samples them, each with seed + its index), the same as the render of one otherwise."""
+        prompt = ({"messages": [{"role": "user", "content": "Tell me about lanes."}]}
+                  if route == "chat/completions" else {"prompt": "Lanes"})
+        renders = [_post_json(f"{server.base_url}/{route}/render",
+                              {**prompt, "max_tokens": 3, "seed": 5, **n})
+                   for n in ({}, {"n": 3})]
+        assert all(status == 200 for status, _ in renders), renders
+        one, three = (render if route == "chat/completions" else render[0]
+                      for _, render in renders)
+        assert "n" not in one["sampling_params"] and three["sampling_params"]["n"] == 3
+        del three["sampling_params"]["n"], three["request_id"], one["request_id"]
+        assert three == one
+
     @pytest.mark.parametrize(("body", "status", "pattern"), [
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n: a render is of one"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n: must be an int"),
         ({"messages": []}, 400, "messages: a non-empty list"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ], ids=["two-choices", "no-messages", "bad-sampling"])
+    ], ids=["no-choices", "no-messages", "bad-sampling"])
     def test_bad_renders_are_openai_errors(self, server: Server, body: dict[str, Any],
                                            status: int, pattern: str) -> None:
         answer, reply = _post_json(f"{server.base_url}/chat/completions/render", body)

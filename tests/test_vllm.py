@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -115,10 +116,11 @@ def _vllm_serve_option(key: str, value: Any) -> str:
     return f"--{option}={_arg(value)}"
 
 
-def _start(command: list[str], log: Path) -> subprocess.Popen:
+def _start(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`command` with its output in `log`, in this environment and `env`."""
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=cpu_wheels.child_env())
+                                env=cpu_wheels.child_env({**os.environ, **(env or {})}))
 
 
 @contextmanager
@@ -140,8 +142,10 @@ def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None =
 
 
 @contextmanager
-def _vllm_alone(run_dir: Path, model_dir: Path,
-                engine_args: dict[str, Any]) -> Iterator[tuple[Server, int]]:
+def _vllm_alone(run_dir: Path, model_dir: Path, engine_args: dict[str, Any], *serve_args: str,
+                env: dict[str, str] | None = None) -> Iterator[tuple[Server, int]]:
+    """`vllm serve` on the model with `engine_args` and `serve_args`, in this environment and
+    `env`, its log run_dir/vllm.log: its server and port (not yet ready)."""
     port = free_port()
     args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
     log = run_dir / "vllm.log"
@@ -151,7 +155,7 @@ def _vllm_alone(run_dir: Path, model_dir: Path,
     parser = load_preprocessor(model_dir).family.tool_call_format or "hermes"
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
                             "--port", str(port), "--enable-scale-out", "--enable-auto-tool-choice",
-                            "--tool-call-parser", parser, *args], log), log)
+                            "--tool-call-parser", parser, *args, *serve_args], log, env), log)
     try:
         yield server, port
     finally:
@@ -949,6 +953,37 @@ def assert_a_render_generates_vllm_alone_s_tokens(alone_port: int, http_port: in
         generated = json.load(reply)["choices"][0]
     assert generated["token_ids"] == alone["token_ids"]
     assert generated["finish_reason"] == alone["finish_reason"]
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "completions"])
+def test_a_render_for_n_choices_generates_vllm_alone_s_choices(
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+    route: str,
+) -> None:
+    """A render for n sampled, seeded choices is one GenerateRequest asking for n, as `vllm
+    launch render`'s: posted as it is to vLLM's generate, it gives the n choices vLLM alone
+    gives for the same request."""
+    body = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 11, "n": 3,
+            **({"messages": _openai_messages(None, "Describe it.", [])}
+               if route == "chat/completions" else {"prompt": "Lanes, wide and narrow."})}
+    alone = _post(vllm_alone[1], route, {"model": str(qwen_dir), **body})["choices"]
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{mmlane_vllm[0].http_port}/v1/{route}/render",
+        data=json.dumps({"model": qwen_dir.name, **body}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        rendered = json.load(reply)
+    [rendered] = [rendered] if route == "chat/completions" else rendered
+    assert rendered["sampling_params"]["n"] == 3
+    generate = urllib.request.Request(
+        f"http://127.0.0.1:{vllm_alone[1]}/inference/v1/generate",
+        data=json.dumps(rendered).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(generate, timeout=120) as reply:
+        generated = json.load(reply)["choices"]
+    choices = [sorted((c["index"], c["token_ids"]) for c in answer)
+               for answer in (generated, alone)]
+    assert choices[0] == choices[1]
+    assert len({tuple(tokens) for _, tokens in choices[0]}) > 1  # sampled, each its own
 
 
 def test_tokenize_and_detokenize_answer_as_vllm_alone(

