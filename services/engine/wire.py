@@ -17,7 +17,7 @@ An item maps each tensor name to {"data": [dtype, shape, raw bytes as msgpack ex
 "field": [factory, keywords]}: its field says how vLLM's model batches it with other items
 ('flat': rows along dim 0, the item's slice of them; 'batched': one entry per item, without the
 batch dimension). The fields per family are those vLLM's processor gives the model
-(`_get_mm_fields_config`); tests/test_vllm_remote.py decodes these items with vLLM's own
+(`_get_mm_fields_config`); tests/test_vllm.py decodes these items with vLLM's own
 decoder and compares them with the items vLLM builds.
 """
 
