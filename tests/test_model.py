@@ -25,13 +25,13 @@ from mmlane.model import (
     ModelDirError,
     PromptError,
     UnsupportedModelError,
-    build_tiny_model,
     ensure_default_model,
     family_for,
     load_model,
     load_preprocessor,
     resolve_model_dir,
 )
+from mmlane.model.tiny import build_tiny_model
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import MMItem
 
