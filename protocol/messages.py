@@ -253,9 +253,13 @@ MMWorkerInput = MMJob | EngineEpoch | CancelJobs | Hello
 # ---------------------------------------------------------------- frontend, mm worker -> engine
 
 
+VIDEO_PIXELS = "pixel_values_videos"
+"""The tensor that makes an item a video's (`MMItem.is_video`)."""
+
+
 class MMItem(msgspec.Struct, kw_only=True, frozen=True, array_like=True, gc=False):
-    """One preprocessed image or video (a video's tensors are `pixel_values_videos` and its
-    grid): its processor tensors and where its tokens start in the prompt."""
+    """One preprocessed image or video: its processor tensors and where its tokens start in
+    the prompt."""
 
     offset: int
     length: int
@@ -265,6 +269,11 @@ class MMItem(msgspec.Struct, kw_only=True, frozen=True, array_like=True, gc=Fals
     nbytes: int = 0
     """The tensors' size in bytes: what the item costs in the caches. When `tensors` is empty,
     the engine takes them from its receiver cache (or from an earlier item with the same hash)."""
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the item is a video (its tensors hold VIDEO_PIXELS), else an image."""
+        return VIDEO_PIXELS in self.tensors
 
 
 class MMCacheHeader(msgspec.Struct, kw_only=True, frozen=True, array_like=True):

@@ -652,7 +652,7 @@ class TestRender:
     def test_placeholder_offsets(
         self, ids: list[int], lengths: list[int], offsets: list[int]
     ) -> None:
-        assert placeholder_offsets(ids, 9, lengths) == offsets
+        assert [offset for offset, _, _ in placeholder_offsets(ids, {9: lengths})] == offsets
 
 
 # ---------------------------------------------------------------- end to end: http(s) image URLs

@@ -9,6 +9,7 @@ stand-in where the roles run as processes (tests/peers.py), the real HF runner i
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import io
 import re
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import av
+import msgspec
+import numpy as np
 import openai
 import pytest
 import torch
@@ -160,13 +163,10 @@ def test_a_video_hash_covers_its_bytes_sampling_and_processor(rendering: Renderi
     assert hash_of(rendering.job("video", fps=1)) == base
     assert hash_of(rendering.job("video", fps=2)) != base
     assert hash_of(rendering.job("video", fps=1, video=BY_NAME["mpeg4"].data)) != base
-    other = Rendering.__new__(Rendering)
-    other.__dict__.update(rendering.__dict__)
-    assert rendering.renderer.video is not None
-    other_video = VideoRendering(rendering.video, ImageHasher(
+    other_settings = VideoRendering(rendering.video, ImageHasher(
         "blake3", rendering.pre.model_id, {"video": "other settings"}))
     renderer = JobRenderer(rendering.pre, rendering.renderer.media, rendering.cache,
-                           rendering.renderer.hasher, video=other_video)
+                           rendering.renderer.hasher, video=other_settings)
     assert hash_of(rendering.job("video", fps=1), renderer) != base
 
 
@@ -233,6 +233,16 @@ def references(model_dirs: dict[str, Path]) -> Iterator[dict[str, tuple[HFRunner
         runner.close()
 
 
+def _reference(rendering: Rendering, model_dirs: dict[str, Path],
+               references: dict[str, tuple[HFRunner, Any]]) -> tuple[HFRunner, Any]:
+    model_id = rendering.pre.model_id
+    if model_id not in references:
+        model_dir = next(path for path in model_dirs.values() if path.name == model_id)
+        references[model_id] = (HFRunner.load(str(model_dir), HFConfig(device=DEVICE)),
+                                load_model(model_dir, DEVICE))
+    return references[model_id]
+
+
 @pytest.mark.parametrize("kinds", [("video",), ("video", "image")], ids=["video", "mixed"])
 def test_greedy_video_output_equals_hf_generate(
     rendering: Rendering, model_dirs: dict[str, Path],
@@ -240,15 +250,52 @@ def test_greedy_video_output_equals_hf_generate(
 ) -> None:
     """Qwen2-VL's video grid through the vision tower, and Qwen2.5-VL's seconds per grid step
     (half a second here, at 4 fps) in its rotary positions: the tokens transformers makes."""
-    model_id = rendering.pre.model_id
-    if model_id not in references:
-        model_dir = next(path for path in model_dirs.values() if path.name == model_id)
-        references[model_id] = (HFRunner.load(str(model_dir), HFConfig(device=DEVICE)),
-                                load_model(model_dir, DEVICE))
-    runner, model = references[model_id]
+    runner, model = _reference(rendering, model_dirs, references)
     request = rendering.renderer.render(rendering.job(*kinds, fps=4, max_tokens=12))
     assert run_alone(runner, request) == generate_greedy(model, rendering.pre, rendering.video,
                                                          request)
+
+
+def _tensors(change: Any) -> Any:
+    """A request change: the first item's tensors changed by `change(tensors)` (in a copy)."""
+    def changed(request: EngineRequest) -> EngineRequest:
+        item, *rest = request.mm_items
+        tensors = dict(item.tensors)
+        change(tensors)
+        return msgspec.structs.replace(
+            request, mm_items=[msgspec.structs.replace(item, tensors=tensors), *rest])
+    return changed
+
+
+BAD_VIDEOS = {
+    "rows short": (_tensors(lambda t: t.update(pixel_values_videos=t["pixel_values_videos"][:-4])),
+                   r"^mm_items\[0\]\.pixel_values_videos is uint8 \(92, 1176\), grid \(4, 4, 6\) "
+                   r"needs uint8 \(96, 1176\)$"),
+    "float pixels": (_tensors(lambda t: t.update(
+        pixel_values_videos=t["pixel_values_videos"].astype("f4"))), r"is float32 \(96, 1176\)"),
+    "grid not mergeable": (_tensors(lambda t: t.update(
+        video_grid_thw=np.array([[4, 3, 8]], "i8"))), r"h and w must be multiples of 2, got 3x8"),
+    "a tensor missing": (_tensors(lambda t: t.pop("video_grid_thw")),
+                         r"^mm_items\[0\]\.tensors has \['pixel_values_videos'.*needs"),
+    "span short": (lambda r: msgspec.structs.replace(r, mm_items=[msgspec.structs.replace(
+        r.mm_items[0], length=r.mm_items[0].length - 1)]),
+        r"^mm_items\[0\]\.length is 23 but its tensors make 24 tokens$"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_VIDEOS))
+def test_the_engine_refuses_a_malformed_video_item_by_name(
+    rendering: Rendering, model_dirs: dict[str, Path],
+    references: dict[str, tuple[HFRunner, Any]], name: str,
+) -> None:
+    runner, _ = _reference(rendering, model_dirs, references)
+    change, message = BAD_VIDEOS[name]
+    request = change(rendering.renderer.render(rendering.job("video", fps=4)))
+    with pytest.raises(RequestError, match=message):
+        validate_request(request, runner.spec)
+    without_video = dataclasses.replace(runner.spec, video=None)
+    with pytest.raises(RequestError, match=r"^mm_items\[0\] is a video; this engine"):
+        validate_request(rendering.renderer.render(rendering.job("video")), without_video)
 
 
 # ---------------------------------------------------------------- the MM worker's lanes
@@ -323,6 +370,20 @@ def test_a_hostile_video_fails_its_job_by_name_and_the_worker_serves_on(
     request, _ = video_peers.next_request()
     assert request.request_id == "good"
     assert video_worker.process.poll() is None
+
+
+def test_a_video_url_is_fetched_under_the_image_urls_rules(
+    video_worker: Child, video_peers: Peers, prep: Preprocessor,
+) -> None:
+    """The same fetcher and address policy as images: no loopback address without
+    --allow-internal-media, the error naming the video."""
+    job = worker_job(prep, "loopback", video_peers.reply_to,
+                     videos=["https://127.0.0.1:9/clip.mp4"])
+    video_peers.send(video_worker, job)
+    failure = video_peers.next_failure()
+    assert failure.error.code == "media_not_allowed"
+    assert re.match(r"^video 0: 127\.0\.0\.1 resolves to loopback address 127\.0\.0\.1, "
+                    r"which is refused", failure.error.message), failure.error.message
 
 
 # ---------------------------------------------------------------- the HTTP API

@@ -1,7 +1,7 @@
 """Checking a request before the model sees it; every failure names the bad field.
 
-An item is a video where its tensors hold `pixel_values_videos` (`ModelSpec.video` checks it;
-a spec without one refuses it), else an image (the family's checks)."""
+A video item (`MMItem.is_video`) is checked by `ModelSpec.video` (a spec without one refuses
+it), an image by the family's checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import math
 import numpy as np
 
 from mmlane.engine.runner import ModelSpec
-from mmlane.model.video import is_video
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import EngineRequest, MMItem
 from mmlane.protocol.sampling import check_sampling
@@ -75,7 +74,7 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec)
     spans."""
     covered = {"image": 0, "video": 0}
     for index, item in enumerate(items):
-        kind = "video" if is_video(item.tensors) else "image"
+        kind = "video" if item.is_video else "image"
         expected = np.asarray(_expansion(item, spec), dtype=np.int64)
         if item.length != len(expected):
             raise RequestError(
@@ -100,7 +99,7 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec)
 
 
 def _expansion(item: MMItem, spec: ModelSpec) -> list[int] | tuple[int, ...]:
-    if spec.video is not None and is_video(item.tensors):
+    if spec.video is not None and item.is_video:
         return [spec.video.video_token_id] * spec.video.count_item_tokens(item.tensors)
     return tuple(spec.expand_image(item.tensors))
 
@@ -125,7 +124,7 @@ def check_item_tensors(items: list[MMItem], spec: ModelSpec) -> None:
     images = []
     for index, item in enumerate(items):
         where = f"mm_items[{index}]"
-        if not is_video(item.tensors):
+        if not item.is_video:
             _check_names(where, item, spec.image_fields, f"a {spec.family} image")
             images.append(item)
         elif spec.video is None:
@@ -147,7 +146,7 @@ def _check_names(where: str, item: MMItem, fields: tuple[str, ...], what: str) -
 def _check_apart(items: list[MMItem], index: int) -> None:
     """M-RoPE finds videos as runs of video tokens: two touching videos would merge."""
     before = items[index - 1] if index else None
-    if before is not None and is_video(before.tensors) and \
+    if before is not None and before.is_video and \
             items[index].offset == before.offset + before.length:
         raise RequestError(f"mm_items[{index}] starts right where mm_items[{index - 1}] ends; "
                            "Qwen2-VL needs a token (e.g. <|vision_end|>) between two videos")

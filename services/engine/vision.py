@@ -41,6 +41,7 @@ import torch
 from mmlane.common.lifecycle import lower_priority
 from mmlane.model import PixelNorm, Preprocessor, load_model, normalize
 from mmlane.protocol.errors import FatalError, RetryableError
+from mmlane.protocol.messages import VIDEO_PIXELS
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class VisionEncoder:
         self._video_norm = video_norm
 
     def __call__(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
-        if "pixel_values_videos" in tensors:
+        if VIDEO_PIXELS in tensors:
             return self._video(tensors)
         pixels = self._pixels(tensors)
         if self._tiles_are_one_sample:
@@ -119,7 +120,7 @@ class VisionEncoder:
     def _video(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         if self._video_norm is None:  # the engine's validation refuses videos then
             raise RuntimeError("this vision encoder was built without video")
-        pixels = to_device(tensors["pixel_values_videos"], self.model.device)
+        pixels = to_device(tensors[VIDEO_PIXELS], self.model.device)
         pixels = normalize(pixels, self._video_norm).to(self.model.dtype)
         output = self.model.model.get_video_features(
             pixel_values_videos=pixels, video_grid_thw=self.to_device(tensors["video_grid_thw"]),

@@ -226,8 +226,9 @@ def tokenize(pre: Preprocessor, request: ChatRequest | CompletionRequest, *,
     only once it is processed, so a chat with images is refused."""
     checked = check_request(request, max_images=sys.maxsize)  # refused below, by name
     if checked.has_media:
-        raise RequestError("messages: images and videos cannot be tokenized here: their tokens "
-                           "depend on their size, known once the MM worker has processed them")
+        kind = "images" if checked.images else "videos"
+        raise RequestError(f"messages: {kind} cannot be tokenized here: their tokens depend on "
+                           "their size, known once the MM worker has processed them")
     return _token_ids(pre, checked, add_generation_prompt=add_generation_prompt,
                       add_special_tokens=add_special_tokens)
 

@@ -10,6 +10,7 @@ they are in prompt order, as the engine takes them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,8 +82,13 @@ def render_request(job: MMJob, items: list[PreparedItem], model: Preprocessor,
                                     [video.expansion(video_token_id) for video in videos], "video")
     if len(prompt) > model.max_context:
         raise _too_long(len(prompt), model.max_context, _after_expanding(len(images), len(videos)))
-    placed = _in_prompt_order(job.prompt_token_ids, {model.image_token_id: images,
-                                                     video_token_id: videos})
+    kinds = {model.image_token_id: images}
+    if video_token_id is not None:
+        kinds[video_token_id] = videos
+    offsets = placeholder_offsets(job.prompt_token_ids, {
+        placeholder: [item.num_tokens for item in kind] for placeholder, kind in kinds.items()})
+    placed = [(offset, kinds[placeholder][index], placeholder)
+              for offset, placeholder, index in offsets]
     _check_expansion(prompt, placed)
     mm_items = [
         MMItem(
@@ -102,29 +108,21 @@ def render_request(job: MMJob, items: list[PreparedItem], model: Preprocessor,
     )
 
 
-def _in_prompt_order(
-    token_ids: list[int], items: dict[int | None, list[PreparedItem]],
-) -> list[tuple[int, PreparedItem, int]]:
-    """(offset once expanded, item, placeholder) of each item, in prompt order: the i-th
-    placeholder of each kind is that kind's items[i]."""
-    pending = {placeholder: iter(kind) for placeholder, kind in items.items()}
+def placeholder_offsets(
+    token_ids: list[int], lengths: Mapping[int, Sequence[int]],
+) -> list[tuple[int, int, int]]:
+    """(offset once expanded, placeholder, index among that placeholder's items) of each
+    placeholder token `lengths` names, in prompt order, when the i-th of placeholder `p`
+    becomes lengths[p][i] tokens."""
+    seen = dict.fromkeys(lengths, 0)
     placed, shift = [], 0
     for position, token in enumerate(token_ids):
-        if token in pending:
-            item = next(pending[token])
-            placed.append((position + shift, item, token))
-            shift += item.num_tokens - 1
+        if token in seen:
+            index = seen[token]
+            seen[token] += 1
+            placed.append((position + shift, token, index))
+            shift += lengths[token][index] - 1
     return placed
-
-
-def placeholder_offsets(token_ids: list[int], placeholder: int, lengths: list[int]) -> list[int]:
-    """Where each image's first token lands once the i-th placeholder becomes lengths[i] tokens."""
-    positions = [i for i, token in enumerate(token_ids) if token == placeholder]
-    offsets, shift = [], 0
-    for position, length in zip(positions, lengths, strict=True):
-        offsets.append(position + shift)
-        shift += length - 1
-    return offsets
 
 
 def _check_expansion(prompt: list[int], placed: list[tuple[int, PreparedItem, int]]) -> None:

@@ -137,7 +137,7 @@ class MMWorker:
             self.image_lane = self._image_lane(model_dir)
             self.video_lane = self._video_lane(model_dir)
             undo.pop_all()
-        self.cache = self.image_lane.cache
+        self.cache = self.image_lane.cache  # the image lane's: its epoch is the role's
         self.renderer = self.image_lane.renderer
         self.fetcher = MediaFetcher(fetch_policy(config))
         policy = self.fetcher.policy
@@ -265,7 +265,7 @@ class MMWorker:
         self._input.start()
         video = None
         if self.video_lane is not None:
-            video = threading.Thread(target=self._serve_lane, args=(self.video_lane, stop),
+            video = threading.Thread(target=self._serve_video_lane, args=(self.video_lane, stop),
                                      name="mm-worker-video", daemon=True)
             video.start()
         self._serve_lane(self.image_lane, stop)
@@ -274,6 +274,17 @@ class MMWorker:
         self._stop_input()  # the last arrivals get their refusal too
         for lane in self._lanes:
             lane.fail_held(unfinished_at_drain_timeout("MM worker", stop))
+
+    def _serve_video_lane(self, lane: Lane, stop: Stop) -> None:
+        """The mm-worker-video thread. A failure that escapes the lane (a socket's) stops the
+        whole worker, which drains and exits, as one in the image lane's thread does: never a
+        lane gone quiet while its jobs wait."""
+        try:
+            self._serve_lane(lane, stop)
+        except BaseException:
+            log.exception("the video lane failed; the MM worker stops")
+            stop.set()
+            raise
 
     @staticmethod
     def _serve_lane(lane: Lane, stop: Stop) -> None:

@@ -70,6 +70,7 @@ from mmlane.model.loading import (
 )
 from mmlane.model.pixels import RGB, PixelNorm
 from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import VIDEO_PIXELS
 
 VIDEO_TOKEN = "<|video_pad|>"
 """The placeholder of a video in the prompt (Qwen2VLProcessor's `video_token`)."""
@@ -96,14 +97,8 @@ PROCESSOR_DEFAULTS: Mapping[str, Any] = {
 """transformers' `Qwen2VLVideoProcessor` class defaults (its module needs torchvision to import;
 tests/test_video_render.py compares these with it where torchvision is installed)."""
 
-VIDEO_FIELDS = ("pixel_values_videos", "video_grid_thw")
+VIDEO_FIELDS = (VIDEO_PIXELS, "video_grid_thw")
 """The tensors every video has; Qwen2.5-VL's have `second_per_grid_ts` too."""
-
-
-
-def is_video(tensors: Mapping[str, np.ndarray]) -> bool:
-    """Whether an item's tensors are a video's (else an image's)."""
-    return VIDEO_FIELDS[0] in tensors
 
 
 _SETTINGS_FILES = ("video_preprocessor_config.json", "preprocessor_config.json")

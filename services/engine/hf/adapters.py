@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from mmlane.engine.vision import to_device
-from mmlane.model.video import is_video
 from mmlane.protocol.messages import MMItem
 
 
@@ -80,8 +79,8 @@ class Qwen2VLAdapter(Adapter):
             # falls back on the rope_deltas it keeps on itself.
             ids = torch.arange(prompt.shape[1], device=prompt.device)
             return MRopePositions(ids.view(1, 1, -1).expand(3, 1, -1), 0)
-        videos = [item.tensors for item in items if is_video(item.tensors)]
-        images = [item.tensors for item in items if not is_video(item.tensors)]
+        videos = [item.tensors for item in items if item.is_video]
+        images = [item.tensors for item in items if not item.is_video]
         # get_rope_index's token types: text 0, image 1, video 2
         token_types = (prompt == self.image_token_id).to(torch.int32) + \
             2 * (prompt == self.video_token_id).to(torch.int32)

@@ -60,7 +60,7 @@ from mmlane.engine.vision import (
 )
 from mmlane.model import UnsupportedModelError, load_model, load_preprocessor, resolve_model_dir
 from mmlane.model.grammar import Grammar, Grammars, hf_tokenizer
-from mmlane.model.video import VideoPreprocessor, is_video, load_video_preprocessor
+from mmlane.model.video import VideoPreprocessor, load_video_preprocessor
 from mmlane.protocol.errors import FatalError, MMLaneError, RequestError, translate
 from mmlane.protocol.messages import EngineRequest, MMItem
 from mmlane.protocol.sampling import StructuredOutputs
@@ -215,7 +215,7 @@ class HFRunner:
         """The prompt positions of the item's image (or video) tokens, which take its features
         in order (its whole span, unless the family puts structure tokens among them)."""
         token = self.spec.image_token_id
-        if self.spec.video is not None and is_video(item.tensors):
+        if self.spec.video is not None and item.is_video:
             token = self.spec.video.video_token_id
         span = prompt[0, item.offset : item.offset + item.length]
         return item.offset + torch.nonzero(span == token).squeeze(1)
