@@ -172,18 +172,19 @@ def test_a_video_hash_covers_its_bytes_sampling_and_processor(rendering: Renderi
 
 @pytest.mark.parametrize(("asked", "message"), [
     (VideoSampling(fps=0.0), r"^mm_processor_kwargs\.fps: must be above 0, got 0$"),
-    (VideoSampling(num_frames=0), r"^mm_processor_kwargs\.num_frames: must be 1 to 256 "),
+    (VideoSampling(num_frames=1), r"^mm_processor_kwargs\.num_frames: must be 2 \(one temporal "
+                                  r"patch\) to 256 "),
     (VideoSampling(num_frames=257), r"\(max_video_frames\), got 257$"),
 ])
 def test_a_requests_sampling_is_bounded_by_the_servers(asked: VideoSampling,
                                                        message: str) -> None:
     with pytest.raises(RequestError, match=message):
-        video_sampling(asked, 256)
+        video_sampling(asked, 256, 2)
 
 
 def test_a_requests_sampling_sets_the_rate_and_caps_the_frames() -> None:
-    assert video_sampling(VideoSampling(), 256) == Qwen2VLSampling()
-    assert video_sampling(VideoSampling(fps=4, num_frames=6), 256) == \
+    assert video_sampling(VideoSampling(), 256, 2) == Qwen2VLSampling()
+    assert video_sampling(VideoSampling(fps=4, num_frames=6), 256, 2) == \
         Qwen2VLSampling(fps=4, max_frames=6)
 
 
@@ -478,7 +479,7 @@ def _answer(request: EngineRequest, frames: int) -> Any:
      r"takes fps, num_frames\)$"),
     ("qwen2_vl", [video_part(video_uri(CLIP.data)), TEXT],
      {"extra_body": {"mm_processor_kwargs": {"num_frames": 100000}}}, 400, "invalid_request",
-     r"^mm_processor_kwargs\.num_frames: must be 1 to 256"),
+     r"^mm_processor_kwargs\.num_frames: must be 2 \(one temporal patch\) to 256"),
     ("qwen2_vl", [video_part("data:image/png;base64,AAAA"), TEXT], {}, 400, "invalid_video",
      r"^video 0: data URI has media type 'image/png', not video/\*$"),
     ("qwen2_vl", [video_part("file:///etc/passwd"), TEXT], {}, 400, "media_not_allowed",

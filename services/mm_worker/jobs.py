@@ -190,7 +190,8 @@ class JobRenderer:
         if self.video is None:
             raise RequestError(f"this model ({self.preprocessor.family.name} family) takes no "
                                "video", code="invalid_request")
-        return video_sampling(job.video_sampling, self.media.video_limits.max_video_frames)
+        return video_sampling(job.video_sampling, self.media.video_limits.max_video_frames,
+                              self.video.preprocessor.settings.temporal_patch_size)
 
     def _medium(self, job: MMJob, index: int) -> tuple[Medium, int]:
         """Item `index`'s kind, and its position among the job's items of that kind."""
@@ -286,19 +287,22 @@ class JobRenderer:
         return items
 
 
-def video_sampling(asked: VideoSampling, max_frames: int) -> Qwen2VLSampling:
-    """Qwen2-VL's sampling (vLLM's defaults) with a request's `fps` and `num_frames` (at most
-    that many frames kept); RequestError naming the field where one is out of bounds. However
-    many frames a rate keeps, the decoder refuses more than `max_frames` (video_too_large)."""
-    sampling = Qwen2VLSampling()
+def video_sampling(asked: VideoSampling, max_frames: int,
+                   temporal_patch_size: int) -> Qwen2VLSampling:
+    """Qwen2-VL's sampling (vLLM's defaults, the model's temporal patch) with a request's `fps`
+    and `num_frames` (at most that many frames kept, at least one temporal patch); RequestError
+    naming the field where one is out of bounds. However many frames a rate keeps, the decoder
+    refuses more than `max_frames` (video_too_large)."""
+    sampling = Qwen2VLSampling(temporal_patch_size=temporal_patch_size)
     if asked.fps is not None:
         if not (math.isfinite(asked.fps) and asked.fps > 0):
             raise RequestError(f"mm_processor_kwargs.fps: must be above 0, got {asked.fps:g}")
         sampling = dataclasses.replace(sampling, fps=asked.fps)
     if asked.num_frames is not None:
-        if not 0 < asked.num_frames <= max_frames:
-            raise RequestError(f"mm_processor_kwargs.num_frames: must be 1 to {max_frames} "
-                               f"(max_video_frames), got {asked.num_frames}")
+        if not temporal_patch_size <= asked.num_frames <= max_frames:
+            raise RequestError(f"mm_processor_kwargs.num_frames: must be {temporal_patch_size} "
+                               f"(one temporal patch) to {max_frames} (max_video_frames), got "
+                               f"{asked.num_frames}")
         sampling = dataclasses.replace(sampling, max_frames=asked.num_frames)
     return sampling
 
