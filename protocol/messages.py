@@ -26,7 +26,8 @@ from mmlane.protocol.sampling import SamplingFields, SamplingParams
 
 
 class ImageUrl(msgspec.Struct, kw_only=True, frozen=True):
-    """Where an image comes from: a `data:image/...;base64,` URI or a `file://` path."""
+    """Where an image or a video comes from: a `data:` URI (base64), an `https://` URL or a
+    `file://` path; a client's `uuid` names its content in the caches."""
 
     url: str
     uuid: str | None = None
@@ -47,7 +48,25 @@ class ImagePart(msgspec.Struct, tag="image_url", tag_field="type", frozen=True):
     image_url: ImageUrl
 
 
-ContentPart = TextPart | ImagePart
+class VideoPart(msgspec.Struct, tag="video_url", tag_field="type", frozen=True):
+    """A video content part, as vLLM takes it in OpenAI chat messages."""
+
+    video_url: ImageUrl
+
+
+ContentPart = TextPart | ImagePart | VideoPart
+CONTENT_TYPES = tuple(str(part.__struct_config__.tag) for part in (TextPart, ImagePart, VideoPart))
+"""The content part types a message may hold, as the `type` field names them."""
+
+
+class VideoSampling(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Which frames of a request's videos are kept (vLLM's per-request `mm_processor_kwargs`);
+    None: the server's default. The MM worker bounds both (`max_video_frames`)."""
+
+    fps: float | None = None
+    """Frames kept per second of video (Qwen2-VL's default: 2)."""
+    num_frames: int | None = None
+    """At most this many frames kept."""
 
 
 class ToolFunction(msgspec.Struct, kw_only=True, frozen=True):
@@ -103,6 +122,8 @@ class ChatRequest(RequestFields, tag="chat", kw_only=True, frozen=True):
     """Tools the chat template offers the model, each an OpenAI tool object
     ({"type": "function", "function": {"name", "description", "parameters"}}). What the model
     answers stays text: the HTTP API parses its tool calls (services/frontend/tools.py)."""
+    mm_processor_kwargs: VideoSampling = VideoSampling()
+    """How the request's videos are sampled (vLLM's field of the same name)."""
 
 
 class CompletionRequest(RequestFields, tag="completion", kw_only=True, frozen=True):
@@ -181,7 +202,8 @@ ClientReply = ChatOutput | ChatError | CacheReset
 
 
 class MMJob(msgspec.Struct, tag="job", kw_only=True, frozen=True, array_like=True, gc=False):
-    """A tokenized prompt with one placeholder token per image, and where the images are."""
+    """A tokenized prompt with one placeholder token per image and per video, and where the
+    images and videos are."""
 
     request_id: str
     reply_to: str
@@ -196,6 +218,11 @@ class MMJob(msgspec.Struct, tag="job", kw_only=True, frozen=True, array_like=Tru
     """mm_hashes to drop from the sender and receiver caches first (a resend after a miss)."""
     render: bool = False
     """Rendered only, not run (`RequestFields.render`)."""
+    videos: list[ImageUrl] = []
+    """Where the videos are, in prompt order (a job with any goes to the MM worker's video
+    lane)."""
+    video_sampling: VideoSampling = VideoSampling()
+    """How its videos are sampled (`ChatRequest.mm_processor_kwargs`)."""
 
 
 class EngineEpoch(msgspec.Struct, tag="engine_epoch", kw_only=True, frozen=True, array_like=True):
@@ -226,8 +253,13 @@ MMWorkerInput = MMJob | EngineEpoch | CancelJobs | Hello
 # ---------------------------------------------------------------- frontend, mm worker -> engine
 
 
+VIDEO_PIXELS = "pixel_values_videos"
+"""The tensor that makes an item a video's (`MMItem.is_video`)."""
+
+
 class MMItem(msgspec.Struct, kw_only=True, frozen=True, array_like=True, gc=False):
-    """One preprocessed image: its processor tensors and where its tokens start in the prompt."""
+    """One preprocessed image or video: its processor tensors and where its tokens start in
+    the prompt."""
 
     offset: int
     length: int
@@ -237,6 +269,11 @@ class MMItem(msgspec.Struct, kw_only=True, frozen=True, array_like=True, gc=Fals
     nbytes: int = 0
     """The tensors' size in bytes: what the item costs in the caches. When `tensors` is empty,
     the engine takes them from its receiver cache (or from an earlier item with the same hash)."""
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the item is a video (its tensors hold VIDEO_PIXELS), else an image."""
+        return VIDEO_PIXELS in self.tensors
 
 
 class MMCacheHeader(msgspec.Struct, kw_only=True, frozen=True, array_like=True):

@@ -195,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="an image: a local path (read here and sent inline) or a data:/file:// URL; "
         "repeatable (default: none)",
     )
+    p.add_argument(
+        "--video", action="append", default=[], metavar="PATH_OR_URL",
+        help="a video: a local path (read here and sent inline) or a data:/file:// URL; "
+        "repeatable (default: none)",
+    )
+    p.add_argument("--video-fps", type=float,
+                   help="frames per second kept of each video (default: the server's)")
+    p.add_argument("--video-frames", type=int,
+                   help="most frames kept of each video (default: the server's)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="most tokens to generate (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,

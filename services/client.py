@@ -9,6 +9,7 @@ import mimetypes
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from mmlane.protocol.messages import (
     ImageUrl,
     ResetCache,
     TextPart,
+    VideoPart,
+    VideoSampling,
 )
 
 
@@ -55,17 +58,21 @@ class ChatResult:
         }
 
 
-def image_url(source: str) -> ImageUrl:
-    """A `data:`/`file://` URL as given, or a local file read here and sent inline."""
+def image_url(source: str, default_type: str = "image/png") -> ImageUrl:
+    """A `data:`/`file://`/http(s) URL as given, or a local file read here and sent inline (as
+    its name's media type, else `default_type`)."""
     if source.startswith(("data:", "file://", "http://", "https://")):
         return ImageUrl(url=source)
     path = Path(source)
-    mime = mimetypes.guess_type(path.name)[0] or "image/png"
+    mime = mimetypes.guess_type(path.name)[0] or default_type
     return ImageUrl(url=f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}")
 
 
-def user_message(prompt: str, images: list[str] = ()) -> ChatMessage:  # type: ignore[assignment]
+def user_message(prompt: str, images: Sequence[str] = (),
+                 videos: Sequence[str] = ()) -> ChatMessage:
+    """A user's turn: its images, its videos, then its text (as vLLM's examples put them)."""
     parts: list = [ImagePart(image_url=image_url(src)) for src in images]
+    parts += [VideoPart(video_url=image_url(src, "video/mp4")) for src in videos]
     parts.append(TextPart(text=prompt))
     return ChatMessage(role="user", content=parts)
 
@@ -209,16 +216,17 @@ def reset_cache_command(args: argparse.Namespace) -> int:
 def chat_command(args: argparse.Namespace) -> int:
     """`mmlane chat`: one request, the reply printed as text or as one JSON object."""
     try:
-        message = user_message(args.prompt, args.image)
+        message = user_message(args.prompt, args.image, args.video)
+        sampling = VideoSampling(fps=args.video_fps, num_frames=args.video_frames)
         with Client(args.endpoint, timeout_s=args.timeout) as client:
             result = client.chat(
                 [message], max_tokens=args.max_tokens, temperature=args.temperature,
-                seed=args.seed,
+                seed=args.seed, mm_processor_kwargs=sampling,
             )
     except MMLaneError as exc:
         result = ChatResult("", error=exc)
     except OSError as exc:
-        result = ChatResult("", error=RequestError(f"cannot read image: {exc}", code="bad_image"))
+        result = ChatResult("", error=RequestError(f"cannot read a file: {exc}", code="bad_image"))
     if args.json:
         print(json.dumps(result.to_json()))
     elif result.error is not None:

@@ -115,10 +115,10 @@ def make_request(
              for i, (w, h) in enumerate(images)]
     [unexpanded] = prep.tokenize_batch([prompt])
     ids = prep.expand_placeholders(unexpanded, items)
-    offsets = placeholder_offsets(unexpanded, prep.image_token_id,
-                                  [item.num_tokens for item in items])
+    offsets = placeholder_offsets(unexpanded, {
+        prep.image_token_id: [item.num_tokens for item in items]})
     mm_items = [MMItem(offset=offset, length=item.num_tokens, tensors=item.tensors)
-                for offset, item in zip(offsets, items, strict=True)]
+                for (offset, _, _), item in zip(offsets, items, strict=True)]
     params = SamplingParams(**{"max_tokens": 12, **sampling})  # type: ignore[arg-type]
     return EngineRequest(
         request_id=f"r{next(_ids)}", reply_to="", prompt_token_ids=ids, sampling=params,

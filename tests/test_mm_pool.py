@@ -35,9 +35,11 @@ from test_mm_worker import shm_slots
 from bench.images import data_uri, encode, noise_image
 from conftest import pool_pids, role_log, start_role, stop_role
 from mmlane.common.feature_cache import FeatureCache, commit
+from mmlane.common.lifecycle import Stop
 from mmlane.mm_worker import pool
 from mmlane.mm_worker import worker as worker_module
 from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.mm_worker.lane import PendingJob
 from mmlane.mm_worker.media import MediaPolicy, decode_image
 from mmlane.mm_worker.pool import Processed
 from mmlane.mm_worker.worker import MMWorker
@@ -95,6 +97,10 @@ class HeldPool:
         pass
 
 
+STOP = Stop(60.0)
+"""Never set: the lanes' turns here never drain."""
+
+
 class PipelineHistories(RuleBasedStateMachine):
     """See the module docstring. `sizes[n]` bytes of value n stand for image n's tensors."""
 
@@ -129,7 +135,8 @@ class PipelineHistories(RuleBasedStateMachine):
                 self.pool.now = None
 
         self.worker.renderer.finish = finish_now  # type: ignore[method-assign]
-        self.worker._ahead = ahead
+        self.lane = self.worker.image_lane
+        self.lane._ahead = ahead
         self.p1: FeatureCache[int] = FeatureCache(self.worker.cache.cache.capacity)
         self.p1_epoch = 0
         self.ids = itertools.count()
@@ -148,8 +155,8 @@ class PipelineHistories(RuleBasedStateMachine):
         if action == "arrive":
             self.arrive(data.draw(st.lists(st.integers(0, IMAGES - 1), max_size=3)),
                         data.draw(st.integers(1, 3)))
-        elif action == "turn" and self.worker._can_turn():
-            self.worker._turn()
+        elif action == "turn" and self.lane._can_turn():
+            self.lane.turn(STOP)
             self._take()
         elif action == "work_ends" and open_tasks:
             self.work_ends(data.draw(st.sampled_from(open_tasks)),
@@ -158,7 +165,7 @@ class PipelineHistories(RuleBasedStateMachine):
             self.cancel(data.draw(st.sampled_from(self.arrived)))
         elif action == "engine_restarts":
             self.engine_epoch = time.time_ns()
-            self.worker._enqueue(EngineEpoch(engine_epoch=self.engine_epoch))
+            self.lane.enqueue(EngineEpoch(engine_epoch=self.engine_epoch))
 
     def arrive(self, images: list[int], prompt: int) -> None:
         pre = self.worker.preprocessor
@@ -170,7 +177,7 @@ class PipelineHistories(RuleBasedStateMachine):
             sampling=SamplingParams(max_tokens=1), engine_epoch=self.engine_epoch,
         )
         self.arrived.append(request_id)
-        self.worker._enqueue(self.worker._start_fetches(job, time.monotonic()))
+        self.lane.enqueue(self.worker._start_fetches(job, time.monotonic(), self.lane))
 
     def work_ends(self, task: tuple[int, bytes, Any], outcome: str) -> None:
         """One image's work ends, in any order: done (or the image's own error), or its
@@ -191,8 +198,8 @@ class PipelineHistories(RuleBasedStateMachine):
         return Processed(item, 0.0, 0.0)
 
     def cancel(self, request_id: str) -> None:
-        queued = {item.job.request_id for item in self.worker._queue
-                  if isinstance(item, worker_module.PendingJob)}
+        queued = {item.job.request_id for item in self.lane._queue
+                  if isinstance(item, PendingJob)}
         if request_id in queued:
             self.cancelled.add(request_id)
         self.worker._cancel([request_id])
@@ -253,10 +260,10 @@ class PipelineHistories(RuleBasedStateMachine):
                 for task in self.pool.tasks:
                     if not task[2].done():
                         self.work_ends(task, "done")
-                if not (self.worker._queue or self.worker._started):
+                if not (self.lane._queue or self.lane._started):
                     break
-                if self.worker._can_turn():
-                    self.worker._turn()
+                if self.lane._can_turn():
+                    self.lane.turn(STOP)
             self._take()
             answered = self.sent + list(self.failed)
             assert len(answered) == len(set(answered)), "a job answered twice"
@@ -300,8 +307,8 @@ def test_an_image_guessed_held_but_evicted_since_is_sent_with_its_tensors(
     history.setup(capacity=300, sizes=[200, 150, 50], bad=set(), ahead=2)
 
     def turn() -> None:
-        assert history.worker._can_turn()
-        history.worker._turn()
+        assert history.lane._can_turn()
+        history.lane.turn(STOP)
         history._take()
 
     def work_ends() -> None:
@@ -315,7 +322,7 @@ def test_an_image_guessed_held_but_evicted_since_is_sent_with_its_tensors(
         history.arrive([0], 1)  # A: image 0 (200 bytes) will evict image 1
         history.arrive([1], 1)  # B: image 1, held for now
         turn(), turn()
-        assert [len(job.work) for job in history.worker._started] == [1, 0]
+        assert [len(job.work) for job in history.lane._started] == [1, 0]
         work_ends(), turn()  # A leaves: image 1 evicted
         tasks = len(history.pool.tasks)
         turn()  # B: its image processed after all (the FIFO waits for it), then sent

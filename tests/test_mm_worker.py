@@ -42,7 +42,7 @@ from mmlane.mm_worker.media import (
     MediaPolicy,
     decode_image,
     jpeg_draft_scale,
-    load_image_bytes,
+    load_bytes,
     to_rgb,
 )
 from mmlane.mm_worker.render import placeholder_offsets
@@ -523,14 +523,14 @@ def policy(media_dir: Path | None, max_bytes: int = 1 << 20) -> MediaPolicy:
 class TestMedia:
     def test_data_uri_round_trips(self) -> None:
         png = encode(noise_image(8, 8), "PNG")
-        assert load_image_bytes(data_uri(png, "image/png"), 0, policy(None)) == png
+        assert load_bytes(data_uri(png, "image/png"), 0, policy(None)) == png
         shouting = "DATA:Image/PNG;BASE64," + data_uri(png, "image/png").partition(",")[2]
-        assert load_image_bytes(shouting, 0, policy(None)) == png
+        assert load_bytes(shouting, 0, policy(None)) == png
 
     def test_file_url_with_localhost_and_percent_encoding(self, tmp_path: Path) -> None:
         (tmp_path / "a b.png").write_bytes(b"x")
         url = f"file://localhost{tmp_path}/a%20b.png"
-        assert load_image_bytes(url, 0, policy(tmp_path)) == b"x"
+        assert load_bytes(url, 0, policy(tmp_path)) == b"x"
 
     @pytest.mark.parametrize(
         ("url", "code", "pattern"),
@@ -547,22 +547,22 @@ class TestMedia:
     )
     def test_refused_urls(self, tmp_path: Path, url: str, code: str, pattern: str) -> None:
         with pytest.raises(RequestError, match=pattern) as caught:
-            load_image_bytes(url, 3, policy(tmp_path, max_bytes=1000))
+            load_bytes(url, 3, policy(tmp_path, max_bytes=1000))
         assert caught.value.code == code
 
     def test_file_over_max_bytes(self, tmp_path: Path) -> None:
         (tmp_path / "big.png").write_bytes(b"x" * 1001)
         with pytest.raises(RequestError, match=r"is 1001 bytes, more than max_image_bytes 1000"):
-            load_image_bytes((tmp_path / "big.png").as_uri(), 0, policy(tmp_path, max_bytes=1000))
+            load_bytes((tmp_path / "big.png").as_uri(), 0, policy(tmp_path, max_bytes=1000))
 
     def test_a_fifo_in_the_folder_does_not_block(self, tmp_path: Path) -> None:
         os.mkfifo(tmp_path / "pipe.png")
         with pytest.raises(RequestError, match=r"pipe.png is not a regular file"):
-            load_image_bytes((tmp_path / "pipe.png").as_uri(), 0, policy(tmp_path))
+            load_bytes((tmp_path / "pipe.png").as_uri(), 0, policy(tmp_path))
 
     def test_file_urls_disabled(self, tmp_path: Path) -> None:
         with pytest.raises(RequestError, match=r"file:// URLs are disabled") as caught:
-            load_image_bytes((tmp_path / "a.png").as_uri(), 0, policy(None))
+            load_bytes((tmp_path / "a.png").as_uri(), 0, policy(None))
         assert caught.value.code == "media_not_allowed"
 
     @pytest.mark.parametrize(
@@ -652,7 +652,7 @@ class TestRender:
     def test_placeholder_offsets(
         self, ids: list[int], lengths: list[int], offsets: list[int]
     ) -> None:
-        assert placeholder_offsets(ids, 9, lengths) == offsets
+        assert [offset for offset, _, _ in placeholder_offsets(ids, {9: lengths})] == offsets
 
 
 # ---------------------------------------------------------------- end to end: http(s) image URLs
@@ -703,7 +703,7 @@ class TestFetchedImages:
             ("/to-metadata", "media_not_allowed",
              r"^image 0: 169.254.169.254 resolves to link-local address 169.254.169.254"),
             ("/huge-chunked", "image_too_large",
-             r"^image 0: image at .*/huge-chunked is larger than the 1000000-byte fetch limit"),
+             r"^image 0: the file at .*/huge-chunked is larger than the 1000000-byte fetch limit"),
             ("/never-answers", "fetch_failed",
              rf"^image 0: fetching .*/never-answers took longer than {FETCH_TIMEOUT_S} s"),
             ("/missing", "fetch_failed", r"^image 0: fetching .*/missing: HTTP 404"),

@@ -18,6 +18,8 @@ from PIL import Image
 from bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
 from conftest import REPO, free_port, processes
 from mmlane.client import Client, user_message
+from mmlane.model import Preprocessor
+from mmlane.model.video import VIDEO_TOKEN
 from mmlane.protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
 from peers import SERVE_READY
 
@@ -266,6 +268,34 @@ def test_chat_command_prints_one_json_object(served: Served) -> None:
     reply = json.loads(out.stdout)
     assert out.returncode == 0
     assert set(reply) == {"text", "token_ids", "finish_reason", "prompt_token_ids"}
+
+
+def test_chat_command_sends_a_video_through_the_whole_pipeline(
+    served: Served, client: Client, prep: Preprocessor,
+) -> None:
+    """`mmlane chat --video`: decoded and processed in the MM worker's video lane, run through
+    the engine's vision tower; the same video with an image, from the native client."""
+    import json
+
+    from test_video import BY_NAME
+
+    clip = served.media_dir / "clip.mp4"
+    clip.write_bytes(BY_NAME["h264"].data)  # 2 s of 96x64: 8 frames at 4 fps, 24 tokens
+    out = subprocess.run(
+        [sys.executable, "-m", "mmlane.cli", "chat", "--endpoint", served.endpoint, "--json",
+         "--max-tokens", "4", "--video", str(clip), "--video-fps", "4", "What happens?"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    video_token = prep.tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+    assert reply["prompt_token_ids"].count(video_token) == 24
+    assert len(reply["token_ids"]) == 4
+    mixed = client.chat([user_message("And now?", [jpeg_uri(64, 48)], [clip.as_uri()])],
+                        max_tokens=4)
+    assert mixed.prompt_token_ids is not None
+    assert mixed.prompt_token_ids.count(video_token) == 12  # 2 fps by default
+    assert mixed.prompt_token_ids.count(prep.image_token_id) > 0
 
 
 def test_chat_command_reports_errors_as_json_and_exit_1(served: Served, tmp_path: Path) -> None:

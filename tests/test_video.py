@@ -187,8 +187,8 @@ class TestSampling:
         assert info.value.code == "invalid_request"
 
     def test_limits_must_be_positive(self) -> None:
-        with pytest.raises(ValueError, match="VideoLimits.max_decode_s must be positive"):
-            VideoLimits(max_decode_s=0)
+        with pytest.raises(ValueError, match="VideoLimits.max_video_decode_s must be positive"):
+            VideoLimits(max_video_decode_s=0)
 
 
 # ---------------------------------------------------------------- decoding
@@ -221,7 +221,7 @@ class TestDecode:
         damaged = _zeroed_frames(video.data, range(72, 96))
         with pytest.raises(RequestError, match="cannot decode the h264 data"):
             decode_video(damaged, 0, UniformSampling(num_frames=-1, fps=24), VideoLimits(
-                max_kept_frames=240))  # every frame: the damage is decoded
+                max_video_frames=240))  # every frame: the damage is decoded
         decoded = decode_video(damaged, 0, Qwen2VLSampling(fps=0.5))
         assert decoded.frames_indices == [0, 60, 120, 180]
         assert np.array_equal(decoded.frames, reference_frames(video.data)[[0, 60, 120, 180]])
@@ -409,11 +409,11 @@ HOSTILE = [
     ("no video frames", _no_video_frames, "invalid_video", r"its video stream has no frames"),
     ("unknown codec", _unknown_codec, "invalid_video", r"its video codec is unknown"),
     ("giant frames", _giant_frames, "video_too_large",
-     r"its frames are 16000x16000, 256000000 pixels, more than max_frame_pixels 2073600"),
+     r"its frames are 16000x16000, 256000000 pixels, more than max_video_frame_pixels 2073600"),
     ("claims hours", _claims_hours, "video_too_large",
-     r"its container claims 360000\.0 s, more than max_duration_s 600"),
+     r"its container claims 360000\.0 s, more than max_video_duration_s 600"),
     ("frames run for days", _frames_run_for_days, "video_too_large",
-     r"its frames run past 3600\.\d s, more than max_duration_s 600"),
+     r"its frames run past 3600\.\d s, more than max_video_duration_s 600"),
 ]
 
 
@@ -428,14 +428,14 @@ class TestRefusals:
     @pytest.mark.parametrize(("limits", "message"), [
         (VideoLimits(max_video_bytes=1000),
          r"encoded video is \d+ bytes, more than max_video_bytes 1000"),
-        (VideoLimits(max_duration_s=1.5),
-         r"its container claims 2\.0 s, more than max_duration_s 1\.5"),
-        (VideoLimits(max_kept_frames=3),
-         r"the sampling keeps 4 frames, more than max_kept_frames 3"),
-        (VideoLimits(max_frame_pixels=96 * 64 - 1),
-         r"its frames are 96x64, 6144 pixels, more than max_frame_pixels 6143"),
-        (VideoLimits(max_decode_s=1e-9),
-         r"still scanning its packets after 1e-09 s, more than max_decode_s 1e-09"),
+        (VideoLimits(max_video_duration_s=1.5),
+         r"its container claims 2\.0 s, more than max_video_duration_s 1\.5"),
+        (VideoLimits(max_video_frames=3),
+         r"the sampling keeps 4 frames, more than max_video_frames 3"),
+        (VideoLimits(max_video_frame_pixels=96 * 64 - 1),
+         r"its frames are 96x64, 6144 pixels, more than max_video_frame_pixels 6143"),
+        (VideoLimits(max_video_decode_s=1e-9),
+         r"still scanning its packets after 1e-09 s, more than max_video_decode_s 1e-09"),
     ], ids=["bytes", "duration", "frames", "pixels", "time"])
     def test_every_bound_is_refused_naming_its_limit(self, limits: VideoLimits,
                                                      message: str) -> None:
@@ -445,8 +445,8 @@ class TestRefusals:
 
     def test_a_video_just_within_every_bound_decodes(self) -> None:
         data = BY_NAME["h264"].data
-        limits = VideoLimits(max_video_bytes=len(data), max_duration_s=2.0, max_kept_frames=4,
-                             max_frame_pixels=96 * 64)
+        limits = VideoLimits(max_video_bytes=len(data), max_video_duration_s=2.0,
+                             max_video_frames=4, max_video_frame_pixels=96 * 64)
         assert len(decode_video(data, 0, Qwen2VLSampling(), limits).frames) == 4
 
     def test_the_next_video_decodes_after_each_refusal(self) -> None:

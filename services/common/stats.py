@@ -116,7 +116,7 @@ class Metrics:
         self.histograms: dict[str, Histogram] = {}
         self.state = "serving"
         self._gauges: dict[str, Callable[[], int]] = {}
-        self._counter_sources: list[Mapping[str, int]] = []
+        self._counter_sources: list[tuple[Mapping[str, int], str]] = []
         self.in_flight: Callable[[], int] = lambda: 0
         self.epoch: Callable[[], int] = lambda: 0
         self.exposition: Callable[[], str] = lambda: ""
@@ -139,16 +139,17 @@ class Metrics:
         """Publish `read()` as the depth of queue `name` (called on the stats thread)."""
         self._gauges[name] = read
 
-    def add_counters(self, source: Mapping[str, int]) -> None:
-        """Publish another object's counters (a cache's) beside ours."""
-        self._counter_sources.append(source)
+    def add_counters(self, source: Mapping[str, int], prefix: str = "") -> None:
+        """Publish another object's counters (a cache's) beside ours, each name after
+        `prefix` (where two objects count the same names)."""
+        self._counter_sources.append((source, prefix))
 
     def snapshot(self) -> Stats:
         usage = memory.usage()
         memory.bound_freed_memory(usage)
         counters = {**self.counters, **memory.counters}
-        for source in self._counter_sources:
-            counters.update(dict(source))
+        for source, prefix in self._counter_sources:
+            counters.update({prefix + name: count for name, count in source.items()})
         return Stats(
             role=self.role, name=self.name, pid=os.getpid(), epoch=self.epoch(),
             uptime_s=time.monotonic() - self.started, time=time.time(), state=self.state,

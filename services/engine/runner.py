@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from mmlane.common.stats import Metrics
     from mmlane.engine.config import EngineConfig
     from mmlane.model import PixelNorm
+    from mmlane.model.video import VideoPreprocessor
 
 BACKENDS: dict[str, str] = {
     "hf": "mmlane.engine.hf.runner:load",
@@ -65,13 +66,16 @@ class ModelSpec:
     family's check, services/model/families.py)."""
     pixel_norm: PixelNorm
     """What turns an item's uint8 pixels into the processor's (for rendered requests)."""
+    video: VideoPreprocessor | None = None
+    """The model's video processing, where the backend runs videos (None: it takes none):
+    their tensors' checks, token counts, video token and pixel norm."""
 
     @classmethod
     def of(cls, preprocessor: Any, model_config: Any, *, vocab_size: int,
-           max_context: int) -> ModelSpec:
+           max_context: int, video: VideoPreprocessor | None = None) -> ModelSpec:
         """The spec of a model directory loaded by mmlane.model: its Preprocessor, its
         transformers config (which the family's shape check reads), and what the backend
-        runs it with (its vocabulary and context length)."""
+        runs it with (its vocabulary and context length, its video processing)."""
         family = preprocessor.family
         return cls(
             family=family.name,
@@ -85,6 +89,7 @@ class ModelSpec:
             expand_image=preprocessor.expand_image,
             check_items=family.item_checker(model_config),
             pixel_norm=preprocessor.pixel_norm,
+            video=video,
         )
 
 

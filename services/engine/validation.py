@@ -1,4 +1,7 @@
-"""Checking a request before the model sees it; every failure names the bad field."""
+"""Checking a request before the model sees it; every failure names the bad field.
+
+A video item (`MMItem.is_video`) is checked by `ModelSpec.video` (a spec without one refuses
+it), an image by the family's checks."""
 
 from __future__ import annotations
 
@@ -66,11 +69,13 @@ def check_item_spans(items: list[MMItem], prompt_len: int) -> None:
 
 
 def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec) -> None:
-    """Each item's span must be its image's expansion (from its checked tensors), and the
-    prompt's image tokens must be the images' features, none outside the spans."""
-    covered = 0
+    """Each item's span must be its image's or video's expansion (from its checked tensors),
+    and the prompt's image and video tokens must be the items' features, none outside the
+    spans."""
+    covered = {"image": 0, "video": 0}
     for index, item in enumerate(items):
-        expected = np.asarray(spec.expand_image(item.tensors), dtype=np.int64)
+        kind = "video" if item.is_video else "image"
+        expected = np.asarray(_expansion(item, spec), dtype=np.int64)
         if item.length != len(expected):
             raise RequestError(
                 f"mm_items[{index}].length is {item.length} but its tensors make "
@@ -78,15 +83,25 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec)
             )
         if not np.array_equal(prompt[item.offset : item.offset + item.length], expected):
             raise RequestError(
-                f"mm_items[{index}] covers tokens that are not its image's span: not the "
+                f"mm_items[{index}] covers tokens that are not its {kind}'s span: not the "
                 f"{spec.family} expansion of its tensors"
             )
-        covered += spec.count_image_tokens(item.tensors)
-    positions = int((prompt == spec.image_token_id).sum())
-    if positions != covered:
-        raise RequestError(
-            f"prompt_token_ids has {positions} image-token positions but mm_items cover {covered}"
-        )
+        covered[kind] += len(expected) if kind == "video" else \
+            spec.count_image_tokens(item.tensors)
+    tokens = {"image": spec.image_token_id}
+    if spec.video is not None:
+        tokens["video"] = spec.video.video_token_id
+    for kind, token in tokens.items():
+        positions = int((prompt == token).sum())
+        if positions != covered[kind]:
+            raise RequestError(f"prompt_token_ids has {positions} {kind}-token positions but "
+                               f"mm_items cover {covered[kind]}")
+
+
+def _expansion(item: MMItem, spec: ModelSpec) -> list[int] | tuple[int, ...]:
+    if spec.video is not None and item.is_video:
+        return [spec.video.video_token_id] * spec.video.count_item_tokens(item.tensors)
+    return tuple(spec.expand_image(item.tensors))
 
 
 def check_item_cache_fields(items: list[MMItem]) -> None:
@@ -106,10 +121,32 @@ def check_item_cache_fields(items: list[MMItem]) -> None:
 
 
 def check_item_tensors(items: list[MMItem], spec: ModelSpec) -> None:
+    images = []
     for index, item in enumerate(items):
-        if set(item.tensors) != set(spec.image_fields):
-            raise RequestError(
-                f"mm_items[{index}].tensors has {sorted(item.tensors)}, "
-                f"a {spec.family} image needs {sorted(spec.image_fields)}"
-            )
-    spec.check_items(items)
+        where = f"mm_items[{index}]"
+        if not item.is_video:
+            _check_names(where, item, spec.image_fields, f"a {spec.family} image")
+            images.append(item)
+        elif spec.video is None:
+            raise RequestError(f"{where} is a video; this engine ({spec.family} family, or its "
+                               "backend) takes no video")
+        else:
+            _check_names(where, item, spec.video.item_fields, f"a {spec.model_id} video")
+            spec.video.check_item(where, item.tensors)
+            _check_apart(items, index)
+    spec.check_items(images)
+
+
+def _check_names(where: str, item: MMItem, fields: tuple[str, ...], what: str) -> None:
+    if set(item.tensors) != set(fields):
+        raise RequestError(f"{where}.tensors has {sorted(item.tensors)}, {what} needs "
+                           f"{sorted(fields)}")
+
+
+def _check_apart(items: list[MMItem], index: int) -> None:
+    """M-RoPE finds videos as runs of video tokens: two touching videos would merge."""
+    before = items[index - 1] if index else None
+    if before is not None and before.is_video and \
+            items[index].offset == before.offset + before.length:
+        raise RequestError(f"mm_items[{index}] starts right where mm_items[{index - 1}] ends; "
+                           "Qwen2-VL needs a token (e.g. <|vision_end|>) between two videos")

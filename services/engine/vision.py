@@ -41,6 +41,7 @@ import torch
 from mmlane.common.lifecycle import lower_priority
 from mmlane.model import PixelNorm, Preprocessor, load_model, normalize
 from mmlane.protocol.errors import FatalError, RetryableError
+from mmlane.protocol.messages import VIDEO_PIXELS
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +93,19 @@ class VisionEncoder:
     `image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own;
     Idefics3's with the image's tiles as one sample, and no pixel_attention_mask: an image's own
     tiles are whole, the mask the model makes without one). These rows replace the image tokens
-    of the image's span."""
+    of the image's span. A video's (Qwen2-VL's, with `video_norm`) go through the model's
+    `get_video_features` with its `video_grid_thw`, and replace its video tokens."""
 
-    def __init__(self, model: Any, family: str, pixel_norm: PixelNorm) -> None:
+    def __init__(self, model: Any, family: str, pixel_norm: PixelNorm,
+                 video_norm: PixelNorm | None = None) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
         self._tiles_are_one_sample = family == "idefics3"
         self._pixel_norm = pixel_norm
+        self._video_norm = video_norm
 
     def __call__(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
+        if VIDEO_PIXELS in tensors:
+            return self._video(tensors)
         pixels = self._pixels(tensors)
         if self._tiles_are_one_sample:
             output = self.model.model.get_image_features(pixels[None], return_dict=True)
@@ -109,6 +115,16 @@ class VisionEncoder:
             output = self.model.model.get_image_features(pixel_values=pixels, **inputs,
                                                          return_dict=True)
         # a (tokens, hidden) tensor per image (per sample: this image's tiles, pooled)
+        return torch.cat(list(output.pooler_output))
+
+    def _video(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
+        if self._video_norm is None:  # the engine's validation refuses videos then
+            raise RuntimeError("this vision encoder was built without video")
+        pixels = to_device(tensors[VIDEO_PIXELS], self.model.device)
+        pixels = normalize(pixels, self._video_norm).to(self.model.dtype)
+        output = self.model.model.get_video_features(
+            pixel_values_videos=pixels, video_grid_thw=self.to_device(tensors["video_grid_thw"]),
+            return_dict=True)
         return torch.cat(list(output.pooler_output))
 
     def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:

@@ -91,6 +91,7 @@ from mmlane.protocol.errors import (
     translate,
 )
 from mmlane.protocol.messages import (
+    CONTENT_TYPES,
     CancelChat,
     ChatError,
     ChatLogprobs,
@@ -101,6 +102,7 @@ from mmlane.protocol.messages import (
     ClientRequest,
     CompletionRequest,
     TokenLogprob,
+    VideoSampling,
 )
 from mmlane.protocol.sampling import MAX_LOGPROBS
 
@@ -804,12 +806,30 @@ def prompt_tokens(firsts: list[ChatOutput]) -> int:
     return len(firsts[0].prompt_token_ids or [])
 
 
+def _chat_prompt(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat's native prompt fields: its messages, and how their videos are sampled (vLLM's
+    `mm_processor_kwargs`: fps, num_frames)."""
+    prompt: dict[str, Any] = {"messages": _messages(body.get("messages"))}
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is not None:
+        taken = VideoSampling.__struct_fields__
+        unknown = [str(key) for key in kwargs if key not in taken] \
+            if isinstance(kwargs, dict) else []
+        if unknown:
+            raise ApiError(f"mm_processor_kwargs: {', '.join(unknown)} not supported by this "
+                           f"server (it takes {', '.join(taken)})", "invalid_request",
+                           "mm_processor_kwargs")
+        prompt["mm_processor_kwargs"] = kwargs
+    return prompt
+
+
 def _messages(raw: Any) -> list[ChatMessage]:
     if not isinstance(raw, list) or not raw:
         raise ApiError("messages: a non-empty list of messages is required",
                        "invalid_request", "messages")
     messages = []
     for index, message in enumerate(raw):
+        _check_content_types(message, index)
         if isinstance(message, dict) and message.get("role") in _ROLES:
             message = {**message, "role": _ROLES[message["role"]]}
         if isinstance(message, dict) and message.get("content") is None:
@@ -821,6 +841,17 @@ def _messages(raw: Any) -> list[ChatMessage]:
             raise ApiError(f"messages[{index}]: {problem}", "invalid_request",
                            f"messages[{index}]") from exc
     return messages
+
+
+def _check_content_types(message: Any, index: int) -> None:
+    """Refuse a content part of a type this server does not take, naming the ones it does."""
+    content = message.get("content") if isinstance(message, dict) else None
+    for number, part in enumerate(content if isinstance(content, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in CONTENT_TYPES:
+            where = f"messages[{index}].content[{number}].type"
+            raise ApiError(f"{where}: {kind[:40]!r} is not supported; the content part types "
+                           f"are {', '.join(CONTENT_TYPES)}", "invalid_request", where)
 
 
 def _logit_bias(raw: Any) -> Any:
@@ -1001,7 +1032,7 @@ class _Route:
 
 
 _CHAT = _Route(
-    native=ChatRequest, prompt=lambda body: {"messages": _messages(body.get("messages"))},
+    native=ChatRequest, prompt=lambda body: _chat_prompt(body),
     refused={}, max_tokens=64, object="chat.completion", chunk_object="chat.completion.chunk",
     id_prefix="chatcmpl",
     choice=lambda text: {"message": {"role": "assistant", "content": text}},
@@ -1131,8 +1162,10 @@ def _param_of(error: ErrorInfo, names: dict[str, str]) -> str | None:
     if error.message.startswith("prompt: "):  # a completion's prompt ("prompt too long" is not)
         return "prompt"
     head = error.message.replace(":", " ").split(" ", 1)[0].removeprefix("sampling.")
-    if head in ("image", "messages", "too"):  # image N: ..., too many images: ...
+    if head in ("image", "video", "messages", "too"):  # image N: ..., too many images: ...
         return "messages"
+    if head.startswith("mm_processor_kwargs"):  # mm_processor_kwargs.fps: ...
+        return "mm_processor_kwargs"
     named = ("max_tokens", "temperature", "top_p", "logit_bias", "stop", "tokens",
              *_OPENAI_SAMPLING, *_VLLM_SAMPLING)
     return names.get(head) or (head if head in named else None)

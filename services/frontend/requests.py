@@ -2,7 +2,7 @@
 engine need. The two differ only in how their prompt token ids are made.
 
     check_request(request, ...)     validate; the prompt (template messages, or a completion's
-                                    text or token ids), the images, the sampling
+                                    text or token ids), the images and videos, the sampling
     check_stop(stop, ...)           validate the stop strings (the frontend applies them)
     prompt_token_ids(pre, checked)  render the chat template and tokenize, or tokenize the text,
                                     or check the token ids (a pool thread's work)
@@ -23,6 +23,7 @@ from typing import cast
 
 from mmlane.model import Preprocessor
 from mmlane.model.grammar import check_grammar
+from mmlane.model.video import VIDEO_TOKEN, video_token_id
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import (
     ChatMessage,
@@ -31,13 +32,16 @@ from mmlane.protocol.messages import (
     ImagePart,
     ImageUrl,
     TextPart,
+    VideoPart,
+    VideoSampling,
 )
 from mmlane.protocol.sampling import SamplingParams, check_sampling, sampling_of
 
 
 @dataclass(frozen=True)
 class CheckedRequest:
-    """A request that passed validation: its prompt, its images in order, sampling."""
+    """A request that passed validation: its prompt, its images and videos in order,
+    sampling."""
 
     template_messages: list[dict] | None
     """A chat's messages for the template; None for a completion, whose prompt is `prompt`."""
@@ -49,6 +53,19 @@ class CheckedRequest:
     """A chat's tools, for the template."""
     render: bool = False
     """Rendered only, not run (`RequestFields.render`)."""
+    videos: list[ImageUrl] = field(default_factory=list)
+    video_sampling: VideoSampling = VideoSampling()
+    """How its videos are sampled (`ChatRequest.mm_processor_kwargs`)."""
+
+    @property
+    def has_media(self) -> bool:
+        """Whether it goes through an MM worker: it has images or videos."""
+        return bool(self.images or self.videos)
+
+    @property
+    def first_media(self) -> ImageUrl:
+        """Its first image, else its first video: the MM worker's affinity key."""
+        return (self.images or self.videos)[0]
 
     def shown_ids(self, token_ids: list[int], finish_reason: str | None,
                   eos_token_ids: Sequence[int]) -> list[int]:
@@ -70,19 +87,22 @@ def check_request(request: ChatRequest | CompletionRequest, *,
         raise RequestError("messages: at least one message is required")
     check_sampling(request)
     images: list[ImageUrl] = []
+    videos: list[ImageUrl] = []
     template_messages = []
     for index, message in enumerate(request.messages):
         template_messages.append(
-            {"role": message.role, "content": _content(message.content, images, index),
+            {"role": message.role, "content": _content(message.content, images, videos, index),
              **_tool_fields(message, index)}
         )
-    if len(images) > max_images:
+    if len(images) + len(videos) > max_images:
+        what = "images and videos" if videos else "images"
         raise RequestError(
-            f"too many images: {len(images)} in the request, at most {max_images} allowed",
-            code="too_many_images",
+            f"too many {what}: {len(images) + len(videos)} in the request, at most {max_images} "
+            "allowed", code="too_many_images",
         )
     return CheckedRequest(template_messages, images, sampling_of(request), tools=request.tools,
-                          render=request.render)
+                          render=request.render, videos=videos,
+                          video_sampling=request.mm_processor_kwargs)
 
 
 def _tool_fields(message: ChatMessage, index: int) -> dict:
@@ -125,7 +145,8 @@ def _check_completion(request: CompletionRequest) -> CheckedRequest:
     return CheckedRequest(None, [], sampling_of(request), request.prompt, render=request.render)
 
 
-def _content(content: str | list, images: list[ImageUrl], index: int) -> str | list[dict]:
+def _content(content: str | list, images: list[ImageUrl], videos: list[ImageUrl],
+             index: int) -> str | list[dict]:
     if isinstance(content, str):
         return content
     parts: list[dict] = []
@@ -137,6 +158,11 @@ def _content(content: str | list, images: list[ImageUrl], index: int) -> str | l
                 raise RequestError(f"messages[{index}]: image_url.url is empty")
             images.append(part.image_url)
             parts.append({"type": "image"})
+        elif isinstance(part, VideoPart):
+            if not part.video_url.url:
+                raise RequestError(f"messages[{index}]: video_url.url is empty")
+            videos.append(part.video_url)
+            parts.append({"type": "video"})
     return parts
 
 
@@ -147,17 +173,22 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
     engine spends work on it)."""
     if checked.sampling.structured_outputs is not None:
         check_grammar(checked.sampling.structured_outputs)
+    video_token = video_token_id(pre)
+    if checked.videos and video_token is None:
+        raise RequestError(f"messages: this model ({pre.family.name} family) takes no video; "
+                           "mmlane renders videos for Qwen2-VL and Qwen2.5-VL")
     token_ids = _token_ids(pre, checked)
-    placeholders = token_ids.count(pre.image_token_id)
-    if placeholders != len(checked.images):
-        # Only the chat template may place image placeholders; text and ids must not forge them.
-        source = "messages: text" if checked.template_messages is not None else "prompt:"
+    # Only the chat template may place placeholders; text and ids must not forge them.
+    source = "messages: text" if checked.template_messages is not None else "prompt:"
+    if token_ids.count(pre.image_token_id) != len(checked.images):
         raise RequestError(
             f"{source} contains the reserved image token {pre.family.image_token!r}",
         )
+    if video_token is not None and token_ids.count(video_token) != len(checked.videos):
+        raise RequestError(f"{source} contains the reserved video token {VIDEO_TOKEN!r}")
     prompt_tokens = len(token_ids)
     needed = prompt_tokens + checked.sampling.max_tokens
-    if not checked.images and needed > pre.max_context:
+    if not checked.has_media and needed > pre.max_context:
         raise RequestError(
             f"prompt too long: {prompt_tokens} prompt tokens + max_tokens "
             f"{checked.sampling.max_tokens} exceed the model's context of "
@@ -194,9 +225,10 @@ def tokenize(pre: Preprocessor, request: ChatRequest | CompletionRequest, *,
     tokenizer's special tokens unless told not to). An image's tokens depend on its size, known
     only once it is processed, so a chat with images is refused."""
     checked = check_request(request, max_images=sys.maxsize)  # refused below, by name
-    if checked.images:
-        raise RequestError("messages: images cannot be tokenized here: an image's tokens "
-                           "depend on its size, known once the MM worker has processed it")
+    if checked.has_media:
+        kind = "images" if checked.images else "videos"
+        raise RequestError(f"messages: {kind} cannot be tokenized here: their tokens depend on "
+                           "their size, known once the MM worker has processed them")
     return _token_ids(pre, checked, add_generation_prompt=add_generation_prompt,
                       add_special_tokens=add_special_tokens)
 

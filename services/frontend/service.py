@@ -410,13 +410,14 @@ class Frontend:
         # Our deadline, as wall-clock time for the other processes: past it they drop the work.
         deadline = time.time() + (pending.deadline - time.monotonic())
         message: MMJob | EngineRequest
-        if checked.images:
+        if checked.has_media:
             message = MMJob(
                 request_id=request_id, reply_to=reply_to, prompt_token_ids=token_ids,
                 images=checked.images, sampling=checked.sampling, deadline=deadline,
-                engine_epoch=self._engine_epoch, render=checked.render,
+                engine_epoch=self._engine_epoch, render=checked.render, videos=checked.videos,
+                video_sampling=checked.video_sampling,
             )
-            pending.job, pending.worker = message, self._worker_for(checked.images[0])
+            pending.job, pending.worker = message, self._worker_for(checked.first_media)
             sock = self._mm_workers[pending.worker]
         else:
             message = EngineRequest(
@@ -428,7 +429,7 @@ class Frontend:
         try:
             sock.send_multipart(self._client_codec.encode(message), zmq.NOBLOCK, copy=False)
         except zmq.Again as exc:
-            lane = "the MM worker" if checked.images else "the engine"
+            lane = "the MM worker" if checked.has_media else "the engine"
             self._fail(request_id, translate(exc, f"cannot send to {lane}"))
 
     def _worker_for(self, image: ImageUrl) -> int:
@@ -662,7 +663,7 @@ class Frontend:
         return chat
 
     def _observe_end(self, pending: InFlight) -> None:
-        lane = "image" if pending.checked and pending.checked.images else "text"
+        lane = "image" if pending.checked and pending.checked.has_media else "text"
         self.metrics.observe(f"end_to_end:{lane}", time.monotonic() - pending.accepted_at)
 
     def _fail(self, request_id: str, error: MMLaneError) -> None:

@@ -1,7 +1,8 @@
 """The MM worker's half of the mirrored feature cache: `mm_hash` and the sender cache (P0).
 
-    ImageHasher    mm_hash of an image: over the model, its processor settings and the encoded
-                   bytes, or over a client-supplied uuid; computed before any decoding
+    ImageHasher    mm_hash of an image or a video: over the model, its processor settings, (a
+                   video) its sampling, and the encoded bytes, or over a client-supplied uuid;
+                   computed before any decoding
     SenderCache    P0 (metadata only) with its epochs. A job's images are looked up before the
                    work; the request is committed to P0 after it was sent, in send order
 
@@ -39,17 +40,20 @@ class ImageHasher:
         self._scope = _new_hash(algorithm)
         self._scope.update(scope.encode() + b"\0")
 
-    def of_bytes(self, data: bytes) -> str:
-        """The hash of an image given by its encoded bytes."""
-        return self._digest(b"bytes\0", data)
+    def of_bytes(self, data: bytes, settings: str = "") -> str:
+        """The hash of an item given by its encoded bytes; `settings`: what else decides its
+        tensors, for this item alone (a video's sampling)."""
+        return self._digest(b"bytes\0", settings, data)
 
-    def of_uuid(self, uuid: str) -> str:
-        """The hash of an image the client named with a uuid (its bytes are not even read)."""
-        return self._digest(b"uuid\0", uuid.encode())
+    def of_uuid(self, uuid: str, settings: str = "") -> str:
+        """The hash of an item the client named with a uuid (its bytes are not even read)."""
+        return self._digest(b"uuid\0", settings, uuid.encode())
 
-    def _digest(self, kind: bytes, data: bytes) -> str:
+    def _digest(self, kind: bytes, settings: str, data: bytes) -> str:
         hasher = self._scope.copy()
         hasher.update(kind)
+        if settings:  # an image's hash stays what it was before videos came
+            hasher.update(settings.encode() + b"\0")
         hasher.update(data)
         return str(hasher.hexdigest())
 

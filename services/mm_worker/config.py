@@ -23,6 +23,33 @@ from mmlane.common.config import (
 from mmlane.common.feature_cache import capacity_bytes
 
 
+class VideoLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How big a video may be; over any bound the video is refused (`video_too_large`).
+
+    Together the bounds cap a video's memory: at most `max_video_frames * max_video_frame_pixels
+    * 3` bytes of frames (1.6 GB with the defaults), plus `max_video_bytes` of input and the few
+    frames the decoder holds for reference.
+    """
+
+    max_video_bytes: int = 256 * 1024 * 1024
+    """Largest encoded video accepted, in bytes (256 MiB)."""
+    max_video_duration_s: float = 600.0
+    """A video's seconds at most, as its container claims them and as its frames' timestamps
+    run (10 minutes)."""
+    max_video_frames: int = 256
+    """Frames the sampling may keep of one video (Qwen2-VL's default 2 fps keeps 256 from
+    128 s); a request's `mm_processor_kwargs.num_frames` may ask for no more."""
+    max_video_frame_pixels: int = 1920 * 1080
+    """Width times height of one video frame (1080p)."""
+    max_video_decode_s: float = 60.0
+    """Wall-clock seconds to open, scan and decode one video."""
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"VideoLimits.{name} must be positive, got {getattr(self, name)}")
+
+
 class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """Local Hugging Face model directory (its tokenizer and image processor are used)."""
@@ -84,6 +111,7 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     processes): where it shares cores with a frontend or an engine, their text work takes a
     core first, and images get what text leaves idle (at 10 about a tenth of a core that text
     fills). 0: off. Linux counts niceness per thread."""
+    video: VideoLimits = msgspec.field(default_factory=VideoLimits)
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 

@@ -21,7 +21,7 @@ import concurrent.futures
 import ipaddress
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -186,7 +186,7 @@ async def _read_body(response: aiohttp.ClientResponse, url: str, policy: FetchPo
 
 def _too_large(url: str, policy: FetchPolicy) -> RequestError:
     return RequestError(
-        f"image at {_short(url)} is larger than the {policy.max_bytes}-byte fetch limit",
+        f"the file at {_short(url)} is larger than the {policy.max_bytes}-byte fetch limit",
         code="image_too_large",
     )
 
@@ -215,8 +215,10 @@ class MediaFetcher:
         connector = aiohttp.TCPConnector(resolver=PolicyResolver(self.policy), limit=32)
         return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False)
 
-    def submit(self, url: str) -> concurrent.futures.Future[bytes]:
-        return asyncio.run_coroutine_threadsafe(fetch(self._session, url, self.policy), self._loop)
+    def submit(self, url: str, max_bytes: int | None = None) -> concurrent.futures.Future[bytes]:
+        """Fetch `url` under the policy; `max_bytes` in place of the policy's (a video's)."""
+        policy = self.policy if max_bytes is None else replace(self.policy, max_bytes=max_bytes)
+        return asyncio.run_coroutine_threadsafe(fetch(self._session, url, policy), self._loop)
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

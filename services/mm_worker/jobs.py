@@ -1,15 +1,20 @@
 """From an `MMJob` to the `EngineRequest` the engine runs: the work between the two sockets.
 
-    start(job)     1. check the job (placeholders, length)
-                   2. load each image's encoded bytes (not for a client uuid: the uuid names it)
-                   3. hash each image; guess from the sender cache which ones the engine lacks
-                      and start decoding and processing those (an image repeated within the
-                      request, once): inline, or in the worker's process pool
+    start(job)     1. check the job (placeholders, length, its videos' sampling)
+                   2. load each item's encoded bytes (not for a client uuid: the uuid names it)
+                   3. hash each item; guess from the sender cache which ones the engine lacks
+                      and start decoding and processing those (an item repeated within the
+                      request, once): inline, or in the worker's process pool (images)
     finish(start)  4. note the engine epoch the job carries; look each hash up in the sender
                       cache as it stands now; process any miss the guess did not foresee
-                   5. render: expand the placeholders and place the images; hits travel as
+                   5. render: expand the placeholders and place the items; hits travel as
                       their hash alone
     render(job)    finish(start(job)), for one job at a time
+
+A job's items are its images, then its videos, numbered in that order (`StartedJob.hashes`,
+`work`); errors name each by its own kind's position (`image 1`, `video 0`). A video is decoded
+(services/mm_worker/video.py: the frames vLLM's loader keeps, bounded by `VideoLimits`) and
+processed (services/model/video.py) on the calling thread: the worker's video lane.
 
 The worker finishes jobs in the order it started them, each after the commits of all the jobs
 before it, so step 4 sees the sender cache exactly as a worker doing one job at a time would:
@@ -21,36 +26,45 @@ the request is sent (`SenderCache.commit`).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
-from collections.abc import Mapping
+import math
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from msgspec.structs import replace
 
 from mmlane.common.stats import Metrics
 from mmlane.mm_worker.cache import ImageHasher, ItemInfo, SenderCache
-from mmlane.mm_worker.media import MediaPolicy, load_image_bytes
+from mmlane.mm_worker.media import MediaPolicy, Medium, load_bytes
 from mmlane.mm_worker.pool import Processed, ProcessPool, process_image
-from mmlane.mm_worker.render import PreparedImage, check_job, render_request
+from mmlane.mm_worker.render import PreparedItem, check_job, render_request
+from mmlane.mm_worker.video import Qwen2VLSampling, decode_video
 from mmlane.model import ImageItem, Preprocessor
-from mmlane.protocol.messages import EngineRequest, ImageUrl, MMJob
+from mmlane.model.video import VideoItem, VideoPreprocessor
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import EngineRequest, ImageUrl, MMJob, VideoSampling
 
 log = logging.getLogger(__name__)
 
 Fetches = Mapping[int, concurrent.futures.Future[bytes]]
-"""The started fetches of a job's http(s) images, by image index."""
+"""The started fetches of a job's http(s) images and videos, by item index."""
+Item = ImageItem | VideoItem
 
 
 @dataclass
 class StartedJob:
-    """A job between `start` and `finish`: its hashes, the bytes loaded for them, and the image
-    work started for the images the engine was guessed to lack, by image index."""
+    """A job between `start` and `finish`: its hashes, the bytes loaded for them, and the work
+    started for the items the engine was guessed to lack, by item index."""
 
     job: MMJob
     fetches: Fetches
     hashes: list[str]
     loaded: list[bytes | None]
-    work: dict[int, concurrent.futures.Future[ImageItem]]
+    work: dict[int, concurrent.futures.Future[Item]]
+    sampling: Qwen2VLSampling | None = None
+    """How its videos' frames are sampled (None: it has none)."""
     received_at: float = 0.0
     """When the worker took the job off its socket (`time.monotonic()`)."""
 
@@ -66,14 +80,24 @@ class StartedJob:
             future.add_done_callback(_let_go)
 
 
-def _let_go(future: concurrent.futures.Future[ImageItem]) -> None:
+def _let_go(future: concurrent.futures.Future[Item]) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().tensors.clear()
 
 
+@dataclass(frozen=True)
+class VideoRendering:
+    """What a renderer needs for videos: the model's video processing and their hasher."""
+
+    preprocessor: VideoPreprocessor
+    hasher: ImageHasher
+    """Scoped to the video processor's settings; each video's sampling goes into its hash."""
+
+
 class JobRenderer:
     """Turns jobs into rendered requests for one model, with one sender cache; images are
-    processed in `pool` when there is one, else on the calling thread."""
+    processed in `pool` when there is one, else on the calling thread; videos (with `video`;
+    None: the model takes none) on the calling thread."""
 
     def __init__(
         self,
@@ -83,6 +107,7 @@ class JobRenderer:
         hasher: ImageHasher,
         metrics: Metrics | None = None,
         pool: ProcessPool | None = None,
+        video: VideoRendering | None = None,
     ) -> None:
         self.preprocessor = preprocessor
         self.metrics = metrics or Metrics("mm-worker", "mm-worker")
@@ -91,6 +116,7 @@ class JobRenderer:
         self.cache = cache
         self.hasher = hasher
         self.pool = pool
+        self.video = video
 
     def render(self, job: MMJob, fetches: Fetches | None = None) -> EngineRequest:
         """The job's EngineRequest; raises RequestError (or any error) for this job alone."""
@@ -100,20 +126,22 @@ class JobRenderer:
         """Steps 1-3; raises RequestError (or any error) for this job alone."""
         fetches = fetches or {}
         pre = self.preprocessor
-        check_job(job, image_token_id=pre.image_token_id, max_context=pre.max_context)
-        loaded = [self._load_for_hash(index, image, fetches)
-                  for index, image in enumerate(job.images)]
-        hashes = [self._hash(image, data) for image, data in zip(job.images, loaded, strict=True)]
+        check_job(job, image_token_id=pre.image_token_id, video_token_id=self._video_token_id,
+                  max_context=pre.max_context)
+        sampling = self._sampling(job)
+        loaded = [self._load_for_hash(job, index, fetches) for index in range(_count(job))]
+        hashes = [self._hash(job, index, data, sampling) for index, data in enumerate(loaded)]
         held = self.cache.guess(hashes, job.mm_cache_invalidate, job.engine_epoch)
-        work: dict[int, concurrent.futures.Future[ImageItem]] = {}
+        work: dict[int, concurrent.futures.Future[Item]] = {}
         first: set[str] = set()
         for index, mm_hash in enumerate(hashes):
             if held[index] or mm_hash in first:
                 continue
             if mm_hash:
                 first.add(mm_hash)
-            work[index] = self._start_image(index, self._bytes(job, index, loaded, fetches))
-        return StartedJob(job, fetches, hashes, loaded, work)
+            data = self._bytes(job, index, loaded, fetches)
+            work[index] = self._start_item(job, index, data, sampling)
+        return StartedJob(job, fetches, hashes, loaded, work, sampling)
 
     def finish(self, started: StartedJob) -> EngineRequest:
         """Steps 4-5, once the jobs started before this one were committed; raises the error
@@ -121,8 +149,8 @@ class JobRenderer:
         job = started.job
         self.follow_engine_epoch(job.engine_epoch)
         found = self.cache.lookup(started.hashes, job.mm_cache_invalidate)
-        images = self._prepare(started, found)
-        request = render_request(job, images, self.preprocessor)
+        items = self._prepare(started, found)
+        request = render_request(job, items, self.preprocessor, self._video_token_id)
         return replace(request, mm_cache=self.cache.header(job.mm_cache_invalidate))
 
     def follow_engine_epoch(self, engine_epoch: int) -> None:
@@ -135,42 +163,93 @@ class JobRenderer:
         """Decode an image's bytes and run the model's image processor on it, here."""
         return self._observed(process_image(self.preprocessor, index, data, self.media))
 
+    def process_video(self, index: int, data: bytes, sampling: Qwen2VLSampling,
+                      max_tokens: int) -> VideoItem:
+        """Decode the frames `sampling` keeps of a video's bytes and process them, here."""
+        assert self.video is not None  # a job with videos was refused without (`_sampling`)
+        started = time.monotonic()
+        decoded = decode_video(data, index, sampling, self.media.video_limits)
+        processed = time.monotonic()
+        self.metrics.observe("video_decode", processed - started)
+        item = self.video.preprocessor.process_video(
+            decoded.frames, decoded.hf_metadata(), index=index, max_tokens=max_tokens)
+        self.metrics.observe("video_process", time.monotonic() - processed)
+        return item
+
     # ------------------------------------------------------------ the steps
 
-    def _load_for_hash(self, index: int, image: ImageUrl, fetches: Fetches) -> bytes | None:
-        """The encoded bytes, when the hash needs them or the cache is off (else None)."""
-        if image.uuid is not None and self._hashing:
+    @property
+    def _video_token_id(self) -> int | None:
+        return None if self.video is None else self.video.preprocessor.video_token_id
+
+    def _sampling(self, job: MMJob) -> Qwen2VLSampling | None:
+        """How the job's videos are sampled (None: it has none): the model's loader's rule
+        (Qwen2-VL's, vLLM's) with the request's `mm_processor_kwargs`, within the bounds."""
+        if not job.videos:
             return None
-        return load_image_bytes(image.url, index, self.media, fetches.get(index))
+        if self.video is None:
+            raise RequestError(f"this model ({self.preprocessor.family.name} family) takes no "
+                               "video", code="invalid_request")
+        return video_sampling(job.video_sampling, self.media.video_limits.max_video_frames,
+                              self.video.preprocessor.settings.temporal_patch_size)
+
+    def _medium(self, job: MMJob, index: int) -> tuple[Medium, int]:
+        """Item `index`'s kind, and its position among the job's items of that kind."""
+        if index < len(job.images):
+            return self.media.image, index
+        return self.media.video, index - len(job.images)
+
+    def _load(self, job: MMJob, index: int, fetches: Fetches) -> bytes:
+        medium, position = self._medium(job, index)
+        return load_bytes(_source(job, index).url, position, self.media, fetches.get(index),
+                          medium)
+
+    def _load_for_hash(self, job: MMJob, index: int, fetches: Fetches) -> bytes | None:
+        """The encoded bytes, when the hash needs them or the cache is off (else None)."""
+        if _source(job, index).uuid is not None and self._hashing:
+            return None
+        return self._load(job, index, fetches)
 
     def _bytes(self, job: MMJob, index: int, loaded: list[bytes | None],
                fetches: Fetches) -> bytes:
         data = loaded[index]
         if data is None:  # named by a uuid: read only when it must be processed
-            data = load_image_bytes(job.images[index].url, index, self.media, fetches.get(index))
+            data = self._load(job, index, fetches)
         return data
 
-    def _hash(self, image: ImageUrl, data: bytes | None) -> str:
+    def _hash(self, job: MMJob, index: int, data: bytes | None,
+              sampling: Qwen2VLSampling | None) -> str:
         if not self._hashing:
             return ""
-        if image.uuid is not None:
-            return self.hasher.of_uuid(image.uuid)
+        source = _source(job, index)
+        hasher, settings = self.hasher, ""
+        if index >= len(job.images):  # a video: its frames depend on its sampling too
+            assert self.video is not None
+            hasher, settings = self.video.hasher, repr(sampling)
+        if source.uuid is not None:
+            return hasher.of_uuid(source.uuid, settings)
         assert data is not None
-        return self.hasher.of_bytes(data)
+        return hasher.of_bytes(data, settings)
 
     @property
     def _hashing(self) -> bool:
         return self.cache.cache.capacity > 0
 
-    def _start_image(self, index: int, data: bytes) -> concurrent.futures.Future[ImageItem]:
+    def _start_item(self, job: MMJob, index: int, data: bytes,
+                    sampling: Qwen2VLSampling | None) -> concurrent.futures.Future[Item]:
+        """Start processing one item: an image in the pool, or either here and now."""
+        if index < len(job.images):
+            return self._start_image(index, data)
+        assert sampling is not None
+        context_left = self.preprocessor.max_context - len(job.prompt_token_ids)
+        return _done(lambda: self.process_video(index - len(job.images), data, sampling,
+                                                context_left))
+
+    def _start_image(self, index: int, data: bytes) -> concurrent.futures.Future[Item]:
         """Start processing one image: in the pool, or here and now."""
-        item: concurrent.futures.Future[ImageItem] = concurrent.futures.Future()
         if self.pool is None:
-            try:
-                item.set_result(self.process_image(index, data))
-            except Exception as exc:
-                item.set_exception(exc)
-            return item
+            return _done(lambda: self.process_image(index, data))
+        item: concurrent.futures.Future[Item] = concurrent.futures.Future()
 
         def done(processed: concurrent.futures.Future[Processed]) -> None:
             try:
@@ -186,23 +265,61 @@ class JobRenderer:
         self.metrics.observe("process", processed.process_s)
         return processed.item
 
-    def _prepare(self, started: StartedJob, found: list[ItemInfo | None]) -> list[PreparedImage]:
+    def _prepare(self, started: StartedJob, found: list[ItemInfo | None]) -> list[PreparedItem]:
         job, hashes = started.job, started.hashes
-        images: list[PreparedImage] = []
-        earlier: dict[str, PreparedImage] = {}
+        items: list[PreparedItem] = []
+        earlier: dict[str, PreparedItem] = {}
         for index, (mm_hash, info) in enumerate(zip(hashes, found, strict=True)):
-            if mm_hash in earlier:  # the same image again: the engine reuses the first one
-                images.append(earlier[mm_hash].by_hash())
+            if mm_hash in earlier:  # the same item again: the engine reuses the first one
+                items.append(earlier[mm_hash].by_hash())
                 continue
             if info is not None:  # a hit: no decode, no processing, only the hash travels
-                image = PreparedImage(mm_hash, info.num_tokens, info.nbytes, {}, info.token_ids)
+                item = PreparedItem(mm_hash, info.num_tokens, info.nbytes, {}, info.token_ids)
             else:
                 work = started.work.get(index)
                 if work is None:  # guessed held, but evicted since: process it now
                     data = self._bytes(job, index, started.loaded, started.fetches)
-                    work = self._start_image(index, data)
-                image = PreparedImage.processed(mm_hash, work.result())
+                    work = self._start_item(job, index, data, started.sampling)
+                item = PreparedItem.processed(mm_hash, work.result())
             if mm_hash:
-                earlier[mm_hash] = image
-            images.append(image)
-        return images
+                earlier[mm_hash] = item
+            items.append(item)
+        return items
+
+
+def video_sampling(asked: VideoSampling, max_frames: int,
+                   temporal_patch_size: int) -> Qwen2VLSampling:
+    """Qwen2-VL's sampling (vLLM's defaults, the model's temporal patch) with a request's `fps`
+    and `num_frames` (at most that many frames kept, at least one temporal patch); RequestError
+    naming the field where one is out of bounds. However many frames a rate keeps, the decoder
+    refuses more than `max_frames` (video_too_large)."""
+    sampling = Qwen2VLSampling(temporal_patch_size=temporal_patch_size)
+    if asked.fps is not None:
+        if not (math.isfinite(asked.fps) and asked.fps > 0):
+            raise RequestError(f"mm_processor_kwargs.fps: must be above 0, got {asked.fps:g}")
+        sampling = dataclasses.replace(sampling, fps=asked.fps)
+    if asked.num_frames is not None:
+        if not temporal_patch_size <= asked.num_frames <= max_frames:
+            raise RequestError(f"mm_processor_kwargs.num_frames: must be {temporal_patch_size} "
+                               f"(one temporal patch) to {max_frames} (max_video_frames), got "
+                               f"{asked.num_frames}")
+        sampling = dataclasses.replace(sampling, max_frames=asked.num_frames)
+    return sampling
+
+
+def _count(job: MMJob) -> int:
+    return len(job.images) + len(job.videos)
+
+
+def _source(job: MMJob, index: int) -> ImageUrl:
+    return job.images[index] if index < len(job.images) else job.videos[index - len(job.images)]
+
+
+def _done(work: Callable[[], Item]) -> concurrent.futures.Future[Item]:
+    """A future of `work` run here and now: its item, or its error."""
+    item: concurrent.futures.Future[Item] = concurrent.futures.Future()
+    try:
+        item.set_result(work())
+    except Exception as exc:
+        item.set_exception(exc)
+    return item

@@ -1,16 +1,18 @@
 """Reading an image's bytes and decoding them to RGB: where foreign errors become ours.
 
-    load_image_bytes(url, index, policy, fetched)
-                                           data:image/...;base64 URI, allow-listed file:// path,
-                                           or the result of an http(s) fetch started earlier
+    load_bytes(url, index, policy, fetched, medium)
+                                           an image's or a video's (`Medium`): data:...;base64
+                                           URI, allow-listed file:// path, or the result of an
+                                           http(s) fetch started earlier
     decode_image(data, index, max_pixels, resized_size)
                                            encoded bytes -> upright RGB PIL image; with the
                                            processor's resize rule, big JPEGs decode reduced
 
 Every failure here is the request's fault and leaves as a `RequestError` whose message starts
-with the image's position in the request (`image 2: ...`), so a client sending several images
-knows which one was wrong. Codes: `invalid_image` (unreadable data, missing file),
-`media_not_allowed` (a scheme or path we refuse) and `image_too_large` (bytes or pixels).
+with the image's position in the request (`image 2: ...`; a video's: `video 0: ...`), so a
+client sending several knows which one was wrong. Codes: `invalid_image` (unreadable data,
+missing file), `media_not_allowed` (a scheme or path we refuse) and `image_too_large` (bytes
+or pixels); a video's bytes: `invalid_video`, `video_too_large`.
 Pillow's exceptions become ours through `mmlane.protocol.errors.translated` (running out of memory
 while decoding is no fault of the request's: `overloaded`).
 
@@ -42,7 +44,7 @@ from PIL import ExifTags, Image, ImageOps
 
 from mmlane.common.config import default_of
 from mmlane.common.memory import keep_freed_memory
-from mmlane.mm_worker.config import MMWorkerConfig
+from mmlane.mm_worker.config import MMWorkerConfig, VideoLimits
 from mmlane.protocol.errors import RequestError, translated
 
 # Modes whose alpha channel is composited on white; other modes carrying a `transparency`
@@ -58,6 +60,31 @@ ResizedSize = Callable[[int, int], tuple[int, int]]
 (`Preprocessor.resized_size`)."""
 
 
+@dataclass(frozen=True)
+class Medium:
+    """What a URL is read for: an image or a video, which names it in errors, the data URI
+    types it takes, its size bound and its error codes."""
+
+    name: str
+    """'image' or 'video': errors start with `{name} {index}: `."""
+    max_bytes: int
+    bound: str
+    """The setting `max_bytes` comes from, named in errors."""
+
+    def invalid(self, index: int, problem: str) -> RequestError:
+        return RequestError(f"{self.name} {index}: {problem}", code=f"invalid_{self.name}")
+
+    def too_large(self, index: int, size: str) -> RequestError:
+        return RequestError(f"{self.name} {index}: encoded {self.name} is {size}, more than "
+                            f"{self.bound} {self.max_bytes}", code=f"{self.name}_too_large")
+
+    def named(self, index: int, exc: RequestError) -> RequestError:
+        """A fetch's error (which knows no position, and says image_too_large) as this
+        medium's."""
+        code = f"{self.name}_too_large" if exc.code == "image_too_large" else exc.code
+        return RequestError(f"{self.name} {index}: {exc.message}", code=code)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MediaPolicy:
     """Which image sources are allowed and how big they may be."""
@@ -71,6 +98,16 @@ class MediaPolicy:
     """Schemes allowed besides file:// (data, https, http)."""
     jpeg_draft: bool = default_of(MMWorkerConfig, "jpeg_draft")
     """Decode big JPEGs reduced (`MMWorkerConfig.jpeg_draft`; not bit-exact)."""
+    video_limits: VideoLimits = VideoLimits()
+    """The bounds of a video (`MMWorkerConfig.video`)."""
+
+    @property
+    def image(self) -> Medium:
+        return Medium("image", self.max_image_bytes, "max_image_bytes")
+
+    @property
+    def video(self) -> Medium:
+        return Medium("video", self.video_limits.max_video_bytes, "max_video_bytes")
 
     @classmethod
     def from_config(cls, config: MMWorkerConfig) -> MediaPolicy:
@@ -81,6 +118,7 @@ class MediaPolicy:
             max_image_pixels=config.max_image_pixels,
             allowed_schemes=frozenset(config.allowed_media_schemes),
             jpeg_draft=config.jpeg_draft,
+            video_limits=config.video,
         )
 
 
@@ -105,122 +143,131 @@ def configure_pillow(max_image_pixels: int) -> None:
 # ---------------------------------------------------------------- reading the bytes
 
 
-def load_image_bytes(
+def load_bytes(
     url: str, index: int, policy: MediaPolicy,
-    fetched: concurrent.futures.Future[bytes] | None = None,
+    fetched: concurrent.futures.Future[bytes] | None = None, medium: Medium | None = None,
 ) -> bytes:
-    """The encoded bytes an image URL points to; raises RequestError naming the image.
+    """The encoded bytes an image's (or `medium`'s: `policy.video`) URL points to; raises
+    RequestError naming it.
 
     An http(s) URL's bytes come from `fetched`, the fetch the worker started when the job
-    arrived (`MediaFetcher.submit`); waiting on it here is waiting for this job's own image.
+    arrived (`MediaFetcher.submit`); waiting on it here is waiting for this job's own media.
     """
+    medium = medium or policy.image
+    name = medium.name
     scheme, colon, _ = url.partition(":")
     scheme = scheme.lower() if colon else ""
     if scheme == "file":
-        return _read_file_url(url, index, policy)
+        return _read_file_url(url, index, medium, policy)
     if scheme in ("data", "https", "http") and scheme not in policy.allowed_schemes:
         hint = " (allowed with --allow-http-media)" if scheme == "http" else ""
         allowed = ", ".join(sorted(policy.allowed_schemes)) or "none"
         raise RequestError(
-            f"image {index}: {scheme}: image URLs are not allowed{hint} (allowed: {allowed})",
+            f"{name} {index}: {scheme}: {name} URLs are not allowed{hint} (allowed: {allowed})",
             code="media_not_allowed",
         )
     if scheme == "data":
-        return _read_data_uri(url, index, policy.max_image_bytes)
+        return _read_data_uri(url, index, medium)
     if scheme in ("https", "http") and fetched is not None:
-        return _fetched_bytes(fetched, index)
+        return _fetched_bytes(fetched, index, medium)
     shown = f"{_shorten(scheme, 20)!r} URLs are" if scheme else "a URL without a scheme is"
     raise RequestError(
-        f"image {index}: {shown} not supported; send a data:image/<format>;base64,... URI, "
+        f"{name} {index}: {shown} not supported; send a data:{name}/<format>;base64,... URI, "
         "an http(s) URL or a file:// path",
         code="media_not_allowed",
     )
 
 
-def _fetched_bytes(fetched: concurrent.futures.Future[bytes], index: int) -> bytes:
+def _fetched_bytes(fetched: concurrent.futures.Future[bytes], index: int,
+                   medium: Medium) -> bytes:
     try:
         return fetched.result()
-    except RequestError as exc:  # the fetcher's message does not know the image's position
-        raise RequestError(f"image {index}: {exc.message}", code=exc.code) from exc
+    except RequestError as exc:  # the fetcher's message does not know the position
+        raise medium.named(index, exc) from exc
 
 
-def _read_data_uri(url: str, index: int, max_bytes: int) -> bytes:
+def _read_data_uri(url: str, index: int, medium: Medium) -> bytes:
     header, comma, payload = url[len("data:"):].partition(",")
     media_type, *params = (part.strip().lower() for part in header.split(";"))
+    name, max_bytes = medium.name, medium.max_bytes
     if not comma:
-        raise _invalid(index, "data URI has no ',' before its data")
-    if not media_type.startswith("image/"):
-        raise _invalid(index, f"data URI has media type {_shorten(media_type, 40)!r}, not image/*")
+        raise medium.invalid(index, "data URI has no ',' before its data")
+    if not media_type.startswith(f"{name}/"):
+        raise medium.invalid(index, f"data URI has media type {_shorten(media_type, 40)!r}, "
+                                    f"not {name}/*")
     if "base64" not in params:
-        raise _invalid(index, "data URI is not base64 (expected data:image/<format>;base64,...)")
+        raise medium.invalid(index, f"data URI is not base64 (expected data:{name}/<format>;"
+                                    "base64,...)")
     if len(payload) // 4 * 3 > max_bytes + 3:  # refuse before decoding megabytes for nothing
-        raise _too_large(index, f"about {len(payload) // 4 * 3} bytes", max_bytes)
+        raise medium.too_large(index, f"about {len(payload) // 4 * 3} bytes")
     try:  # pybase64 (SIMD): 20x the stdlib's speed on a 7 MB URI, what vLLM decodes with too
         data = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise _invalid(index, "data URI is not valid base64") from exc
+        raise medium.invalid(index, "data URI is not valid base64") from exc
     if len(data) > max_bytes:
-        raise _too_large(index, f"{len(data)} bytes", max_bytes)
+        raise medium.too_large(index, f"{len(data)} bytes")
     return data
 
 
-def _read_file_url(url: str, index: int, policy: MediaPolicy) -> bytes:
+def _read_file_url(url: str, index: int, medium: Medium, policy: MediaPolicy) -> bytes:
     folder = policy.allowed_media_dir
     if folder is None:
         raise RequestError(
-            f"image {index}: file:// URLs are disabled; start with --allowed-media-dir",
+            f"{medium.name} {index}: file:// URLs are disabled; start with --allowed-media-dir",
             code="media_not_allowed",
         )
-    path = _file_url_path(url, index)
+    path = _file_url_path(url, index, medium)
     # realpath resolves '..' and every symlink, so a link inside the folder that points
     # outside it is refused like the outside path itself.
     resolved = Path(os.path.realpath(path))
     if not resolved.is_relative_to(folder):
         raise RequestError(
-            f"image {index}: {_shorten(url, 120)} is outside the allowed media folder",
+            f"{medium.name} {index}: {_shorten(url, 120)} is outside the allowed media folder",
             code="media_not_allowed",
         )
-    return _read_regular_file(resolved, url, index, policy.max_image_bytes)
+    return _read_regular_file(resolved, url, index, medium)
 
 
-def _file_url_path(url: str, index: int) -> str:
+def _file_url_path(url: str, index: int, medium: Medium) -> str:
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise RequestError(
-            f"image {index}: file:// URL names host {_shorten(parts.netloc, 40)!r}; "
+            f"{medium.name} {index}: file:// URL names host {_shorten(parts.netloc, 40)!r}; "
             "only local paths are allowed",
             code="media_not_allowed",
         )
     if parts.query or parts.fragment:
-        raise _invalid(index, "file:// URL has a query or fragment (percent-encode '?' and '#')")
+        raise medium.invalid(index, "file:// URL has a query or fragment (percent-encode '?' "
+                                    "and '#')")
     path = unquote(parts.path)
     if not path.startswith("/") or "\x00" in path:
-        raise _invalid(index, f"file:// URL {_shorten(url, 120)} is not an absolute path")
+        raise medium.invalid(index, f"file:// URL {_shorten(url, 120)} is not an absolute path")
     return path
 
 
-def _read_regular_file(path: Path, url: str, index: int, max_bytes: int) -> bytes:
+def _read_regular_file(path: Path, url: str, index: int, medium: Medium) -> bytes:
     # O_NONBLOCK: opening a FIFO someone placed in the folder must not stall the loop.
+    max_bytes = medium.max_bytes
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
-        raise _invalid(index, f"no such file: {_shorten(url, 120)}") from exc
+        raise medium.invalid(index, f"no such file: {_shorten(url, 120)}") from exc
     except OSError as exc:
-        raise _invalid(index, f"cannot open {_shorten(url, 120)}: {exc.strerror}") from exc
+        raise medium.invalid(index, f"cannot open {_shorten(url, 120)}: {exc.strerror}") from exc
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise _invalid(index, f"{_shorten(url, 120)} is not a regular file")
+            raise medium.invalid(index, f"{_shorten(url, 120)} is not a regular file")
         if info.st_size > max_bytes:
-            raise _too_large(index, f"{info.st_size} bytes", max_bytes)
+            raise medium.too_large(index, f"{info.st_size} bytes")
         with open(fd, "rb", closefd=False) as file:  # reads until EOF, unlike one os.read
             data = file.read(max_bytes + 1)
     except OSError as exc:
-        raise _invalid(index, f"cannot read {_shorten(url, 120)}: {exc.strerror}") from exc
+        raise medium.invalid(index, f"cannot read {_shorten(url, 120)}: {exc.strerror}") from exc
     finally:
         os.close(fd)
     if len(data) > max_bytes:  # the file grew after fstat
-        raise _too_large(index, f"more than {max_bytes} bytes", max_bytes)
+        raise medium.too_large(index, f"more than {max_bytes} bytes")
     return data
 
 
@@ -332,13 +379,6 @@ def _cut_short(index: int, image_format: str | None = None) -> Iterator[None]:
 
 def _invalid(index: int, problem: str) -> RequestError:
     return RequestError(f"image {index}: {problem}", code="invalid_image")
-
-
-def _too_large(index: int, size: str, max_bytes: int) -> RequestError:
-    return RequestError(
-        f"image {index}: encoded image is {size}, more than max_image_bytes {max_bytes}",
-        code="image_too_large",
-    )
 
 
 def _shorten(text: str, limit: int) -> str:

@@ -7,7 +7,7 @@ become ours.
     Qwen2VLSampling     vLLM's `qwen2_vl` loader: the one vLLM picks for Qwen2-VL and
                         Qwen2.5-VL (their video processor is `Qwen2VLVideoProcessor`)
     UniformSampling     vLLM's default loader (`VLLM_VIDEO_LOADER_BACKEND=opencv`)
-    VideoLimits         the bounds, each with a safe default
+    VideoLimits         the bounds, each with a safe default (MMWorkerConfig.video's)
 
 Sampling. vLLM reads the source's frame count and rate through OpenCV (`CAP_PROP_FRAME_COUNT`:
 the container's `nb_frames`, else its duration times the rate; `CAP_PROP_FPS`: FFmpeg's
@@ -17,17 +17,17 @@ numbers through PyAV, and the two rules here are vLLM's, index for index
 (tests/test_vllm_video.py compares them with vLLM's own functions). The metadata is what vLLM
 hands the HF processor (`DecodedVideo.hf_metadata`), but for `video_backend`, which says "pyav".
 
-Decoding. One pass over the packets (demuxing only, no decoding) counts the frames the file
-really holds, checks their timestamps against `max_duration_s`, and notes each frame's timestamp
-and which frames are keyframes (`_Timeline`). The decoder then runs from the start and stops
-after the last kept frame; where the next kept frame's keyframe lies `_SEEK_MIN_FRAMES` or more
-ahead, it seeks there instead of decoding the frames in between. vLLM's indices count the frames
-the decoder gives, not timestamps, so every frame decoded on that path must carry the timestamp
-of its index; if one does not (frames shown in another order than their timestamps say, hidden
-frames, split fields), the video is decoded again frame by frame, as it is where two frames
-share a timestamp or one has none. Only the kept frames are converted: as OpenCV converts them
-(swscale, bicubic, to BGR, the channels swapped: from 8-bit 4:2:0 the same as straight to RGB,
-from 10-bit not, by up to 25 levels), turned upright by their display matrix (multiples of 90°).
+Decoding. One pass over the packets (demuxing only, no decoding) counts the frames the file really
+holds, checks their timestamps against `max_video_duration_s`, and notes each frame's timestamp and
+which frames are keyframes (`_Timeline`). The decoder then runs from the start and stops after the
+last kept frame; where the next kept frame's keyframe lies `_SEEK_MIN_FRAMES` or more ahead, it
+seeks there instead of decoding the frames in between. vLLM's indices count the frames the decoder
+gives, not timestamps, so every frame decoded on that path must carry the timestamp of its index;
+if one does not (frames shown in another order than their timestamps say, hidden frames, split
+fields), the video is decoded again frame by frame, as it is where two frames share a timestamp or
+one has none. Only the kept frames are converted: as OpenCV converts them (swscale, bicubic, to
+BGR, the channels swapped: from 8-bit 4:2:0 the same as straight to RGB, from 10-bit not, by up to
+25 levels), turned upright by their display matrix (multiples of 90°).
 
 The pixels are vLLM's bit for bit (tests/test_vllm_video.py: H.264, 10-bit HEVC, VP9, MPEG-4
 Part 2, MJPEG; measured as well on AV1, VP8, FFV1, 10-bit H.264, 4:2:2, 4:4:4, grey, BT.709,
@@ -57,6 +57,7 @@ import av.container
 import av.video.stream
 import numpy as np
 
+from mmlane.mm_worker.config import VideoLimits
 from mmlane.protocol.errors import RequestError, translated
 
 VIDEO_BACKEND = "pyav"
@@ -72,31 +73,7 @@ _CV_ROTATIONS = {90: -1, 180: 2, 270: 1}
 quarter turns)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class VideoLimits:
-    """How big a video may be; over any bound the video is refused (`video_too_large`).
-
-    Together the bounds cap a video's memory: at most `max_kept_frames * max_frame_pixels * 3`
-    bytes of frames (1.6 GB with the defaults), plus `max_video_bytes` of input and the few
-    frames the decoder holds for reference.
-    """
-
-    max_video_bytes: int = 256 * 1024 * 1024
-    """Encoded bytes (256 MiB)."""
-    max_duration_s: float = 600.0
-    """Seconds, as the container claims them and as the frames' timestamps run (10 minutes)."""
-    max_kept_frames: int = 256
-    """Frames the sampling keeps (256; Qwen2-VL's default 2 fps keeps 256 from 128 s)."""
-    max_frame_pixels: int = 1920 * 1080
-    """Width times height of one frame (1080p)."""
-    max_decode_s: float = 60.0
-    """Wall-clock seconds to open, scan and decode one video (60)."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_video_bytes", "max_duration_s", "max_kept_frames",
-                     "max_frame_pixels", "max_decode_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"VideoLimits.{name} must be positive, got {getattr(self, name)}")
+DEFAULT_LIMITS = VideoLimits()
 
 
 @dataclass(frozen=True)
@@ -207,7 +184,7 @@ class DecodedVideo:
 
 
 def decode_video(data: bytes, index: int, sampling: FrameSampling,
-                 limits: VideoLimits = VideoLimits()) -> DecodedVideo:
+                 limits: VideoLimits = DEFAULT_LIMITS) -> DecodedVideo:
     """Decode the frames `sampling` keeps from a video's encoded bytes; raises RequestError
     naming the video (`video {index}: ...`) for anything it cannot or may not decode."""
     if not data:
@@ -215,20 +192,20 @@ def decode_video(data: bytes, index: int, sampling: FrameSampling,
     if len(data) > limits.max_video_bytes:
         raise _too_large(index, f"encoded video is {len(data)} bytes",
                          f"max_video_bytes {limits.max_video_bytes}")
-    deadline = _Deadline(index, limits.max_decode_s)
+    deadline = _Deadline(index, limits.max_video_decode_s)
     with _open(data, index, limits) as container:
         stream = _video_stream(container, index)
         _check_header(container, stream, index, limits)
         held, timeline = _scan(container, stream, index, limits, deadline)
         source = _source(container, stream, held, index)
-        if source.duration > limits.max_duration_s:
+        if source.duration > limits.max_video_duration_s:
             raise _too_large(index, f"it lasts {source.duration:.1f} s ({source.total_frames} "
                                     f"frames at {source.fps:g} fps)",
-                             f"max_duration_s {limits.max_duration_s:g}")
+                             f"max_video_duration_s {limits.max_video_duration_s:g}")
         wanted = sorted(set(sampling.indices(source, index)))  # OpenCV reads each index once
-    if len(wanted) > limits.max_kept_frames:
+    if len(wanted) > limits.max_video_frames:
         raise _too_large(index, f"the sampling keeps {len(wanted)} frames",
-                         f"max_kept_frames {limits.max_kept_frames}")
+                         f"max_video_frames {limits.max_video_frames}")
     frames = _decode_kept(data, wanted, timeline, index, limits, deadline)
     return DecodedVideo(frames=frames, source=source, frames_indices=wanted)
 
@@ -239,7 +216,7 @@ def decode_video(data: bytes, index: int, sampling: FrameSampling,
 def _open(data: bytes, index: int, limits: VideoLimits) -> av.container.InputContainer:
     # `timeout` arms FFmpeg's interrupt callback: a demuxer stuck on one read gives up.
     with translated(f"video {index}: not a video we can read", default="invalid_video"):
-        return av.open(io.BytesIO(data), mode="r", timeout=limits.max_decode_s)
+        return av.open(io.BytesIO(data), mode="r", timeout=limits.max_video_decode_s)
 
 
 def _video_stream(container: av.container.InputContainer,
@@ -258,21 +235,21 @@ def _check_header(container: av.container.InputContainer,
     width, height = stream.codec_context.width, stream.codec_context.height
     if width <= 0 or height <= 0:
         raise _invalid(index, f"its frames have no size ({width}x{height})")
-    if width * height > limits.max_frame_pixels:
+    if width * height > limits.max_video_frame_pixels:
         raise _too_large(index, f"its frames are {width}x{height}, {width * height} pixels",
-                         f"max_frame_pixels {limits.max_frame_pixels}")
+                         f"max_video_frame_pixels {limits.max_video_frame_pixels}")
     claimed = max(_seconds(container.duration, Fraction(1, av.time_base)),
                   _seconds(stream.duration, stream.time_base))
-    if claimed > limits.max_duration_s:
+    if claimed > limits.max_video_duration_s:
         raise _too_large(index, f"its container claims {claimed:.1f} s",
-                         f"max_duration_s {limits.max_duration_s:g}")
+                         f"max_video_duration_s {limits.max_video_duration_s:g}")
 
 
 def _scan(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
           index: int, limits: VideoLimits, deadline: _Deadline) -> tuple[int, _Timeline | None]:
     """The video frames the file holds (its packets, read without decoding them) and, where
     their timestamps tell them apart, their timeline; refuses frames whose timestamps run past
-    `max_duration_s`."""
+    `max_video_duration_s`."""
     held = 0
     times, keyframes = array.array("q"), array.array("q")
     start = stream.start_time or 0
@@ -283,9 +260,9 @@ def _scan(container: av.container.InputContainer, stream: av.video.stream.VideoS
                 continue
             held += 1
             at = _seconds(None if packet.pts is None else packet.pts - start, stream.time_base)
-            if at > limits.max_duration_s:
+            if at > limits.max_video_duration_s:
                 raise _too_large(index, f"its frames run past {at:.1f} s",
-                                 f"max_duration_s {limits.max_duration_s:g}")
+                                 f"max_video_duration_s {limits.max_video_duration_s:g}")
             if packet.pts is not None and held <= _TIMELINE_MAX_FRAMES:
                 times.append(packet.pts)
                 if packet.is_keyframe:
@@ -445,7 +422,7 @@ def _upright_bgr(frame: av.VideoFrame, index: int) -> np.ndarray:
 
 
 class _Deadline:
-    """`max_decode_s` from now; `check` refuses the video once it has passed."""
+    """`max_video_decode_s` from now; `check` refuses the video once it has passed."""
 
     def __init__(self, index: int, seconds: float) -> None:
         self.index, self.seconds = index, seconds
@@ -454,7 +431,7 @@ class _Deadline:
     def check(self, doing: str) -> None:
         if time.monotonic() > self.ends:
             raise _too_large(self.index, f"still {doing} after {self.seconds:g} s",
-                             f"max_decode_s {self.seconds:g}")
+                             f"max_video_decode_s {self.seconds:g}")
 
 
 def _seconds(value: int | None, time_base: Fraction | None) -> float:

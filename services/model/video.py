@@ -5,6 +5,8 @@ from transformers' `Qwen2VLVideoProcessor`.
     VideoPreprocessor.count_tokens(frames, w, h)       a video's tokens, before any pixel work
     VideoPreprocessor.process_video(frames, metadata)  -> VideoItem: its tensors, its tokens
     VideoPreprocessor.expand_placeholders(ids, items)  each <|video_pad|> to its video's tokens
+    VideoPreprocessor.check_item(where, tensors)       the engine's check of a video's tensors
+    VideoPreprocessor.count_item_tokens(tensors)       the tokens a checked video's tensors make
 
 What vLLM calls. vLLM samples and decodes the frames itself (mmlane.mm_worker.video gives the
 same frames and metadata), then calls the model's HF processor once per prompt with `videos=
@@ -68,6 +70,7 @@ from mmlane.model.loading import (
 )
 from mmlane.model.pixels import RGB, PixelNorm
 from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import VIDEO_PIXELS
 
 VIDEO_TOKEN = "<|video_pad|>"
 """The placeholder of a video in the prompt (Qwen2VLProcessor's `video_token`)."""
@@ -93,6 +96,10 @@ PROCESSOR_DEFAULTS: Mapping[str, Any] = {
 }
 """transformers' `Qwen2VLVideoProcessor` class defaults (its module needs torchvision to import;
 tests/test_video_render.py compares these with it where torchvision is installed)."""
+
+VIDEO_FIELDS = (VIDEO_PIXELS, "video_grid_thw")
+"""The tensors every video has; Qwen2.5-VL's have `second_per_grid_ts` too."""
+
 
 _SETTINGS_FILES = ("video_preprocessor_config.json", "preprocessor_config.json")
 """Where AutoVideoProcessor reads a video processor's settings, in order, after
@@ -202,6 +209,39 @@ class VideoPreprocessor:
         """What the engine applies to a video's uint8 pixel_values_videos."""
         return self.settings.norm
 
+    @property
+    def item_fields(self) -> tuple[str, ...]:
+        """The tensor names of one video (`process_video`'s)."""
+        return VIDEO_FIELDS + (("second_per_grid_ts",) if self.timed else ())
+
+    def check_item(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
+        """RequestError naming `where` unless a video's tensors (their names checked) have
+        the shapes and dtypes `process_video` makes: what the model can take."""
+        s = self.settings
+        grid = tensors["video_grid_thw"]
+        pixels = tensors["pixel_values_videos"]
+        if grid.shape != (1, 3) or grid.dtype.kind not in "iu" or (grid < 1).any():
+            raise RequestError(f"{where}.video_grid_thw must be one positive (t, h, w) row of "
+                               f"integers, got {grid.dtype} {grid.tolist()}")
+        t, h, w = (int(v) for v in grid[0])
+        if h % s.merge_size or w % s.merge_size:
+            raise RequestError(f"{where}.video_grid_thw h and w must be multiples of "
+                               f"{s.merge_size}, got {h}x{w}")
+        row = RGB * s.temporal_patch_size * s.patch_size**2
+        if pixels.dtype != np.uint8 or pixels.shape != (t * h * w, row):
+            raise RequestError(f"{where}.pixel_values_videos is {pixels.dtype} {pixels.shape}, "
+                               f"grid {(t, h, w)} needs uint8 ({t * h * w}, {row})")
+        if self.timed:
+            seconds = tensors["second_per_grid_ts"]
+            if seconds.shape != (1,) or seconds.dtype.kind != "f" or \
+                    not (np.isfinite(seconds) & (seconds > 0)).all():
+                raise RequestError(f"{where}.second_per_grid_ts must be one positive float, "
+                                   f"got {seconds.dtype} {seconds.tolist()}")
+
+    def count_item_tokens(self, tensors: Mapping[str, np.ndarray]) -> int:
+        """The video tokens a checked video's tensors make."""
+        return int(tensors["video_grid_thw"].prod()) // self.settings.merge_size**2
+
     def resized_size(self, frames: int, width: int, height: int) -> tuple[int, int]:
         """The (width, height) the processor resizes each of a video's frames to; ValueError
         for a frame it refuses (an aspect ratio over 200)."""
@@ -294,6 +334,15 @@ class VideoPreprocessor:
         return self.settings.temporal_patch_size / sampled_fps
 
 
+def video_token_id(preprocessor: Preprocessor) -> int | None:
+    """The id of the video placeholder of the model `preprocessor` loaded; None where mmlane
+    renders no video for its family, or its tokenizer has no video token."""
+    if preprocessor.family is not QWEN2_VL:
+        return None
+    token_id: int | None = preprocessor.tokenizer.backend_tokenizer.token_to_id(VIDEO_TOKEN)
+    return token_id
+
+
 def load_video_preprocessor(model_dir: str | Path, preprocessor: Preprocessor) -> VideoPreprocessor:
     """The video processing of the model in `model_dir`, whose `preprocessor` (loaded from the
     same directory) gives the tokenizer; UnsupportedModelError for a family other than
@@ -302,11 +351,11 @@ def load_video_preprocessor(model_dir: str | Path, preprocessor: Preprocessor) -
     if preprocessor.family is not QWEN2_VL:
         raise UnsupportedModelError(f"{model_dir}: mmlane renders videos for Qwen2-VL and "
                                     f"Qwen2.5-VL only, not the {preprocessor.family.name} family")
-    video_token_id = preprocessor.tokenizer.backend_tokenizer.token_to_id(VIDEO_TOKEN)
-    if video_token_id is None:
+    token_id = video_token_id(preprocessor)
+    if token_id is None:
         raise ModelDirError(f"the tokenizer in {model_dir} lacks the video token {VIDEO_TOKEN!r}")
     model_type = read_json(model_dir / "config.json").get("model_type")
     return VideoPreprocessor(settings=VideoSettings.read(model_dir),
-                             video_token_id=video_token_id,
+                             video_token_id=token_id,
                              timed=model_type in TIMED_MODEL_TYPES)
 

@@ -11,8 +11,10 @@ services/model/families.py, so every backend makes them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmlane.engine.vision import to_device
@@ -62,22 +64,44 @@ class Adapter:
 
 
 class Qwen2VLAdapter(Adapter):
+    """Qwen2-VL's and Qwen2.5-VL's M-RoPE positions, from the model's own `get_rope_index`:
+    images' and videos' tokens by their grids, Qwen2.5-VL's videos' temporal patches spaced by
+    their `second_per_grid_ts` (its seconds per grid step; Qwen2-VL's get_rope_index ignores
+    it)."""
+
     def __init__(self, model: Any) -> None:
         super().__init__(model)
         self.image_token_id = model.config.image_token_id
+        self.video_token_id = model.config.video_token_id
 
     def positions(self, prompt: torch.Tensor, items: list[MMItem]) -> Positions:
         if not items:  # text: the same position on all three axes. Explicit, so the model never
             # falls back on the rope_deltas it keeps on itself.
             ids = torch.arange(prompt.shape[1], device=prompt.device)
             return MRopePositions(ids.view(1, 1, -1).expand(3, 1, -1), 0)
-        grids = torch.cat([to_device(item.tensors["image_grid_thw"], prompt.device).long()
-                           for item in items])
-        image_tokens = (prompt == self.image_token_id).to(torch.int32)
+        videos = [item.tensors for item in items if item.is_video]
+        images = [item.tensors for item in items if not item.is_video]
+        # get_rope_index's token types: text 0, image 1, video 2
+        token_types = (prompt == self.image_token_id).to(torch.int32) + \
+            2 * (prompt == self.video_token_id).to(torch.int32)
         ids, deltas = self.model.model.get_rope_index(
-            prompt, mm_token_type_ids=image_tokens, image_grid_thw=grids
+            prompt, mm_token_type_ids=token_types,
+            image_grid_thw=_joined(images, "image_grid_thw", prompt.device),
+            video_grid_thw=_joined(videos, "video_grid_thw", prompt.device),
+            second_per_grid_ts=_joined(videos, "second_per_grid_ts", prompt.device),
         )
         return MRopePositions(ids, int(deltas[0, 0]))
+
+
+def _joined(items: Sequence[Mapping[str, np.ndarray]], name: str,
+            device: torch.device) -> torch.Tensor | None:
+    """The items' `name` tensors joined on their first axis (None: none has it); grids as
+    int64."""
+    found = [to_device(tensors[name], device) for tensors in items if name in tensors]
+    if not found:
+        return None
+    joined = torch.cat(found)
+    return joined if joined.is_floating_point() else joined.long()
 
 
 ADAPTERS: dict[str, type[Adapter]] = {

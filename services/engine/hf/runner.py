@@ -58,8 +58,9 @@ from mmlane.engine.vision import (
     synchronize,
     torch_threads,
 )
-from mmlane.model import load_model, load_preprocessor, resolve_model_dir
+from mmlane.model import UnsupportedModelError, load_model, load_preprocessor, resolve_model_dir
 from mmlane.model.grammar import Grammar, Grammars, hf_tokenizer
+from mmlane.model.video import VideoPreprocessor, load_video_preprocessor
 from mmlane.protocol.errors import FatalError, MMLaneError, RequestError, translate
 from mmlane.protocol.messages import EngineRequest, MMItem
 from mmlane.protocol.sampling import StructuredOutputs
@@ -134,10 +135,15 @@ class HFRunner:
         network: Any = load_model(model_dir, pick_device(config.device))
         family = preprocessor.family.name
         adapter = adapter_for(family, network)
-        encoder = VisionEncoder(network, family, preprocessor.pixel_norm)
+        try:  # a family whose videos mmlane renders: the model runs them too
+            video: VideoPreprocessor | None = load_video_preprocessor(model_dir, preprocessor)
+        except UnsupportedModelError:
+            video = None
+        encoder = VisionEncoder(network, family, preprocessor.pixel_norm,
+                                video.pixel_norm if video is not None else None)
         spec = ModelSpec.of(
             preprocessor, network.config, max_context=preprocessor.max_context,
-            vocab_size=network.get_input_embeddings().num_embeddings,
+            vocab_size=network.get_input_embeddings().num_embeddings, video=video,
         )
         tokenizer = hf_tokenizer(preprocessor.tokenizer, vocab_size=spec.vocab_size,
                                  eos_token_ids=sorted(spec.eos_token_ids))
@@ -206,10 +212,13 @@ class HFRunner:
     # ------------------------------------------------------------ units
 
     def _image_positions(self, prompt: torch.Tensor, item: MMItem) -> torch.Tensor:
-        """The prompt positions of the item's image tokens, which take its features in order
-        (its whole span, unless the family puts structure tokens among them)."""
+        """The prompt positions of the item's image (or video) tokens, which take its features
+        in order (its whole span, unless the family puts structure tokens among them)."""
+        token = self.spec.image_token_id
+        if self.spec.video is not None and item.is_video:
+            token = self.spec.video.video_token_id
         span = prompt[0, item.offset : item.offset + item.length]
-        return item.offset + torch.nonzero(span == self.spec.image_token_id).squeeze(1)
+        return item.offset + torch.nonzero(span == token).squeeze(1)
 
     def _grammar(self, structured: StructuredOutputs | None) -> Grammar | None:
         return None if structured is None else self._grammars.matcher(structured)

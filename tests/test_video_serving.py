@@ -1,0 +1,502 @@
+"""Video served end to end on the hf backend: the job's render and its cache (in process), the HF
+runner against transformers' own `generate`, and real MM worker and frontend processes (a video
+lane that holds no image back, hostile videos over the socket, the HTTP API's video parts).
+
+The videos are made here with PyAV (tests/test_video.py's encoders); the engine is the test's
+stand-in where the roles run as processes (tests/peers.py), the real HF runner in process.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import io
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import av
+import msgspec
+import numpy as np
+import openai
+import pytest
+import torch
+import zmq
+from test_http import _answered
+from test_mm_worker import RECV_TIMEOUT_S, Peers, start_worker
+from test_video import BY_NAME, HOSTILE, frame_image
+
+from bench.images import jpeg_uri
+from conftest import DEVICE, as_processor_output, free_port, role_log, start_role, stop_role
+from mmlane.common.feature_cache import new_epoch
+from mmlane.engine.config import HFConfig
+from mmlane.engine.hf.runner import HFRunner
+from mmlane.engine.validation import validate_request
+from mmlane.launcher import Child, stop_all
+from mmlane.mm_worker.cache import ImageHasher, SenderCache
+from mmlane.mm_worker.jobs import JobRenderer, VideoRendering, video_sampling
+from mmlane.mm_worker.media import MediaPolicy
+from mmlane.mm_worker.video import Qwen2VLSampling
+from mmlane.model import Preprocessor, load_model, load_preprocessor
+from mmlane.model.video import VideoPreprocessor, load_video_preprocessor
+from mmlane.protocol.errors import RequestError
+from mmlane.protocol.messages import (
+    EngineOutput,
+    EngineRequest,
+    ImageUrl,
+    MMJob,
+    SamplingParams,
+    VideoSampling,
+)
+from peers import StandInEngine
+
+CLIP = BY_NAME["h264"]  # 96x64, 50 frames at 25 fps: 2 s
+HOSTILE_BY_NAME = {name: make for name, make, _, _ in HOSTILE}
+
+
+def video_uri(data: bytes) -> str:
+    return f"data:video/mp4;base64,{base64.b64encode(data).decode()}"
+
+
+@functools.cache
+def slow_video() -> bytes:
+    """A video that takes seconds to decode: 6000 frames of 640x360 H.264 (200 s at 30 fps)
+    in one run from its one keyframe, so every frame up to the last kept one is decoded."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as output:
+        stream = output.add_stream("libx264", rate=30, options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = 640, 360, "yuv420p"
+        stream.codec_context.gop_size = 6000
+        frames = [av.VideoFrame.from_ndarray(frame_image(i, 640, 360), format="rgb24")
+                  for i in range(2)]
+        for i in range(6000):
+            output.mux(stream.encode(frames[i % 2]))
+        output.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def prompt_ids(pre: Preprocessor, *kinds: str, text: str = "What happens?") -> list[int]:
+    """A user turn's ids with a placeholder per kind ('image', 'video'), in that order."""
+    content: list[dict[str, Any]] = [{"type": kind} for kind in kinds]
+    content.append({"type": "text", "text": text})
+    [ids] = pre.tokenize_batch([pre.render_prompt([{"role": "user", "content": content}])])
+    return list(ids)
+
+
+# ---------------------------------------------------------------- rendering and the cache
+
+
+class Rendering:
+    """A JobRenderer for videos, in this process, with its sender cache in use (only `sent`
+    commits to it: fps=1 stands for the videos sent)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.pre = load_preprocessor(model_dir)
+        self.video = load_video_preprocessor(model_dir, self.pre)
+        self.cache = SenderCache("test", 1 << 30)
+        self.cache.see_engine_epoch(new_epoch())
+        media = MediaPolicy(allowed_media_dir=None, max_image_bytes=1 << 26,
+                            max_image_pixels=1 << 26)
+        settings = {"video": repr(self.video.settings)}
+        self.renderer = JobRenderer(
+            self.pre, media, self.cache, ImageHasher("blake3", self.pre.model_id, {}),
+            video=VideoRendering(self.video, ImageHasher("blake3", self.pre.model_id, settings)))
+
+    def job(self, *kinds: str, video: bytes = CLIP.data, fps: float | None = None,
+            max_tokens: int = 8) -> MMJob:
+        return MMJob(
+            request_id="r", reply_to="", prompt_token_ids=prompt_ids(self.pre, *kinds),
+            images=[ImageUrl(url=jpeg_uri(64, 48)) for kind in kinds if kind == "image"],
+            videos=[ImageUrl(url=video_uri(video)) for kind in kinds if kind == "video"],
+            sampling=SamplingParams(max_tokens=max_tokens), video_sampling=VideoSampling(fps=fps),
+        )
+
+    def sent(self, job: MMJob) -> EngineRequest:
+        """The job's request, committed to the sender cache as the worker commits it."""
+        request = self.renderer.render(job)
+        self.cache.commit(request)
+        return request
+
+    def decodes(self) -> int:
+        return self.renderer.metrics.histograms["video_decode"].count
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def rendering(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Rendering:
+    return Rendering(model_dirs[request.param])
+
+
+def test_a_video_is_placed_in_prompt_order_with_its_tokens(rendering: Rendering) -> None:
+    request = rendering.renderer.render(rendering.job("video", "image", fps=4))
+    video, image = request.mm_items
+    assert video.offset < image.offset
+    assert set(video.tensors) == set(rendering.video.item_fields)
+    grid = video.tensors["video_grid_thw"]
+    assert grid.tolist() == [[4, 4, 6]]  # 8 frames at 4 fps; 96x64 resized to 84x56: 6x4 patches
+    tokens = request.prompt_token_ids[video.offset:video.offset + video.length]
+    assert tokens == [rendering.video.video_token_id] * (4 * 4 * 6 // 4) == \
+        [rendering.video.video_token_id] * video.length
+    if rendering.video.timed:  # 2 frames a temporal patch, 4 kept a second: half a second
+        assert video.tensors["second_per_grid_ts"].tolist() == [0.5]
+
+
+def test_a_repeated_video_is_sent_as_its_hash_and_not_decoded_again(
+    rendering: Rendering,
+) -> None:
+    first = rendering.sent(rendering.job("video", fps=1))
+    decodes = rendering.decodes()
+    again = rendering.sent(rendering.job("video", fps=1))
+    assert rendering.decodes() == decodes
+    assert again.mm_items[0].tensors == {}
+    assert again.mm_items[0].mm_hash == first.mm_items[0].mm_hash
+    assert again.prompt_token_ids == first.prompt_token_ids
+
+
+def test_a_video_hash_covers_its_bytes_sampling_and_processor(rendering: Rendering) -> None:
+    def hash_of(job: MMJob, renderer: JobRenderer = rendering.renderer) -> str:
+        return renderer.start(job).hashes[-1]
+
+    base = hash_of(rendering.job("video", fps=1))
+    assert hash_of(rendering.job("video", fps=1)) == base
+    assert hash_of(rendering.job("video", fps=2)) != base
+    assert hash_of(rendering.job("video", fps=1, video=BY_NAME["mpeg4"].data)) != base
+    other_settings = VideoRendering(rendering.video, ImageHasher(
+        "blake3", rendering.pre.model_id, {"video": "other settings"}))
+    renderer = JobRenderer(rendering.pre, rendering.renderer.media, rendering.cache,
+                           rendering.renderer.hasher, video=other_settings)
+    assert hash_of(rendering.job("video", fps=1), renderer) != base
+
+
+@pytest.mark.parametrize(("asked", "message"), [
+    (VideoSampling(fps=0.0), r"^mm_processor_kwargs\.fps: must be above 0, got 0$"),
+    (VideoSampling(num_frames=1), r"^mm_processor_kwargs\.num_frames: must be 2 \(one temporal "
+                                  r"patch\) to 256 "),
+    (VideoSampling(num_frames=257), r"\(max_video_frames\), got 257$"),
+])
+def test_a_requests_sampling_is_bounded_by_the_servers(asked: VideoSampling,
+                                                       message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        video_sampling(asked, 256, 2)
+
+
+def test_a_requests_sampling_sets_the_rate_and_caps_the_frames() -> None:
+    assert video_sampling(VideoSampling(), 256, 2) == Qwen2VLSampling()
+    assert video_sampling(VideoSampling(fps=4, num_frames=6), 256, 2) == \
+        Qwen2VLSampling(fps=4, max_frames=6)
+
+
+# ---------------------------------------------------------------- the HF runner
+
+
+def generate_greedy(model: Any, pre: Preprocessor, video: VideoPreprocessor,
+                    request: EngineRequest) -> list[int]:
+    """transformers' own `generate` on the request's ids and float tensors (the processor's
+    output: the uint8 pixels normalised as the processor normalises them)."""
+    ids = torch.tensor([request.prompt_token_ids], device=model.device)
+    inputs: dict[str, torch.Tensor] = {}
+    for item in request.mm_items:
+        tensors = dict(item.tensors)
+        if "pixel_values_videos" in tensors:
+            tensors["pixel_values_videos"] = as_processor_output(
+                {"pixel_values": tensors["pixel_values_videos"]}, video.pixel_norm)["pixel_values"]
+        else:
+            tensors = as_processor_output(tensors, pre.pixel_norm)
+        inputs.update({name: torch.from_numpy(array).to(model.device)
+                       for name, array in tensors.items()})
+    inputs["mm_token_type_ids"] = ((ids == pre.image_token_id).int()
+                                   + 2 * (ids == video.video_token_id).int())
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=request.sampling.max_tokens, **inputs)
+    return list(out[0, ids.shape[1]:].tolist())
+
+
+def run_alone(runner: HFRunner, request: EngineRequest) -> list[int]:
+    validate_request(request, runner.spec)
+    runner.add(0, request)
+    tokens: list[int] = []
+    while runner.has_work():
+        for output in runner.step():
+            assert output.error is None, output.error
+            tokens += output.token_ids
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs: dict[str, Path]) -> Iterator[dict[str, tuple[HFRunner, Any]]]:
+    """An HF runner and transformers' own model, by model id, loaded when first asked for."""
+    loaded: dict[str, tuple[HFRunner, Any]] = {}
+    yield loaded
+    for runner, _ in loaded.values():
+        runner.close()
+
+
+def _reference(rendering: Rendering, model_dirs: dict[str, Path],
+               references: dict[str, tuple[HFRunner, Any]]) -> tuple[HFRunner, Any]:
+    model_id = rendering.pre.model_id
+    if model_id not in references:
+        model_dir = next(path for path in model_dirs.values() if path.name == model_id)
+        references[model_id] = (HFRunner.load(str(model_dir), HFConfig(device=DEVICE)),
+                                load_model(model_dir, DEVICE))
+    return references[model_id]
+
+
+@pytest.mark.parametrize("kinds", [("video",), ("video", "image")], ids=["video", "mixed"])
+def test_greedy_video_output_equals_hf_generate(
+    rendering: Rendering, model_dirs: dict[str, Path],
+    references: dict[str, tuple[HFRunner, Any]], kinds: tuple[str, ...],
+) -> None:
+    """Qwen2-VL's video grid through the vision tower, and Qwen2.5-VL's seconds per grid step
+    (half a second here, at 4 fps) in its rotary positions: the tokens transformers makes."""
+    runner, model = _reference(rendering, model_dirs, references)
+    request = rendering.renderer.render(rendering.job(*kinds, fps=4, max_tokens=12))
+    assert run_alone(runner, request) == generate_greedy(model, rendering.pre, rendering.video,
+                                                         request)
+
+
+def _tensors(change: Any) -> Any:
+    """A request change: the first item's tensors changed by `change(tensors)` (in a copy)."""
+    def changed(request: EngineRequest) -> EngineRequest:
+        item, *rest = request.mm_items
+        tensors = dict(item.tensors)
+        change(tensors)
+        return msgspec.structs.replace(
+            request, mm_items=[msgspec.structs.replace(item, tensors=tensors), *rest])
+    return changed
+
+
+BAD_VIDEOS = {
+    "rows short": (_tensors(lambda t: t.update(pixel_values_videos=t["pixel_values_videos"][:-4])),
+                   r"^mm_items\[0\]\.pixel_values_videos is uint8 \(92, 1176\), grid \(4, 4, 6\) "
+                   r"needs uint8 \(96, 1176\)$"),
+    "float pixels": (_tensors(lambda t: t.update(
+        pixel_values_videos=t["pixel_values_videos"].astype("f4"))), r"is float32 \(96, 1176\)"),
+    "grid not mergeable": (_tensors(lambda t: t.update(
+        video_grid_thw=np.array([[4, 3, 8]], "i8"))), r"h and w must be multiples of 2, got 3x8"),
+    "a tensor missing": (_tensors(lambda t: t.pop("video_grid_thw")),
+                         r"^mm_items\[0\]\.tensors has \['pixel_values_videos'.*needs"),
+    "span short": (lambda r: msgspec.structs.replace(r, mm_items=[msgspec.structs.replace(
+        r.mm_items[0], length=r.mm_items[0].length - 1)]),
+        r"^mm_items\[0\]\.length is 23 but its tensors make 24 tokens$"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_VIDEOS))
+def test_the_engine_refuses_a_malformed_video_item_by_name(
+    rendering: Rendering, model_dirs: dict[str, Path],
+    references: dict[str, tuple[HFRunner, Any]], name: str,
+) -> None:
+    runner, _ = _reference(rendering, model_dirs, references)
+    change, message = BAD_VIDEOS[name]
+    request = change(rendering.renderer.render(rendering.job("video", fps=4)))
+    with pytest.raises(RequestError, match=message):
+        validate_request(request, runner.spec)
+    without_video = dataclasses.replace(runner.spec, video=None)
+    with pytest.raises(RequestError, match=r"^mm_items\[0\] is a video; this engine"):
+        validate_request(rendering.renderer.render(rendering.job("video")), without_video)
+
+
+# ---------------------------------------------------------------- the MM worker's lanes
+
+
+@pytest.fixture(scope="module")
+def video_peers(module_run_dir: Path) -> Iterator[Peers]:
+    peers = Peers(module_run_dir)
+    yield peers
+    peers.close()
+
+
+@pytest.fixture(scope="module")
+def media_dir(module_run_dir: Path) -> Path:
+    folder = module_run_dir / "media"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def video_worker(module_run_dir: Path, qwen_dir: Path, media_dir: Path,
+                 video_peers: Peers) -> Iterator[Child]:
+    worker = start_worker("mm-worker", module_run_dir, qwen_dir, video_peers.engine_endpoint,
+                          "--allowed-media-dir", str(media_dir), "--mm-processes", "1")
+    yield worker
+    assert stop_role(worker) == 0, role_log(worker)
+
+
+def worker_job(pre: Preprocessor, request_id: str, reply_to: str, *, images: list[str] = (),
+               videos: list[str] = (), fps: float | None = None) -> MMJob:
+    kinds = ["image"] * len(images) + ["video"] * len(videos)
+    return MMJob(request_id=request_id, reply_to=reply_to, prompt_token_ids=prompt_ids(pre, *kinds),
+                 images=[ImageUrl(url=url) for url in images],
+                 videos=[ImageUrl(url=url) for url in videos],
+                 sampling=SamplingParams(max_tokens=4), video_sampling=VideoSampling(fps=fps))
+
+
+def test_an_image_sent_after_a_slow_video_is_not_held_behind_it(
+    video_worker: Child, video_peers: Peers, prep: Preprocessor, media_dir: Path,
+) -> None:
+    """A video that takes seconds to decode, then an image job: the image's request reaches the
+    engine first (in one FIFO it would wait for the video)."""
+    (media_dir / "slow.mp4").write_bytes(slow_video())
+    slow = worker_job(prep, "slow-video", video_peers.reply_to,
+                      videos=[(media_dir / "slow.mp4").as_uri()], fps=0.1)
+    image = worker_job(prep, "image-after", video_peers.reply_to, images=[jpeg_uri(64, 48)])
+    video_peers.send(video_worker, slow)
+    time.sleep(0.2)  # the video lane has taken it (its decoding takes seconds)
+    video_peers.send(video_worker, image)
+    first, _ = video_peers.next_request()
+    second, _ = video_peers.next_request()
+    assert [first.request_id, second.request_id] == ["image-after", "slow-video"]
+    assert second.mm_items[0].tensors["video_grid_thw"][0, 0] == 10  # 20 frames of 200 s
+
+
+@pytest.mark.parametrize(("make", "code", "message"),
+                         [case[1:] for case in HOSTILE if case[0] in (
+                             "corrupt frames", "index cut off", "audio only", "random bytes")],
+                         ids=["corrupt frames", "index cut off", "audio only", "random bytes"])
+def test_a_hostile_video_fails_its_job_by_name_and_the_worker_serves_on(
+    video_worker: Child, video_peers: Peers, prep: Preprocessor, make: Any, code: str,
+    message: str,
+) -> None:
+    bad = worker_job(prep, "bad", video_peers.reply_to,
+                     images=[jpeg_uri(32, 32)], videos=[video_uri(make())])
+    good = worker_job(prep, "good", video_peers.reply_to, videos=[video_uri(CLIP.data)])
+    video_peers.send(video_worker, bad, good)
+    failure = video_peers.next_failure()
+    assert failure.request_id == "bad"
+    assert failure.error.code == code
+    assert failure.error.message.startswith("video 0: ")
+    request, _ = video_peers.next_request()
+    assert request.request_id == "good"
+    assert video_worker.process.poll() is None
+
+
+def test_a_video_url_is_fetched_under_the_image_urls_rules(
+    video_worker: Child, video_peers: Peers, prep: Preprocessor,
+) -> None:
+    """The same fetcher and address policy as images: no loopback address without
+    --allow-internal-media, the error naming the video."""
+    job = worker_job(prep, "loopback", video_peers.reply_to,
+                     videos=["https://127.0.0.1:9/clip.mp4"])
+    video_peers.send(video_worker, job)
+    failure = video_peers.next_failure()
+    assert failure.error.code == "media_not_allowed"
+    assert re.match(r"^video 0: 127\.0\.0\.1 resolves to loopback address 127\.0\.0\.1, "
+                    r"which is refused", failure.error.message), failure.error.message
+
+
+# ---------------------------------------------------------------- the HTTP API
+
+
+class Served:
+    """A frontend and an MM worker before this test's stand-in engine, for one model."""
+
+    def __init__(self, run: Path, model_dir: Path, media_dir: Path) -> None:
+        run.mkdir()
+        self.model = model_dir.name
+        self.engine = StandInEngine.at(zmq.Context.instance(), f"ipc://{run}/engine.sock")
+        args = ["--model", str(model_dir), "--drain-timeout", "0", "--engine-endpoint",
+                self.engine.endpoint, "--mm-worker-endpoint", f"ipc://{run}/mm.sock"]
+        port = free_port()
+        self.children = [
+            start_role("mm-worker", [*args, "--allowed-media-dir", str(media_dir)], run,
+                       log_dir=run / "mm-worker"),
+            start_role("frontend", [*args, "--output-endpoint", f"ipc://{run}/out.sock",
+                                    "--port", "0", "--http-port", str(port)], run,
+                       log_dir=run / "frontend"),
+        ]
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                    max_retries=0, timeout=RECV_TIMEOUT_S)
+
+    def chat(self, content: list[dict[str, Any]], **fields: Any) -> Any:
+        return functools.partial(self.client.chat.completions.create, model=self.model,
+                                 messages=[{"role": "user", "content": content}], max_tokens=4,
+                                 **fields)
+
+    def close(self) -> None:
+        self.client.close()
+        stop_all(self.children)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(module_run_dir: Path, model_dirs: dict[str, Path],
+           media_dir: Path) -> Iterator[dict[str, Served]]:
+    """The tiny Qwen2-VL's, and LLaVA's (a family without video)."""
+    served = {family: Served(module_run_dir / f"api-{family}", model_dirs[family], media_dir)
+              for family in ("qwen2_vl", "llava")}
+    yield served
+    for one in served.values():
+        one.close()
+
+
+@pytest.fixture
+def qwen_engine(served: dict[str, Served]) -> StandInEngine:
+    """The Qwen2-VL frontend's stand-in engine (a test that has it answer requests holds it
+    itself: the reply sockets it opens are then the fixture's, not a leak)."""
+    return served["qwen2_vl"].engine
+
+
+def video_part(url: str) -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+TEXT = {"type": "text", "text": "What happens?"}
+
+
+def test_a_video_url_part_is_served_sampled_as_the_request_asks(
+    served: dict[str, Served], qwen_engine: StandInEngine, media_dir: Path,
+) -> None:
+    qwen = served["qwen2_vl"]
+    (media_dir / "clip.mp4").write_bytes(CLIP.data)
+    for url, fps, frames in [(video_uri(CLIP.data), None, 4),
+                             ((media_dir / "clip.mp4").as_uri(), 4, 8)]:
+        extra = {} if fps is None else {"extra_body": {"mm_processor_kwargs": {"fps": fps}}}
+        call = qwen.chat([video_part(url), TEXT], **extra)
+        completion = _answered(qwen_engine, call, functools.partial(_answer, frames=frames))
+        assert completion.choices[0].finish_reason == "length"
+
+
+def _answer(request: EngineRequest, frames: int) -> Any:
+    """The stand-in engine's answer, once the request carries one video of `frames` frames."""
+    [item] = request.mm_items
+    assert item.tensors["video_grid_thw"].tolist() == [[frames // 2, 4, 6]]
+    return EngineOutput(request_id=request.request_id, token_ids=[42], finished=True,
+                        finish_reason="length", prompt_token_ids=request.prompt_token_ids)
+
+
+@pytest.mark.parametrize(("family", "content", "fields", "status", "code", "message"), [
+    ("qwen2_vl", [{"type": "input_audio", "input_audio": {}}, TEXT], {}, 400, "invalid_request",
+     r"^messages\[0\]\.content\[0\]\.type: 'input_audio' is not supported; the content part "
+     r"types are text, image_url, video_url$"),
+    ("llava", [video_part(video_uri(CLIP.data)), TEXT], {}, 400, "invalid_request",
+     r"^messages: this model \(llava family\) takes no video"),
+    ("qwen2_vl", [video_part(video_uri(CLIP.data)), TEXT],
+     {"extra_body": {"mm_processor_kwargs": {"fps": 1, "max_pixels": 5}}}, 400,
+     "invalid_request", r"^mm_processor_kwargs: max_pixels not supported by this server \(it "
+     r"takes fps, num_frames\)$"),
+    ("qwen2_vl", [video_part(video_uri(CLIP.data)), TEXT],
+     {"extra_body": {"mm_processor_kwargs": {"num_frames": 100000}}}, 400, "invalid_request",
+     r"^mm_processor_kwargs\.num_frames: must be 2 \(one temporal patch\) to 256"),
+    ("qwen2_vl", [video_part("data:image/png;base64,AAAA"), TEXT], {}, 400, "invalid_video",
+     r"^video 0: data URI has media type 'image/png', not video/\*$"),
+    ("qwen2_vl", [video_part("file:///etc/passwd"), TEXT], {}, 400, "media_not_allowed",
+     r"^video 0: file:///etc/passwd is outside the allowed media folder$"),
+    ("qwen2_vl", [video_part(video_uri(HOSTILE_BY_NAME["audio only"]())), TEXT], {}, 400,
+     "invalid_video", r"^video 0: the file has no video stream \(audio\)$"),
+], ids=["unknown part", "family without video", "unknown kwarg", "too many frames",
+        "not a video", "outside the media folder", "audio only"])
+def test_a_bad_video_request_gets_a_clear_400(
+    served: dict[str, Served], family: str, content: list[dict[str, Any]],
+    fields: dict[str, Any], status: int, code: str, message: str,
+) -> None:
+    with pytest.raises(openai.APIStatusError) as caught:
+        served[family].chat(content, **fields)()
+    error = caught.value
+    assert error.status_code == status, error.body
+    body = error.response.json()["error"]
+    assert body["code"] == code
+    assert re.search(message, body["message"]), body["message"]
+    assert body["param"] in ("messages", "mm_processor_kwargs") or "content" in body["param"]
