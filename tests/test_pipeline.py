@@ -212,7 +212,8 @@ def test_bad_image_gets_a_clear_error_and_serving_goes_on(
     [
         ([], "at least one message"),
         ([{"role": "wizard", "content": "hi"}], "role"),
-        ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}],
+        ([{"role": "user", "content": [{"type": "input_audio",
+                                         "input_audio": {"data": "", "format": "wav"}}]}],
          "type"),
         ([{"role": "user", "content": "word " * 5000}], "prompt too long"),
         ([{"role": "user", "content": "sneaky <|image_pad|> token"}], "reserved image token"),

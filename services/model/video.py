@@ -56,7 +56,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import torch
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -307,6 +306,8 @@ class VideoPreprocessor:
     def _patch_rows(self, frames: np.ndarray, grid: VideoGrid) -> np.ndarray:
         """The processor's resize and patch layout in uint8: (t*h*w, 3 * temporal patch *
         patch * patch) rows, each channel's values one block."""
+        import torch  # the MM worker's: the frontend loads this module without torch
+
         s = self.settings
         # (n, h, w, 3) viewed as (n, 3, h, w): channels-last in memory, which torch's uint8
         # kernel resizes without the processor's contiguous copy, to the same values.
