@@ -3,14 +3,14 @@
     python scripts/bench_cache.py [--requests 20]
 
 Starts one `mmlane mm-worker` with this script standing in for its engine (bench_common's
-`LoneMMWorker`), with `--mm-cache-gb 0` and then with its default (1 GiB), and sends the same image
-(a data URI) `--requests` times, one job at a time, each job carrying an engine epoch as a
-frontend's jobs do once the engine has replied; then the same with the client naming the image
-by a uuid. For each job it measures the time from sending the job to receiving the rendered
-EngineRequest (the MM worker's time per request, moving the job's 7.3 MB data URI included) and
-the bytes of that EngineRequest, all frames. The first job of a cached run is the miss that
-fills the cache; the figures are of the others. It also times mm_hash of the JPEG alone and the
-base64 decoding of its data URI. Prints the figures; it asserts nothing.
+`LoneMMWorker`), with `--mm-cache-gb 0` and then with its default (0.25 GiB), and sends the
+same image (a data URI) `--requests` times, one job at a time, each job carrying an engine
+epoch as a frontend's jobs do once the engine has replied; then the same with the client naming
+the image by a uuid. For each job it measures the time from sending the job to receiving the
+rendered EngineRequest (the MM worker's time per request, moving the job's 7.3 MB data URI
+included) and the bytes of that EngineRequest, all frames. The first job of a cached run is the
+miss that fills the cache; the figures are of the others. It also times mm_hash of the JPEG
+alone and the base64 decoding of its data URI. Prints the figures; it asserts nothing.
 """
 
 from __future__ import annotations

@@ -248,6 +248,26 @@ def _vllm_chat(port: int, model: str, messages: list[dict[str, Any]],
     return _post(port, "chat/completions", {"model": model, "messages": messages, **fields})
 
 
+def _post_json(url: str, body: Any) -> Any:
+    """POST `body` as JSON to `url`; its JSON answer."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply)
+
+
+def one_down_the_other_serves(run: Path, client: Client, down: str, live: str,
+                              what: str) -> None:
+    """Wait for the engine's stats to show replica `down` down and `live` up; then 4 requests
+    through `client` are served in full."""
+    wait_for_stats(run, lambda s: s.role == "engine"
+                   and s.queues.get(f"replica_up:{down}") == 0
+                   and s.queues.get(f"replica_up:{live}") == 1, f"{what} down")
+    after = [client.chat([user_message(f"and now {i}")], max_tokens=4, ignore_eos=True)
+             for i in range(4)]
+    assert all(a.error is None and len(a.token_ids) == 4 for a in after)
+
+
 def _post(port: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
     """POST /v1/ROUTE, greedy and with the output's token ids unless `body` says otherwise."""
     body = {"max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True, **body}
@@ -609,13 +629,7 @@ def test_a_replica_killed_mid_stream_under_load_costs_each_request_one_reply(
                 assert errors, "nothing ran on the killed replica"
                 assert all(error.kind == "retryable" for error in errors), errors
                 assert all(len(r.token_ids) == 2000 for r in results.values() if r.error is None)
-                wait_for_stats(mmlane_run, lambda s: s.role == "engine"
-                               and s.queues.get(f"replica_up:{dead}") == 0
-                               and s.queues.get(f"replica_up:{live}") == 1,
-                               "the killed replica down")
-                after = [client.chat([user_message(f"and now {i}")], max_tokens=4,
-                                     ignore_eos=True) for i in range(4)]
-                assert all(a.error is None and len(a.token_ids) == 4 for a in after)
+                one_down_the_other_serves(mmlane_run, client, dead, live, "the killed replica")
 
 
 def _finished(run_dir: Path, replicas: list[str],
@@ -939,18 +953,11 @@ def assert_a_render_generates_vllm_alone_s_tokens(alone_port: int, http_port: in
             "temperature": 0}
     alone = _vllm_chat(alone_port, str(model_dir), **body,
                        add_special_tokens=_adds_special_tokens(model_dir))["choices"][0]
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{http_port}/v1/chat/completions/render",
-        data=json.dumps({"model": model_dir.name, **body}).encode(),
-        headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        rendered = json.load(reply)
+    rendered = _post_json(f"http://127.0.0.1:{http_port}/v1/chat/completions/render",
+                          {"model": model_dir.name, **body})
     assert ("features" in rendered) == bool(images)
-    generate = urllib.request.Request(
-        f"http://127.0.0.1:{alone_port}/inference/v1/generate",
-        data=json.dumps(rendered).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(generate, timeout=120) as reply:
-        generated = json.load(reply)["choices"][0]
+    generated = _post_json(f"http://127.0.0.1:{alone_port}/inference/v1/generate",
+                           rendered)["choices"][0]
     assert generated["token_ids"] == alone["token_ids"]
     assert generated["finish_reason"] == alone["finish_reason"]
 
@@ -967,19 +974,12 @@ def test_a_render_for_n_choices_generates_vllm_alone_s_choices(
             **({"messages": _openai_messages(None, "Describe it.", [])}
                if route == "chat/completions" else {"prompt": "Lanes, wide and narrow."})}
     alone = _post(vllm_alone[1], route, {"model": str(qwen_dir), **body})["choices"]
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{mmlane_vllm[0].http_port}/v1/{route}/render",
-        data=json.dumps({"model": qwen_dir.name, **body}).encode(),
-        headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        rendered = json.load(reply)
+    rendered = _post_json(f"http://127.0.0.1:{mmlane_vllm[0].http_port}/v1/{route}/render",
+                          {"model": qwen_dir.name, **body})
     [rendered] = [rendered] if route == "chat/completions" else rendered
     assert rendered["sampling_params"]["n"] == 3
-    generate = urllib.request.Request(
-        f"http://127.0.0.1:{vllm_alone[1]}/inference/v1/generate",
-        data=json.dumps(rendered).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(generate, timeout=120) as reply:
-        generated = json.load(reply)["choices"]
+    generated = _post_json(f"http://127.0.0.1:{vllm_alone[1]}/inference/v1/generate",
+                           rendered)["choices"]
     choices = [sorted((c["index"], c["token_ids"]) for c in answer)
                for answer in (generated, alone)]
     assert choices[0] == choices[1]
@@ -990,11 +990,7 @@ def test_tokenize_and_detokenize_answer_as_vllm_alone(
     vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
 ) -> None:
     def post(port: int, route: str, body: dict[str, Any]) -> Any:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/{route}", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return json.load(reply)
+        return _post_json(f"http://127.0.0.1:{port}/{route}", body)
 
     ports = (vllm_alone[1], mmlane_vllm[0].http_port)
     for body in ({"messages": _openai_messages("Be brief.", "Tell me about lanes.", [])},

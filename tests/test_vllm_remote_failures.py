@@ -39,6 +39,7 @@ from test_vllm import (  # noqa: E402
     _metric,
     _vllm_alone,
     mmlane_serve,
+    one_down_the_other_serves,
 )
 
 LIMIT = 2**20
@@ -198,13 +199,8 @@ def test_a_stopped_replica_costs_each_request_one_reply_and_the_other_serves(
                 assert all(len(r.token_ids) == (300 if rid in load else 4)
                            for rid, r in results.items() if r.error is None)
                 assert took < REQUEST_TIMEOUT_S / 2  # not by the deadline: by the health check
-                wait_for_stats(mmlane_run, lambda s: s.role == "engine"
-                               and s.queues.get(f"replica_up:{frozen}") == 0
-                               and s.queues.get(f"replica_up:{live}") == 1,
-                               "the stopped replica down")
-                after = [client.chat([user_message(f"and now {i}")], max_tokens=4,
-                                     ignore_eos=True) for i in range(4)]
-                assert all(a.error is None and len(a.token_ids) == 4 for a in after)
+                one_down_the_other_serves(mmlane_run, client, frozen, live,
+                                          "the stopped replica")
             finally:
                 for process in processes:
                     process.send_signal(signal.SIGCONT)

@@ -136,7 +136,7 @@ measured no better, and would starve images while text fills the cores: at 10 th
 a tenth of a core."""
 
 
-MM_CACHE_GB = 1.0
+MM_CACHE_GB = 0.25
 """The feature caches' capacity by default (`mm_cache_gb`), in GiB: an MM worker's sender cache
 and the engine's receiver cache that mirrors it hold the same. Sized for a laptop: the engine
 holds up to this much per MM worker, in tensors. On a server, give what repeats (a chat's

@@ -70,7 +70,7 @@ class VisionConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sets the MM worker's --image-nice too). Where cores are shared, text work takes one first,
     and image work gets what text leaves idle (at 10 about a tenth of a core that text fills).
     0: off. Linux counts niceness per thread."""
-    encoder_cache_gb: float = 0.25
+    encoder_cache_gb: float = 0.125
     """GiB of vision-encoder outputs kept by image hash, the most recently used (hf: on the
     model's device; vllm --encoder-lane: in this process's memory): a repeated image (one the
     MM worker hashed: its cache on, or a client uuid) skips its vision pass, with the same bits
@@ -191,8 +191,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_queued_requests: int = 1024
     """Requests held at once; above it new ones get an 'overloaded' error."""
     mm_cache_gb: float = MM_CACHE_GB
-    """The most GiB of tensors one MM worker's receiver cache may hold; 0 caches nothing. Each
-    receiver cache mirrors its MM worker's own --mm-cache-gb, which must not be larger."""
+    """The most GiB of tensors one receiver cache may hold; 0 caches nothing. The engine keeps
+    one per MM worker lane (each worker has two: images, videos), mirroring that worker's own
+    --mm-cache-gb, which must not be larger. Sized for a laptop; on a server, 4 or more."""
     backend: Backend = "hf"
     """What runs the model: 'hf' (transformers and torch in this process), 'vllm' (vLLM's
     AsyncLLM, which runs its engine core and workers in processes of its own; needs the vllm

@@ -64,8 +64,9 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_image_bytes: int = 64 * 1024 * 1024
     """Largest encoded image accepted, in bytes."""
     mm_cache_gb: float = MM_CACHE_GB
-    """Capacity of the sender cache, in GiB of the tensors it stands for (the engine mirrors
-    it); 0 turns the feature cache off for this worker."""
+    """Capacity of each lane's sender cache (images, videos), in GiB of the tensors it stands
+    for: the engine holds them, mirroring it; 0 turns the feature cache off for this worker.
+    Sized for a laptop; on a server, what repeats: 4 or more."""
     mm_hash: Literal["blake3", "sha256"] = "blake3"
     """The hash that names an image in the caches (sha256 where FIPS requires it)."""
     allowed_media_schemes: list[str] = msgspec.field(default_factory=lambda: ["data", "https"])
