@@ -294,6 +294,15 @@ def prep(qwen_dir: Path) -> Preprocessor:
     return load_preprocessor(qwen_dir)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the embedded default model (a child process, once per MMLANE_HOME) before any
+    test: otherwise the first test to need it would count the builder as a process it started,
+    and a fast-lane test would fail for it on a fresh clone."""
+    from mmlane.model import ensure_default_model
+
+    ensure_default_model()
+
+
 @pytest.fixture(scope="session")
 def qwen_dir() -> Path:
     from mmlane.model import resolve_model_dir
