@@ -145,6 +145,7 @@ def test_flags_that_are_not_one_field_keep_their_meaning(run_dir: Path) -> None:
 @pytest.mark.parametrize(("argv", "env", "named"), [
     (["engine", "--max-batch", "0"], {}, "max_batch must be positive"),
     (["frontend", "--http-port", "70000"], {}, "http_port must be 0"),
+    (["frontend", "--tokenizer-cache-words", "-1"], {}, "tokenizer_cache_words must be 0 (none)"),
     (["mm-worker"], {"MMLANE_ALLOWED_MEDIA_SCHEMES": "gopher"}, "allowed_media_schemes"),
     (["serve", "--startup-timeout", "0"], {}, "startup_timeout_s must be positive"),
     (["serve", "--image-nice", "20"], {}, "image_nice must be 0 (off) to 19, got 20"),

@@ -17,6 +17,7 @@ from conftest import (
     hf_processor_call,
     reference_items,
 )
+from mmlane.common.memory import usage
 from mmlane.engine.runner import ModelSpec
 from mmlane.engine.validation import validate_request
 from mmlane.mm_worker.media import jpeg_draft_scale
@@ -160,6 +161,22 @@ class TestParity:
         expected = preprocessor.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         assert preprocessor.tokenize_batch(prompts) == expected
         assert preprocessor.decode(expected[1]) == prompts[1]
+
+    def test_the_word_cache_holds_no_more_words_than_it_is_bounded_to(self, qwen_dir):
+        """Each thread's word cache only fills: the memory a run of new 250-character words
+        leaves behind is their cache's, and none with a bound of 0 (a fresh tokenizer each, so
+        that no cache is warm; rayon's threads are the same for both)."""
+        rng = np.random.default_rng(0)
+        words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 250)) for _ in range(3000)]
+        kept = {}
+        for bound in (0, 3000):
+            preprocessor = load_preprocessor(qwen_dir)
+            preprocessor.bound_word_cache(bound)
+            before = usage()["resident"]
+            for start in range(0, len(words), 8):
+                preprocessor.tokenize_batch(words[start:start + 8])
+            kept[bound] = usage()["resident"] - before
+        assert kept[0] < 4 << 20 < 16 << 20 < kept[3000], kept  # 3000 x 8 KB: 23 MiB
 
 
 class TestPreprocessor:

@@ -52,6 +52,11 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     them. None: ipc://RUN_DIR/mm-worker.sock."""
     tokenizer_workers: int = 4
     """Threads that apply the chat template and tokenize."""
+    tokenizer_cache_words: int = 4096
+    """Words each tokenizing thread keeps the tokens of (the tokenizers library's word cache,
+    first come first kept; 0: none). The frontend tokenizes on min(tokenizer_workers, cores)
+    threads; a cached word costs up to 8 KB (a 256-character one), so together they hold at
+    most about threads x this x 8 KB (4 x 4096: 128 MiB; ordinary words take a tenth)."""
     max_images_per_request: int = 8
     """Requests with more images are refused."""
     request_timeout_s: float = 600.0
@@ -118,6 +123,9 @@ class FrontendConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.output_endpoint = self.output_endpoint or ipc(f"reply-{self.ops.name}")
         self.engine_endpoint = self.engine_endpoint or ipc("engine")
         self.mm_worker_endpoint = self.mm_worker_endpoint or [ipc("mm-worker")]
+        if self.tokenizer_cache_words < 0:
+            raise ValueError(f"tokenizer_cache_words must be 0 (none) or more, got "
+                             f"{self.tokenizer_cache_words}")
         _positive(
             self, "tokenizer_workers", "max_images_per_request", "request_timeout_s",
             "max_inflight_requests", "max_stop_strings", "max_stop_string_chars", "max_n",

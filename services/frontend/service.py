@@ -197,8 +197,14 @@ class Frontend:
     def __init__(self, config: FrontendConfig) -> None:
         self.config = config
         self.endpoint = config.client_endpoint
+        # The tokenizers library tokenizes on rayon's threads, one per core unless told, each
+        # with a word cache of its own (docs/ARCHITECTURE.md, "Memory"): no more threads than
+        # the tokenizer workers, set before its first batch starts them.
+        os.environ.setdefault("RAYON_NUM_THREADS", str(
+            min(config.tokenizer_workers, len(os.sched_getaffinity(0)))))
         self._pre = _with_template(load_preprocessor(resolve_model_dir(config.model)),
                                    config.template())
+        self._pre.bound_word_cache(config.tokenizer_cache_words)
         model_names = config.served_model_name or [self._pre.model_id]
         self._space_marker = space_marker(self._pre.tokenizer)  # for TokenTexts
         self._ctx = zmq.Context()

@@ -133,6 +133,14 @@ class Preprocessor:
         )
         return encoding.ids
 
+    def bound_word_cache(self, words: int) -> None:
+        """Keep at most `words` words in each thread's word cache of the tokenizer's model (the
+        tokenizers library's BPE and Unigram models have one, 10,000 words by default; it only
+        fills, and a 256-character word costs 8 KB in it). Set it before tokenizing."""
+        resize = getattr(self.tokenizer.backend_tokenizer.model, "_resize_cache", None)
+        if resize is not None:  # WordPiece and WordLevel cache nothing
+            resize(words)
+
     def _add_special_tokens(self, prompt: str, ids: list[int]) -> list[int]:
         # Same rule as the HF processor: add the tokenizer's special tokens unless the chat
         # template already wrote the BOS token itself.
