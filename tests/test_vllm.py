@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,19 +283,29 @@ def _post(port: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _openai_messages(system: str | None, prompt: str, images: list[str]) -> list[dict[str, Any]]:
+def _openai_messages(system: str | None, prompt: str, images: list[str],
+                     videos: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """A chat's messages: a system prompt, then the user's images, videos and text (as
+    `user_message` orders them)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}}
                                      for url in images]
+    content += [{"type": "video_url", "video_url": {"url": url}} for url in videos]
     content.append({"type": "text", "text": prompt})
-    messages.append({"role": "user", "content": content if images else prompt})
+    messages.append({"role": "user", "content": content if images or videos else prompt})
     return messages
 
 
-def _native_messages(system: str | None, prompt: str, images: list[str]) -> list[ChatMessage]:
+def _native_messages(system: str | None, prompt: str, images: list[str],
+                     videos: Sequence[str] = ()) -> list[ChatMessage]:
     messages = [ChatMessage(role="system", content=[TextPart(text=system)])] if system else []
-    user = user_message(prompt, images) if images else ChatMessage(role="user", content=prompt)
+    user = (user_message(prompt, images, videos) if images or videos
+            else ChatMessage(role="user", content=prompt))
     return [*messages, user]
+
+
+Chat = tuple[str | None, str, list[str]] | tuple[str | None, str, list[str], list[str]]
+"""A chat: its system prompt, its text, its images' URLs and, where it has some, its videos'."""
 
 
 CHATS = {
@@ -342,20 +352,17 @@ def test_the_same_tokens_as_vllm_alone(vllm_alone: tuple[Server, int],
 
 
 def assert_the_same_tokens_as_vllm_alone(
-    alone_port: int, mmlane_vllm: tuple[Server, str, Path], model_dir: Path,
-    chat: tuple[str | None, str, list[str]],
+    alone_port: int, mmlane_vllm: tuple[Server, str, Path], model_dir: Path, chat: Chat,
 ) -> None:
     """The same tokens and logprobs through mmlane natively, then over its HTTP API, as vLLM
-    alone gives for `chat` (system prompt, text, image URLs) with its tokenizer's special tokens
-    as mmlane adds them."""
-    system, prompt, images = chat
-    messages, logprobs = _openai_messages(system, prompt, images), {
+    alone gives for `chat` with its tokenizer's special tokens as mmlane adds them."""
+    messages, logprobs = _openai_messages(*chat), {
         "logprobs": True, "top_logprobs": TOP_LOGPROBS}
     alone = [_vllm_chat(alone_port, str(model_dir), messages, **logprobs,
                         add_special_tokens=_adds_special_tokens(model_dir)) for _ in range(2)]
     first, again = (answer["choices"][0] for answer in alone)
     with Client(mmlane_vllm[1], timeout_s=300) as client:
-        ours = client.chat(_native_messages(system, prompt, images), max_tokens=MAX_TOKENS,
+        ours = client.chat(_native_messages(*chat), max_tokens=MAX_TOKENS,
                            logprobs=TOP_LOGPROBS)
     assert ours.error is None, ours.error
     assert ours.prompt_token_ids == alone[0]["prompt_token_ids"]
@@ -415,18 +422,18 @@ def test_the_encoder_lane_gives_vllm_alone_s_tokens(
 
 
 def worst_logprob_difference(alone_port: int, endpoint: str, model_dir: Path,
-                              chats: list[tuple[str | None, str, list[str]]]) -> float:
+                             chats: list[Chat]) -> float:
     """Asks vLLM alone (with the special tokens mmlane adds) and mmlane at `endpoint` each chat:
     asserts the same tokens and top tokens; returns the largest difference of a logprob between
     the two."""
     worst = 0.0
-    for system, prompt, urls in chats:
-        messages = _openai_messages(system, prompt, urls)
+    for chat in chats:
+        messages = _openai_messages(*chat)
         alone = _vllm_chat(alone_port, str(model_dir), messages, logprobs=True,
                            top_logprobs=TOP_LOGPROBS,
                            add_special_tokens=_adds_special_tokens(model_dir))["choices"][0]
         with Client(endpoint, timeout_s=300) as client:
-            ours = client.chat(_native_messages(system, prompt, urls), max_tokens=MAX_TOKENS,
+            ours = client.chat(_native_messages(*chat), max_tokens=MAX_TOKENS,
                                logprobs=TOP_LOGPROBS)
         assert ours.error is None, ours.error
         assert ours.token_ids == alone["token_ids"]
