@@ -715,12 +715,17 @@ def test_the_remote_wire_items_are_vllm_s_own(model_dirs: dict[str, Path], famil
                 "image_embeds": rows,
                 "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
         [built] = MultiModalKwargsItems.from_hf_inputs(batch, fields(batch))["image"]
-        theirs = decode_mm_kwargs_item(encode_mm_kwargs_item(built))
-        assert ours.keys() == theirs.keys()
-        for name in ours:
-            assert ours[name].field == theirs[name].field, name
-            assert ours[name].data.dtype == theirs[name].data.dtype, name
-            assert torch.equal(ours[name].data, theirs[name].data), name
+        assert_same_vllm_item(ours, decode_mm_kwargs_item(encode_mm_kwargs_item(built)))
+
+
+def assert_same_vllm_item(ours: Any, theirs: Any) -> None:
+    """Two of vLLM's kwargs items (or mappings of their elements) hold the same tensors, with
+    the same fields and dtypes, bit for bit."""
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name].field == theirs[name].field, name
+        assert ours[name].data.dtype == theirs[name].data.dtype, name
+        assert torch.equal(ours[name].data, theirs[name].data), name
 
 
 def test_an_output_ending_inside_a_character_reads_as_vllm_alone_s(

@@ -40,11 +40,17 @@ pytest.importorskip("cv2", reason="vLLM's video loader needs OpenCV")
 # isort: split
 from test_vllm import (  # noqa: E402
     DEAD_REPLICA,
+    LANE_LOGPROB_BOUND,
     REMOTE_LOGPROB_BOUND,
+    STARTUP_S,
+    VLLM_ARGS,
     Chat,
     Server,
+    _logprobs_compiled,
+    assert_same_vllm_item,
     assert_the_same_tokens_as_vllm_alone,
     mmlane_serve,
+    mmlane_serve_vllm,
     serving,
     worst_logprob_difference,
 )
@@ -60,7 +66,7 @@ from vllm.multimodal.inputs import MultiModalKwargsItems  # noqa: E402
 from mmlane.client import Client, user_message  # noqa: E402
 from mmlane.engine.vllm.remote import load as load_remote  # noqa: E402
 from mmlane.engine.vllm.runner import _video_inputs, _video_tensors  # noqa: E402
-from peers import counter, counters  # noqa: E402
+from peers import counter, counters, wait_for_stats, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)  # each model's servers start in the first test of it
 
@@ -69,28 +75,33 @@ pytestmark = pytest.mark.timeout(1500)  # each model's servers start in the firs
 TWO_VIDEOS = [CASES[0], CASES[1]]  # 4 frames of 64x48 at vLLM's default 2 fps; 160x90 at 4 fps
 
 
-@pytest.fixture(scope="module", params=[(model, dtype) for model in MODELS
-                                        for dtype in ("float32", "bfloat16")],
-                ids=lambda param: "-".join(param))
+@pytest.fixture(scope="module", params=[
+    (model, dtype, on_device) for model in MODELS
+    for dtype, on_device in (("float32", True), ("bfloat16", True), ("float32", False))],
+    ids=lambda param: f"{param[0]}-{param[1]}" + ("" if param[2] else "-normalised-here"))
 def processors(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> tuple[Any, ...]:
-    """Ours (the preprocessor and the video preprocessor) and vLLM's processor and dtype, for
-    the model run in `dtype`."""
-    model, dtype = request.param
+    """Ours (the preprocessor and the video preprocessor) and vLLM's processor, dtype and
+    whether it leaves normalising to the device, for the model run in a dtype, normalising
+    pixels on the device (vLLM's default for Qwen2-VL) or not."""
+    model, dtype, on_device = request.param
     model_dir = model_dirs[model]
     preprocessor = load_preprocessor(model_dir)
-    config = ModelConfig(model=str(model_dir), max_model_len=4096, dtype=dtype)
+    config = ModelConfig(model=str(model_dir), max_model_len=4096, dtype=dtype,
+                         mm_device_do_normalize=on_device)
+    assert config.get_multimodal_config().mm_device_do_normalize == on_device
     return (preprocessor, load_video_preprocessor(model_dir, preprocessor),
-            MULTIMODAL_REGISTRY.create_processor(config), config.dtype)
+            MULTIMODAL_REGISTRY.create_processor(config), config.dtype, on_device)
 
 
 def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, ...]) -> None:
     """Two videos in one prompt, from their frames: vLLM's processor's items (its kwargs for
     the model) against the in-process runner's (`_video_tensors`, `_video_inputs`, split by
-    vLLM's fields as the runner splits them) and the remote backend's (wire.py's encoding,
-    decoded by vLLM's decoder): the same tensors, fields and dtypes, bit for bit. Qwen2.5-VL's
+    vLLM's fields as the runner splits them; pixels normalised there unless vLLM does it on
+    the device) and the remote backend's (wire.py's encoding, decoded by vLLM's decoder; uint8,
+    for vLLM's default): the same tensors, fields and dtypes, bit for bit. Qwen2.5-VL's
     `second_per_grid_ts` is the model's dtype in vLLM's; the remote backend sends float32
     (wire.py's docstring), the same value at float32."""
-    preprocessor, video, vllm_processor, dtype = processors
+    preprocessor, video, vllm_processor, dtype, on_device = processors
     [prompt] = preprocessor.tokenize_batch([preprocessor.render_prompt(
         video_chat("video", "video", "text"))])
     loaded = [_vllm_load(case.video.data, case.sampling) for case in TWO_VIDEOS]
@@ -99,12 +110,15 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
     ours = [video.process_video(*_decoded(case, index), index=index, max_tokens=NO_LIMIT)
             for index, case in enumerate(TWO_VIDEOS)]
 
-    batch = _video_inputs([_video_tensors(item.tensors, dtype, None) for item in ours])
+    norm = None if on_device else video.pixel_norm
+    batch = _video_inputs([_video_tensors(item.tensors, dtype, norm) for item in ours])
     fields = vllm_processor._get_mm_fields_config(batch, {})
     built = MultiModalKwargsItems.from_hf_inputs(batch, fields)["video"]
     assert len(built) == len(expected) == 2
     for mine, theirs in zip(built, expected, strict=True):
-        _assert_same_item(mine, theirs)
+        assert_same_vllm_item(mine, theirs)
+    if not on_device:
+        return
 
     # vLLM's items of a prompt with one video each: a field's slices are its batch's.
     [one] = preprocessor.tokenize_batch([preprocessor.render_prompt(video_chat("video", "text"))])
@@ -121,20 +135,12 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
                 sent = {name: elem for name, elem in sent.items() if name != "second_per_grid_ts"}
                 received = {name: elem for name, elem in received.items()
                             if name != "second_per_grid_ts"}
-        _assert_same_item(sent, received)
+        assert_same_vllm_item(sent, received)
 
 
 def _decoded(case: Any, index: int) -> tuple[np.ndarray, dict[str, Any]]:
     decoded = decode_video(case.video.data, index, case.sampling)
     return decoded.frames, decoded.hf_metadata()
-
-
-def _assert_same_item(ours: Any, theirs: Any) -> None:
-    assert ours.keys() == theirs.keys()
-    for name in ours:
-        assert ours[name].field == theirs[name].field, name
-        assert ours[name].data.dtype == theirs[name].data.dtype, name
-        assert torch.equal(ours[name].data, theirs[name].data), name
 
 
 def test_a_video_for_a_family_without_video_is_refused_by_name(
@@ -234,3 +240,35 @@ def test_a_repeated_video_reaches_vllm_as_its_hash(servers: Servers) -> None:
         assert first.error is None and again.error is None
         assert again.token_ids == first.token_ids
         counter(run_dir, "engine", held, before + 1)
+
+
+@pytest.fixture(scope="module")
+def encoder_lanes(servers: Servers, module_run_dir: Path) -> Iterator[list[tuple[Server, str,
+                                                                                  Path]]]:
+    """`mmlane serve --encoder-lane`, with `--backend vllm` (vLLM alone's engine arguments)
+    and with `--backend vllm-remote` in front of vLLM alone's server."""
+    run_dir = module_run_dir / f"{servers.model_dir.name}-lanes"
+    (run_dir / "remote").mkdir(parents=True)
+    with mmlane_serve_vllm(run_dir, servers.model_dir, VLLM_ARGS, "--encoder-lane") as ours, \
+            mmlane_serve(run_dir / "remote", servers.model_dir, "--backend", "vllm-remote",
+                         "--encoder-lane", "--vllm-url",
+                         f"http://127.0.0.1:{servers.alone_port}") as remote:
+        wait_until(lambda: _logprobs_compiled(ours[1]), "vLLM's logprobs kernel compiled",
+                   timeout_s=STARTUP_S)
+        yield [ours, remote]
+
+
+def test_the_encoder_lane_sends_videos_as_pixels(servers: Servers,
+                                                 encoder_lanes: list[tuple[Server, str, Path]],
+                                                 ) -> None:
+    """--encoder-lane on both backends: an image's embeddings are mmlane's and a video goes as
+    its pixels, in one request or alone; the tokens and top tokens are vLLM alone's, logprobs
+    within LANE_LOGPROB_BOUND; the lane ran one pass, the image's."""
+    chats = [CHATS["an image and a video"], CHATS["one video"]]
+    for _, endpoint, run_dir in encoder_lanes:
+        worst = worst_logprob_difference(servers.alone_port, endpoint, servers.model_dir, chats)
+        print(f"--encoder-lane, videos: the largest logprob difference: {worst:.3g}")
+        assert worst <= LANE_LOGPROB_BOUND
+        stats = wait_for_stats(run_dir, lambda s: s.role == "engine" and sum(
+            s.histograms["engine_step:vision"].counts) >= 1, "the vision lane's pass")
+        assert sum(stats.histograms["engine_step:vision"].counts) == 1
