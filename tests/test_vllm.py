@@ -957,17 +957,18 @@ def test_a_render_posted_to_vllms_generate_answers_as_vllm_alone(
 
 
 def assert_a_render_generates_vllm_alone_s_tokens(alone_port: int, http_port: int,
-                                                  model_dir: Path, images: list[str]) -> None:
+                                                  model_dir: Path, images: list[str],
+                                                  videos: Sequence[str] = ()) -> None:
     """mmlane as the render tier: its /v1/chat/completions/render, posted as it is to a
     `vllm serve --enable-scale-out`'s /inference/v1/generate, gives the tokens vLLM alone gives
     for the same chat."""
-    body = {"messages": _openai_messages(None, "Describe it.", images), "max_tokens": MAX_TOKENS,
-            "temperature": 0}
+    body = {"messages": _openai_messages(None, "Describe it.", images, videos),
+            "max_tokens": MAX_TOKENS, "temperature": 0}
     alone = _vllm_chat(alone_port, str(model_dir), **body,
                        add_special_tokens=_adds_special_tokens(model_dir))["choices"][0]
     rendered = _post_json(f"http://127.0.0.1:{http_port}/v1/chat/completions/render",
                           {"model": model_dir.name, **body})
-    assert ("features" in rendered) == bool(images)
+    assert ("features" in rendered) == bool(images or videos)
     generated = _post_json(f"http://127.0.0.1:{alone_port}/inference/v1/generate",
                            rendered)["choices"][0]
     assert generated["token_ids"] == alone["token_ids"]
@@ -1262,38 +1263,46 @@ def test_the_encoder_lane_refuses_what_it_cannot_serve_by_name(
 
 def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
                                                                 tmp_path: Path) -> None:
-    """vLLM's processor cache (P0) says its engine core holds an image the core lacks (the
-    mirror drifted): vLLM ends the request with an error before any token, and the runner
-    sends it once more with the image in full: the tokens of the image sent in full at once,
-    one resend counted. The runner runs in this process; the drift is made with its own code."""
-    from msgspec.structs import replace
     from test_engine import make_request
+
+    fresh = make_request(load_preprocessor(qwen_dir, "auto"), "what is it?", ((320, 240),),
+                         max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert_a_lost_item_is_sent_again_in_full(qwen_dir, tmp_path, fresh)
+
+
+def assert_a_lost_item_is_sent_again_in_full(model_dir: Path, tmp_path: Path,
+                                             fresh: EngineRequest) -> None:
+    """vLLM's processor cache (P0) says its engine core holds the first item of `fresh` (an
+    image or a video) the core lacks (the mirror drifted): vLLM ends the request with an error
+    before any token, and the runner sends it once more with its items in full: the tokens of
+    the request sent in full at once (`fresh` asks for MAX_TOKENS, ignoring eos), one resend
+    counted. The runner runs in this process; the drift is made with its own code."""
+    from msgspec.structs import replace
 
     from mmlane.common.config import run_dir_defaults
     from mmlane.common.stats import Metrics
     from mmlane.engine.config import VLLMConfig
     from mmlane.engine.vllm.runner import load
+    from mmlane.engine.wire import mm_hashes
 
     with run_dir_defaults(tmp_path):
-        config = EngineConfig(backend="vllm", model=str(qwen_dir), vllm=VLLMConfig(
+        config = EngineConfig(backend="vllm", model=str(model_dir), vllm=VLLMConfig(
             vllm_arg=[f"{key}={_arg(value)}" for key, value in VLLM_ARGS.items()]))
         metrics = Metrics("engine", config.ops.name)
         runner = load(config, metrics)
     try:
-        fresh = make_request(load_preprocessor(qwen_dir, "auto"), "what is it?", ((320, 240),),
-                             max_tokens=MAX_TOKENS, ignore_eos=True)
+        first, *others = fresh.mm_items
         lost = replace(fresh, request_id="lost",
-                       mm_items=[replace(fresh.mm_items[0], mm_hash="lost")])
+                       mm_items=[replace(first, mm_hash="lost"), *others])
 
         async def only_in_p0() -> None:  # rendered for vLLM, never sent to its engine core
-            await runner._vllm_items(lost, ["lost"])
+            await runner._vllm_items(lost, mm_hashes(lost))
 
-        runner._call(only_in_p0())
+        in_full = _tokens_alone(runner, 0, fresh)
+        assert len(in_full) == MAX_TOKENS
+        runner._call(only_in_p0())  # after `fresh`, whose other items both caches then hold
         assert runner.engine.renderer.mm_processor_cache.is_cached_item("lost")
-        replies = {request.request_id: _tokens_alone(runner, handle, request)
-                   for handle, request in enumerate((fresh, lost))}
-        assert replies["lost"] == replies[fresh.request_id]
-        assert len(replies["lost"]) == MAX_TOKENS
+        assert _tokens_alone(runner, 1, lost) == in_full
         assert metrics.counters["vllm_mm_cache_resends"] == 1
     finally:
         runner.close()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -41,12 +42,15 @@ pytest.importorskip("cv2", reason="vLLM's video loader needs OpenCV")
 from test_vllm import (  # noqa: E402
     DEAD_REPLICA,
     LANE_LOGPROB_BOUND,
+    MAX_TOKENS,
     REMOTE_LOGPROB_BOUND,
     STARTUP_S,
     VLLM_ARGS,
     Chat,
     Server,
     _logprobs_compiled,
+    assert_a_lost_item_is_sent_again_in_full,
+    assert_a_render_generates_vllm_alone_s_tokens,
     assert_same_vllm_item,
     assert_the_same_tokens_as_vllm_alone,
     mmlane_serve,
@@ -168,6 +172,21 @@ def test_a_video_for_a_family_without_video_is_refused_by_name(
     assert CODES[refused.value.code].http_status == 400
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_a_video_vllm_s_engine_core_lost_is_sent_again_in_full(
+        model: str, model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The in-process runner, a video and an image in one request, vLLM's processor cache
+    drifted from its engine core on the video: the request goes again in full, once, with the
+    tokens it has sent in full (test_vllm's image case, with a video)."""
+    rendering = Rendering(model_dirs[model])
+    request = rendering.renderer.render(rendering.job("video", "image", fps=4,
+                                                      max_tokens=MAX_TOKENS))
+    assert [item.is_video for item in request.mm_items] == [True, False]
+    fresh = msgspec.structs.replace(request, request_id="fresh", sampling=msgspec.structs.replace(
+        request.sampling, ignore_eos=True))
+    assert_a_lost_item_is_sent_again_in_full(model_dirs[model], tmp_path, fresh)
+
+
 # ---------------------------------------------------------------- against vLLM alone
 
 
@@ -222,6 +241,16 @@ def test_the_remote_backend_gives_vllm_alone_s_tokens_for_videos(servers: Server
                                      list(CHATS.values()))
     print(f"vllm-remote, videos: the largest logprob difference from vLLM alone: {worst:.3g}")
     assert worst <= REMOTE_LOGPROB_BOUND
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["video", "image and video"])
+def test_a_render_of_a_video_posted_to_vllms_generate_answers_as_vllm_alone(
+        servers: Servers, image: bool) -> None:
+    """The render API writes a video as vLLM's generate API takes it (features' "video"): posted
+    to vLLM alone's /inference/v1/generate, the render gives vLLM alone's tokens."""
+    assert_a_render_generates_vllm_alone_s_tokens(
+        servers.alone_port, servers.ours[0].http_port, servers.model_dir,
+        [jpeg_uri(200, 100, 9)] if image else [], [NTSC])
 
 
 def test_a_repeated_video_reaches_vllm_as_its_hash(servers: Servers) -> None:

@@ -417,7 +417,8 @@ class _DriftedCache(Exception):
 
 
 class _Images:
-    """A request's images for the replicas: each encoded once, when first sent in full."""
+    """A request's items (images, videos) for the replicas: each encoded once, when first sent
+    in full."""
 
     def __init__(self, request: EngineRequest,
                  tensors: list[dict[str, tuple[wire.Array, wire.Field]]], *,
