@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,19 +283,29 @@ def _post(port: int, route: str, body: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _openai_messages(system: str | None, prompt: str, images: list[str]) -> list[dict[str, Any]]:
+def _openai_messages(system: str | None, prompt: str, images: list[str],
+                     videos: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """A chat's messages: a system prompt, then the user's images, videos and text (as
+    `user_message` orders them)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}}
                                      for url in images]
+    content += [{"type": "video_url", "video_url": {"url": url}} for url in videos]
     content.append({"type": "text", "text": prompt})
-    messages.append({"role": "user", "content": content if images else prompt})
+    messages.append({"role": "user", "content": content if images or videos else prompt})
     return messages
 
 
-def _native_messages(system: str | None, prompt: str, images: list[str]) -> list[ChatMessage]:
+def _native_messages(system: str | None, prompt: str, images: list[str],
+                     videos: Sequence[str] = ()) -> list[ChatMessage]:
     messages = [ChatMessage(role="system", content=[TextPart(text=system)])] if system else []
-    user = user_message(prompt, images) if images else ChatMessage(role="user", content=prompt)
+    user = (user_message(prompt, images, videos) if images or videos
+            else ChatMessage(role="user", content=prompt))
     return [*messages, user]
+
+
+Chat = tuple[str | None, str, list[str]] | tuple[str | None, str, list[str], list[str]]
+"""A chat: its system prompt, its text, its images' URLs and, where it has some, its videos'."""
 
 
 CHATS = {
@@ -342,20 +352,17 @@ def test_the_same_tokens_as_vllm_alone(vllm_alone: tuple[Server, int],
 
 
 def assert_the_same_tokens_as_vllm_alone(
-    alone_port: int, mmlane_vllm: tuple[Server, str, Path], model_dir: Path,
-    chat: tuple[str | None, str, list[str]],
+    alone_port: int, mmlane_vllm: tuple[Server, str, Path], model_dir: Path, chat: Chat,
 ) -> None:
     """The same tokens and logprobs through mmlane natively, then over its HTTP API, as vLLM
-    alone gives for `chat` (system prompt, text, image URLs) with its tokenizer's special tokens
-    as mmlane adds them."""
-    system, prompt, images = chat
-    messages, logprobs = _openai_messages(system, prompt, images), {
+    alone gives for `chat` with its tokenizer's special tokens as mmlane adds them."""
+    messages, logprobs = _openai_messages(*chat), {
         "logprobs": True, "top_logprobs": TOP_LOGPROBS}
     alone = [_vllm_chat(alone_port, str(model_dir), messages, **logprobs,
                         add_special_tokens=_adds_special_tokens(model_dir)) for _ in range(2)]
     first, again = (answer["choices"][0] for answer in alone)
     with Client(mmlane_vllm[1], timeout_s=300) as client:
-        ours = client.chat(_native_messages(system, prompt, images), max_tokens=MAX_TOKENS,
+        ours = client.chat(_native_messages(*chat), max_tokens=MAX_TOKENS,
                            logprobs=TOP_LOGPROBS)
     assert ours.error is None, ours.error
     assert ours.prompt_token_ids == alone[0]["prompt_token_ids"]
@@ -415,18 +422,18 @@ def test_the_encoder_lane_gives_vllm_alone_s_tokens(
 
 
 def worst_logprob_difference(alone_port: int, endpoint: str, model_dir: Path,
-                              chats: list[tuple[str | None, str, list[str]]]) -> float:
+                             chats: list[Chat]) -> float:
     """Asks vLLM alone (with the special tokens mmlane adds) and mmlane at `endpoint` each chat:
     asserts the same tokens and top tokens; returns the largest difference of a logprob between
     the two."""
     worst = 0.0
-    for system, prompt, urls in chats:
-        messages = _openai_messages(system, prompt, urls)
+    for chat in chats:
+        messages = _openai_messages(*chat)
         alone = _vllm_chat(alone_port, str(model_dir), messages, logprobs=True,
                            top_logprobs=TOP_LOGPROBS,
                            add_special_tokens=_adds_special_tokens(model_dir))["choices"][0]
         with Client(endpoint, timeout_s=300) as client:
-            ours = client.chat(_native_messages(system, prompt, urls), max_tokens=MAX_TOKENS,
+            ours = client.chat(_native_messages(*chat), max_tokens=MAX_TOKENS,
                                logprobs=TOP_LOGPROBS)
         assert ours.error is None, ours.error
         assert ours.token_ids == alone["token_ids"]
@@ -708,12 +715,17 @@ def test_the_remote_wire_items_are_vllm_s_own(model_dirs: dict[str, Path], famil
                 "image_embeds": rows,
                 "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
         [built] = MultiModalKwargsItems.from_hf_inputs(batch, fields(batch))["image"]
-        theirs = decode_mm_kwargs_item(encode_mm_kwargs_item(built))
-        assert ours.keys() == theirs.keys()
-        for name in ours:
-            assert ours[name].field == theirs[name].field, name
-            assert ours[name].data.dtype == theirs[name].data.dtype, name
-            assert torch.equal(ours[name].data, theirs[name].data), name
+        assert_same_vllm_item(ours, decode_mm_kwargs_item(encode_mm_kwargs_item(built)))
+
+
+def assert_same_vllm_item(ours: Any, theirs: Any) -> None:
+    """Two of vLLM's kwargs items (or mappings of their elements) hold the same tensors, with
+    the same fields and dtypes, bit for bit."""
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name].field == theirs[name].field, name
+        assert ours[name].data.dtype == theirs[name].data.dtype, name
+        assert torch.equal(ours[name].data, theirs[name].data), name
 
 
 def test_an_output_ending_inside_a_character_reads_as_vllm_alone_s(
@@ -945,17 +957,18 @@ def test_a_render_posted_to_vllms_generate_answers_as_vllm_alone(
 
 
 def assert_a_render_generates_vllm_alone_s_tokens(alone_port: int, http_port: int,
-                                                  model_dir: Path, images: list[str]) -> None:
+                                                  model_dir: Path, images: list[str],
+                                                  videos: Sequence[str] = ()) -> None:
     """mmlane as the render tier: its /v1/chat/completions/render, posted as it is to a
     `vllm serve --enable-scale-out`'s /inference/v1/generate, gives the tokens vLLM alone gives
     for the same chat."""
-    body = {"messages": _openai_messages(None, "Describe it.", images), "max_tokens": MAX_TOKENS,
-            "temperature": 0}
+    body = {"messages": _openai_messages(None, "Describe it.", images, videos),
+            "max_tokens": MAX_TOKENS, "temperature": 0}
     alone = _vllm_chat(alone_port, str(model_dir), **body,
                        add_special_tokens=_adds_special_tokens(model_dir))["choices"][0]
     rendered = _post_json(f"http://127.0.0.1:{http_port}/v1/chat/completions/render",
                           {"model": model_dir.name, **body})
-    assert ("features" in rendered) == bool(images)
+    assert ("features" in rendered) == bool(images or videos)
     generated = _post_json(f"http://127.0.0.1:{alone_port}/inference/v1/generate",
                            rendered)["choices"][0]
     assert generated["token_ids"] == alone["token_ids"]
@@ -1250,38 +1263,46 @@ def test_the_encoder_lane_refuses_what_it_cannot_serve_by_name(
 
 def test_an_image_vllm_s_engine_core_lost_is_sent_again_in_full(qwen_dir: Path,
                                                                 tmp_path: Path) -> None:
-    """vLLM's processor cache (P0) says its engine core holds an image the core lacks (the
-    mirror drifted): vLLM ends the request with an error before any token, and the runner
-    sends it once more with the image in full: the tokens of the image sent in full at once,
-    one resend counted. The runner runs in this process; the drift is made with its own code."""
-    from msgspec.structs import replace
     from test_engine import make_request
+
+    fresh = make_request(load_preprocessor(qwen_dir, "auto"), "what is it?", ((320, 240),),
+                         max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert_a_lost_item_is_sent_again_in_full(qwen_dir, tmp_path, fresh)
+
+
+def assert_a_lost_item_is_sent_again_in_full(model_dir: Path, tmp_path: Path,
+                                             fresh: EngineRequest) -> None:
+    """vLLM's processor cache (P0) says its engine core holds the first item of `fresh` (an
+    image or a video) the core lacks (the mirror drifted): vLLM ends the request with an error
+    before any token, and the runner sends it once more with its items in full: the tokens of
+    the request sent in full at once (`fresh` asks for MAX_TOKENS, ignoring eos), one resend
+    counted. The runner runs in this process; the drift is made with its own code."""
+    from msgspec.structs import replace
 
     from mmlane.common.config import run_dir_defaults
     from mmlane.common.stats import Metrics
     from mmlane.engine.config import VLLMConfig
     from mmlane.engine.vllm.runner import load
+    from mmlane.engine.wire import mm_hashes
 
     with run_dir_defaults(tmp_path):
-        config = EngineConfig(backend="vllm", model=str(qwen_dir), vllm=VLLMConfig(
+        config = EngineConfig(backend="vllm", model=str(model_dir), vllm=VLLMConfig(
             vllm_arg=[f"{key}={_arg(value)}" for key, value in VLLM_ARGS.items()]))
         metrics = Metrics("engine", config.ops.name)
         runner = load(config, metrics)
     try:
-        fresh = make_request(load_preprocessor(qwen_dir, "auto"), "what is it?", ((320, 240),),
-                             max_tokens=MAX_TOKENS, ignore_eos=True)
+        first, *others = fresh.mm_items
         lost = replace(fresh, request_id="lost",
-                       mm_items=[replace(fresh.mm_items[0], mm_hash="lost")])
+                       mm_items=[replace(first, mm_hash="lost"), *others])
 
         async def only_in_p0() -> None:  # rendered for vLLM, never sent to its engine core
-            await runner._vllm_items(lost, ["lost"])
+            await runner._vllm_items(lost, mm_hashes(lost))
 
-        runner._call(only_in_p0())
+        in_full = _tokens_alone(runner, 0, fresh)
+        assert len(in_full) == MAX_TOKENS
+        runner._call(only_in_p0())  # after `fresh`, whose other items both caches then hold
         assert runner.engine.renderer.mm_processor_cache.is_cached_item("lost")
-        replies = {request.request_id: _tokens_alone(runner, handle, request)
-                   for handle, request in enumerate((fresh, lost))}
-        assert replies["lost"] == replies[fresh.request_id]
-        assert len(replies["lost"]) == MAX_TOKENS
+        assert _tokens_alone(runner, 1, lost) == in_full
         assert metrics.counters["vllm_mm_cache_resends"] == 1
     finally:
         runner.close()

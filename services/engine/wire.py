@@ -1,24 +1,34 @@
 """vLLM's scale-out wire format, written here so that neither the remote backend nor the render
 API needs vLLM: a request as the body of `/inference/v1/generate` (vLLM 0.32's
-`GenerateRequest`, which its `/v1/chat/completions/render` answers too), and each image in it
-as one `MultiModalKwargsItem` in `features.kwargs_data`
+`GenerateRequest`, which its `/v1/chat/completions/render` answers too), and each image or
+video in it as one `MultiModalKwargsItem` in `features.kwargs_data`
 (vllm/entrypoints/scale_out/token_in_token_out/mm_serde.py): base64 of msgpack, as vLLM's
-`MsgpackEncoder` writes it with every tensor inline.
+`MsgpackEncoder` writes it with every tensor inline. `features` holds each modality's items
+apart ("image", "video"), each modality's in prompt order.
 
     generate_body(request, family, norm[, kwargs_data])
                                             the request's GenerateRequest, as a dict
-    mm_hashes(request)                      its images' hashes, as vLLM takes them
+    mm_hashes(request)                      its items' hashes, as vLLM takes them
+    modality(item), by_modality(request, values)
+                                            "image" or "video"; one value per item, grouped
     item_tensors(request, family, norm[, embeds])
-                                            its images' tensors and fields
-    encode_item(tensors)                    one image's item
+                                            its items' tensors and fields
+    encode_item(tensors)                    one item's encoding
     nbytes(tensors)                         an item's size in vLLM's processor caches
 
 An item maps each tensor name to {"data": [dtype, shape, raw bytes as msgpack extension 3],
 "field": [factory, keywords]}: its field says how vLLM's model batches it with other items
 ('flat': rows along dim 0, the item's slice of them; 'batched': one entry per item, without the
 batch dimension). The fields per family are those vLLM's processor gives the model
-(`_get_mm_fields_config`); tests/test_vllm.py decodes these items with vLLM's own
-decoder and compares them with the items vLLM builds.
+(`_get_mm_fields_config`); tests/test_vllm.py and tests/test_vllm_video_serving.py decode
+these items with vLLM's own decoder and compare them with the items vLLM builds.
+
+A Qwen2-VL or Qwen2.5-VL video goes as vLLM's processor lays it out (`_qwen2_vl_video`): uint8
+`pixel_values_videos` rows (vLLM 0.32 normalises them on the device), `video_grid_thw` and, for
+Qwen2.5-VL, `second_per_grid_ts` in float32, as the HF processor returns it. vLLM's own
+processor casts that to the model's dtype: a replica that runs the model in 16 bits reads the
+float32 value, which can time a video's patches a rounding apart from vLLM alone's (a replica
+run with `--dtype float32` reads the same value).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import torch
 
 from mmlane.model import PixelNorm, model_layout, normalize
 from mmlane.protocol.errors import RequestError
-from mmlane.protocol.messages import EngineRequest
+from mmlane.protocol.messages import VIDEO_PIXELS, EngineRequest, MMItem
 
 RAW_VIEW = 3
 """vLLM's msgpack extension code for a tensor's bytes (`CUSTOM_TYPE_RAW_VIEW`)."""
@@ -72,7 +82,8 @@ def _tensor(array: Array) -> list[Any]:
         raw = array.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         return [str(array.dtype).removeprefix("torch."), list(array.shape),
                 msgspec.msgpack.Ext(RAW_VIEW, raw)]
-    array = np.ascontiguousarray(array)
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would give a scalar a dimension)
+        array = np.ascontiguousarray(array)
     return [array.dtype.name, list(array.shape), msgspec.msgpack.Ext(RAW_VIEW, array.tobytes())]
 
 
@@ -119,41 +130,80 @@ EMBEDS: dict[str, Callable[[Mapping[str, np.ndarray], torch.Tensor],
 item of embedding inputs (`image_embeds`), by family."""
 
 
+def _qwen2_vl_video(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[Array, Field]]:
+    # uint8 pixels: vLLM 0.32 normalises Qwen2-VL's videos on the device too.
+    pixels = tensors[VIDEO_PIXELS]
+    item = {VIDEO_PIXELS: (pixels, flat(len(pixels))),
+            "video_grid_thw": (tensors["video_grid_thw"][0], batched(keep_on_cpu=True))}
+    if "second_per_grid_ts" in tensors:  # Qwen2.5-VL's: one float per video
+        item["second_per_grid_ts"] = (tensors["second_per_grid_ts"].reshape(()),
+                                      batched(keep_on_cpu=True))
+    return item
+
+
+VIDEOS: dict[str, Callable[[Mapping[str, np.ndarray]], dict[str, tuple[Array, Field]]]] = {
+    "qwen2_vl": _qwen2_vl_video,
+}
+"""A video's tensors (as the MM worker sends them) as the tensors and fields of vLLM's item, by
+family. With --encoder-lane too: videos go as pixels, and vLLM runs their vision pass."""
+
+
 EMBEDS_HASH = "+embeds"
 """Added to an image's hash where vLLM gets its embeddings (--encoder-lane): vLLM's caches
 (items, encoder outputs, prefix blocks) then never give one in place of the other."""
 
 
 def mm_hashes(request: EngineRequest, *, embeds: bool = False) -> list[str]:
-    """The request's images' hashes for vLLM: mmlane's, or ("": not cached) the request's own;
-    with `embeds`, marked as its embeddings' (EMBEDS_HASH)."""
-    mark = EMBEDS_HASH if embeds else ""
-    return [(item.mm_hash or f"{request.request_id}:{index}") + mark
+    """The request's items' hashes for vLLM: mmlane's, or ("": not cached) the request's own;
+    with `embeds`, its images' marked as their embeddings' (EMBEDS_HASH)."""
+    return [(item.mm_hash or f"{request.request_id}:{index}")
+            + (EMBEDS_HASH if embeds and not item.is_video else "")
             for index, item in enumerate(request.mm_items)]
+
+
+def modality(item: MMItem) -> str:
+    """The item's modality, as vLLM names it."""
+    return "video" if item.is_video else "image"
+
+
+def image_indices(request: EngineRequest) -> list[int]:
+    """Where the request's images are among its items (its videos left out)."""
+    return [index for index, item in enumerate(request.mm_items) if not item.is_video]
 
 
 def item_tensors(request: EngineRequest, family: str, norm: PixelNorm,
                  embeds: list[torch.Tensor] | None = None) -> list[dict[str, tuple[Array, Field]]]:
-    """The request's images as the tensors and fields of vLLM's items in the layout of the
-    model's `family`: their pixels, or with `embeds` (one per image) their embeddings
-    (RequestError for a family whose layout is not written here yet)."""
-    layouts: Mapping[str, object] = ITEMS if embeds is None else EMBEDS
-    if request.mm_items and family not in layouts:
-        raise RequestError(f"images of {family} models cannot be written in vLLM's "
-                           f"scale-out format yet (only {', '.join(layouts)})")
-    if embeds is None:
-        return [ITEMS[family](one.tensors, norm) for one in request.mm_items]
-    return [EMBEDS[family](one.tensors, rows)
-            for one, rows in zip(request.mm_items, embeds, strict=True)]
+    """The request's items as the tensors and fields of vLLM's items in the layout of the
+    model's `family`: their pixels, or with `embeds` (one per image, in order) its images'
+    embeddings and its videos' pixels (RequestError for a family whose layout is not written
+    here yet)."""
+    images: Mapping[str, object] = ITEMS if embeds is None else EMBEDS
+    for kinds, layouts in (("images", images), ("videos", VIDEOS)):
+        if family not in layouts and any(
+                item.is_video == (kinds == "videos") for item in request.mm_items):
+            raise RequestError(f"{kinds} of {family} models cannot be written in vLLM's "
+                               f"scale-out format yet (only {', '.join(layouts)})")
+    rows = iter(embeds or ())
+    return [VIDEOS[family](one.tensors) if one.is_video
+            else ITEMS[family](one.tensors, norm) if embeds is None
+            else EMBEDS[family](one.tensors, next(rows)) for one in request.mm_items]
+
+
+def by_modality(request: EngineRequest, values: list[Any]) -> dict[str, list[Any]]:
+    """`values` (one per item of the request) by the items' modality, each in prompt order."""
+    grouped: dict[str, list[Any]] = {}
+    for item, value in zip(request.mm_items, values, strict=True):
+        grouped.setdefault(modality(item), []).append(value)
+    return grouped
 
 
 def generate_body(request: EngineRequest, family: str, norm: PixelNorm,
                   kwargs_data: list[str | None] | None = None, *,
                   embeds: bool = False) -> dict[str, Any]:
     """`request` as vLLM's GenerateRequest: its prompt ids, its sampling fields (vLLM's names),
-    and its images' hashes (`embeds`: of their embeddings), placeholder ranges and items:
-    `kwargs_data` (an encoded item, or None for one the server's engine core holds by its
-    hash), by default each image's pixels in full (`item_tensors`)."""
+    and its items' hashes (`embeds`: of the images' embeddings), placeholder ranges and items,
+    by modality: `kwargs_data` (one per item: an encoded item, or None for one the server's
+    engine core holds by its hash), by default each item's pixels in full (`item_tensors`)."""
     sampling = msgspec.structs.asdict(request.sampling)
     if request.sampling.structured_outputs is not None:
         sampling["structured_outputs"] = request.sampling.structured_outputs.vllm_fields()
@@ -167,9 +217,9 @@ def generate_body(request: EngineRequest, family: str, norm: PixelNorm,
             kwargs_data = [encode_item(tensors)
                            for tensors in item_tensors(request, family, norm)]
         body["features"] = {
-            "mm_hashes": {"image": mm_hashes(request, embeds=embeds)},
-            "mm_placeholders": {"image": [{"offset": one.offset, "length": one.length}
-                                          for one in request.mm_items]},
-            "kwargs_data": {"image": kwargs_data},
+            "mm_hashes": by_modality(request, mm_hashes(request, embeds=embeds)),
+            "mm_placeholders": by_modality(request, [
+                {"offset": one.offset, "length": one.length} for one in request.mm_items]),
+            "kwargs_data": by_modality(request, kwargs_data),
         }
     return body

@@ -2,6 +2,7 @@
 from transformers' `Qwen2VLVideoProcessor`.
 
     load_video_preprocessor(model_dir, preprocessor)   -> VideoPreprocessor (qwen2_vl family)
+    videos_of(model_dir, preprocessor)                 the same, or None for another family
     VideoPreprocessor.count_tokens(frames, w, h)       a video's tokens, before any pixel work
     VideoPreprocessor.process_video(frames, metadata)  -> VideoItem: its tensors, its tokens
     VideoPreprocessor.expand_placeholders(ids, items)  each <|video_pad|> to its video's tokens
@@ -360,3 +361,12 @@ def load_video_preprocessor(model_dir: str | Path, preprocessor: Preprocessor) -
                              video_token_id=token_id,
                              timed=model_type in TIMED_MODEL_TYPES)
 
+
+
+def videos_of(model_dir: str | Path, preprocessor: Preprocessor) -> VideoPreprocessor | None:
+    """`load_video_preprocessor`'s, or None for a family mmlane renders no video for (an engine
+    whose spec then refuses video items)."""
+    try:
+        return load_video_preprocessor(model_dir, preprocessor)
+    except UnsupportedModelError:
+        return None

@@ -7,6 +7,7 @@ same hash, or from a new pass on the vision lane (services/engine/vision.py: the
 runner's, a thread at --image-nice). A request cancelled while it waits stops waiting; the pass
 is cancelled too when no other request waits for it and it has not started. The counters
 encoder_cache_hits and encoder_cache_misses say how often a repeated image skipped its pass.
+Videos are not the lane's: both backends send a video's pixels, and vLLM runs its vision pass.
 
     load_lane(config, model_dir, preprocessor, families)   the lane's encoder, or None
     EncoderLane(encoder, image_token_id, vision, loop, metrics)

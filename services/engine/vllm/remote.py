@@ -1,11 +1,13 @@
 """The "vllm-remote" backend's runner: rendered requests to vLLM servers people already run.
 
 Each request goes to a replica's scale-out API (`vllm serve --enable-scale-out`): `POST
-/inference/v1/generate` with the prompt's token ids and, for an image request, `features`:
-mmlane's hash of each image (`mm_hashes`, so a repeated image hits the replica's encoder and
-prefix caches), its placeholder range, and its tensors in full, as vLLM's own item encoding
-(services/engine/wire.py); an image the replica's engine core holds (vLLM's P1, which
-`Replica.images` mirrors, as vLLM's own processor cache does) goes as its hash alone. The reply
+/inference/v1/generate` with the prompt's token ids and, for a request with images or videos
+(Qwen2-VL and Qwen2.5-VL videos: vLLM 0.32's generate API takes a "video" modality beside
+"image" in `features`), `features`: mmlane's hash of each item (`mm_hashes`, so a repeated
+image or video hits the replica's encoder and prefix caches), its placeholder range, and its
+tensors in full, as vLLM's own item encoding (services/engine/wire.py); an item the replica's
+engine core holds (vLLM's P1, which `Replica.images` mirrors, images and videos alike, as
+vLLM's own processor cache does) goes as its hash alone. The reply
 streams back as server-sent events of new token ids (`output_mode` tokens: the frontend
 detokenizes). Nothing here imports vLLM.
 
@@ -31,7 +33,7 @@ Text first: with `--remote-priority` (the replicas run `--scheduling-policy prio
 goes ahead of images in each replica's queue; with `--encoder-lane` (lane.py), images' vision
 passes run here and the replicas get their embeddings in place of pixels (vLLM 0.32's
 scale-out API takes them without `--enable-mm-embeds`), so no replica's step runs a vision
-encoder.
+encoder for an image. Videos go as pixels even then: the replica runs their vision pass.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from mmlane.engine.vision import VisionEncoder
 from mmlane.engine.vllm.lane import EncoderLane, load_lane
 from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
 from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.model.video import videos_of
 from mmlane.protocol.errors import (
     FatalError,
     MMLaneError,
@@ -101,8 +104,8 @@ class Replica:
     metrics: str = ""
     """vLLM's `vllm:` series from its /metrics, as of its last health check while up."""
     images: FeatureCache[bool] = field(default_factory=lambda: FeatureCache(0))
-    """The images its engine core's cache (vLLM's P1) holds, by hash and size, as mmlane's
-    requests went through it (--remote-mm-cache-gb: 0 sends every image in full)."""
+    """The images and videos its engine core's cache (vLLM's P1) holds, by hash and size, as
+    mmlane's requests went through it (--remote-mm-cache-gb: 0 sends every item in full)."""
     drifts: int = 0
     """Requests in a row that it lacked an image for that the mirror said it held."""
     attempts: set[_Attempt] = field(default_factory=set)
@@ -227,8 +230,8 @@ class RemoteVLLMRunner(LoopRunner):
         fails before its first token goes to another replica, once."""
         embeds = None
         if self._lane is not None and request.mm_items:
-            try:
-                embeds = await self._lane.embeddings(request, range(len(request.mm_items)))
+            try:  # the images': videos go as pixels
+                embeds = await self._lane.embeddings(request, wire.image_indices(request))
             except MMLaneError as exc:
                 self._outputs.put(StepOutput(handle, [], error=exc))
                 return
@@ -414,7 +417,8 @@ class _DriftedCache(Exception):
 
 
 class _Images:
-    """A request's images for the replicas: each encoded once, when first sent in full."""
+    """A request's items (images, videos) for the replicas: each encoded once, when first sent
+    in full."""
 
     def __init__(self, request: EngineRequest,
                  tensors: list[dict[str, tuple[wire.Array, wire.Field]]], *,
@@ -514,7 +518,8 @@ def load(config: EngineConfig, metrics: Metrics) -> RemoteVLLMRunner:
                          f"{', '.join(wire.ITEMS)}", code="bad_config")
     model_config = transformers.AutoConfig.from_pretrained(model_dir)
     spec = ModelSpec.of(preprocessor, model_config, max_context=preprocessor.max_context,
-                        vocab_size=model_config.get_text_config().vocab_size)
+                        vocab_size=model_config.get_text_config().vocab_size,
+                        video=videos_of(model_dir, preprocessor))
     encoder = load_lane(config, model_dir, preprocessor, wire.EMBEDS)
     runner = RemoteVLLMRunner(config.vllm.vllm_url, preprocessor, spec, metrics,
                               priority=config.vllm.remote_priority, encoder=encoder,

@@ -7,16 +7,21 @@ vLLM's (engine arguments pass through unchanged, see config.py). The engine's ma
 (loop.py); requests are rendered for vLLM on the loop thread, which alone touches vLLM's
 processor cache.
 
-Every request reaches vLLM already rendered: token ids with the image placeholders expanded,
-the MM worker's tensors as vLLM's per-item kwargs, mmlane's mm_hash as vLLM's hash (so a
-repeated image also hits vLLM's encoder and prefix caches) and the placeholder ranges, via
-`vllm.inputs.mm_input`; vLLM runs no HF processor, hashes nothing and expands nothing. The
+Every request reaches vLLM already rendered: token ids with the image and video placeholders
+expanded, the MM worker's tensors as vLLM's per-item kwargs, mmlane's mm_hash as vLLM's hash
+(so a repeated image or video also hits vLLM's encoder and prefix caches) and the placeholder
+ranges, by modality ("image", "video"), via `vllm.inputs.mm_input`; vLLM runs no HF processor,
+hashes nothing and expands nothing. The
 tensors take the layout vLLM's own processor gives each family's model (`_VLLM_INPUTS`), and a
 range whose span holds other tokens besides the image's marks its image tokens (`is_embed`), as
 vLLM's processors do. Pixels stay uint8 where vLLM normalises on the device (Qwen2-VL and
 Mistral 3 in vLLM 0.32); for a model where it does not, the runner normalises them as the HF
 processor would (services/model/pixels.py). Either way they go in the model's layout: a
-Qwen2-VL image, sent as one of its identical frames, is laid out as all of them.
+Qwen2-VL image, sent as one of its identical frames, is laid out as all of them. A Qwen2-VL or
+Qwen2.5-VL video's tensors are laid out as vLLM's processor makes them (`_video_inputs`):
+`pixel_values_videos` rows (uint8, or normalised as the video processor would where vLLM does
+not normalise), `video_grid_thw` and Qwen2.5-VL's `second_per_grid_ts`, its floating tensors
+cast to the model's dtype as vLLM casts its processor's outputs.
 
 vLLM keeps its own mirrored cache of items: its processor cache (P0, in this process) tracks
 what its engine core's cache (P1) holds, and an item P0 holds goes to the engine core as its
@@ -24,7 +29,8 @@ hash alone. Rendered requests update P0 as vLLM's own processor does (`_vllm_ite
 repeated image costs no layout here and no transfer there, as in `vllm serve`. What vLLM's P0
 lacks goes in full: mmlane's receiver cache (in the engine) has filled the tensors in. Should
 the two drift (P0 holds an image the core lacks), vLLM ends the request with an error before
-any token and drops the hashes from P0; the runner then sends it again, once, in full.
+any token and drops the hashes from P0; the runner then sends it again, once, in full. Videos
+are items of this cache as images are.
 
 Text first: when vLLM runs `scheduling_policy=priority`, text-only requests go ahead of image
 requests (priority 0 before 1). That only orders vLLM's queue: a text request still waits in a
@@ -32,7 +38,8 @@ step behind the image's encoder pass that step runs. With `encoder_lane`, the vi
 (lane.py) runs the encoder here, on its own thread at image priority, and vLLM gets each
 image's embeddings in place of its pixels (`image_embeds`, in the layout of vLLM's own embedding
 inputs, `_EMBEDS_INPUTS`): its steps run only the language model. An image vLLM's processor
-cache holds is sent as its hash, so it is not encoded again.
+cache holds is sent as its hash, so it is not encoded again. Videos go as pixels even then:
+vLLM runs their vision pass, in its steps.
 
 vLLM's engine core dying fails every request it held (retryable, 'backend_died'), and the next
 `step` raises FatalError: the engine role exits, and its supervisor starts it again. vLLM's
@@ -64,16 +71,24 @@ from mmlane.engine.vision import VisionEncoder
 from mmlane.engine.vllm import leftovers
 from mmlane.engine.vllm.lane import EncoderLane, load_lane
 from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
-from mmlane.engine.wire import mm_hashes
+from mmlane.engine.wire import by_modality, mm_hashes, modality
 from mmlane.model import (
+    PixelNorm,
     Preprocessor,
     load_preprocessor,
     model_layout,
     normalize,
     resolve_model_dir,
 )
+from mmlane.model.video import VideoPreprocessor, videos_of
 from mmlane.protocol.errors import FatalError, MMLaneError, RetryableError, translate
-from mmlane.protocol.messages import EngineRequest, SamplingParams, TokenLogprobs
+from mmlane.protocol.messages import (
+    VIDEO_PIXELS,
+    EngineRequest,
+    MMItem,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +98,8 @@ class VLLMRunner(LoopRunner):
 
     def __init__(self, engine_args: dict[str, Any], preprocessor: Preprocessor,
                  metrics: Metrics, pids_file: Path, encoder: VisionEncoder | None = None,
-                 vision: VisionConfig | None = None) -> None:
+                 vision: VisionConfig | None = None,
+                 video: VideoPreprocessor | None = None) -> None:
         # vLLM starts its engine core as a new interpreter: it must apply the same fixes.
         os.environ.update(cpu_wheels.child_env())
         self._pids_file = pids_file
@@ -104,10 +120,11 @@ class VLLMRunner(LoopRunner):
             raise
         model_config = self.engine.model_config
         self._normalize_pixels = not _normalises_on_device(model_config)
+        self._dtype = model_config.dtype
         self._priority = self.engine.vllm_config.scheduler_config.policy == "priority"
         self.spec = ModelSpec.of(
             preprocessor, model_config.hf_config, max_context=model_config.max_model_len,
-            vocab_size=model_config.hf_config.get_text_config().vocab_size,
+            vocab_size=model_config.hf_config.get_text_config().vocab_size, video=video,
         )
         self._fields = self.engine.renderer.get_mm_processor()._get_mm_fields_config
         metrics.gauge("vllm_running", lambda: self._scheduled("num_running_reqs"))
@@ -265,20 +282,25 @@ class VLLMRunner(LoopRunner):
         kwargs = await self._vllm_items(request, hashes)
         prompt = torch.tensor(request.prompt_token_ids)
         placeholders = [PlaceholderRange(item.offset, item.length, _is_embed(
-            prompt[item.offset:item.offset + item.length], self._pre.image_token_id))
+            prompt[item.offset:item.offset + item.length], self._feature_token(item)))
             for item in request.mm_items]
-        return mm_input(list(request.prompt_token_ids), kwargs, {"image": hashes},
-                        {"image": placeholders})
+        return mm_input(list(request.prompt_token_ids), kwargs, by_modality(request, hashes),
+                        by_modality(request, placeholders))
+
+    def _feature_token(self, item: MMItem) -> int:
+        """The token that takes the item's features: its video's or its image's."""
+        if item.is_video and self.spec.video is not None:
+            return self.spec.video.video_token_id
+        return self._pre.image_token_id
 
     async def _vllm_items(self, request: EngineRequest, hashes: list[str]) -> Any:
-        """The items as vLLM's kwargs, each in full or, where vLLM's processor cache (P0, which
-        mirrors its engine core's) holds its hash, as None: the engine core takes that one
-        from its cache. P0 is updated as vLLM's processor updates it (`_merge_mm_kwargs`):
-        every hash touched first, then each looked up or added, in order, with no wait between
-        (another request's update would come between); only the items it lacks are laid out,
-        or with the vision lane encoded, first. No P0 (`mm_processor_cache_gb=0`): every item
-        in full."""
-        from transformers import BatchFeature
+        """The items as vLLM's kwargs, by modality, each in full or, where vLLM's processor
+        cache (P0, which mirrors its engine core's) holds its hash, as None: the engine core
+        takes that one from its cache. P0 is updated as vLLM's processor updates it
+        (`_merge_mm_kwargs`): every hash touched first, then each looked up or added, in
+        prompt order (the engine core's), with no wait between (another request's update would
+        come between); only the items it lacks are laid out, or with the vision lane its images
+        encoded, first. No P0 (`mm_processor_cache_gb=0`): every item in full."""
         from vllm.multimodal.inputs import MultiModalKwargsItems
 
         items = request.mm_items
@@ -286,45 +308,92 @@ class VLLMRunner(LoopRunner):
         encoded: dict[int, torch.Tensor] = {}
         while True:
             held = cache.is_cached(hashes) if cache is not None else [False] * len(hashes)
-            todo = [index for index, hit in enumerate(held) if not hit and index not in encoded]
+            todo = [index for index, hit in enumerate(held)
+                    if not hit and index not in encoded and not items[index].is_video]
             if self._lane is None or not todo:
                 break
-            # Dropped from P0 during the wait, an item is encoded in the next round.
+            # Dropped from P0 during the wait, an image is encoded in the next round.
             encoded.update(zip(todo, await self._lane.embeddings(request, todo), strict=True))
-        missing = [self._item_tensors(item.tensors) if self._lane is None
-                   else _embeds_item(item.tensors, encoded[index])
-                   for index, (item, hit) in enumerate(zip(items, held, strict=True)) if not hit]
-        built: list[Any] = []
-        if missing:
-            layout = _VLLM_INPUTS if self._lane is None else _EMBEDS_INPUTS
-            batch = BatchFeature(layout[self._pre.family.name](missing, self._pre.image_token_id))
-            built = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))["image"]
+        missing = [index for index, hit in enumerate(held) if not hit]
+        built = dict(zip(missing, self._built([items[index] for index in missing],
+                                              [encoded.get(index) for index in missing]),
+                         strict=True))
         if cache is None:
-            return MultiModalKwargsItems({"image": built})
-        new = iter(built)
+            return MultiModalKwargsItems(by_modality(request, list(built.values())))
         for mm_hash in hashes:
             cache.touch_sender_cache_item(mm_hash)
         try:
-            sent = [cache.get_and_update_item(None if hit else (next(new), []), mm_hash)[0]
-                    for mm_hash, hit in zip(hashes, held, strict=True)]
+            sent = [cache.get_and_update_item(None if hit else (built[index], []), mm_hash)[0]
+                    for index, (mm_hash, hit) in enumerate(zip(hashes, held, strict=True))]
         finally:
             cache.release_sender_touches()
         self.engine.renderer.update_mm_cache_stats()
-        return MultiModalKwargsItems({"image": sent})
+        return MultiModalKwargsItems(by_modality(request, sent))
+
+    def _built(self, items: list[MMItem], embeds: list[torch.Tensor | None]) -> list[Any]:
+        """vLLM's kwargs items of `items` (with their embeddings where the vision lane made
+        some), in order: laid out in one batch as vLLM's processor lays out a prompt's images
+        and videos, then split by vLLM's fields."""
+        from transformers import BatchFeature
+        from vllm.multimodal.inputs import MultiModalKwargsItems
+
+        images = [self._item_tensors(item.tensors) if rows is None
+                  else _embeds_item(item.tensors, rows)
+                  for item, rows in zip(items, embeds, strict=True) if not item.is_video]
+        norm = self.spec.video.pixel_norm if self._normalize_pixels and self.spec.video else None
+        videos = [_video_tensors(item.tensors, self._dtype, norm)
+                  for item in items if item.is_video]
+        batch = BatchFeature({})
+        if images:
+            layout = _VLLM_INPUTS if self._lane is None else _EMBEDS_INPUTS
+            batch.update(layout[self._pre.family.name](images, self._pre.image_token_id))
+        if videos:
+            batch.update(_video_inputs(videos))
+        if not batch:
+            return []
+        built = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))
+        kinds = {kind: iter(built[kind]) for kind in built}
+        return [next(kinds[modality(item)]) for item in items]
 
     def _item_tensors(self, tensors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """An item's tensors as torch's, its pixels in the model's layout (`model_layout`) and
-        normalised unless vLLM does it. Arrays that came in ZMQ frames are read-only views of
-        them: those are copied; those taken out of a shared-memory slot are copies already,
-        and go as they are."""
-        arrays = {name: array if array.flags.writeable else array.copy()
-                  for name, array in tensors.items()}
+        """An image's tensors as torch's, its pixels in the model's layout (`model_layout`)
+        and normalised unless vLLM does it."""
+        arrays = _writeable(tensors)
         item = {name: torch.from_numpy(array) for name, array in arrays.items()}
         norm = self._pre.pixel_norm
         item["pixel_values"] = (  # laid out by numpy: torch's copy would wake an OpenMP team
             normalize(item["pixel_values"], norm) if self._normalize_pixels  # that spins here
             else torch.from_numpy(model_layout(arrays["pixel_values"], norm)))
         return item
+
+
+def _video_tensors(tensors: dict[str, np.ndarray], dtype: torch.dtype,
+                   norm: PixelNorm | None) -> dict[str, torch.Tensor]:
+    """A video's tensors as torch's, its pixels normalised by `norm` (the video processor's,
+    where vLLM does not normalise them), its floating tensors in the model's `dtype`, as vLLM
+    casts its processor's outputs."""
+    item = {name: torch.from_numpy(array) for name, array in _writeable(tensors).items()}
+    if norm is not None:
+        item[VIDEO_PIXELS] = normalize(item[VIDEO_PIXELS], norm)
+    return {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for name, tensor in item.items()}
+
+
+def _writeable(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An item's arrays, each one torch may take: arrays that came in ZMQ frames are read-only
+    views of them, and are copied; those taken out of a shared-memory slot are copies already,
+    and go as they are."""
+    return {name: array if array.flags.writeable else array.copy()
+            for name, array in tensors.items()}
+
+
+def _video_inputs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A prompt's Qwen2-VL or Qwen2.5-VL videos as its HF processor batches them: each tensor
+    of the videos concatenated on its first axis (their pixel rows, their grids' rows, their
+    seconds per grid step); one video's as they are (torch.cat would copy them)."""
+    if len(items) == 1:
+        return items[0]
+    return {name: torch.cat([item[name] for item in items]) for name in items[0]}
 
 
 def _embeds_item(tensors: dict[str, np.ndarray], embeds: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -516,4 +585,5 @@ def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
                          "enable_mm_embeds, which --vllm-arg turns off", code="bad_config")
     encoder = load_lane(config, model_dir, preprocessor, _EMBEDS_INPUTS)
     pids = leftovers.pids_file(default_run_dir(), config.ops.name)
-    return VLLMRunner(engine_args, preprocessor, metrics, pids, encoder, config.vision)
+    return VLLMRunner(engine_args, preprocessor, metrics, pids, encoder, config.vision,
+                      videos_of(model_dir, preprocessor))
