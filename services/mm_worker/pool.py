@@ -2,7 +2,7 @@
 worker.
 
     lane thread ──submit(index, bytes)────▶ ProcessPool ──task pipe──▶ mm-process-K (loads the
-                ──submit_video(index, ...)▶                            preprocessors once)
+                ──submit_video(VideoTask)─▶                            preprocessors once)
                 ◀── Future[Processed] ────  mm-worker-pool ◀─ result pipe ─
                                             thread          + shared memory
 
@@ -15,8 +15,8 @@ in arrival order (services/mm_worker/lane.py).
 
 Both lanes share the pool; videos must not take it from images. A free process takes the oldest
 image waiting, else the oldest video waiting while fewer than `video_processes` processes hold
-one: a stream of videos delays an image by at most the processes it leaves them (none, with
-`video_processes` below the pool's size, while images come no faster than the rest take them).
+one: a stream of videos takes at most that many processes from images, and no image waits
+behind a video that has not started.
 
 Each process takes one task at a time, so the pool knows which task each one holds. A result's
 tensors come back through the slots of the process's own `ShmWriter` (protocol/shm.py; reused
