@@ -10,6 +10,7 @@ stand-in where the roles run as processes (tests/peers.py), the real HF runner i
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import io
@@ -441,6 +442,35 @@ def test_a_pool_process_killed_on_a_video_fails_that_job_alone_by_name(
         raise AssertionError(role_log(pool_video_worker)) from None
     assert request.request_id == "after" and request.mm_items[0].tensors
     video_peers.assert_quiet()
+
+
+def test_a_pool_process_stuck_on_a_video_is_stopped_and_the_video_refused(
+    run_dir: Path, qwen_dir: Path, prep: Preprocessor,
+) -> None:
+    """A process that holds a video twice `max_video_decode_s` (here frozen, as one stuck in a
+    decoder call would be) is killed: the video is refused by name, and the worker serves on."""
+    peers = Peers(run_dir)
+    worker = start_worker("stuck-mm-worker", run_dir, qwen_dir, peers.engine_endpoint,
+                          "--mm-processes", "2", "--max-video-decode", "1")
+    try:
+        before = pool_pids(worker.process.pid)
+        for pid in before:
+            os.kill(pid, signal.SIGSTOP)
+        job = worker_job(prep, "stuck", peers.reply_to, videos=[video_uri(CLIP.data)])
+        peers.send(worker, job)
+        failure = peers.next_failure()
+        assert failure.request_id == "stuck" and failure.error.code == "video_too_large"
+        assert failure.error.message == ("video 0: still being decoded after 2 s, 2 times "
+                                         "max_video_decode_s 1; its process was stopped")
+        for pid in before:  # the other one, idle
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        peers.send(worker, msgspec.structs.replace(job, request_id="after"))
+        assert peers.engine.take(REPLACED_WITHIN_S).request_id == "after"
+        assert worker.process.poll() is None
+    finally:
+        assert stop_role(worker) == 0, role_log(worker)
+        peers.close()
 
 
 @pytest.mark.parametrize(("make", "code", "message"),

@@ -26,7 +26,9 @@ in the engine. Tensors under `IN_MESSAGE_BYTES`, and any that find no slot free 
 waiting for the engine), come in the result message itself. Errors come back as `ErrorInfo`.
 A process that dies (a decoder fault on a hostile image or video, an out-of-memory kill) fails the
 one task it held with a retryable error naming its item and is replaced, its slots released
-(`shm.abandon`); the other tasks are not touched.
+(`shm.abandon`); the other tasks are not touched. A process that holds a video past
+`VIDEO_TASK_LIMIT` times `max_video_decode_s` is stuck in a decoder call (the decoder checks its
+own bound between frames): it is killed, and the video refused (`video_too_large`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ START_TIMEOUT_S = 120.0
 """How long the pool's processes may take to load the preprocessor at startup."""
 RESTART_BACKOFF_S = 1.0
 """The wait before replacing a process that died before it was ready (no tight crash loop)."""
+VIDEO_TASK_LIMIT = 2.0
+"""A video task still held after this many times `max_video_decode_s` (the bound its decoding
+checks between frames; processing the frames takes less) hangs inside one decoder call."""
 IN_MESSAGE_BYTES = 1 << 16
 """Tensors smaller than this come back in the result message (a grid, a tiny image's pixels):
 a slot is not worth it for them."""
@@ -174,6 +179,10 @@ class _Member:
         self.stem = ""
         """Its slots' names start with this (it says so when ready)."""
         self.task: _Task | None = None
+        self.deadline: float | None = None
+        """When the video it holds is taken to hang (`VIDEO_TASK_LIMIT`); None: none held."""
+        self.overdue = False
+        """It was killed for holding its video past its deadline."""
 
     def close(self) -> None:
         self.task_writer.close()
@@ -192,6 +201,7 @@ class ProcessPool:
         self._args = (str(model_dir), image_backend, media, slots.tag, slots.capacity,
                       slots.max_age_s)
         self._video_processes = video_processes
+        self._max_video_decode_s = media.video_limits.max_video_decode_s
         self._waiting: deque[_Task] = deque()
         """Images waiting for a process."""
         self._waiting_videos: deque[_Task] = deque()
@@ -263,14 +273,13 @@ class ProcessPool:
             readers: list[Any] = [self._wake_reader]
             for member in self._members:
                 readers += [member.result_reader, member.process.sentinel]
-            timeout = (max(0.0, min(self._restart_at) - time.monotonic())
-                       if self._restart_at else None)
-            for ready in multiprocessing.connection.wait(readers, timeout):
+            for ready in multiprocessing.connection.wait(readers, self._next_due()):
                 if ready is self._wake_reader:
                     self._wake_reader.recv_bytes()
             for member in list(self._members):
                 self._serve_member(member)
             self._replace_due()
+            self._stop_overdue()
         self._fail_all(RetryableError("the MM worker stopped before processing this item",
                                       code="peer_restarted"))
 
@@ -291,13 +300,41 @@ class ProcessPool:
                   member.process.name, member.process.pid, member.process.exitcode,
                   f" while processing {held}" if held else "")
         if member.task is not None:
-            member.task.future.set_exception(RetryableError(
-                f"{held}: the process decoding it died (status {member.process.exitcode}); it "
-                "was replaced", code="peer_restarted"))
+            member.task.future.set_exception(self._lost(member))
         if member.ready:
             self._members.append(self._start())
         else:  # it never got ready: wait a little before trying again
             self._restart_at.append(time.monotonic() + RESTART_BACKOFF_S)
+
+    def _lost(self, member: _Member) -> RequestError | RetryableError:
+        """The error of the task a process held when it died."""
+        assert member.task is not None
+        held, decode_s = member.task.work.name, self._max_video_decode_s
+        if member.overdue:
+            return RequestError(
+                f"{held}: still being decoded after {VIDEO_TASK_LIMIT * decode_s:g} s, "
+                f"{VIDEO_TASK_LIMIT:g} times max_video_decode_s {decode_s:g}; its process was "
+                "stopped", code="video_too_large")
+        return RetryableError(f"{held}: the process decoding it died (status "
+                              f"{member.process.exitcode}); it was replaced",
+                              code="peer_restarted")
+
+    def _next_due(self) -> float | None:
+        """Seconds until a replacement is due or a video overdue; None: neither."""
+        due = [*self._restart_at, *(m.deadline for m in self._members if m.deadline is not None)]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _stop_overdue(self) -> None:
+        """Kill each process that holds its video past its deadline (its death, seen next,
+        refuses the video and replaces it)."""
+        now = time.monotonic()
+        for member in self._members:
+            if member.deadline is not None and member.deadline <= now and member.task:
+                log.warning("pool process %s (pid %s) has held %s for %g s: stopping it",
+                            member.process.name, member.process.pid, member.task.work.name,
+                            VIDEO_TASK_LIMIT * self._max_video_decode_s)
+                member.deadline, member.overdue = None, True
+                member.process.kill()
 
     def _replace_due(self) -> None:
         now = time.monotonic()
@@ -311,7 +348,7 @@ class ProcessPool:
         if kind == "ready":
             member.ready, member.stem = True, body[0]
             return
-        task, member.task = member.task, None
+        task, member.task, member.deadline = member.task, None, None
         assert task is not None, "a result from a process that holds no task"
         if kind == "ok":
             tensors, num_tokens, token_ids, decode_s, process_s = body
@@ -357,6 +394,8 @@ class ProcessPool:
             if task is None:
                 return
             member.task = task
+            if isinstance(task.work, VideoTask):
+                member.deadline = time.monotonic() + VIDEO_TASK_LIMIT * self._max_video_decode_s
             try:
                 member.task_writer.send(task.work)
             except OSError:
