@@ -42,7 +42,8 @@ class VideoLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     max_video_frame_pixels: int = 1920 * 1080
     """Width times height of one video frame (1080p)."""
     max_video_decode_s: float = 60.0
-    """Wall-clock seconds to open, scan and decode one video."""
+    """Wall-clock seconds to open, scan and decode one video (with a pool, a process that holds
+    one twice as long, stuck in a decoder call, is stopped)."""
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
