@@ -23,14 +23,13 @@ image job sent after a video job may reach the engine first (invariant 2 holds p
 With a pool, up to two jobs per process a lane may use are started ahead (`mm_processes` for the
 image lane, `video_processes` for the video lane), so that the processes stay busy while the
 oldest job is finished; without one, a job is started only when the one before it has left, as a
-plain loop would. So that neither a slow image server nor a big
-image holds up what comes behind it, jobs are received into bounded queues
-(`fetch_ahead_jobs` each) while the lanes work, and the fetches of their http(s) images and
-videos start on arrival (`MediaFetcher`, its own thread); a lane takes its head, waiting only
-for the head's own fetches. While the image lane's queue is full the input thread waits (ZMQ
-holds what comes); a video job that finds the video lane's queue full is refused at once
-(`overloaded`), so videos never hold images back there either. Engine-epoch notices wait in
-both queues, so they apply in their turn.
+plain loop would. So that neither a slow image server nor a big image holds up what comes behind
+it, jobs are received into bounded queues (`fetch_ahead_jobs` each) while the lanes work, and the
+fetches of their http(s) images and videos start on arrival (`MediaFetcher`, its own thread); a
+lane takes its head, waiting only for the head's own fetches. While the image lane's queue is
+full the input thread waits (ZMQ holds what comes); a video job that finds the video lane's queue
+full is refused at once (`overloaded`), so videos never hold images back there either.
+Engine-epoch notices wait in both queues, so they apply in their turn.
 A job's bad input fails that job alone, with a clear error sent to its frontend; an unreadable
 message on the job socket is counted, logged and dropped.
 
