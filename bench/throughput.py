@@ -75,7 +75,8 @@ class LoneMMWorker:
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
         )])[0]
         self._codec: Codec = Codec(EngineInput, accept_shm=True)  # an ipc socket, as an engine's
-        self._reply_to = f"ipc://{run_dir}/bench-none.sock"
+        self.reply_to = f"ipc://{run_dir}/bench-none.sock"
+        """Where the jobs say their errors go: nobody reads it."""
         argv = ["--model", str(model_dir), "--engine-endpoint", engine,
                 "--mm-worker-endpoint", jobs, *worker_args]
         with run_dir_defaults(run_dir):  # as `mmlane mm-worker ARGV` started there builds it
@@ -102,9 +103,12 @@ class LoneMMWorker:
         self, url: str, request_id: str, uuid: str | None = None, **job_fields: object
     ) -> None:
         """Send one job with one image, as a frontend would."""
-        job = MMJob(request_id=request_id, reply_to=self._reply_to,
-                    prompt_token_ids=self._prompt, images=[ImageUrl(url=url, uuid=uuid)],
-                    sampling=SamplingParams(), **job_fields)  # type: ignore[arg-type]
+        self.send(MMJob(request_id=request_id, reply_to=self.reply_to,
+                        prompt_token_ids=self._prompt, images=[ImageUrl(url=url, uuid=uuid)],
+                        sampling=SamplingParams(), **job_fields))  # type: ignore[arg-type]
+
+    def send(self, job: MMJob) -> None:
+        """Send one job, as a frontend would."""
         self._source.send_multipart(self._codec.encode(job))
 
     def take(self) -> int:

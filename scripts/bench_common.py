@@ -39,6 +39,7 @@ from mmlane.protocol.messages import (  # noqa: E402
     ImagePart,
     ImageUrl,
     TextPart,
+    VideoPart,
 )
 
 BIG = (4032, 3024)
@@ -84,12 +85,15 @@ def text_latencies(endpoint: str, count: int, max_tokens: int = 1) -> list[float
 
 @dataclass
 class ImageLoad:
-    """Clients that each keep one image request in flight, back to back, until stopped."""
+    """Clients that each keep one image request (a video's, with `video`) in flight, back to
+    back, until stopped."""
 
     endpoint: str
     url: str
     clients: int
     completed: int = 0
+    video: bool = False
+    """`url` is a video's: each request sends it as a video part."""
 
     def __enter__(self) -> ImageLoad:
         self._stop = threading.Event()
@@ -112,8 +116,9 @@ class ImageLoad:
             while not self._stop.is_set():
                 # A new uuid names the image anew each time: the feature cache misses, so
                 # every request costs the full decode and preprocessing.
-                image = ImagePart(image_url=ImageUrl(url=self.url, uuid=uuid.uuid4().hex))
-                message = ChatMessage(role="user", content=[image, TextPart(text="Describe.")])
+                source = ImageUrl(url=self.url, uuid=uuid.uuid4().hex)
+                part = VideoPart(video_url=source) if self.video else ImagePart(image_url=source)
+                message = ChatMessage(role="user", content=[part, TextPart(text="Describe.")])
                 client.chat([message], max_tokens=1)
                 self.completed += 1
 

@@ -116,6 +116,7 @@ NOT_FAST = (
     "test_backend.py::test_a_replica_s_failure_is_the_request_s_one_reply",
     "test_bench.py::TestRun",
     "test_bench.py::test_throughput_run_reports_every_design",
+    "test_bench.py::test_bench_video_prints_every_figure",
     "test_bench.py::test_sigterm_stops_every_process_the_bench_started",
     "test_config.py::test_serves_child_runs_with_the_config_it_was_handed",
     "test_config.py::test_image_work_runs_image_nice_below_text_work",

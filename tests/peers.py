@@ -379,11 +379,11 @@ def stand_in_pool_process(tasks: Any, results: Any, model_dir: str, image_backen
     try:
         while True:
             try:
-                _, data = tasks.recv()
+                task = tasks.recv()  # an ImageTask
             except (EOFError, OSError):
                 return
             ref = slots.put(PIXELS)
-            shape = (2, 2) if data == LIE else PIXELS.shape
+            shape = (2, 2) if task.data == LIE else PIXELS.shape
             results.send(("ok", [("pixel_values", (ref, PIXELS.dtype.str, shape))], 1, None,
                           0.0, 0.0))
     finally:

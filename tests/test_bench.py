@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,6 +174,30 @@ def test_throughput_run_reports_every_design(module_run_dir: Path) -> None:
     assert (result.image_size, result.images, result.rounds) == ("320x240", 2, 2)
     assert chart_path.read_bytes().startswith(b"\x89PNG")
     assert "mm-worker, 2 procs" in stdout
+
+
+def test_bench_video_prints_every_figure(module_run_dir: Path) -> None:
+    """scripts/bench_video.py at tiny sizes (a 64x48 video of 1 s): each of its three parts
+    prints its figures, for each design; their values are not looked at."""
+    tiny = ["--size", "64x48", "--seconds", "1", "--rate", "10", "--keyframe-every", "4,250",
+            "--videos", "2", "--processes", "2", "--decode-fps", "2", "--decode-repeats", "1",
+            "--mm-processes", "2", "--image-size", "64x48", "--image-requests", "2",
+            "--video-clients", "1"]
+    run = subprocess.run([sys.executable, "scripts/bench_video.py", *tiny], cwd=REPO,
+                         capture_output=True, text=True, timeout=280,
+                         env={**os.environ, "TMPDIR": str(module_run_dir)})
+    assert run.returncode == 0, run.stderr
+    figure, ms = r" +\d+\.\d+", r" +\d+\.\d ms"
+    for line in [
+        rf"1 process \(the video lane's thread\){figure}{figure}",
+        rf"pool of 2 processes{figure}{figure}",
+        rf" +4 +2 +4{figure}{figure}{figure}",  # a keyframe every 4 frames, 2 fps: 4 kept
+        rf" +250 +2 +4{figure}{figure}{figure}",
+        rf"image latency, idle +p50{ms} +p90{ms} +p99{ms} +\(n=2\)",
+        rf"image latency, 1 video clients +p50{ms} +p90{ms} +p99{ms} +\(n=2\)",
+        r" +ratio of p50 \d+\.\d\dx, video requests completed meanwhile: \d+",
+    ]:
+        assert re.search(rf"^{line}$", run.stdout, re.MULTILINE), (line, run.stdout)
 
 
 def _sessions_started_by(bench: subprocess.Popen[str], run_dir: Path) -> set[int]:

@@ -150,6 +150,8 @@ def test_flags_that_are_not_one_field_keep_their_meaning(run_dir: Path) -> None:
     (["serve", "--startup-timeout", "0"], {}, "startup_timeout_s must be positive"),
     (["serve", "--image-nice", "20"], {}, "image_nice must be 0 (off) to 19, got 20"),
     (["mm-worker"], {"MMLANE_IMAGE_NICE": "-1"}, "image_nice must be 0 (off) to 19, got -1"),
+    (["mm-worker", "--mm-processes", "2", "--video-processes", "3"], {},
+     "video_processes must be 0 (half the pool) to mm_processes (2), got 3"),
     (["frontend"], {"MMLANE_HTTP_PORT": "eighty"}, "$MMLANE_HTTP_PORT: invalid literal for int"),
 ])
 def test_a_bad_value_names_the_setting(
@@ -160,6 +162,16 @@ def test_a_bad_value_names_the_setting(
         monkeypatch.setenv(name, value)
     assert main(argv) == 1
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("mm_processes", "video_processes", "resolved"), [
+    (1, 0, 1), (2, 0, 1), (5, 0, 2), (8, 0, 4), (4, 4, 4), (4, 1, 1),
+])
+def test_video_processes_are_half_the_pool_unless_set(
+    mm_processes: int, video_processes: int, resolved: int,
+) -> None:
+    config = MMWorkerConfig(mm_processes=mm_processes, video_processes=video_processes)
+    assert config.video_processes == resolved
 
 
 # ---------------------------------------------------------------- the HTTP API off loopback

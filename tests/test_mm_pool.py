@@ -444,7 +444,7 @@ def test_a_pool_slot_the_worker_refuses_fails_that_image_alone(
     views = shm.ShmViews(keep_from=1024)
     slots = pool.PoolSlots(shm.sender_tag(f"test-{time.time_ns()}"), 64 << 20, 60.0, views)
     media = MediaPolicy(allowed_media_dir=None, max_image_bytes=1 << 20, max_image_pixels=1 << 20)
-    processes = pool.ProcessPool(qwen_dir, "pil", media, 1, slots)
+    processes = pool.ProcessPool(qwen_dir, "pil", media, 1, slots, video_processes=1)
     try:
         refused = processes.submit(0, LIE).exception(timeout=60)
         assert isinstance(refused, MMLaneError) and refused.code == "internal", refused

@@ -1,6 +1,7 @@
 """Video served end to end on the hf backend: the job's render and its cache (in process), the HF
 runner against transformers' own `generate`, and real MM worker and frontend processes (a video
-lane that holds no image back, hostile videos over the socket, the HTTP API's video parts).
+lane that holds no image back, on its own thread or in the worker's process pool; hostile videos
+over the socket, a pool process killed on a video; the HTTP API's video parts).
 
 The videos are made here with PyAV (tests/test_video.py's encoders); the engine is the test's
 stand-in where the roles run as processes (tests/peers.py), the real HF runner in process.
@@ -9,10 +10,13 @@ stand-in where the roles run as processes (tests/peers.py), the real HF runner i
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import io
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +34,15 @@ from test_mm_worker import RECV_TIMEOUT_S, Peers, start_worker
 from test_video import BY_NAME, HOSTILE, frame_image
 
 from bench.images import jpeg_uri
-from conftest import DEVICE, as_processor_output, free_port, role_log, start_role, stop_role
+from conftest import (
+    DEVICE,
+    as_processor_output,
+    free_port,
+    pool_pids,
+    role_log,
+    start_role,
+    stop_role,
+)
 from mmlane.common.feature_cache import new_epoch
 from mmlane.engine.config import HFConfig
 from mmlane.engine.hf.runner import HFRunner
@@ -51,9 +63,12 @@ from mmlane.protocol.messages import (
     SamplingParams,
     VideoSampling,
 )
-from peers import StandInEngine
+from peers import StandInEngine, wait_until
 
 CLIP = BY_NAME["h264"]  # 96x64, 50 frames at 25 fps: 2 s
+REPLACED_WITHIN_S = 120.0
+"""How long a killed pool's new processes may take to serve (each loads torch and the model's
+processors)."""
 HOSTILE_BY_NAME = {name: make for name, make, _, _ in HOSTILE}
 
 
@@ -317,12 +332,32 @@ def media_dir(module_run_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def video_worker(module_run_dir: Path, qwen_dir: Path, media_dir: Path,
-                 video_peers: Peers) -> Iterator[Child]:
+def thread_video_worker(module_run_dir: Path, qwen_dir: Path, media_dir: Path,
+                        video_peers: Peers) -> Iterator[Child]:
+    """No pool: its video lane's thread decodes and processes."""
     worker = start_worker("mm-worker", module_run_dir, qwen_dir, video_peers.engine_endpoint,
                           "--allowed-media-dir", str(media_dir), "--mm-processes", "1")
     yield worker
     assert stop_role(worker) == 0, role_log(worker)
+
+
+@pytest.fixture(scope="module")
+def pool_video_worker(module_run_dir: Path, qwen_dir: Path, media_dir: Path,
+                      video_peers: Peers) -> Iterator[Child]:
+    """Three pool processes, two of which may hold a video at once."""
+    worker = start_worker("pool-mm-worker", module_run_dir, qwen_dir,
+                          video_peers.engine_endpoint, "--allowed-media-dir", str(media_dir),
+                          "--mm-processes", "3", "--video-processes", "2")
+    yield worker
+    assert stop_role(worker) == 0, role_log(worker)
+
+
+@pytest.fixture(scope="module", params=["lane thread", "pool"])
+def video_worker(request: pytest.FixtureRequest) -> Child:
+    """Each of the two ways a worker decodes videos."""
+    name = "thread_video_worker" if request.param == "lane thread" else "pool_video_worker"
+    worker: Child = request.getfixturevalue(name)
+    return worker
 
 
 def worker_job(pre: Preprocessor, request_id: str, reply_to: str, *, images: list[str] = (),
@@ -350,6 +385,92 @@ def test_an_image_sent_after_a_slow_video_is_not_held_behind_it(
     second, _ = video_peers.next_request()
     assert [first.request_id, second.request_id] == ["image-after", "slow-video"]
     assert second.mm_items[0].tensors["video_grid_thw"][0, 0] == 10  # 20 frames of 200 s
+
+
+def test_pool_videos_leave_in_arrival_order_and_hold_no_image_behind_them(
+    pool_video_worker: Child, video_peers: Peers, prep: Preprocessor, media_dir: Path,
+    qwen_dir: Path,
+) -> None:
+    """Slow, fast, slow, slow videos, then an image, to a pool of three of which two may hold a
+    video: the fast one is done while the first is decoding, yet leaves after it; the image
+    takes the third process while the two hold videos (were every process free for videos,
+    all three would hold one, and the image would wait seconds for them)."""
+    (media_dir / "slow.mp4").write_bytes(slow_video())
+    slow = (media_dir / "slow.mp4").as_uri()
+    videos = [worker_job(prep, f"video-{i}", video_peers.reply_to, videos=[url], fps=0.1)
+              for i, url in enumerate([slow, video_uri(CLIP.data), slow, slow])]
+    image = worker_job(prep, "image-after", video_peers.reply_to, images=[jpeg_uri(64, 48)])
+    video_peers.send(pool_video_worker, *videos)
+    time.sleep(1.0)  # the video lane has started them all (a slow one decodes for seconds)
+    video_peers.send(pool_video_worker, image)
+    arrived = [video_peers.next_request()[0] for _ in range(5)]
+    assert [request.request_id for request in arrived] == \
+        ["image-after", "video-0", "video-1", "video-2", "video-3"]
+    assert [request.mm_items[0].tensors["video_grid_thw"][0, 0] for request in arrived[1:]] == \
+        [10, 2, 10, 10]  # 20 frames of 200 s; 4 of 2 s (min_frames)
+    expected = Rendering(qwen_dir).renderer.render(videos[1])  # as a lane's thread renders it
+    assert arrived[2].prompt_token_ids == expected.prompt_token_ids
+    for name, tensor in expected.mm_items[0].tensors.items():
+        assert np.array_equal(arrived[2].mm_items[0].tensors[name], tensor), name
+
+
+def test_a_pool_process_killed_on_a_video_fails_that_job_alone_by_name(
+    pool_video_worker: Child, video_peers: Peers, prep: Preprocessor,
+) -> None:
+    """Every pool process frozen, a video job sent, then every process killed: the job fails
+    with a retryable error naming its video; the processes are replaced, and serve on."""
+    before = pool_pids(pool_video_worker.process.pid)
+    assert len(before) == 3
+    for pid in before:
+        os.kill(pid, signal.SIGSTOP)
+    job = worker_job(prep, "held", video_peers.reply_to, videos=[video_uri(CLIP.data)])
+    video_peers.send(pool_video_worker, job)
+    time.sleep(0.5)  # the one sleep: nothing tells when the video is in a frozen process
+    for pid in before:
+        os.kill(pid, signal.SIGKILL)
+    failure = video_peers.next_failure()
+    assert failure.request_id == "held"
+    assert failure.error.kind == "retryable" and failure.error.code == "peer_restarted"
+    assert re.match(r"^video 0: the process decoding it died \(status -9\); it was replaced$",
+                    failure.error.message), failure.error.message
+    wait_until(lambda: len(pool_pids(pool_video_worker.process.pid)) == 3,
+               "the pool processes were replaced")
+    video_peers.send(pool_video_worker, msgspec.structs.replace(job, request_id="after"))
+    try:  # once a new process has loaded the model's processors (slow on a busy machine)
+        request = video_peers.engine.take(REPLACED_WITHIN_S)
+    except AssertionError:
+        raise AssertionError(role_log(pool_video_worker)) from None
+    assert request.request_id == "after" and request.mm_items[0].tensors
+    video_peers.assert_quiet()
+
+
+def test_a_pool_process_stuck_on_a_video_is_stopped_and_the_video_refused(
+    run_dir: Path, qwen_dir: Path, prep: Preprocessor,
+) -> None:
+    """A process that holds a video twice `max_video_decode_s` (here frozen, as one stuck in a
+    decoder call would be) is killed: the video is refused by name, and the worker serves on."""
+    peers = Peers(run_dir)
+    worker = start_worker("stuck-mm-worker", run_dir, qwen_dir, peers.engine_endpoint,
+                          "--mm-processes", "2", "--max-video-decode", "1")
+    try:
+        before = pool_pids(worker.process.pid)
+        for pid in before:
+            os.kill(pid, signal.SIGSTOP)
+        job = worker_job(prep, "stuck", peers.reply_to, videos=[video_uri(CLIP.data)])
+        peers.send(worker, job)
+        failure = peers.next_failure()
+        assert failure.request_id == "stuck" and failure.error.code == "video_too_large"
+        assert failure.error.message == ("video 0: still being decoded after 2 s, 2 times "
+                                         "max_video_decode_s 1; its process was stopped")
+        for pid in before:  # the other one, idle
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        peers.send(worker, msgspec.structs.replace(job, request_id="after"))
+        assert peers.engine.take(REPLACED_WITHIN_S).request_id == "after"
+        assert worker.process.poll() is None
+    finally:
+        assert stop_role(worker) == 0, role_log(worker)
+        peers.close()
 
 
 @pytest.mark.parametrize(("make", "code", "message"),

@@ -42,7 +42,8 @@ class VideoLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     max_video_frame_pixels: int = 1920 * 1080
     """Width times height of one video frame (1080p)."""
     max_video_decode_s: float = 60.0
-    """Wall-clock seconds to open, scan and decode one video."""
+    """Wall-clock seconds to open, scan and decode one video (with a pool, a process that holds
+    one twice as long, stuck in a decoder call, is stopped)."""
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
@@ -95,6 +96,11 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     mm_processes: int = 0
     """Processes that decode and process images for this worker, in order all the same (1: the
     worker's own thread does it); 0: one per 4 cores this process may use, at least 1."""
+    video_processes: int = 0
+    """Of the `mm_processes` pool processes, how many may hold a video at once (decoding and
+    processing it); images go first to whichever process is free, so a stream of videos delays
+    them by no more than these processes. 0: half the pool, at least 1. Without a pool
+    (`mm_processes` 1) the video lane's own thread does it, one video at a time."""
     jpeg_draft: bool = False
     """Decode a JPEG at least twice as large on both sides as the image processor resizes it
     to at 1/2, 1/4 or 1/8 of its size (libjpeg's reduce-on-decode), never below the processor's
@@ -134,6 +140,10 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"mm_processes must be 0 (by the cores) or more, got "
                              f"{self.mm_processes}")
         self.mm_processes = self.mm_processes or max(1, len(os.sched_getaffinity(0)) // 4)
+        if not 0 <= self.video_processes <= self.mm_processes:
+            raise ValueError(f"video_processes must be 0 (half the pool) to mm_processes "
+                             f"({self.mm_processes}), got {self.video_processes}")
+        self.video_processes = self.video_processes or max(1, self.mm_processes // 2)
         if self.media_max_redirects < 0 or self.media_fetch_retries < 0:
             raise ValueError("media_max_redirects and media_fetch_retries must be 0 or more")
         self.mm_worker_endpoint = self.mm_worker_endpoint or ipc("mm-worker")

@@ -4,7 +4,7 @@
                    2. load each item's encoded bytes (not for a client uuid: the uuid names it)
                    3. hash each item; guess from the sender cache which ones the engine lacks
                       and start decoding and processing those (an item repeated within the
-                      request, once): inline, or in the worker's process pool (images)
+                      request, once): inline, or in the worker's process pool
     finish(start)  4. note the engine epoch the job carries; look each hash up in the sender
                       cache as it stands now; process any miss the guess did not foresee
                    5. render: expand the placeholders and place the items; hits travel as
@@ -14,7 +14,8 @@
 A job's items are its images, then its videos, numbered in that order (`StartedJob.hashes`,
 `work`); errors name each by its own kind's position (`image 1`, `video 0`). A video is decoded
 (services/mm_worker/video.py: the frames vLLM's loader keeps, bounded by `VideoLimits`) and
-processed (services/model/video.py) on the calling thread: the worker's video lane.
+processed (services/model/video.py) in the pool as an image is (`pool.process_video`), or without
+one on the calling thread: the worker's video lane.
 
 The worker finishes jobs in the order it started them, each after the commits of all the jobs
 before it, so step 4 sees the sender cache exactly as a worker doing one job at a time would:
@@ -29,7 +30,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -38,9 +38,9 @@ from msgspec.structs import replace
 from mmlane.common.stats import Metrics
 from mmlane.mm_worker.cache import ImageHasher, ItemInfo, SenderCache
 from mmlane.mm_worker.media import MediaPolicy, Medium, load_bytes
-from mmlane.mm_worker.pool import Processed, ProcessPool, process_image
+from mmlane.mm_worker.pool import Processed, ProcessPool, VideoTask, process_image, process_video
 from mmlane.mm_worker.render import PreparedItem, check_job, render_request
-from mmlane.mm_worker.video import Qwen2VLSampling, decode_video
+from mmlane.mm_worker.video import Qwen2VLSampling
 from mmlane.model import ImageItem, Preprocessor
 from mmlane.model.video import VideoItem, VideoPreprocessor
 from mmlane.protocol.errors import RequestError
@@ -95,9 +95,9 @@ class VideoRendering:
 
 
 class JobRenderer:
-    """Turns jobs into rendered requests for one model, with one sender cache; images are
-    processed in `pool` when there is one, else on the calling thread; videos (with `video`;
-    None: the model takes none) on the calling thread."""
+    """Turns jobs into rendered requests for one model, with one sender cache; images and
+    videos (with `video`; None: the model takes none) are processed in `pool` when there is
+    one, else on the calling thread."""
 
     def __init__(
         self,
@@ -159,22 +159,14 @@ class JobRenderer:
             log.info("engine cache epoch %d: sender cache cleared, sender epoch %d",
                      engine_epoch, self.cache.epoch)
 
-    def process_image(self, index: int, data: bytes) -> ImageItem:
+    def process_image(self, index: int, data: bytes) -> Item:
         """Decode an image's bytes and run the model's image processor on it, here."""
         return self._observed(process_image(self.preprocessor, index, data, self.media))
 
-    def process_video(self, index: int, data: bytes, sampling: Qwen2VLSampling,
-                      max_tokens: int) -> VideoItem:
-        """Decode the frames `sampling` keeps of a video's bytes and process them, here."""
+    def process_video(self, task: VideoTask) -> Item:
+        """Decode the frames a video's sampling keeps and process them, here."""
         assert self.video is not None  # a job with videos was refused without (`_sampling`)
-        started = time.monotonic()
-        decoded = decode_video(data, index, sampling, self.media.video_limits)
-        processed = time.monotonic()
-        self.metrics.observe("video_decode", processed - started)
-        item = self.video.preprocessor.process_video(
-            decoded.frames, decoded.hf_metadata(), index=index, max_tokens=max_tokens)
-        self.metrics.observe("video_process", time.monotonic() - processed)
-        return item
+        return self._observed(process_video(self.video.preprocessor, task, self.media))
 
     # ------------------------------------------------------------ the steps
 
@@ -237,32 +229,36 @@ class JobRenderer:
 
     def _start_item(self, job: MMJob, index: int, data: bytes,
                     sampling: Qwen2VLSampling | None) -> concurrent.futures.Future[Item]:
-        """Start processing one item: an image in the pool, or either here and now."""
+        """Start processing one item: in the pool, or here and now."""
         if index < len(job.images):
-            return self._start_image(index, data)
+            if self.pool is None:
+                return _done(lambda: self.process_image(index, data))
+            return self._from_pool(self.pool.submit(index, data))
         assert sampling is not None
-        context_left = self.preprocessor.max_context - len(job.prompt_token_ids)
-        return _done(lambda: self.process_video(index - len(job.images), data, sampling,
-                                                context_left))
-
-    def _start_image(self, index: int, data: bytes) -> concurrent.futures.Future[Item]:
-        """Start processing one image: in the pool, or here and now."""
+        task = VideoTask(index - len(job.images), data, sampling,
+                         max_tokens=self.preprocessor.max_context - len(job.prompt_token_ids))
         if self.pool is None:
-            return _done(lambda: self.process_image(index, data))
+            return _done(lambda: self.process_video(task))
+        return self._from_pool(self.pool.submit_video(task))
+
+    def _from_pool(self, processed: concurrent.futures.Future[Processed]
+                   ) -> concurrent.futures.Future[Item]:
+        """The item of a pool's future, its times observed as it completes."""
         item: concurrent.futures.Future[Item] = concurrent.futures.Future()
 
         def done(processed: concurrent.futures.Future[Processed]) -> None:
             try:
                 item.set_result(self._observed(processed.result()))
-            except BaseException as exc:  # the image's error, or its process died
+            except BaseException as exc:  # the item's error, or its process died
                 item.set_exception(exc)
 
-        self.pool.submit(index, data).add_done_callback(done)
+        processed.add_done_callback(done)
         return item
 
-    def _observed(self, processed: Processed) -> ImageItem:
-        self.metrics.observe("decode", processed.decode_s)
-        self.metrics.observe("process", processed.process_s)
+    def _observed(self, processed: Processed) -> Item:
+        kind = "video_" if isinstance(processed.item, VideoItem) else ""
+        self.metrics.observe(f"{kind}decode", processed.decode_s)
+        self.metrics.observe(f"{kind}process", processed.process_s)
         return processed.item
 
     def _prepare(self, started: StartedJob, found: list[ItemInfo | None]) -> list[PreparedItem]:

@@ -9,7 +9,8 @@ Socket reading stays at the edge, on a thread that owns the job socket:
     (serve)           images decoded and processed inline or in the pool of `mm_processes`
                       processes (services/mm_worker/pool.py)
     mm-worker-video   the video lane: every job with a video (its images too), decoded and
-                      processed on that thread
+                      processed in the same pool (at most `video_processes` videos at once), or
+                      inline on that thread when there is none
 
 Each lane takes its jobs in arrival order, finishes them in the order it started them and sends
 each one's EngineRequest on a socket of its own, committing it to a sender cache of its own: to
@@ -19,16 +20,16 @@ own it never holds an image job behind it. A job with both goes to the video lan
 its items commit together, in one lane's order. Nothing orders one lane against the other: an
 image job sent after a video job may reach the engine first (invariant 2 holds per lane).
 
-With a pool, up to two jobs per process are started ahead in the image lane, so that the
-processes stay busy while the oldest job is finished; without one, a job is started only when
-the one before it has left, as a plain loop would. So that neither a slow image server nor a big
-image holds up what comes behind it, jobs are received into bounded queues
-(`fetch_ahead_jobs` each) while the lanes work, and the fetches of their http(s) images and
-videos start on arrival (`MediaFetcher`, its own thread); a lane takes its head, waiting only
-for the head's own fetches. While the image lane's queue is full the input thread waits (ZMQ
-holds what comes); a video job that finds the video lane's queue full is refused at once
-(`overloaded`), so videos never hold images back there either. Engine-epoch notices wait in
-both queues, so they apply in their turn.
+With a pool, up to two jobs per process a lane may use are started ahead (`mm_processes` for the
+image lane, `video_processes` for the video lane), so that the processes stay busy while the
+oldest job is finished; without one, a job is started only when the one before it has left, as a
+plain loop would. So that neither a slow image server nor a big image holds up what comes behind
+it, jobs are received into bounded queues (`fetch_ahead_jobs` each) while the lanes work, and the
+fetches of their http(s) images and videos start on arrival (`MediaFetcher`, its own thread); a
+lane takes its head, waiting only for the head's own fetches. While the image lane's queue is
+full the input thread waits (ZMQ holds what comes); a video job that finds the video lane's queue
+full is refused at once (`overloaded`), so videos never hold images back there either.
+Engine-epoch notices wait in both queues, so they apply in their turn.
 A job's bad input fails that job alone, with a clear error sent to its frontend; an unreadable
 message on the job socket is counted, logged and dropped.
 
@@ -189,7 +190,7 @@ class MMWorker:
             pool = ProcessPool(model_dir, self.preprocessor.image_backend,
                                self.media, config.mm_processes,
                                PoolSlots(tag, capacity // config.mm_processes, SHM_MAX_AGE_S,
-                                         views))
+                                         views), video_processes=config.video_processes)
             self._closing.callback(pool.close)
         elif transport:
             to_engine = self._shm_writer(tag, capacity)
@@ -204,24 +205,30 @@ class MMWorker:
 
     def _video_lane(self, model_dir: Path) -> Lane | None:
         """The video lane, where the model takes video (None: not; a job with a video is then
-        refused, naming the family): its own sender cache, slots and socket."""
+        refused, naming the family): its own sender cache and socket. With a pool, it shares
+        the image lane's (its processes' slots go on to the engine as the image lane's do),
+        else its thread decodes into slots of its own."""
         try:
             video = load_video_preprocessor(model_dir, self.preprocessor)
         except UnsupportedModelError:
             return None
         config = self.config
         cache = self._sender_cache(VIDEO_SENDER)
-        to_engine = None
-        if shm_transport(config):
+        pool = self.image_lane.renderer.pool
+        to_engine: shm.ShmSender | None = None
+        if pool is not None:
+            to_engine = pool.views if shm_transport(config) else None
+        elif shm_transport(config):
             to_engine = self._shm_writer(self._reaped_tag(cache.sender),
                                          int(config.shm_transport_mb * 2**20))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              {"video_processor": asdict(video.settings), "timed": video.timed})
         renderer = JobRenderer(self.preprocessor, self.media, cache,
-                               self.image_lane.renderer.hasher, self.metrics,
+                               self.image_lane.renderer.hasher, self.metrics, pool,
                                video=VideoRendering(video, hasher))
         self.metrics.add_counters(cache.counters, prefix="video_")
-        return self._lane("video", renderer, to_engine, ahead=1)
+        return self._lane("video", renderer, to_engine,
+                          ahead=2 * config.video_processes if pool else 1)
 
     def _lane(self, name: str, renderer: JobRenderer, to_engine: shm.ShmSender | None, *,
               ahead: int) -> Lane:
