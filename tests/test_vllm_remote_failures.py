@@ -126,9 +126,10 @@ def test_a_request_over_a_replica_s_body_limit_is_a_request_error_naming_it(
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "open bug (issue 42's note, 2026-12-06): on an idle machine the replica streams about 400 "
-    "tokens/s, and the 'timeout' reply comes only when the stream ends (10 s, 284 tokens "
-    "forwarded, vLLM finishing all 4000): the engine stalls under the stream; loaded, it passes"))
+    "open (issue 42's note, 2026-12-06): on an idle two-core machine the vLLM CPU replica "
+    "streams about 400 tokens/s and the engine process gets no CPU for seconds at a time (even "
+    "faulthandler's watchdog does not run), so the 'timeout' reply can come when the stream "
+    "ends; loaded, it passes"))
 def test_a_replica_too_slow_for_a_deadline_gives_one_timeout_and_drops_the_request(
     replicas: Replicas, module_run_dir: Path, qwen_dir: Path,
 ) -> None:

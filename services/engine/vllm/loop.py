@@ -56,18 +56,21 @@ class LoopRunner:
         return self._ready(timeout)
 
     def _ready(self, timeout: float) -> list[StepOutput]:
-        """The outputs put so far of requests not aborted, waiting up to `timeout` for one."""
-        outputs: list[StepOutput] = []
+        """The outputs put so far of requests not aborted, waiting up to `timeout` for one; no
+        more than were queued once the first came. The loop thread may put them as fast as
+        they are taken (a replica streaming hundreds of tokens a second): taking until none is
+        left kept the engine's turn from its deadlines and arrivals until the stream ended."""
         try:
-            item = self._outputs.get(timeout=timeout)
-            while True:
-                if item is not None and item.handle in self._live:
-                    outputs.append(item)
-                    if item.finished:
-                        self._live.discard(item.handle)
-                item = self._outputs.get_nowait()
+            items = [self._outputs.get(timeout=timeout)]
         except queue.Empty:
-            pass
+            return []
+        items += [self._outputs.get_nowait() for _ in range(self._outputs.qsize())]  # one taker
+        outputs: list[StepOutput] = []
+        for item in items:
+            if item is not None and item.handle in self._live:
+                outputs.append(item)
+                if item.finished:
+                    self._live.discard(item.handle)
         return outputs
 
     def wake(self) -> None:
