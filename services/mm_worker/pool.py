@@ -49,8 +49,8 @@ import numpy as np
 
 from mmlane.mm_worker.media import MediaPolicy, configure_pillow, decode_image
 from mmlane.mm_worker.video import Qwen2VLSampling, decode_video
-from mmlane.model import ImageItem, Preprocessor, UnsupportedModelError, load_preprocessor
-from mmlane.model.video import VideoItem, VideoPreprocessor, load_video_preprocessor
+from mmlane.model import ImageItem, Preprocessor, load_preprocessor
+from mmlane.model.video import VideoItem, VideoPreprocessor, videos_of
 from mmlane.protocol import shm
 from mmlane.protocol.errors import (
     ErrorInfo,
@@ -434,10 +434,7 @@ def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str, media: 
     torch.set_num_threads(1)  # one core per process: the pool is the parallelism
     configure_pillow(media.max_image_pixels)
     preprocessor = load_preprocessor(model_dir, image_backend)  # type: ignore[arg-type]
-    try:
-        video: VideoPreprocessor | None = load_video_preprocessor(model_dir, preprocessor)
-    except UnsupportedModelError:  # the worker has no video lane: no video comes
-        video = None
+    video = videos_of(model_dir, preprocessor)  # None: the worker has no video lane
     slots = shm.ShmWriter(tag, threshold=IN_MESSAGE_BYTES, capacity=capacity,
                           max_age_s=max_age_s)
     results.send(("ready", slots.stem))

@@ -75,8 +75,8 @@ from mmlane.mm_worker.jobs import JobRenderer, VideoRendering
 from mmlane.mm_worker.lane import FrontendReplies, Lane, PendingJob
 from mmlane.mm_worker.media import MediaPolicy, configure_pillow, is_fetched
 from mmlane.mm_worker.pool import PoolSlots, ProcessPool
-from mmlane.model import UnsupportedModelError, load_preprocessor, resolve_model_dir
-from mmlane.model.video import load_video_preprocessor
+from mmlane.model import load_preprocessor, resolve_model_dir
+from mmlane.model.video import videos_of
 from mmlane.protocol import shm
 from mmlane.protocol.codec import Codec
 from mmlane.protocol.errors import RequestError, RetryableError
@@ -208,9 +208,8 @@ class MMWorker:
         refused, naming the family): its own sender cache and socket. With a pool, it shares
         the image lane's (its processes' slots go on to the engine as the image lane's do),
         else its thread decodes into slots of its own."""
-        try:
-            video = load_video_preprocessor(model_dir, self.preprocessor)
-        except UnsupportedModelError:
+        video = videos_of(model_dir, self.preprocessor)
+        if video is None:
             return None
         config = self.config
         cache = self._sender_cache(VIDEO_SENDER)

@@ -58,9 +58,9 @@ from mmlane.engine.vision import (
     synchronize,
     torch_threads,
 )
-from mmlane.model import UnsupportedModelError, load_model, load_preprocessor, resolve_model_dir
+from mmlane.model import load_model, load_preprocessor, resolve_model_dir
 from mmlane.model.grammar import Grammar, Grammars, hf_tokenizer
-from mmlane.model.video import VideoPreprocessor, load_video_preprocessor
+from mmlane.model.video import videos_of
 from mmlane.protocol.errors import FatalError, MMLaneError, RequestError, translate
 from mmlane.protocol.messages import EngineRequest, MMItem
 from mmlane.protocol.sampling import StructuredOutputs
@@ -135,10 +135,7 @@ class HFRunner:
         network: Any = load_model(model_dir, pick_device(config.device))
         family = preprocessor.family.name
         adapter = adapter_for(family, network)
-        try:  # a family whose videos mmlane renders: the model runs them too
-            video: VideoPreprocessor | None = load_video_preprocessor(model_dir, preprocessor)
-        except UnsupportedModelError:
-            video = None
+        video = videos_of(model_dir, preprocessor)  # a family whose videos mmlane renders
         encoder = VisionEncoder(network, family, preprocessor.pixel_norm,
                                 video.pixel_norm if video is not None else None)
         spec = ModelSpec.of(
