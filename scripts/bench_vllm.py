@@ -8,12 +8,13 @@ For each server in turn (`vllm serve MODEL` with vLLM's own preprocessing; `mmla
 --backend vllm`, which preprocesses in its MM worker and hands vLLM rendered requests; `mmlane
 serve`, the embedded engine, on the same weights) it starts the server, runs vLLM's own client
 (`vllm bench serve --backend openai-chat --endpoint /v1/chat/completions --dataset-name
-random-mm --ignore-eos`) once per image size and request rate. Each of a server's runs draws
-its own requests (the client's `--seed` is the run's number: the same requests for every
-server), so no run is served from the caches an earlier one filled. Each run's figures below count
-from the moment the client starts sending its load, not while it imports and draws its images.
-Meanwhile, at the 12 MP image size, it times text-only requests sent one after another
-(`--max-tokens 1`) next to the image load: their p50 and p90 are "text" in the table, after
+random-mm --ignore-eos`) once per image size (or video, `--sizes WxHxT`) and request rate.
+Each of a server's runs draws its own requests (the client's `--seed` is the run's number: the
+same requests for every server), so no run is served from the caches an earlier one filled.
+Each run's figures below count from the moment the client starts sending its load, not while
+it imports and draws its images.
+Meanwhile, at the 12 MP image size and with videos, it times text-only requests sent one after
+another (`--max-tokens 1`) next to that load: their p50 and p90 are "text" in the table, after
 the same figures idle (`--idle-text` requests, sent once the server is ready). The servers on
 vLLM get the same vLLM engine arguments. Prints one table; each `vllm bench serve` also leaves
 its JSON result under --out. Each run also prints the CPU time the server's processes took
@@ -54,7 +55,20 @@ from mmlane.common.sockets import free_tcp_port  # noqa: E402
 from mmlane.model import resolve_model_dir  # noqa: E402
 
 VLLM_ARGS = {"gpu_memory_utilization": 0.1, "dtype": "float32"}
-SIZES = {"1024x1024": (1024, 1024), "4032x3024": (4032, 3024)}
+SIZES = "1024x1024,4032x3024"
+PROBED = ("4032x3024",)
+"""The image sizes whose runs time text requests beside the load (and every video bucket)."""
+
+
+def bucket(name: str) -> tuple[int, int, int]:
+    """`WxH` (an image) or `WxHxT` (a video of T frames, T > 1) as (width, height, frames)."""
+    try:
+        width, height, *frames = (int(part) for part in name.split("x"))
+    except ValueError:
+        raise ValueError(f"{name!r} is not WxH or WxHxT") from None
+    if len(frames) > 1 or min(width, height, *frames) < 1:
+        raise ValueError(f"{name!r} is not WxH or WxHxT")
+    return width, height, frames[0] if frames else 1
 
 
 def main() -> int:
@@ -65,8 +79,10 @@ def main() -> int:
     parser.add_argument("--rates", default="1,4", help="request rates (req/s), comma-separated")
     parser.add_argument("--output-len", type=int, default=16, help="output tokens per request")
     parser.add_argument("--input-len", type=int, default=32, help="random text tokens per request")
-    parser.add_argument("--sizes", default=",".join(SIZES),
-                        help=f"image sizes, comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--sizes", default=SIZES,
+                        help="what each request carries, comma-separated: WxH, an image of that "
+                        "size; WxHxT, a video of T frames (vLLM's random-mm draws an MP4 of "
+                        "random pixels; e.g. 640x480x16)")
     parser.add_argument("--servers", default="vllm,mmlane",
                         help="which to run: vllm, mmlane, mmlane-priority, mmlane-lane "
                         "(priority, and --encoder-lane: vLLM gets image embeddings), "
@@ -89,9 +105,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model = resolve_model_dir(args.model)
     rates = [float(rate) for rate in args.rates.split(",")]
-    unknown = set(args.sizes.split(",")) - set(SIZES)
-    if unknown:
-        parser.error(f"unknown --sizes {', '.join(sorted(unknown))}")
+    try:
+        buckets = {name: bucket(name) for name in args.sizes.split(",")}
+    except ValueError as exc:
+        parser.error(f"--sizes: {exc}")
     rows = []
     for server in args.servers.split(","):
         port = free_tcp_port()
@@ -101,14 +118,13 @@ def main() -> int:
             idle = [t for t in (_chat(port, model.name, f"hello, number {i}?", 1)
                                 for i in range(args.idle_text)) if t is not None]
             seed = 0  # each run its own images, so none is served from an earlier run's caches
-            for size_name in args.sizes.split(","):
-                width, height = SIZES[size_name]
+            for size_name, (_, _, frames) in buckets.items():
                 for rate in rates:
-                    client, log = _start_client(server, port, model, width, height, rate, seed,
-                                                args)
+                    client, log = _start_client(server, port, model, size_name, rate, seed, args)
                     seed += 1
                     _wait_for_load(client, log)
-                    probe = _TextProbe(port, model.name) if size_name == "4032x3024" else None
+                    probed = size_name in PROBED or frames > 1
+                    probe = _TextProbe(port, model.name) if probed else None
                     cpu_before, machine_before = _cpu_seconds(process.pid), _Machine.now()
                     if client.wait() != 0:
                         raise SystemExit(f"vllm bench serve failed; see {log}")
@@ -229,19 +245,22 @@ class _TextProbe:
         return self._latencies
 
 
-def _start_client(server: str, port: int, model: Path, width: int, height: int, rate: float,
+def _start_client(server: str, port: int, model: Path, size_name: str, rate: float,
                   seed: int, args: argparse.Namespace) -> tuple[subprocess.Popen, Path]:
-    """`vllm bench serve` started against the server, drawing its requests from `seed`, and its
-    log; its JSON result is the log's name without `.log`."""
-    name = f"{server}-{width}x{height}-{rate:g}.json"
+    """`vllm bench serve` started against the server, drawing its requests (an image or a
+    video each, `size_name`) from `seed`, and its log; its JSON result is the log's name
+    without `.log`."""
+    width, height, frames = bucket(size_name)
+    limits = {"image": int(frames == 1), "video": int(frames > 1)}
+    name = f"{server}-{size_name}-{rate:g}.json"
     command = [
         str(Path(sys.executable).with_name("vllm")), "bench", "serve",
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
         "--base-url", f"http://127.0.0.1:{port}", "--model", model.name,
         "--tokenizer", str(model), "--dataset-name", "random-mm",
         "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
-        "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-        "--random-mm-bucket-config", f"{{({height}, {width}, 1): 1.0}}",
+        "--random-mm-limit-mm-per-prompt", json.dumps(limits),
+        "--random-mm-bucket-config", f"{{({height}, {width}, {frames}): 1.0}}",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(args.num_prompts), "--request-rate", f"{rate:g}",
         "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(args.out),
@@ -347,7 +366,7 @@ def _print_row(server: str, size: str, rate: float, result: dict, idle: list[flo
 
 
 def _print_table(rows: list) -> None:
-    print("| server | image | rate (req/s) | done | req/s | TTFT p50 (ms) | TPOT p50 (ms) "
+    print("| server | image or video | rate (req/s) | done | req/s | TTFT p50 (ms) | TPOT p50 (ms) "
           "| text p50 / p90 idle (ms) | loaded (ms) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for server, size, rate, result, idle, text in rows:
