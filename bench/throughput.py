@@ -42,7 +42,14 @@ from mmlane.mm_worker.config import MMWorkerConfig
 from mmlane.mm_worker.media import decode_image
 from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
 from mmlane.protocol.codec import Codec
-from mmlane.protocol.messages import EngineInput, ImageUrl, MMJob, SamplingParams
+from mmlane.protocol.messages import (
+    EngineInput,
+    FrontendInput,
+    ImageUrl,
+    MMJob,
+    RequestFailed,
+    SamplingParams,
+)
 
 
 class DesignResult(msgspec.Struct, kw_only=True):
@@ -75,8 +82,8 @@ class LoneMMWorker:
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
         )])[0]
         self._codec: Codec = Codec(EngineInput, accept_shm=True)  # an ipc socket, as an engine's
-        self.reply_to = f"ipc://{run_dir}/bench-none.sock"
-        """Where the jobs say their errors go: nobody reads it."""
+        self.reply_to = f"ipc://{run_dir}/bench-failed.sock"
+        """Where the jobs say their errors go: `take` raises the first that comes."""
         argv = ["--model", str(model_dir), "--engine-endpoint", engine,
                 "--mm-worker-endpoint", jobs, *worker_args]
         with run_dir_defaults(run_dir):  # as `mmlane mm-worker ARGV` started there builds it
@@ -86,6 +93,8 @@ class LoneMMWorker:
         self._sink.bind(engine)
         self._source = ctx.socket(zmq.PUSH)
         self._source.connect(jobs)
+        self._failed = ctx.socket(zmq.PULL)
+        self._failed.bind(self.reply_to)
         # Last: once its process starts, only __exit__ stops it (start_roles stops it itself
         # if it is interrupted before the worker is ready).
         self._children = start_roles({"mm-worker": config}, run_dir, 300,
@@ -98,6 +107,7 @@ class LoneMMWorker:
         stop_all(self._children)
         self._sink.close(linger=0)
         self._source.close(linger=0)
+        self._failed.close(linger=0)
 
     def push(
         self, url: str, request_id: str, uuid: str | None = None, **job_fields: object
@@ -112,7 +122,17 @@ class LoneMMWorker:
         self._source.send_multipart(self._codec.encode(job))
 
     def take(self) -> int:
-        """Wait for the next EngineRequest the worker sends; its size in bytes, all frames."""
+        """Wait for the next EngineRequest the worker sends; its size in bytes, all frames.
+        A job that fails instead ends the benchmark with its error (a figure without it would
+        be of other work)."""
+        poller = zmq.Poller()
+        poller.register(self._sink, zmq.POLLIN)
+        poller.register(self._failed, zmq.POLLIN)
+        if self._failed in dict(poller.poll()):
+            codec: Codec[FrontendInput] = Codec(FrontendInput)
+            failed = codec.decode(self._failed.recv_multipart())
+            assert isinstance(failed, RequestFailed), failed
+            raise SystemExit(f"job {failed.request_id} failed: {failed.error.message}")
         frames = self._sink.recv_multipart(copy=False)
         self._codec.decode(frames)
         return sum(len(frame.buffer) for frame in frames)

@@ -34,12 +34,14 @@ from mmlane.launcher import (  # noqa: E402
     stop_all,
 )
 from mmlane.model import resolve_model_dir  # noqa: E402
+from mmlane.protocol.errors import MMLaneError  # noqa: E402
 from mmlane.protocol.messages import (  # noqa: E402
     ChatMessage,
     ImagePart,
     ImageUrl,
     TextPart,
     VideoPart,
+    VideoSampling,
 )
 
 BIG = (4032, 3024)
@@ -92,8 +94,9 @@ class ImageLoad:
     url: str
     clients: int
     completed: int = 0
-    video: bool = False
-    """`url` is a video's: each request sends it as a video part."""
+    video_fps: float | None = None
+    """`url` is a video's: each request sends it as a video part, sampled at this many frames
+    a second."""
 
     def __enter__(self) -> ImageLoad:
         self._stop = threading.Event()
@@ -117,9 +120,15 @@ class ImageLoad:
                 # A new uuid names the image anew each time: the feature cache misses, so
                 # every request costs the full decode and preprocessing.
                 source = ImageUrl(url=self.url, uuid=uuid.uuid4().hex)
-                part = VideoPart(video_url=source) if self.video else ImagePart(image_url=source)
+                video = self.video_fps is not None
+                part = VideoPart(video_url=source) if video else ImagePart(image_url=source)
                 message = ChatMessage(role="user", content=[part, TextPart(text="Describe.")])
-                client.chat([message], max_tokens=1)
+                sampling = VideoSampling(fps=self.video_fps)
+                try:
+                    client.chat([message], max_tokens=1, mm_processor_kwargs=sampling)
+                except MMLaneError as exc:  # a load of failures is other work: say so, stop
+                    print(f"{part.type} load stopped: {exc}", file=sys.stderr)
+                    return
                 self.completed += 1
 
 

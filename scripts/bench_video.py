@@ -1,8 +1,8 @@
 """Video benchmark: the MM lane's videos/s per core, decoding only the kept frames against every
 frame, and image latency while videos stream against idle.
 
-    python scripts/bench_video.py [--size 1280x720] [--seconds 30] [--rate 30]
-                                  [--keyframe-every 30,250] [--fps 2] [--videos 8]
+    python scripts/bench_video.py [--size 1280x720] [--seconds 10] [--rate 30]
+                                  [--keyframe-every 30,250] [--fps 0.5] [--videos 8]
                                   [--processes 2,4] [--decode-fps 2,0.5] [--decode-repeats 3]
                                   [--mm-processes 4] [--image-size 1024x768]
                                   [--image-requests 30] [--video-clients 2]
@@ -204,7 +204,8 @@ def bench_images_while_videos_stream(args: argparse.Namespace, run_dir: Path,
     with serving(run_dir / "serve", *serve, log_dir=run_dir / "serve-logs") as endpoint:
         image_latencies(endpoint, image, 3)  # warm up
         idle = image_latencies(endpoint, image, args.image_requests)
-        with ImageLoad(endpoint, video_uri(data), args.video_clients, video=True) as load:
+        with ImageLoad(endpoint, video_uri(data), args.video_clients,
+                       video_fps=args.fps) as load:
             loaded = image_latencies(endpoint, image, args.image_requests)
     print(f"\n3. Image latency, {width}x{height} JPEG, `mmlane serve {' '.join(serve)}`")
     report("image latency, idle", idle)
@@ -220,12 +221,14 @@ def numbers(kind: Callable[[str], int | float]) -> Callable[[str], list]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=parse_size, default="1280x720", help="the video's WxH")
-    parser.add_argument("--seconds", type=float, default=30.0, help="the video's length")
+    parser.add_argument("--seconds", type=float, default=10.0, help="the video's length")
     parser.add_argument("--rate", type=int, default=30, help="the video's frames per second")
     parser.add_argument("--keyframe-every", type=numbers(int), default="30,250",
                         help="frames between keyframes (the first for parts 1 and 3)")
-    parser.add_argument("--fps", type=float, default=2.0,
-                        help="frames kept per second of video in parts 1 and 3 (Qwen2-VL's)")
+    parser.add_argument("--fps", type=float, default=0.5,
+                        help="frames kept per second of video in parts 1 and 3 (Qwen2-VL's default "
+                        "is 2; the tiny model's 4,096-token context takes 10 s of 720p at "
+                        "0.5)")
     parser.add_argument("--videos", type=int, default=8, help="videos per design in part 1")
     parser.add_argument("--processes", type=numbers(int), default="2,4",
                         help="pool sizes to compare with 1 process in part 1")

@@ -2,6 +2,7 @@
 
     python scripts/soak.py [--minutes 10] [--clients 4] [--sample-s 5] [--caches small|default]
                            [--serve-arg=ARG ...] [--out soak]
+    python scripts/soak.py --chart-of after=soak.json --chart-of before=old.json --out both
 
 Runs `mmlane serve` on the embedded model with small caches (so that they are full early;
 `--caches default`: its own defaults) and its HTTP API, ARGs added, and sends from `--clients`
@@ -23,7 +24,8 @@ Prints, per role, RSS, anonymous memory and fds at the start of the last ten min
 second half, in a run of ten minutes or less: the caches are full by then) and at the end, and
 their growth over that window; the requests answered per second; writes OUT.json (every
 sample) and OUT.png (the curves). Asserts nothing about the figures: read them (BENCHMARKS.md
-has a run's).
+has a run's). With `--chart-of LABEL=OUT.json` (repeatable) it runs nothing and draws those
+runs' curves on one chart, OUT.png, a line style per run: e.g. a setting's run before and after.
 """
 
 from __future__ import annotations
@@ -233,7 +235,7 @@ def report(samples: list[dict[str, Any]], load: Load, out: Path) -> None:
         print(f"  {count:6d}  {outcome}")
     out.with_suffix(".json").write_text(json.dumps(
         {"samples": samples, "outcomes": dict(load.outcomes)}, indent=1))
-    chart(samples, out.with_suffix(".png"))
+    chart({"": samples}, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
@@ -241,24 +243,39 @@ def _growth(begin: float, end: float) -> str:
     return f"{(end - begin) / begin * 100:+.1f}%" if begin else "-"
 
 
-def chart(samples: list[dict[str, Any]], path: Path) -> None:
+def chart(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Each role's RSS on a panel of its own (a role's growth shows at its own scale) and every
+    role's fds on the last, a colour per role and a line style per run (its samples, under its
+    label); roles are matched across runs by their name without the pid."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(samples[-1]["roles"])
-    figure, (rss, fds) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for name in names:
-        points = [(s["t_s"] / 60, s["roles"][name]) for s in samples if name in s["roles"]]
-        rss.plot([t for t, _ in points], [r["rss_mib"] for _, r in points], label=name)
-        fds.plot([t for t, _ in points], [r["fds"] for _, r in points], label=name)
-    rss.set_ylabel("RSS (MiB)")
+    def role(name: str) -> str:
+        return name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name
+
+    roles = list(dict.fromkeys(role(name) for samples in runs.values()
+                               for name in samples[-1]["roles"]))
+    figure, panels = plt.subplots(len(roles) + 1, 1, figsize=(9, 2.2 * (len(roles) + 1)),
+                                  sharex=True)
+    fds = panels[-1]
+    for style, (label, samples) in zip(("-", "--", ":", "-."), runs.items(), strict=False):
+        for name in samples[-1]["roles"]:
+            index = roles.index(role(name))
+            points = [(s["t_s"] / 60, s["roles"][name]) for s in samples if name in s["roles"]]
+            minutes = [t for t, _ in points]
+            legend = f"{role(name)} ({label})" if label else name
+            panels[index].plot(minutes, [r["rss_mib"] for _, r in points], style,
+                               color=f"C{index}", label=legend)
+            fds.plot(minutes, [r["fds"] for _, r in points], style, color=f"C{index}")
+    for index, name in enumerate(roles):
+        panels[index].set_ylabel(f"{name}\nRSS (MiB)")
+        panels[index].legend(loc="lower right", fontsize="small")
     fds.set_ylabel("open fds")
     fds.set_xlabel("minutes of mixed load")
-    rss.legend(loc="center right", fontsize="small")
-    rss.set_title("mmlane serve under mixed load (scripts/soak.py)")
+    panels[0].set_title("mmlane serve under mixed load (scripts/soak.py)")
     figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    figure.savefig(path, dpi=80)
     plt.close(figure)
 
 
@@ -276,7 +293,22 @@ def main() -> None:
                              "--serve-arg=--flag for one that starts with -)")
     parser.add_argument("--out", type=Path, default=Path("soak"),
                         help="OUT.json and OUT.png are written")
+    parser.add_argument("--chart-of", action="append", default=[], metavar="LABEL=JSON",
+                        help="run nothing: draw these earlier runs (their OUT.json) on one "
+                             "chart, OUT.png (repeatable; up to four)")
     args = parser.parse_args()
+    if args.chart_of:
+        runs = {}
+        for spec in args.chart_of:
+            label, _, run = spec.partition("=")
+            if not run or not Path(run).is_file():
+                parser.error(f"--chart-of {spec!r}: give LABEL=PATH to a soak's OUT.json")
+            runs[label] = json.loads(Path(run).read_text())["samples"]
+        if len(runs) > 4:
+            parser.error("--chart-of: up to four runs")
+        chart(runs, args.out.with_suffix(".png"))
+        print(f"wrote {args.out.with_suffix('.png')}")
+        return
     caches = SMALL_CACHES if args.caches == "small" else []
     http_port = free_tcp_port()
     with tempfile.TemporaryDirectory() as tmp:

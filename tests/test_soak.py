@@ -34,6 +34,13 @@ def test_a_short_soak_answers_every_request_as_expected(tmp_path: Path) -> None:
     actions = {outcome.split(":")[0] for outcome in result["outcomes"]}
     assert actions >= {"text", "new image", "repeated image", "bad input"}, actions
     assert not any("UNEXPECTED" in outcome for outcome in result["outcomes"])
+    both = tmp_path / "both"  # the same run drawn twice, as a before and an after
+    chart = subprocess.run(
+        [sys.executable, "scripts/soak.py", "--chart-of", f"before={out}.json",
+         "--chart-of", f"after={out}.json", "--out", str(both)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert chart.returncode == 0 and both.with_suffix(".png").stat().st_size > 0, chart.stderr
 
 
 def test_sigterm_stops_the_roles_the_soak_started(tmp_path: Path) -> None:
