@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from mmlane.engine.hf.runner import HFRunner
 from mmlane.engine.outbox import _Waiting
 from mmlane.engine.runner import ModelSpec
 from mmlane.engine.validation import validate_request
+from mmlane.engine.vision import IMAGES_AHEAD_OF_A_VIDEO, VisionLane
 from mmlane.launcher import Child
 from mmlane.mm_worker.render import placeholder_offsets
 from mmlane.model import Preprocessor, load_model, load_preprocessor
@@ -36,6 +38,7 @@ from mmlane.protocol import shm
 from mmlane.protocol.codec import Codec
 from mmlane.protocol.errors import ErrorInfo, RequestError, RetryableError
 from mmlane.protocol.messages import (
+    VIDEO_PIXELS,
     EngineInput,
     EngineOutput,
     EngineRequest,
@@ -667,6 +670,43 @@ def test_a_failed_vision_pass_fails_the_requests_that_wait_for_it_alone(
     assert not runner._vision_jobs  # the failed job is gone: the image may come again
     runner._lane._encode = encode
     assert _serve(runner, {3: broken})[3][-1].finish_reason == "length"
+
+
+def test_images_pass_before_waiting_videos_and_a_video_waits_through_a_bounded_number() -> None:
+    """A video that waits behind the pass under way lets the images that come after it go
+    first, up to IMAGES_AHEAD_OF_A_VIDEO of them; images keep their order, videos theirs."""
+    running, release, order = threading.Event(), threading.Event(), []
+
+    def encode(tensors):
+        running.set()
+        release.wait(30)
+        order.append(int(tensors["job"][0]))
+        return torch.zeros(1, 1)
+
+    finished = threading.Semaphore(0)
+    lane = VisionLane(encode, threads=1, device=torch.device("cpu"), wake=finished.release,
+                      nice=0)
+    try:
+        def submit(job: int, video: bool) -> None:
+            tensors = {"job": np.array([job])}
+            lane.submit(job, {**tensors, VIDEO_PIXELS: np.zeros(1)} if video else tensors)
+
+        submit(0, video=True)  # under way while the others come
+        running.wait(30)
+        submit(1, video=True)
+        images = IMAGES_AHEAD_OF_A_VIDEO + 2
+        for job in range(2, 2 + images):
+            submit(job, video=False)
+        submit(2 + images, video=True)
+        release.set()
+        for _ in range(images + 3):
+            assert finished.acquire(timeout=30)
+    finally:
+        lane.close()
+    passed_over = list(range(2, 2 + IMAGES_AHEAD_OF_A_VIDEO))
+    assert order == [0, *passed_over, 1, 2 + IMAGES_AHEAD_OF_A_VIDEO,
+                     3 + IMAGES_AHEAD_OF_A_VIDEO, 2 + images]
+    assert [result.job for result in lane.finished()] == order
 
 
 def test_a_request_aborted_while_its_image_is_encoded_gets_nothing(qwen_dir, prep) -> None:

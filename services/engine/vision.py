@@ -4,12 +4,15 @@ Both backends run one: the 'hf' runner always, the 'vllm' runner with `--encoder
 then gets each image's embeddings instead of its pixels, and runs only the language model).
 An image's vision pass is the largest part of its engine work (a 1024x1024 image on the tiny
 Qwen2-VL: about 165 ms on one CPU thread, against 45-60 ms for its prompt's prefill). Here one
-thread runs each image's whole pass, in the order they are submitted, while text work goes on
-beside it: no text request waits for a pass. The lane's thread runs `nice` steps below its
-creator's (`--image-nice`): where cores are shared, text work takes one first. torch releases
-the GIL inside its operations, so the lane and text work run at once on as many cores. A pass
-is the model's own `get_image_features` (`VisionEncoder`), with the lane's own torch thread
-count (torch keeps the count per thread).
+thread runs each image's whole pass while text work goes on beside it: no text request waits
+for a pass. Images go first: a video's pass (many frames: 10 s of 720p at 0.5 fps is 3,588
+tokens on the tiny model) waits while images wait, through at most `IMAGES_AHEAD_OF_A_VIDEO`
+image passes, so that neither a stream of videos holds images up nor a stream of images a
+video for ever; images keep their order among themselves, and videos theirs. The lane's
+thread runs `nice` steps below its creator's (`--image-nice`): where cores are shared, text
+work takes one first. torch releases the GIL inside its operations, so the lane and text work
+run at once on as many cores. A pass is the model's own `get_image_features` (`VisionEncoder`),
+with the lane's own torch thread count (torch keeps the count per thread).
 
 On CUDA the lane queues its kernels on a stream of its own, so that a pass and the creator's
 work run on the GPU at once; the lane waits for its stream before a result leaves, and marks
@@ -26,6 +29,7 @@ a library, say) fails the job with a retryable error, and the next job runs.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -47,6 +51,8 @@ log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 10.0
 """How long `close` waits for the pass under way to end."""
+IMAGES_AHEAD_OF_A_VIDEO = 8
+"""Image passes that may run while a video waits; then the oldest video runs."""
 
 
 def pick_device(setting: str) -> str:
@@ -174,14 +180,23 @@ class VisionLane:
         """The creating thread's stream, which reads the features (CUDA only)."""
         self._cancelled: set[int] = set()
         """Jobs to skip if not yet started (set by the user's thread, read by the lane's)."""
-        self._jobs: queue.SimpleQueue[tuple[int, Mapping[str, np.ndarray]] | None] = (
-            queue.SimpleQueue())
+        self._waiting = threading.Condition()
+        """Guards the queues below and `_closing`; notified when a job comes or the lane ends."""
+        self._images: collections.deque[tuple[int, Mapping[str, np.ndarray]]] = (
+            collections.deque())
+        self._videos: collections.deque[tuple[int, Mapping[str, np.ndarray]]] = (
+            collections.deque())
+        self._passed_video = 0
+        """Image passes run since the oldest waiting video was first passed over."""
+        self._closing = False
         self._results: queue.SimpleQueue[VisionResult] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="vision-lane", daemon=True)
         self._thread.start()
 
     def submit(self, job: int, tensors: Mapping[str, np.ndarray]) -> None:
-        self._jobs.put((job, tensors))
+        with self._waiting:
+            (self._videos if VIDEO_PIXELS in tensors else self._images).append((job, tensors))
+            self._waiting.notify()
 
     def cancel(self, job: int) -> None:
         """Skip `job` if its pass has not started (its result is then None)."""
@@ -201,20 +216,33 @@ class VisionLane:
 
     def close(self) -> None:
         """End the thread after the pass under way (jobs still queued are dropped)."""
-        while True:
-            try:
-                self._jobs.get_nowait()
-            except queue.Empty:
-                break
-        self._jobs.put(None)
+        with self._waiting:
+            self._closing = True
+            self._images.clear()
+            self._videos.clear()
+            self._waiting.notify()
         self._thread.join(CLOSE_TIMEOUT_S)
+
+    def _next(self) -> tuple[int, Mapping[str, np.ndarray]] | None:
+        """The next job to pass (None once closing): the oldest image, unless a video has
+        waited through `IMAGES_AHEAD_OF_A_VIDEO` image passes or no image waits."""
+        with self._waiting:
+            self._waiting.wait_for(lambda: self._closing or self._images or self._videos)
+            if self._closing:
+                return None
+            if self._videos and (not self._images
+                                 or self._passed_video >= IMAGES_AHEAD_OF_A_VIDEO):
+                self._passed_video = 0
+                return self._videos.popleft()
+            self._passed_video += bool(self._videos)
+            return self._images.popleft()
 
     def _run(self) -> None:
         lower_priority(self._nice)
         torch.set_num_threads(self.threads)
         stream = None if self._user_stream is None else torch.cuda.Stream(self._device)
         with torch.inference_mode(), torch.cuda.stream(stream):
-            while (job := self._jobs.get()) is not None:
+            while (job := self._next()) is not None:
                 self._results.put(self._pass(*job))
                 try:
                     self._wake()
