@@ -58,6 +58,7 @@ import os
 import re
 import stat
 import struct
+import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
@@ -180,7 +181,8 @@ class ShmWriter:
         self._numbers = itertools.count()
         self.counters: Counter[str] = Counter()
         """shm_tensors and shm_bytes (put into slots), shm_fallbacks (sent as frames instead,
-        no slot free and no room), shm_reaped (full slots taken back untaken)."""
+        no slot free and no room), shm_reaped (full slots taken back untaken). Its one thread's:
+        a writer is one lane's, or one pool process's."""
 
     def put(self, array: np.ndarray) -> str | None:
         """The reference of a slot now holding `array`'s bytes, or None: send it as a frame."""
@@ -364,7 +366,8 @@ class ShmViews:
     codec's), or released when it is dropped unsent. With `keep_from` None (no engine takes
     shared memory) or a tensor under `keep_from` bytes, it is copied out and its slot freed at
     once. Slots stay mapped while views of them live; a mapping whose file is gone is closed
-    once no view is left."""
+    once no view is left. The pool's thread adopts, the lanes' threads hand on (their codecs):
+    the counts are kept under a lock."""
 
     def __init__(self, keep_from: int | None) -> None:
         self.keep_from = keep_from
@@ -372,7 +375,15 @@ class ShmViews:
         self._views: dict[int, tuple[weakref.ref[np.ndarray], str, weakref.finalize]] = {}
         self.counters: Counter[str] = Counter()
         """shm_tensors, shm_bytes: handed on to the engine in their slots (no copy);
-        shm_fallbacks: a pool process found no slot and sent its tensor in its message."""
+        shm_fallbacks: a pool process found no slot and sent its tensor in its message.
+        Counted with `count`."""
+        self._counting = threading.Lock()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name`, from any thread (`+=` on a Counter is a read, then a
+        write: two threads at once could lose one)."""
+        with self._counting:
+            self.counters[name] += n
 
     def adopt(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """The array a pool process put into slot `ref`: a view of the slot, or a copy (slot
@@ -404,8 +415,8 @@ class ShmViews:
             return None
         del self._views[id(array)]
         entry[2].detach()
-        self.counters["shm_tensors"] += 1
-        self.counters["shm_bytes"] += array.nbytes
+        self.count("shm_tensors")
+        self.count("shm_bytes", array.nbytes)
         return entry[1]
 
     def _release(self, key: int, name: str, generation: int) -> None:

@@ -374,7 +374,7 @@ class ProcessPool:
             if isinstance(tensor, np.ndarray):
                 adopted[key] = tensor
                 if tensor.nbytes >= IN_MESSAGE_BYTES:
-                    self.views.counters["shm_fallbacks"] += 1
+                    self.views.count("shm_fallbacks")
                 continue
             ref, dtype, shape = tensor
             view = self.views.adopt(ref, np.dtype(dtype), tuple(shape))
