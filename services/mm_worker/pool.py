@@ -78,7 +78,8 @@ a slot is not worth it for them."""
 @dataclass(frozen=True)
 class PoolSlots:
     """Where the pool's processes put their results: slots under `tag` (the worker's), at most
-    `capacity` bytes per process, taken back after `max_age_s` full; the worker's `views`."""
+    `capacity` bytes per process, taken back once full for `max_age_s` after the worker handed
+    them on (`views`, the worker's, mark them then)."""
 
     tag: str
     capacity: int
@@ -378,9 +379,9 @@ class ProcessPool:
                 continue
             ref, dtype, shape = tensor
             view = self.views.adopt(ref, np.dtype(dtype), tuple(shape))
-            if view is None:  # taken back already: the result waited past SHM_MAX_AGE_S
-                raise RetryableError(f"the pixels of {ref} were taken back before the worker "
-                                     "read them", code="tensors_lost")
+            if view is None:  # gone or reused: no longer the use its process named
+                raise RetryableError(f"the pixels of {ref} were gone before the worker read "
+                                     "them", code="tensors_lost")
             adopted[key] = view
         return adopted
 
@@ -436,7 +437,7 @@ def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str, media: 
     preprocessor = load_preprocessor(model_dir, image_backend)  # type: ignore[arg-type]
     video = videos_of(model_dir, preprocessor)  # None: the worker has no video lane
     slots = shm.ShmWriter(tag, threshold=IN_MESSAGE_BYTES, capacity=capacity,
-                          max_age_s=max_age_s)
+                          max_age_s=max_age_s, relayed=True)
     results.send(("ready", slots.stem))
     try:
         while True:
