@@ -380,7 +380,7 @@ def stand_in_pool_process(tasks: Any, results: Any, model_dir: str, image_backen
     try:
         while True:
             try:
-                task = tasks.recv()  # an ImageTask
+                task = tasks.recv()  # an ImageTask or a VideoTask
             except (EOFError, OSError):
                 return
             ref = slots.put(PIXELS)

@@ -10,8 +10,8 @@
                        processor's and leave in arrival order; a pool process killed while it
                        holds an image fails that job alone (retryable) and is replaced
     pool_in_process    a ProcessPool in the test's process (its processes real, or stand-ins):
-                       a slot the worker refuses, a result's slot kept while it waits for its
-                       job's turn
+                       a slot the worker refuses, a video's handover that holds no image back,
+                       a result's slot kept while it waits for its job's turn
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -46,6 +47,7 @@ from mmlane.mm_worker.config import MMWorkerConfig
 from mmlane.mm_worker.lane import PendingJob
 from mmlane.mm_worker.media import MediaPolicy, decode_image
 from mmlane.mm_worker.pool import Processed
+from mmlane.mm_worker.video import Qwen2VLSampling
 from mmlane.mm_worker.worker import MMWorker
 from mmlane.model import ImageItem, Preprocessor, load_preprocessor
 from mmlane.protocol import shm
@@ -469,6 +471,42 @@ def test_a_pool_slot_the_worker_refuses_fails_that_image_alone(
         taken = processes.submit(1, b"any").result(timeout=60)
         assert np.array_equal(taken.item.tensors["pixel_values"], PIXELS)
         assert processes.views.put(taken.item.tensors["pixel_values"]) is not None  # its slot
+
+
+@pytest.mark.parametrize("end", ["read", "died", "closed"])
+def test_a_videos_handover_to_its_process_holds_no_image_back(
+    monkeypatch: pytest.MonkeyPatch, qwen_dir: Path, end: str
+) -> None:
+    """A video's bytes go down its process's pipe from a thread of their own: with that process
+    frozen before it has read them (8 MiB, far more than a pipe holds), an image submitted
+    after the video goes to the other process and is done meanwhile. The handover ends with the
+    process: it reads the rest (the video is done), it dies (the video fails, retryable), or the
+    pool closes (it is killed, the video failed); no handover thread is left."""
+    monkeypatch.setattr(pool, "_serve", stand_in_pool_process)
+    with pool_in_process(qwen_dir, 2) as processes:
+        pids = [member.process.pid for member in processes._members]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        video = processes.submit_video(pool.VideoTask(0, bytes(8 << 20), Qwen2VLSampling(),
+                                                      max_tokens=1000))
+        holder = wait_until(lambda: next((m.process.pid for m in processes._members if m.task),
+                                         None), "the video handed to a process")
+        os.kill(next(pid for pid in pids if pid != holder), signal.SIGCONT)
+        image = processes.submit(0, b"any").result(timeout=60)
+        assert np.array_equal(image.item.tensors["pixel_values"], PIXELS)
+        assert not video.done()  # its process has not read its bytes yet
+        if end == "read":
+            os.kill(holder, signal.SIGCONT)
+            assert np.array_equal(video.result(timeout=60).item.tensors["pixel_values"], PIXELS)
+        elif end == "died":
+            os.kill(holder, signal.SIGKILL)
+            died = video.exception(timeout=60)
+            assert isinstance(died, RetryableError) and died.code == "peer_restarted", died
+    if end == "closed":
+        stopped = video.exception(timeout=0)
+        assert isinstance(stopped, RetryableError), stopped
+        assert stopped.message == "the MM worker stopped before processing this item"
+    assert not [t.name for t in threading.enumerate() if t.name.endswith("-handover")]
 
 
 def test_a_result_waiting_for_its_jobs_turn_keeps_its_slot(qwen_dir: Path) -> None:
