@@ -12,29 +12,34 @@ file per tensor would cost the kernel more (allocating and zeroing every page) t
 
 A slot starts with a 64-byte header: byte 0 says whether it is full (the sender sets it after
 writing the bytes; the receiver clears it after copying them out), byte 1 that its sender has
-closed (the receiver then unlinks the slot once it has emptied it), bytes 8-16 count the
-slot's uses (its generation, named in the message, so that a message can never read a later
-use of its slot), bytes 16-24 hold the size of the bytes put (which must be what the message's
-dtype and shape need).
+closed (the receiver then unlinks the slot once it has emptied it), byte 2 that the bytes were
+handed to the receiver that empties the slot (at once, or by a relay: `ShmViews`), bytes 8-16
+count the slot's uses (its generation, named in the message, so that a message can never read a
+later use of its slot), bytes 16-24 hold the size of the bytes put (which must be what the
+message's dtype and shape need).
 
 Bounded, and cleaned up when a peer dies:
 - `ShmWriter` keeps at most `capacity` bytes of slots; a tensor that finds no free slot and no
   room for a new one goes as a ZMQ frame, as over tcp. `posix_fallocate` reserves a slot's pages
   when it is made, so a full /dev/shm means frames, not a SIGBUS later.
-- A slot full for longer than `max_age_s` is taken back by its sender: its receiver is gone (a
-  live one empties a slot as the message arrives, within milliseconds).
+- A slot full for `max_age_s` since it was handed to its receiver is taken back by its sender:
+  that receiver is gone (a live one empties a slot as the message arrives, within milliseconds).
+  A slot that a relay holds (the MM worker, for a pool process) is not aged until the relay
+  hands it on, however long it waits for its turn.
 - A sender unlinks its empty slots when it closes and marks the others closed: their receiver,
   which may still be on its way to them (an engine reading behind a worker that drained and
   stopped), unlinks each once it has emptied it. A restarted sender unlinks what its killed
   predecessor under the same tag left (`reap`).
-A pool process of the MM worker (services/mm_worker/pool.py) has a `ShmWriter` of its own and
-puts its results into its slots; the worker takes them as views (`ShmViews.adopt`, no copy) and
-its codec sends a view's slot on to the engine as it is (`ShmViews.put`): the pixels are copied
-once into a slot where they are made, and once out of it in the engine. A view the worker drops
-unsent (its job failed or was cancelled) frees its slot; for an engine that takes no shared
-memory (tcp), or a tensor too small to be worth a slot, the worker copies the view out at once
-and frees the slot. The slots of a pool process that died are released as its close would
-(`abandon`).
+A pool process of the MM worker (services/mm_worker/pool.py) has a `ShmWriter` of its own
+(`relayed`) and puts its results into its slots; the worker takes them as views
+(`ShmViews.adopt`, no copy) and its codec sends a view's slot on to the engine as it is
+(`ShmViews.put`, which marks the slot handed on): the pixels are copied once into a slot where
+they are made, and once out of it in the engine. A view the worker holds while its job waits
+behind a slower one in its lane is never taken back: the writer ages a slot from when it first
+sees it handed on. A view the worker drops unsent (its job failed or was cancelled) frees its
+slot; for an engine that takes no shared memory (tcp), or a tensor too small to be worth a slot,
+the worker copies the view out at once and frees the slot. The slots of a pool process that died
+are released as its close would (`abandon`).
 
 A receiver that finds a slot gone or reused (its sender restarted meanwhile, or took the slot
 back) makes the codec raise `TensorsLost` (protocol/errors.py) with the rest of the message
@@ -58,6 +63,7 @@ import os
 import re
 import stat
 import struct
+import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
@@ -160,27 +166,33 @@ class _Slot:
     mapping: mmap.mmap
     size: int
     generation: int = 0
-    filled_at: float = 0.0
+    handed_at: float | None = None
+    """When its writer put its use (or, relayed, first saw it handed on); None: not yet."""
 
     def is_free(self) -> bool:
         return self.mapping[0] == 0
 
 
 class ShmWriter:
-    """The sending side: puts arrays of at least `threshold` bytes into slots of its own."""
+    """The sending side: puts arrays of at least `threshold` bytes into slots of its own. With
+    `relayed`, its receiver hands each slot on to the one that empties it, and marks it then (a
+    pool process's, the MM worker's `ShmViews`): only from then is a full slot aged."""
 
-    def __init__(self, tag: str, *, threshold: int, capacity: int, max_age_s: float) -> None:
+    def __init__(self, tag: str, *, threshold: int, capacity: int, max_age_s: float,
+                 relayed: bool = False) -> None:
         self.tag = tag
         self.threshold = threshold
         self.capacity = capacity
         self.max_age_s = max_age_s
+        self.relayed = relayed
         self.stem = f"{_PREFIX}{tag}-{time.time_ns()}-"
         """The start of every slot name of this writer's."""
         self._slots: list[_Slot] = []
         self._numbers = itertools.count()
         self.counters: Counter[str] = Counter()
         """shm_tensors and shm_bytes (put into slots), shm_fallbacks (sent as frames instead,
-        no slot free and no room), shm_reaped (full slots taken back untaken)."""
+        no slot free and no room), shm_reaped (full slots taken back untaken). Its one thread's:
+        a writer is one lane's, or one pool process's."""
 
     def put(self, array: np.ndarray) -> str | None:
         """The reference of a slot now holding `array`'s bytes, or None: send it as a frame."""
@@ -196,8 +208,9 @@ class ShmWriter:
         del target
         slot.generation += 1
         _USE.pack_into(slot.mapping, 8, slot.generation, nbytes)
+        slot.mapping[2] = int(not self.relayed)  # handed on with the message, unless relayed
         slot.mapping[0] = 1  # full: after the bytes, before the message is sent
-        slot.filled_at = time.monotonic()
+        slot.handed_at = None if self.relayed else time.monotonic()
         self.counters["shm_tensors"] += 1
         self.counters["shm_bytes"] += nbytes
         return f"{slot.path.name}.{slot.generation}"
@@ -217,7 +230,11 @@ class ShmWriter:
             _close_slot(slot.path, slot.mapping)
         now = time.monotonic()
         for slot in self._slots:
-            if not slot.is_free() and now - slot.filled_at > self.max_age_s:
+            if slot.is_free():
+                continue
+            if slot.handed_at is None and slot.mapping[2]:  # a relay handed it on by now
+                slot.handed_at = now
+            if slot.handed_at is not None and now - slot.handed_at >= self.max_age_s:
                 slot.mapping[0] = 0
                 self.counters["shm_reaped"] += 1
         fitting = [s for s in self._slots if s.is_free() and s.size - HEADER >= nbytes]
@@ -364,7 +381,8 @@ class ShmViews:
     codec's), or released when it is dropped unsent. With `keep_from` None (no engine takes
     shared memory) or a tensor under `keep_from` bytes, it is copied out and its slot freed at
     once. Slots stay mapped while views of them live; a mapping whose file is gone is closed
-    once no view is left."""
+    once no view is left. The pool's thread adopts, the lanes' threads hand on (their codecs):
+    the counts are kept under a lock."""
 
     def __init__(self, keep_from: int | None) -> None:
         self.keep_from = keep_from
@@ -372,7 +390,15 @@ class ShmViews:
         self._views: dict[int, tuple[weakref.ref[np.ndarray], str, weakref.finalize]] = {}
         self.counters: Counter[str] = Counter()
         """shm_tensors, shm_bytes: handed on to the engine in their slots (no copy);
-        shm_fallbacks: a pool process found no slot and sent its tensor in its message."""
+        shm_fallbacks: a pool process found no slot and sent its tensor in its message.
+        Counted with `count`."""
+        self._counting = threading.Lock()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name`, from any thread (`+=` on a Counter is a read, then a
+        write: two threads at once could lose one)."""
+        with self._counting:
+            self.counters[name] += n
 
     def adopt(self, ref: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """The array a pool process put into slot `ref`: a view of the slot, or a copy (slot
@@ -398,15 +424,20 @@ class ShmViews:
 
     def put(self, array: np.ndarray) -> str | None:
         """The codec's side: the slot reference of an adopted view, which is the engine's to
-        free from now on; None for any other array."""
+        free from now on (the slot marked handed on, so its writer ages it from now); None for
+        any other array."""
         entry = self._views.get(id(array))
         if entry is None or entry[0]() is not array:
             return None
         del self._views[id(array)]
-        entry[2].detach()
-        self.counters["shm_tensors"] += 1
-        self.counters["shm_bytes"] += array.nbytes
-        return entry[1]
+        _, ref, release = entry
+        release.detach()
+        slot = self._mappings.get(ref.rpartition(".")[0])  # mapped while the view lives
+        if slot is not None and not _cut(slot):  # (a cut one the engine refuses)
+            slot[2] = 1
+        self.count("shm_tensors")
+        self.count("shm_bytes", array.nbytes)
+        return ref
 
     def _release(self, key: int, name: str, generation: int) -> None:
         """A view dropped unsent: free its slot, unless it holds another use by now."""

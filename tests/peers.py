@@ -374,12 +374,13 @@ def stand_in_pool_process(tasks: Any, results: Any, model_dir: str, image_backen
     LIE, with a shape of other bytes than the slot holds."""
     from mmlane.protocol import shm
 
-    slots = shm.ShmWriter(tag, threshold=1024, capacity=capacity, max_age_s=max_age_s)
+    slots = shm.ShmWriter(tag, threshold=1024, capacity=capacity, max_age_s=max_age_s,
+                          relayed=True)
     results.send(("ready", slots.stem))
     try:
         while True:
             try:
-                task = tasks.recv()  # an ImageTask
+                task = tasks.recv()  # an ImageTask or a VideoTask
             except (EOFError, OSError):
                 return
             ref = slots.put(PIXELS)

@@ -9,15 +9,20 @@
     TestRealPool       `mmlane mm-worker --mm-processes 2`: requests equal the in-process
                        processor's and leave in arrival order; a pool process killed while it
                        holds an image fails that job alone (retryable) and is replaced
+    pool_in_process    a ProcessPool in the test's process (its processes real, or stand-ins):
+                       a slot the worker refuses, a video's handover that holds no image back,
+                       a result's slot kept while it waits for its job's turn
 """
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import cache
@@ -42,6 +47,7 @@ from mmlane.mm_worker.config import MMWorkerConfig
 from mmlane.mm_worker.lane import PendingJob
 from mmlane.mm_worker.media import MediaPolicy, decode_image
 from mmlane.mm_worker.pool import Processed
+from mmlane.mm_worker.video import Qwen2VLSampling
 from mmlane.mm_worker.worker import MMWorker
 from mmlane.model import ImageItem, Preprocessor, load_preprocessor
 from mmlane.protocol import shm
@@ -434,6 +440,23 @@ class TestRealPool:
         assert not _stems(shm_slots(worker.endpoint)) & stems_before
 
 
+@contextlib.contextmanager
+def pool_in_process(model_dir: Path, processes: int, *,
+                    max_age_s: float = 60.0) -> Iterator[pool.ProcessPool]:
+    """A ProcessPool run by this process (its slots' views `.views`, keeping 1 KiB and more),
+    closed after; then its slots are unlinked, as a worker's successor reaps what its
+    predecessor left under its tag (full ones no engine took)."""
+    views = shm.ShmViews(keep_from=1024)
+    slots = pool.PoolSlots(shm.sender_tag(f"test-{time.time_ns()}"), 64 << 20, max_age_s, views)
+    media = MediaPolicy(allowed_media_dir=None, max_image_bytes=1 << 20, max_image_pixels=1 << 20)
+    processes = pool.ProcessPool(model_dir, "pil", media, processes, slots, video_processes=1)
+    try:
+        yield processes
+    finally:
+        processes.close()
+        shm.reap(slots.tag)
+
+
 def test_a_pool_slot_the_worker_refuses_fails_that_image_alone(
     monkeypatch: pytest.MonkeyPatch, qwen_dir: Path
 ) -> None:
@@ -441,21 +464,71 @@ def test_a_pool_slot_the_worker_refuses_fails_that_image_alone(
     with an internal error naming its pixels and the slot; the process's next image, named
     rightly, comes through as a view of its slot."""
     monkeypatch.setattr(pool, "_serve", stand_in_pool_process)  # what each member runs
-    views = shm.ShmViews(keep_from=1024)
-    slots = pool.PoolSlots(shm.sender_tag(f"test-{time.time_ns()}"), 64 << 20, 60.0, views)
-    media = MediaPolicy(allowed_media_dir=None, max_image_bytes=1 << 20, max_image_pixels=1 << 20)
-    processes = pool.ProcessPool(qwen_dir, "pil", media, 1, slots, video_processes=1)
-    try:
+    with pool_in_process(qwen_dir, 1) as processes:
         refused = processes.submit(0, LIE).exception(timeout=60)
         assert isinstance(refused, MMLaneError) and refused.code == "internal", refused
         assert "image 0's pixels" in str(refused) and "needs 4" in str(refused)
         taken = processes.submit(1, b"any").result(timeout=60)
         assert np.array_equal(taken.item.tensors["pixel_values"], PIXELS)
-        assert views.put(taken.item.tensors["pixel_values"]) is not None  # a view of its slot
-    finally:
-        processes.close()
-        shm.reap(slots.tag)  # the refused slot, full: no reader takes it (a worker's successor
-        # reaps what its predecessor left under its tag)
+        assert processes.views.put(taken.item.tensors["pixel_values"]) is not None  # its slot
+
+
+@pytest.mark.parametrize("end", ["read", "died", "closed"])
+def test_a_videos_handover_to_its_process_holds_no_image_back(
+    monkeypatch: pytest.MonkeyPatch, qwen_dir: Path, end: str
+) -> None:
+    """A video's bytes go down its process's pipe from a thread of their own: with that process
+    frozen before it has read them (8 MiB, far more than a pipe holds), an image submitted
+    after the video goes to the other process and is done meanwhile. The handover ends with the
+    process: it reads the rest (the video is done), it dies (the video fails, retryable), or the
+    pool closes (it is killed, the video failed); no handover thread is left."""
+    monkeypatch.setattr(pool, "_serve", stand_in_pool_process)
+    with pool_in_process(qwen_dir, 2) as processes:
+        pids = [member.process.pid for member in processes._members]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        video = processes.submit_video(pool.VideoTask(0, bytes(8 << 20), Qwen2VLSampling(),
+                                                      max_tokens=1000))
+        holder = wait_until(lambda: next((m.process.pid for m in processes._members if m.task),
+                                         None), "the video handed to a process")
+        os.kill(next(pid for pid in pids if pid != holder), signal.SIGCONT)
+        image = processes.submit(0, b"any").result(timeout=60)
+        assert np.array_equal(image.item.tensors["pixel_values"], PIXELS)
+        assert not video.done()  # its process has not read its bytes yet
+        if end == "read":
+            os.kill(holder, signal.SIGCONT)
+            assert np.array_equal(video.result(timeout=60).item.tensors["pixel_values"], PIXELS)
+        elif end == "died":
+            os.kill(holder, signal.SIGKILL)
+            died = video.exception(timeout=60)
+            assert isinstance(died, RetryableError) and died.code == "peer_restarted", died
+    if end == "closed":
+        stopped = video.exception(timeout=0)
+        assert isinstance(stopped, RetryableError), stopped
+        assert stopped.message == "the MM worker stopped before processing this item"
+    assert not [t.name for t in threading.enumerate() if t.name.endswith("-handover")]
+
+
+def test_a_result_waiting_for_its_jobs_turn_keeps_its_slot(qwen_dir: Path) -> None:
+    """A finished video waits in its lane behind a slower one at the head (each video before it
+    may take 2 x max_video_decode_s, 2 minutes by default); its slot, full past the writer's max
+    age (a minute), was taken back when its process put its next result, and the video reached
+    the engine as `tensors_lost`. A pool process's slot is aged only from when the worker hands
+    it on. With a max age of 0: a result the worker holds keeps its slot through its process's
+    next result; one handed on and never taken (an engine gone) is taken back."""
+    image = encode(noise_image(256, 256, seed=1), "PNG")  # its pixels: 381 KB, a slot's worth
+    with pool_in_process(qwen_dir, 1, max_age_s=0.0) as processes:
+        held = processes.submit(0, image).result(timeout=60).item.tensors["pixel_values"]
+        pixels = np.array(held)
+        later = processes.submit(1, image).result(timeout=60).item.tensors["pixel_values"]
+        engine = shm.ShmReader()
+        sent = processes.views.put(held)  # its job's turn: sent, and taken by the engine
+        assert sent is not None
+        assert np.array_equal(engine.take(sent, held.dtype, held.shape), pixels)
+        unread = processes.views.put(later)  # sent to an engine that is gone
+        assert unread is not None
+        processes.submit(2, image).result(timeout=60)
+        assert engine.take(unread, later.dtype, later.shape) is None  # taken back
 
 
 def _stems(slots: dict[str, bool]) -> set[str]:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from mmlane.common.config import ipc
 from mmlane.common.lifecycle import RESTARTS_ENV
 from mmlane.common.prometheus import metric_name
 from mmlane.common.sockets import CURVE_REFUSED, free_tcp_port
-from mmlane.common.stats import count_full_collections
+from mmlane.common.stats import Metrics, count_full_collections
 from mmlane.launcher import SERVE_SETTINGS, Child, serve_config, start_roles, stop_all
 from mmlane.ops.discovery import Targets, endpoint_label
 from mmlane.ops.feed import ProcessSnapshots, StatsFeed
@@ -137,6 +138,21 @@ def test_full_collections_are_counted_with_their_pause() -> None:
     gc.collect()
     assert counted["gc_full_collections"] == before["gc_full_collections"] + 1
     assert counted["gc_full_pause_us"] >= before["gc_full_pause_us"]
+
+
+def test_counters_of_one_name_from_two_sources_add_up() -> None:
+    """Each lane of an MM worker without a pool has a shared-memory writer of its own, both
+    counting shm_*: published, their counts add up (the last one's used to replace the
+    first's), unless a prefix tells them apart."""
+    metrics = Metrics("mm-worker", "counting")
+    metrics.counters["sent"] = 1
+    metrics.add_counters(Counter(shm_tensors=2, shm_bytes=10))
+    metrics.add_counters(Counter(shm_tensors=3, shm_reaped=1))
+    metrics.add_counters(Counter(shm_tensors=4), prefix="video_")
+    published = metrics.snapshot().counters
+    assert {name: published[name] for name in ("sent", "shm_tensors", "shm_bytes", "shm_reaped",
+                                               "video_shm_tensors")} == \
+        {"sent": 1, "shm_tensors": 5, "shm_bytes": 10, "shm_reaped": 1, "video_shm_tensors": 4}
 
 
 def test_stats_once_names_a_process_that_sends_nothing(

@@ -262,6 +262,26 @@ def test_a_slot_full_too_long_is_taken_back_and_its_old_message_is_lost(writer) 
     assert receiver.decode(new).request_id == "new"
 
 
+def test_a_relayed_slot_is_aged_only_from_when_its_relay_hands_it_on(writer) -> None:
+    """A pool process's slot (its writer relayed) that the MM worker holds while its job waits
+    for its turn is not taken back, however long it waits (a max age of 0 here); once the
+    worker has handed it on, an engine that never empties it is taken to be gone."""
+    writer.max_age_s, writer.relayed = 0, True
+    pixels = np.arange(80_000, dtype=np.float32).reshape(100, 800)
+    views = shm.ShmViews(keep_from=1024)
+    held = views.adopt(str(writer.put(pixels)), pixels.dtype, pixels.shape)
+    later = views.adopt(str(writer.put(pixels + 1)), pixels.dtype, pixels.shape)
+    assert held is not None and later is not None
+    assert writer.counters["shm_reaped"] == 0 and len(_slots(writer)) == 2  # a second slot
+    engine = shm.ShmReader()
+    sent = str(views.put(held))  # its job's turn: to the engine, which takes it
+    assert np.array_equal(engine.take(sent, pixels.dtype, pixels.shape), pixels)
+    unread = str(views.put(later))  # to an engine that is gone
+    writer.put(pixels)
+    assert writer.counters["shm_reaped"] == 1
+    assert engine.take(unread, pixels.dtype, pixels.shape) is None
+
+
 def test_a_successor_unlinks_its_predecessors_slots_and_a_message_of_them_is_lost(
     writer
 ) -> None:

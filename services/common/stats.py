@@ -141,7 +141,8 @@ class Metrics:
 
     def add_counters(self, source: Mapping[str, int], prefix: str = "") -> None:
         """Publish another object's counters (a cache's) beside ours, each name after
-        `prefix` (where two objects count the same names)."""
+        `prefix` (where two objects' counts of the same name are to be told apart; without
+        one, they add up: the two lanes' shared-memory writers)."""
         self._counter_sources.append((source, prefix))
 
     def snapshot(self) -> Stats:
@@ -149,7 +150,8 @@ class Metrics:
         memory.bound_freed_memory(usage)
         counters = {**self.counters, **memory.counters}
         for source, prefix in self._counter_sources:
-            counters.update({prefix + name: count for name, count in source.items()})
+            for name, count in dict(source).items():  # copied at once: another thread counts
+                counters[prefix + name] = counters.get(prefix + name, 0) + count
         return Stats(
             role=self.role, name=self.name, pid=os.getpid(), epoch=self.epoch(),
             uptime_s=time.monotonic() - self.started, time=time.time(), state=self.state,

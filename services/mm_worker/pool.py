@@ -18,7 +18,10 @@ image waiting, else the oldest video waiting while fewer than `video_processes` 
 one: a stream of videos takes at most that many processes from images, and no image waits
 behind a video that has not started.
 
-Each process takes one task at a time, so the pool knows which task each one holds. A result's
+Each process takes one task at a time, so the pool knows which task each one holds. A task
+goes down its process's pipe: an image's bytes from the pool's thread, a video's (up to
+`max_video_bytes`) from a thread of their own (`mm-process-K-handover`), so that the pool's
+thread dispatches and collects images while a process reads a video, however slowly. A result's
 tensors come back through the slots of the process's own `ShmWriter` (protocol/shm.py; reused
 slots, no pickling of pixels), which the worker takes as views (`ShmViews`) and sends to an
 engine on the same host as they are: the pixels are copied once where they are made, and once
@@ -78,7 +81,8 @@ a slot is not worth it for them."""
 @dataclass(frozen=True)
 class PoolSlots:
     """Where the pool's processes put their results: slots under `tag` (the worker's), at most
-    `capacity` bytes per process, taken back after `max_age_s` full; the worker's `views`."""
+    `capacity` bytes per process, taken back once full for `max_age_s` after the worker handed
+    them on (`views`, the worker's, mark them then)."""
 
     tag: str
     capacity: int
@@ -165,7 +169,8 @@ class _Task:
 
 
 class _Member:
-    """One pool process, its two pipes and the task it holds."""
+    """One pool process, its two pipes and the task it holds, and the thread that hands it a
+    video's bytes."""
 
     def __init__(self, ctx: Any, number: int, args: tuple[Any, ...]) -> None:
         task_reader, self.task_writer = ctx.Pipe(duplex=False)
@@ -183,8 +188,37 @@ class _Member:
         """When the video it holds is taken to hang (`VIDEO_TASK_LIMIT`); None: none held."""
         self.overdue = False
         """It was killed for holding its video past its deadline."""
+        self._handover: threading.Thread | None = None
+
+    def send(self, task: Task) -> None:
+        """Hand the process its task: an image's bytes at once, a video's (up to
+        `max_video_bytes`) on a thread of the member's, so that the pool's thread serves the
+        other processes while this one reads them (or is killed, frozen, before it has)."""
+        if self._handover is not None:
+            self._handover.join()  # ended: the process read it before it sent its result
+        if isinstance(task, ImageTask):
+            self._write(task)
+            return
+        self._handover = threading.Thread(target=self._write, args=(task,), daemon=True,
+                                          name=f"{self.process.name}-handover")
+        self._handover.start()
+
+    def handing_over(self) -> bool:
+        """Whether its process has not read all of the video handed to it yet."""
+        return self._handover is not None and self._handover.is_alive()
+
+    def _write(self, task: Task) -> None:
+        try:
+            self.task_writer.send(task)
+        except OSError:
+            pass  # it died: `_serve_member` fails the task and replaces it
 
     def close(self) -> None:
+        """Close its pipes, once a handover has ended (the process read it all, or is dead:
+        its pipe then refuses the rest). A pipe closed under the writing thread could be a new
+        one's by the time it writes again."""
+        if self._handover is not None:
+            self._handover.join()
         self.task_writer.close()
         self.result_reader.close()
 
@@ -239,6 +273,8 @@ class ProcessPool:
         self._wake_writer.send_bytes(b"")
         self._thread.join(10)
         for member in self._members:
+            if member.handing_over():  # its video failed as the pool's thread ended
+                member.process.kill()
             member.close()
             member.process.join(2)
             if member.process.is_alive():
@@ -374,13 +410,13 @@ class ProcessPool:
             if isinstance(tensor, np.ndarray):
                 adopted[key] = tensor
                 if tensor.nbytes >= IN_MESSAGE_BYTES:
-                    self.views.counters["shm_fallbacks"] += 1
+                    self.views.count("shm_fallbacks")
                 continue
             ref, dtype, shape = tensor
             view = self.views.adopt(ref, np.dtype(dtype), tuple(shape))
-            if view is None:  # taken back already: the result waited past SHM_MAX_AGE_S
-                raise RetryableError(f"the pixels of {ref} were taken back before the worker "
-                                     "read them", code="tensors_lost")
+            if view is None:  # gone or reused: no longer the use its process named
+                raise RetryableError(f"the pixels of {ref} were gone before the worker read "
+                                     "them", code="tensors_lost")
             adopted[key] = view
         return adopted
 
@@ -396,10 +432,7 @@ class ProcessPool:
             member.task = task
             if isinstance(task.work, VideoTask):
                 member.deadline = time.monotonic() + VIDEO_TASK_LIMIT * self._max_video_decode_s
-            try:
-                member.task_writer.send(task.work)
-            except OSError:
-                pass  # it died: `_serve_member` fails the task and replaces it
+            member.send(task.work)
 
     def _next_task(self) -> _Task | None:
         """The oldest image waiting, else the oldest video while fewer than `video_processes`
@@ -436,7 +469,7 @@ def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str, media: 
     preprocessor = load_preprocessor(model_dir, image_backend)  # type: ignore[arg-type]
     video = videos_of(model_dir, preprocessor)  # None: the worker has no video lane
     slots = shm.ShmWriter(tag, threshold=IN_MESSAGE_BYTES, capacity=capacity,
-                          max_age_s=max_age_s)
+                          max_age_s=max_age_s, relayed=True)
     results.send(("ready", slots.stem))
     try:
         while True:

@@ -104,8 +104,9 @@ POOL_SLOTS_BYTES = 256 << 20
 """The pool's slots in all when no engine takes shared memory (its processes' results only
 wait there for the worker to copy them out)."""
 SHM_MAX_AGE_S = 60.0
-"""A shared-memory slot the engine has not emptied by then is taken back: the engine is gone (a
-live one empties it as the message arrives)."""
+"""A shared-memory slot the engine has not emptied this long after it was sent is taken back:
+the engine is gone (a live one empties it as the message arrives). A pool process's result is
+aged from when its lane sends it, not while it waits for its job's turn."""
 VIDEO_SENDER = "#video"
 """Appended to the worker's sender name for its video lane's sender cache."""
 
