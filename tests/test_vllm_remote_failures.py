@@ -56,7 +56,7 @@ core busy-polls the worker's shared-memory queue (sched_yield) on the other, bes
 server. mmlane's engine, runnable, then waited seconds for a core (2-3 % of one, and 2-4 s of
 run-queue wait a second over its threads, in /proc/PID/task/*/schedstat), and a request's
 'timeout' came up to 2.4 s after its deadline, or only when the stream ended. vLLM's OpenMP
-binding alone is not it: unbound, on one OpenMP thread, the timeouts still came 0.6 s late. Kept
+binding alone is not it: unbound, on one OpenMP thread, the timeouts still came 0.7 s late. Kept
 off the last core, a replica streams as fast (300 tokens/s), and each came at its deadline."""
 REQUEST_TIMEOUT_S = 60.0
 """mmlane_serve's --request-timeout: every request's deadline."""
