@@ -1049,8 +1049,14 @@ def test_vllm_bench_serve_gets_exactly_the_tokens_it_asks_for(
 
 @pytest.fixture
 def at_the_engine(mmlane_vllm: tuple[Server, str, Path]) -> Iterator[StandInFrontend]:
-    """A stand-in frontend talking to the serve's engine directly."""
-    run_dir = mmlane_vllm[2]
+    with engine_stand_in(mmlane_vllm[2]) as frontend:
+        yield frontend
+
+
+@contextmanager
+def engine_stand_in(run_dir: Path) -> Iterator[StandInFrontend]:
+    """A stand-in frontend talking directly to the engine of the mmlane serve whose run folder
+    is `run_dir`."""
     with zmq.Context() as ctx, StandInFrontend(ctx, f"ipc://{run_dir}/engine.sock",
                                                f"ipc://{run_dir}/test-reply.sock") as frontend:
         yield frontend

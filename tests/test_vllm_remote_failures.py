@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import zmq
 
 from bench.images import jpeg_uri
 from conftest import REPO
@@ -41,6 +40,7 @@ from test_vllm import (  # noqa: E402
     _healthy,
     _metric,
     _vllm_alone,
+    engine_stand_in,
     mmlane_serve,
     one_down_the_other_serves,
 )
@@ -158,10 +158,10 @@ def test_a_replica_too_slow_for_a_deadline_gives_one_timeout_and_drops_the_reque
     that came, then one 'timeout' error; its stream closed, the replica aborts it (it runs
     nothing, long before the 4000 tokens), and serves on."""
     (_, plain), _, _ = replicas
-    _, endpoint, mmlane_run = in_front_of_plain
     written = _metric(plain, "vllm:generation_tokens_total")
-    assert _outputs_then_a_timeout(mmlane_run, max_tokens=4000, deadline_s=2.0)
-    _serves_on_having_dropped_it(plain, endpoint, written, max_tokens=4000)
+    with engine_stand_in(in_front_of_plain[2]) as at:
+        assert _outputs_then_a_timeout(at, max_tokens=4000, deadline_s=2.0)
+        _serves_on_having_dropped_it(at, plain, written, max_tokens=4000)
 
 
 def test_a_replica_whose_engine_stalls_gives_one_timeout_and_drops_the_request(
@@ -174,42 +174,46 @@ def test_a_replica_whose_engine_stalls_gives_one_timeout_and_drops_the_request(
     (SIGCONT), vLLM has the request's abort (its stream closed) before what comes next: it
     serves on, and runs nothing for it."""
     (server, plain), _, _ = replicas
-    _, endpoint, mmlane_run = in_front_of_plain
+    mmlane_run = in_front_of_plain[2]
     written = _metric(plain, "vllm:generation_tokens_total")
     errors = _replica_stats(mmlane_run, plain, "replica_errors")
-    with _stopped(psutil.Process(server.process.pid).children(recursive=True)):
-        assert _outputs_then_a_timeout(mmlane_run, max_tokens=2000, deadline_s=3.0) == []
-        assert _replica_stats(mmlane_run, plain, "replica_up") == 1
-        assert _replica_stats(mmlane_run, plain, "replica_errors") == errors
-    _serves_on_having_dropped_it(plain, endpoint, written, max_tokens=2000)
+    with engine_stand_in(mmlane_run) as at:
+        with _stopped(psutil.Process(server.process.pid).children(recursive=True)):
+            assert _outputs_then_a_timeout(at, max_tokens=2000, deadline_s=3.0) == []
+            assert _replica_stats(mmlane_run, plain, "replica_up") == 1
+            assert _replica_stats(mmlane_run, plain, "replica_errors") == errors
+        _serves_on_having_dropped_it(at, plain, written, max_tokens=2000)
 
 
-def _outputs_then_a_timeout(mmlane_run: Path, *, max_tokens: int,
+def _outputs_then_a_timeout(at: StandInFrontend, *, max_tokens: int,
                             deadline_s: float) -> list[EngineOutput]:
-    """A text request for `max_tokens` tokens sent to the engine of the mmlane serve at
-    `mmlane_run` as a frontend sends it, due `deadline_s` from now: the outputs it had before
-    its one terminal reply, which is a 'timeout' error."""
-    with zmq.Context() as ctx, StandInFrontend(ctx, f"ipc://{mmlane_run}/engine.sock",
-                                               f"ipc://{mmlane_run}/test-reply.sock") as at:
-        request = EngineRequest(
-            request_id=f"deadline-{time.time_ns()}", reply_to=at.reply_to,
-            prompt_token_ids=[9, 10, 11],
-            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            deadline=time.time() + deadline_s)
-        *outputs, last = at.run(request)[request.request_id]
+    """A text request for `max_tokens` tokens sent to the engine through `at`, due `deadline_s`
+    from now: the outputs it had before its terminal reply, which is a 'timeout' error."""
+    request = EngineRequest(
+        request_id=f"deadline-{time.time_ns()}", reply_to=at.reply_to,
+        prompt_token_ids=[9, 10, 11],
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        deadline=time.time() + deadline_s)
+    *outputs, last = at.run(request)[request.request_id]
     assert all(isinstance(m, EngineOutput) and not m.finished for m in outputs), outputs
     assert isinstance(last, RequestFailed) and last.error.code == "timeout", last
     return outputs
 
 
-def _serves_on_having_dropped_it(port: int, endpoint: str, written: float, *,
+def _serves_on_having_dropped_it(at: StandInFrontend, port: int, written: float, *,
                                  max_tokens: int) -> None:
-    """mmlane at `endpoint` serves a request on the replica at `port`; the replica then runs
-    nothing, and has written fewer than `max_tokens` tokens since it had written `written`: it
-    dropped the request that timed out, long before its end."""
-    with Client(endpoint, timeout_s=120) as client:
-        after = client.chat([user_message("hello")], max_tokens=4, ignore_eos=True)
-    assert after.error is None and len(after.token_ids) == 4, after.error
+    """The engine serves a request sent through `at` in full, and nothing more came for the
+    one that timed out before its reply; the replica at `port` then runs nothing, and has
+    written fewer than `max_tokens` tokens since it had written `written`: it dropped the
+    request that timed out, long before its end."""
+    after = EngineRequest(request_id=f"after-{time.time_ns()}", reply_to=at.reply_to,
+                          prompt_token_ids=[9, 10, 11],
+                          sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    replies = at.run(after)
+    assert list(replies) == [after.request_id], replies
+    *_, last = replies[after.request_id]
+    assert isinstance(last, EngineOutput) and last.finished, last
+    assert sum(len(m.token_ids) for m in replies[after.request_id]) == 4
     wait_until(lambda: _metric(port, "vllm:num_requests_running") == 0,
                "the replica running nothing", timeout_s=30)
     assert _metric(port, "vllm:generation_tokens_total") - written < max_tokens
