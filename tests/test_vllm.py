@@ -116,11 +116,15 @@ def _vllm_serve_option(key: str, value: Any) -> str:
     return f"--{option}={_arg(value)}"
 
 
-def _start(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`command` with its output in `log`, in this environment and `env`."""
+def _start(command: list[str], log: Path, env: dict[str, str] | None = None,
+           cpus: set[int] | None = None) -> subprocess.Popen:
+    """`command` with its output in `log`, in this environment and `env`, on `cpus` (its
+    children and their threads too; None: wherever this process may run)."""
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=cpu_wheels.child_env({**os.environ, **(env or {})}))
+                                env=cpu_wheels.child_env({**os.environ, **(env or {})}),
+                                preexec_fn=None if cpus is None else functools.partial(
+                                    os.sched_setaffinity, 0, cpus))
 
 
 @contextmanager
@@ -143,9 +147,11 @@ def serving(run_dir: Path, model_dir: Path, engine_args: dict[str, Any] | None =
 
 @contextmanager
 def _vllm_alone(run_dir: Path, model_dir: Path, engine_args: dict[str, Any], *serve_args: str,
-                env: dict[str, str] | None = None) -> Iterator[tuple[Server, int]]:
+                env: dict[str, str] | None = None,
+                cpus: set[int] | None = None) -> Iterator[tuple[Server, int]]:
     """`vllm serve` on the model with `engine_args` and `serve_args`, in this environment and
-    `env`, its log run_dir/vllm.log: its server and port (not yet ready)."""
+    `env`, on `cpus` (None: any), its log run_dir/vllm.log: its server and port (not yet
+    ready)."""
     port = free_port()
     args = [_vllm_serve_option(key, value) for key, value in engine_args.items()]
     log = run_dir / "vllm.log"
@@ -155,7 +161,8 @@ def _vllm_alone(run_dir: Path, model_dir: Path, engine_args: dict[str, Any], *se
     parser = load_preprocessor(model_dir).family.tool_call_format or "hermes"
     server = Server(_start([str(Path(sys.executable).with_name("vllm")), "serve", str(model_dir),
                             "--port", str(port), "--enable-scale-out", "--enable-auto-tool-choice",
-                            "--tool-call-parser", parser, *args, *serve_args], log, env), log)
+                            "--tool-call-parser", parser, *args, *serve_args], log, env, cpus),
+                    log)
     try:
         yield server, port
     finally:
@@ -1042,8 +1049,14 @@ def test_vllm_bench_serve_gets_exactly_the_tokens_it_asks_for(
 
 @pytest.fixture
 def at_the_engine(mmlane_vllm: tuple[Server, str, Path]) -> Iterator[StandInFrontend]:
-    """A stand-in frontend talking to the serve's engine directly."""
-    run_dir = mmlane_vllm[2]
+    with engine_stand_in(mmlane_vllm[2]) as frontend:
+        yield frontend
+
+
+@contextmanager
+def engine_stand_in(run_dir: Path) -> Iterator[StandInFrontend]:
+    """A stand-in frontend talking directly to the engine of the mmlane serve whose run folder
+    is `run_dir`."""
     with zmq.Context() as ctx, StandInFrontend(ctx, f"ipc://{run_dir}/engine.sock",
                                                f"ipc://{run_dir}/test-reply.sock") as frontend:
         yield frontend
