@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -261,18 +262,44 @@ def bound_endpoint(sock: zmq.Socket) -> str:
 def free_tcp_port(host: str = DEFAULT_HOST) -> int:
     """A TCP port that is free on `host` right now (for benchmarks and local runs), and none
     this process was given before: two servers started together (vLLM alone and mmlane, in a
-    test) would otherwise both get one port, free until the first of them binds it. Another
-    process may take it before it is bound: where the race matters, bind port 0 and read the
-    port back (`bound_endpoint`)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port: int = sock.getsockname()[1]
-        if port not in _GIVEN_PORTS:  # at most the host's ports: bounded
+    test) would otherwise both get one port, free until the first of them binds it.
+
+    It is drawn below the system's ephemeral range, where the system never hands out ports by
+    itself: a port from `bind(0)` could go to any outgoing connection (an HTTP client's, say)
+    before the server binds it. Another program may still take it; where the race matters,
+    bind port 0 and read the port back (`bound_endpoint`)."""
+    low, high = _FREE_PORT_RANGE
+    for _ in range(1000):
+        port = _random.randrange(low, high) if high > low else _bound_port_zero(host)
+        if port in _GIVEN_PORTS:  # at most the host's ports: bounded
+            continue
+        with contextlib.suppress(OSError):
+            if high > low:
+                with socket.socket() as sock:
+                    sock.bind((host, port))
             _GIVEN_PORTS.add(port)
             return port
+    raise OSError(f"no free TCP port on {host} in {low}-{high - 1}")
 
 
+def _bound_port_zero(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def _free_port_range() -> tuple[int, int]:
+    """[low, high): the 10,000 ports below the ephemeral range (Linux), else empty (bind 0)."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return (0, 0)
+    return (max(1024, ephemeral_low - 10_000), ephemeral_low)
+
+
+_FREE_PORT_RANGE = _free_port_range()
+_random = random.Random()
 _GIVEN_PORTS: set[int] = set()
 
 
