@@ -15,7 +15,9 @@ Each run's figures below count from the moment the client starts sending its loa
 it imports and draws its images.
 Meanwhile, at the 12 MP image size and with videos, it times text-only requests sent one after
 another (`--max-tokens 1`) next to that load: their p50 and p90 are "text" in the table, after
-the same figures idle (`--idle-text` requests, sent once the server is ready). The servers on
+the same figures idle (`--idle-text` requests, sent once the server is ready). With
+`--probe-image WxH` those requests each carry a JPEG of that size instead, a different one each
+(no cache serves it): an image's latency while videos stream, against idle. The servers on
 vLLM get the same vLLM engine arguments. Prints one table; each `vllm bench serve` also leaves
 its JSON result under --out. Each run also prints the CPU time the server's processes took
 during it, in all and by process (vLLM's engine core, mmlane's roles, ...), per completed
@@ -28,6 +30,7 @@ line (e.g. `--mmlane-arg=--vision-threads=2`), to try a setting in the same harn
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import signal
@@ -39,6 +42,8 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +56,8 @@ from mmlane.common import cpu_wheels  # noqa: E402
 
 cpu_wheels.apply()  # this script runs where vLLM is: before transformers imports torchvision
 
+from bench.config import ImageSpec, parse_size  # noqa: E402
+from bench.images import jpeg_uri  # noqa: E402
 from mmlane.common.sockets import free_tcp_port  # noqa: E402
 from mmlane.model import resolve_model_dir  # noqa: E402
 
@@ -99,6 +106,9 @@ def main() -> int:
                         "main environment's (it loads the same model directory)")
     parser.add_argument("--idle-text", type=int, default=40,
                         help="text requests timed one after another on the idle server")
+    parser.add_argument("--probe-image", type=parse_size, default=None, metavar="WxH",
+                        help="the timed requests beside the load carry a JPEG of this size "
+                        "(a different one each) instead of being text only")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-vllm-")),
                         help="where the JSON results and server logs go")
     args = parser.parse_args()
@@ -110,12 +120,14 @@ def main() -> int:
     except ValueError as exc:
         parser.error(f"--sizes: {exc}")
     rows = []
+    chat = partial(_chat, images=_probe_images(args.probe_image))
+    probed_kind = "text" if args.probe_image is None else "image"
     for server in args.servers.split(","):
         port = free_tcp_port()
         process = _start(server, model, port, args.out, args.mmlane_arg, args.hf_python)
         try:
             _wait_healthy(port, model, process, args.out / f"{server}.log")
-            idle = [t for t in (_chat(port, model.name, f"hello, number {i}?", 1)
+            idle = [t for t in (chat(port, model.name, f"hello, number {i}?", 1)
                                 for i in range(args.idle_text)) if t is not None]
             seed = 0  # each run its own images, so none is served from an earlier run's caches
             for size_name, (_, _, frames) in buckets.items():
@@ -124,7 +136,7 @@ def main() -> int:
                     seed += 1
                     _wait_for_load(client, log)
                     probed = size_name in PROBED or frames > 1
-                    probe = _TextProbe(port, model.name) if probed else None
+                    probe = _Probe(chat, port, model.name) if probed else None
                     cpu_before, machine_before = _cpu_seconds(process.pid), _Machine.now()
                     if client.wait() != 0:
                         raise SystemExit(f"vllm bench serve failed; see {log}")
@@ -133,13 +145,13 @@ def main() -> int:
                     text = probe.finish() if probe else []
                     result = dict(json.loads(log.with_suffix("").read_text()))
                     rows.append((server, size_name, rate, result, idle, text))
-                    _print_row(*rows[-1])
+                    _print_row(*rows[-1], probed=probed_kind)
                     _print_cpu(cpu, result["completed"])
                     machine.print_since(machine_before)
         finally:
             _stop(process)
     print()
-    _print_table(rows)
+    _print_table(rows, probed_kind)
     return 0
 
 
@@ -205,9 +217,15 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _chat(port: int, model: str, text: str, max_tokens: int) -> float | None:
-    """One text chat's latency in seconds (None: it failed)."""
-    body = {"model": model, "messages": [{"role": "user", "content": text}],
+def _chat(port: int, model: str, text: str, max_tokens: int,
+          images: Iterator[str] | None = None) -> float | None:
+    """One chat's latency in seconds (None: it failed): text only, or with the next of
+    `images` (data URIs) before the text."""
+    content: str | list[dict] = text
+    if images is not None:
+        content = [{"type": "image_url", "image_url": {"url": next(images)}},
+                   {"type": "text", "text": text}]
+    body = {"model": model, "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
                                      data=json.dumps(body).encode(),
@@ -221,11 +239,20 @@ def _chat(port: int, model: str, text: str, max_tokens: int) -> float | None:
     return time.perf_counter() - started
 
 
-class _TextProbe:
-    """Text-only chats one after another, every 0.25 s, until `finish`: their latencies."""
+def _probe_images(size: ImageSpec | None) -> Iterator[str] | None:
+    """Data URIs of JPEGs of `size`, a different photo each (drawn as they are needed), or None
+    for text-only probes."""
+    if size is None:
+        return None
+    return (jpeg_uri(size.width, size.height, seed) for seed in itertools.count(1000))
 
-    def __init__(self, port: int, model: str) -> None:
-        self._port, self._model = port, model
+
+class _Probe:
+    """Chats (`chat(port, model, text, 1)`) one after another, every 0.25 s, until `finish`:
+    their latencies."""
+
+    def __init__(self, chat: Callable[..., float | None], port: int, model: str) -> None:
+        self._chat, self._port, self._model = chat, port, model
         self._stop = threading.Event()
         self._latencies: list[float] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -234,7 +261,8 @@ class _TextProbe:
     def _run(self) -> None:
         count = 0
         while not self._stop.wait(0.25):
-            latency = _chat(self._port, self._model, f"what is the time, number {count}?", 1)
+            latency = self._chat(self._port, self._model, f"what is the time, number {count}?",
+                                 1)
             if latency is not None:
                 self._latencies.append(latency)
             count += 1
@@ -358,16 +386,16 @@ def _p50_p90(latencies: list[float]) -> str:
 
 
 def _print_row(server: str, size: str, rate: float, result: dict, idle: list[float],
-               text: list[float]) -> None:
+               text: list[float], probed: str) -> None:
     print(f"{server:16} {size:10} {rate:5g} req/s: {result['completed']:3d} done, "
           f"{result['request_throughput']:.2f} req/s, TTFT p50 {result['median_ttft_ms']:.0f} ms, "
-          f"TPOT p50 {result['median_tpot_ms']:.1f} ms, text p50 / p90 idle {_p50_p90(idle)} ms, "
-          f"loaded {_p50_p90(text)} ms ({len(text)} text requests)", flush=True)
+          f"TPOT p50 {result['median_tpot_ms']:.1f} ms, {probed} p50 / p90 idle {_p50_p90(idle)} "
+          f"ms, loaded {_p50_p90(text)} ms ({len(text)} {probed} requests)", flush=True)
 
 
-def _print_table(rows: list) -> None:
+def _print_table(rows: list, probed: str) -> None:
     print("| server | image or video | rate (req/s) | done | req/s | TTFT p50 (ms) | TPOT p50 (ms) "
-          "| text p50 / p90 idle (ms) | loaded (ms) |")
+          f"| {probed} p50 / p90 idle (ms) | loaded (ms) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for server, size, rate, result, idle, text in rows:
         print(f"| {server} | {size} | {rate:g} | {result['completed']} | "
