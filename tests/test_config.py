@@ -151,7 +151,9 @@ def test_flags_that_are_not_one_field_keep_their_meaning(run_dir: Path) -> None:
     (["serve", "--image-nice", "20"], {}, "image_nice must be 0 (off) to 19, got 20"),
     (["mm-worker"], {"MMLANE_IMAGE_NICE": "-1"}, "image_nice must be 0 (off) to 19, got -1"),
     (["mm-worker", "--mm-processes", "2", "--video-processes", "3"], {},
-     "video_processes must be 0 (half the pool) to mm_processes (2), got 3"),
+     "video_processes must be 0 (the default) or more, at most mm_processes (2) with a pool, "
+     "got 3"),
+    (["mm-worker", "--video-processes", "-1"], {}, "video_processes must be 0 (the default)"),
     (["frontend"], {"MMLANE_HTTP_PORT": "eighty"}, "$MMLANE_HTTP_PORT: invalid literal for int"),
 ])
 def test_a_bad_value_names_the_setting(
@@ -165,9 +167,9 @@ def test_a_bad_value_names_the_setting(
 
 
 @pytest.mark.parametrize(("mm_processes", "video_processes", "resolved"), [
-    (1, 0, 1), (2, 0, 1), (5, 0, 2), (8, 0, 4), (4, 4, 4), (4, 1, 1),
+    (1, 0, 2), (1, 1, 1), (1, 3, 3), (2, 0, 1), (5, 0, 2), (8, 0, 4), (4, 4, 4), (4, 1, 1),
 ])
-def test_video_processes_are_half_the_pool_unless_set(
+def test_video_processes_are_half_the_pool_or_two_threads_unless_set(
     mm_processes: int, video_processes: int, resolved: int,
 ) -> None:
     config = MMWorkerConfig(mm_processes=mm_processes, video_processes=video_processes)

@@ -61,9 +61,10 @@ from mmlane.protocol.messages import (
     ImageUrl,
     MMJob,
     SamplingParams,
+    Stats,
     VideoSampling,
 )
-from peers import StandInEngine, wait_until
+from peers import StandInEngine, wait_for_stats, wait_until
 
 CLIP = BY_NAME["h264"]  # 96x64, 50 frames at 25 fps: 2 s
 REPLACED_WITHIN_S = 120.0
@@ -334,9 +335,10 @@ def media_dir(module_run_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def thread_video_worker(module_run_dir: Path, qwen_dir: Path, media_dir: Path,
                         video_peers: Peers) -> Iterator[Child]:
-    """No pool: its video lane's thread decodes and processes."""
+    """No pool: its video lane's two threads (the default) decode and process."""
     worker = start_worker("mm-worker", module_run_dir, qwen_dir, video_peers.engine_endpoint,
-                          "--allowed-media-dir", str(media_dir), "--mm-processes", "1")
+                          "--allowed-media-dir", str(media_dir), "--mm-processes", "1",
+                          "--stats-interval", "0.1")
     yield worker
     assert stop_role(worker) == 0, role_log(worker)
 
@@ -385,6 +387,39 @@ def test_an_image_sent_after_a_slow_video_is_not_held_behind_it(
     second, _ = video_peers.next_request()
     assert [first.request_id, second.request_id] == ["image-after", "slow-video"]
     assert second.mm_items[0].tensors["video_grid_thw"][0, 0] == 10  # 20 frames of 200 s
+
+
+def test_without_a_pool_two_videos_decode_at_once_and_leave_in_arrival_order(
+    thread_video_worker: Child, video_peers: Peers, prep: Preprocessor, media_dir: Path,
+    module_run_dir: Path,
+) -> None:
+    """No pool: a slow video, then a short one. The short one is decoded on the lane's second
+    thread while the slow one decodes (the worker's stats count its decode while nothing has
+    reached the engine), yet it leaves after the slow one."""
+    (media_dir / "slow-2.mp4").write_bytes(slow_video())
+    pid = thread_video_worker.process.pid
+    decoded = video_decodes(module_run_dir, pid)
+    slow = worker_job(prep, "slow", video_peers.reply_to,
+                      videos=[(media_dir / "slow-2.mp4").as_uri()], fps=0.11)  # not yet cached
+    short = worker_job(prep, "short", video_peers.reply_to, videos=[video_uri(CLIP.data)],
+                       fps=1.25)
+    video_peers.send(thread_video_worker, slow, short)
+    wait_for_stats(module_run_dir, lambda stats: stats.pid == pid and video_decodes_in(stats)
+                   == decoded + 1, "the short video decoded")
+    video_peers.assert_quiet()  # the slow one still decodes; the short one waits behind it
+    arrived = [video_peers.next_request()[0].request_id for _ in range(2)]
+    assert arrived == ["slow", "short"]
+
+
+def video_decodes(run_dir: Path, pid: int) -> int:
+    """The videos worker `pid` has decoded, as its stats say now."""
+    return video_decodes_in(wait_for_stats(run_dir, lambda stats: stats.pid == pid,
+                                           "the worker's stats"))
+
+
+def video_decodes_in(stats: Stats) -> int:
+    histogram = stats.histograms.get("video_decode")
+    return 0 if histogram is None else sum(histogram.counts)
 
 
 def test_pool_videos_leave_in_arrival_order_and_hold_no_image_behind_them(

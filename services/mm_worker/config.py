@@ -22,6 +22,9 @@ from mmlane.common.config import (
 )
 from mmlane.common.feature_cache import capacity_bytes
 
+VIDEO_THREADS = 2
+"""Videos decoded at once without a pool, by default (`MMWorkerConfig.video_processes`)."""
+
 
 class VideoLimits(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """How big a video may be; over any bound the video is refused (`video_too_large`).
@@ -97,10 +100,12 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Processes that decode and process images for this worker, in order all the same (1: the
     worker's own thread does it); 0: one per 4 cores this process may use, at least 1."""
     video_processes: int = 0
-    """Of the `mm_processes` pool processes, how many may hold a video at once (decoding and
-    processing it); images go first to whichever process is free, so a stream of videos delays
-    them by no more than these processes. 0: half the pool, at least 1. Without a pool
-    (`mm_processes` 1) the video lane's own thread does it, one video at a time."""
+    """How many videos are decoded and processed at once: in that many of the `mm_processes`
+    pool processes (images go first to whichever process is free, so a stream of videos delays
+    them by no more than these processes), or without a pool (`mm_processes` 1) on that many
+    threads of the video lane's own, beside the image lane's thread. 0: half the pool, at least
+    1; without a pool, 2 (where a busy engine shares the cores, two niced decodes get about
+    twice the CPU of one: BENCHMARKS.md, "Video")."""
     jpeg_draft: bool = False
     """Decode a JPEG at least twice as large on both sides as the image processor resizes it
     to at 1/2, 1/4 or 1/8 of its size (libjpeg's reduce-on-decode), never below the processor's
@@ -140,10 +145,13 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"mm_processes must be 0 (by the cores) or more, got "
                              f"{self.mm_processes}")
         self.mm_processes = self.mm_processes or max(1, len(os.sched_getaffinity(0)) // 4)
-        if not 0 <= self.video_processes <= self.mm_processes:
-            raise ValueError(f"video_processes must be 0 (half the pool) to mm_processes "
-                             f"({self.mm_processes}), got {self.video_processes}")
-        self.video_processes = self.video_processes or max(1, self.mm_processes // 2)
+        pooled = self.mm_processes > 1
+        if self.video_processes < 0 or (pooled and self.video_processes > self.mm_processes):
+            raise ValueError(f"video_processes must be 0 (the default) or more, at most "
+                             f"mm_processes ({self.mm_processes}) with a pool, got "
+                             f"{self.video_processes}")
+        self.video_processes = self.video_processes or (
+            max(1, self.mm_processes // 2) if pooled else VIDEO_THREADS)
         if self.media_max_redirects < 0 or self.media_fetch_retries < 0:
             raise ValueError("media_max_redirects and media_fetch_retries must be 0 or more")
         self.mm_worker_endpoint = self.mm_worker_endpoint or ipc("mm-worker")

@@ -92,6 +92,8 @@ class VideoRendering:
     preprocessor: VideoPreprocessor
     hasher: ImageHasher
     """Scoped to the video processor's settings; each video's sampling goes into its hash."""
+    threads: concurrent.futures.Executor | None = None
+    """Where videos are decoded and processed without a pool (None: on the calling thread)."""
 
 
 class JobRenderer:
@@ -238,7 +240,10 @@ class JobRenderer:
         task = VideoTask(index - len(job.images), data, sampling,
                          max_tokens=self.preprocessor.max_context - len(job.prompt_token_ids))
         if self.pool is None:
-            return _done(lambda: self.process_video(task))
+            assert self.video is not None  # a job with videos was refused without (`_sampling`)
+            if self.video.threads is None:
+                return _done(lambda: self.process_video(task))
+            return self.video.threads.submit(self.process_video, task)
         return self._from_pool(self.pool.submit_video(task))
 
     def _from_pool(self, processed: concurrent.futures.Future[Processed]

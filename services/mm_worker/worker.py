@@ -21,14 +21,16 @@ its items commit together, in one lane's order. Nothing orders one lane against 
 image job sent after a video job may reach the engine first (invariant 2 holds per lane).
 
 With a pool, up to two jobs per process a lane may use are started ahead (`mm_processes` for the
-image lane, `video_processes` for the video lane), so that the processes stay busy while the
-oldest job is finished; without one, a job is started only when the one before it has left, as a
-plain loop would. So that neither a slow image server nor a big image holds up what comes behind
-it, jobs are received into bounded queues (`fetch_ahead_jobs` each) while the lanes work, and the
-fetches of their http(s) images and videos start on arrival (`MediaFetcher`, its own thread); a
-lane takes its head, waiting only for the head's own fetches. While the image lane's queue is
-full the input thread waits (ZMQ holds what comes); a video job that finds the video lane's queue
-full is refused at once (`overloaded`), so videos never hold images back there either.
+image lane, `video_processes` for the video lane), so that the processes stay busy while the oldest
+job is finished. Without one, the image lane starts a job only when the one before it has left, as a
+plain loop would, and the video lane's videos go to `video_processes` threads of its own (two jobs
+started ahead per thread), which decode while its thread finishes the oldest. So that neither a slow
+image server nor a big image holds up what comes behind it, jobs are received into bounded queues
+(`fetch_ahead_jobs` each) while the lanes work, and the fetches of their http(s) images and videos
+start on arrival (`MediaFetcher`, its own thread); a lane takes its head, waiting only for the
+head's own fetches. While the image lane's queue is full the input thread waits (ZMQ holds what
+comes); a video job that finds the video lane's queue full is refused at once (`overloaded`), so
+videos never hold images back there either.
 Engine-epoch notices wait in both queues, so they apply in their turn.
 A job's bad input fails that job alone, with a clear error sent to its frontend; an unreadable
 message on the job socket is counted, logged and dropped.
@@ -208,7 +210,7 @@ class MMWorker:
         """The video lane, where the model takes video (None: not; a job with a video is then
         refused, naming the family): its own sender cache and socket. With a pool, it shares
         the image lane's (its processes' slots go on to the engine as the image lane's do),
-        else its thread decodes into slots of its own."""
+        else its threads decode and it writes into slots of its own."""
         video = videos_of(model_dir, self.preprocessor)
         if video is None:
             return None
@@ -223,12 +225,16 @@ class MMWorker:
                                          int(config.shm_transport_mb * 2**20))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
                              {"video_processor": asdict(video.settings), "timed": video.timed})
+        threads = None
+        if pool is None:  # videos on threads of the lane's own, niced as the worker is
+            threads = concurrent.futures.ThreadPoolExecutor(config.video_processes,
+                                                            thread_name_prefix="video")
+            self._closing.callback(threads.shutdown, cancel_futures=True)
         renderer = JobRenderer(self.preprocessor, self.media, cache,
                                self.image_lane.renderer.hasher, self.metrics, pool,
-                               video=VideoRendering(video, hasher))
+                               video=VideoRendering(video, hasher, threads))
         self.metrics.add_counters(cache.counters, prefix="video_")
-        return self._lane("video", renderer, to_engine,
-                          ahead=2 * config.video_processes if pool else 1)
+        return self._lane("video", renderer, to_engine, ahead=2 * config.video_processes)
 
     def _lane(self, name: str, renderer: JobRenderer, to_engine: shm.ShmSender | None, *,
               ahead: int) -> Lane:
