@@ -69,7 +69,7 @@ from vllm.multimodal.inputs import MultiModalKwargsItems  # noqa: E402
 
 from mmlane.client import Client, user_message  # noqa: E402
 from mmlane.engine.vllm.remote import load as load_remote  # noqa: E402
-from mmlane.engine.vllm.runner import _video_inputs, _video_tensors  # noqa: E402
+from mmlane.engine.vllm.runner import _VIDEO_INPUTS, _video_tensors  # noqa: E402
 from peers import counter, counters, wait_for_stats, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)  # each model's servers start in the first test of it
@@ -99,7 +99,7 @@ def processors(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> t
 
 def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, ...]) -> None:
     """Two videos in one prompt, from their frames: vLLM's processor's items (its kwargs for
-    the model) against the in-process runner's (`_video_tensors`, `_video_inputs`, split by
+    the model) against the in-process runner's (`_video_tensors`, `_VIDEO_INPUTS`, split by
     vLLM's fields as the runner splits them; pixels normalised there unless vLLM does it on
     the device) and the remote backend's (wire.py's encoding, decoded by vLLM's decoder; uint8,
     for vLLM's default): the same tensors, fields and dtypes, bit for bit. Qwen2.5-VL's
@@ -115,7 +115,8 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
             for index, case in enumerate(TWO_VIDEOS)]
 
     norm = None if on_device else video.pixel_norm
-    batch = _video_inputs([_video_tensors(item.tensors, dtype, norm) for item in ours])
+    batch = _VIDEO_INPUTS["qwen2_vl"]([_video_tensors(item.tensors, dtype, norm)
+                                       for item in ours])
     fields = vllm_processor._get_mm_fields_config(batch, {})
     built = MultiModalKwargsItems.from_hf_inputs(batch, fields)["video"]
     assert len(built) == len(expected) == 2

@@ -222,7 +222,7 @@ class MMWorker:
             to_engine = self._shm_writer(self._reaped_tag(cache.sender),
                                          int(config.shm_transport_mb * 2**20))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
-                             {"video_processor": asdict(video.settings), "timed": video.timed})
+                             {type(video).__name__: asdict(video)})
         renderer = JobRenderer(self.preprocessor, self.media, cache,
                                self.image_lane.renderer.hasher, self.metrics, pool,
                                video=VideoRendering(video, hasher))
