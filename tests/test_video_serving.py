@@ -231,20 +231,23 @@ def test_a_requests_sampling_sets_the_rate_and_caps_the_frames(
 def generate_greedy(model: Any, pre: Preprocessor, video: VideoPreprocessor,
                     request: EngineRequest) -> list[int]:
     """transformers' own `generate` on the request's ids and float tensors (the processor's
-    output: the uint8 pixels normalised as the processor normalises them)."""
+    output: the uint8 pixels normalised as the processor normalises them, a video's as the
+    model takes one)."""
     ids = torch.tensor([request.prompt_token_ids], device=model.device)
     inputs: dict[str, torch.Tensor] = {}
     for item in request.mm_items:
-        tensors = dict(item.tensors)
-        if "pixel_values_videos" in tensors:
-            tensors["pixel_values_videos"] = as_processor_output(
-                {"pixel_values": tensors["pixel_values_videos"]}, video.pixel_norm)["pixel_values"]
+        tensors = {name: torch.from_numpy(array) for name, array in item.tensors.items()}
+        if item.is_video:
+            pixels = as_processor_output({"pixel_values": item.tensors["pixel_values_videos"]},
+                                         video.pixel_norm)["pixel_values"]
+            tensors["pixel_values_videos"] = video.model_pixels(torch.from_numpy(pixels))
         else:
-            tensors = as_processor_output(tensors, pre.pixel_norm)
-        inputs.update({name: torch.from_numpy(array).to(model.device)
-                       for name, array in tensors.items()})
-    inputs["mm_token_type_ids"] = ((ids == pre.image_token_id).int()
-                                   + 2 * (ids == video.video_token_id).int())
+            tensors = {name: torch.from_numpy(array) for name, array
+                       in as_processor_output(item.tensors, pre.pixel_norm).items()}
+        inputs.update({name: tensor.to(model.device) for name, tensor in tensors.items()})
+    if pre.family.name == "qwen2_vl":  # get_rope_index's token types: text 0, image 1, video 2
+        inputs["mm_token_type_ids"] = ((ids == pre.image_token_id).int()
+                                       + 2 * (ids == video.video_token_id).int())
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=request.sampling.max_tokens, **inputs)
@@ -292,6 +295,40 @@ def test_greedy_video_output_equals_hf_generate(
     request = rendering.renderer.render(rendering.job(*kinds, fps=4, max_tokens=12))
     assert run_alone(runner, request) == generate_greedy(model, rendering.pre, rendering.video,
                                                          request)
+
+
+@pytest.mark.parametrize("kinds", [("video",), ("image", "video")], ids=["video", "mixed"])
+def test_greedy_onevision_video_output_equals_hf_generate(
+    model_dirs: dict[str, Path], references: dict[str, tuple[HFRunner, Any]],
+    kinds: tuple[str, ...],
+) -> None:
+    """LLaVA-OneVision's frames through the vision tower, pooled 2x2 and closed by the
+    image_newline, in place of its video tokens (beside an image's anyres tiles): the tokens
+    transformers makes."""
+    onevision = Rendering(model_dirs["llava_onevision"])
+    runner, model = _reference(onevision, model_dirs, references)
+    request = onevision.renderer.render(onevision.job(*kinds, num_frames=4, max_tokens=12))
+    video = next(item for item in request.mm_items if item.is_video)
+    assert video.tensors["pixel_values_videos"].shape == (4, 3, 384, 384)
+    assert video.length == 4 * 196 + 1
+    assert run_alone(runner, request) == generate_greedy(model, onevision.pre, onevision.video,
+                                                         request)
+
+
+def test_two_onevision_videos_side_by_side_are_taken(
+    model_dirs: dict[str, Path], references: dict[str, tuple[HFRunner, Any]],
+) -> None:
+    """The template puts a message's videos side by side. LLaVA-OneVision's features go where
+    each video's span is, so two touching videos are taken (Qwen2-VL's are refused: its M-RoPE
+    would read them as one)."""
+    onevision = Rendering(model_dirs["llava_onevision"])
+    runner, _ = _reference(onevision, model_dirs, references)
+    request = onevision.renderer.render(onevision.job("video", "video", num_frames=2))
+    first, second = request.mm_items
+    assert second.offset == first.offset + first.length
+    assert second.tensors == {}  # the same video again: sent as its hash, filled in as P1 would
+    validate_request(msgspec.structs.replace(request, mm_items=[
+        first, msgspec.structs.replace(second, tensors=first.tensors)]), runner.spec)
 
 
 def _tensors(change: Any) -> Any:

@@ -132,6 +132,9 @@ class VideoPreprocessor(ABC):
     video's sampling of that loader)."""
     vision_inputs: ClassVar[tuple[str, ...]] = ()
     """The tensors the model's `get_video_features` takes beside the pixels."""
+    runs_apart: ClassVar[bool] = False
+    """Two videos' tokens must not touch: the model finds a video as a run of video tokens
+    (Qwen2-VL's M-RoPE)."""
 
     @classmethod
     @abstractmethod
@@ -303,6 +306,7 @@ class Qwen2VLVideo(VideoPreprocessor):
     token = "<|video_pad|>"
     loader = "qwen2_vl"
     vision_inputs = ("video_grid_thw",)
+    runs_apart = True
 
     @classmethod
     def load(cls, model_dir: Path, video_token_id: int) -> Qwen2VLVideo:
