@@ -19,7 +19,7 @@ from bench.images import data_uri, encode, jpeg_uri, make_image, png_uri
 from conftest import REPO, free_port, processes
 from mmlane.client import Client, user_message
 from mmlane.model import Preprocessor
-from mmlane.model.video import VIDEO_TOKEN
+from mmlane.model.video import Qwen2VLVideo
 from mmlane.protocol.messages import ChatMessage, ImagePart, ImageUrl, TextPart
 from peers import SERVE_READY
 
@@ -289,7 +289,7 @@ def test_chat_command_sends_a_video_through_the_whole_pipeline(
     )
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
-    video_token = prep.tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+    video_token = prep.tokenizer.convert_tokens_to_ids(Qwen2VLVideo.token)
     assert reply["prompt_token_ids"].count(video_token) == 24
     assert len(reply["token_ids"]) == 4
     mixed = client.chat([user_message("And now?", [jpeg_uri(64, 48)], [clip.as_uri()])],

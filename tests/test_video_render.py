@@ -1,10 +1,12 @@
-"""mmlane.model.video: a decoded video's tensors, token count and prompt for the tiny Qwen2-VL and
-Qwen2.5-VL, against transformers' own processor as vLLM 0.32 calls it.
+"""mmlane.model.video: a decoded video's tensors, token count and prompt for the tiny Qwen2-VL,
+Qwen2.5-VL and LLaVA-OneVision, against transformers' own processor as vLLM 0.32 calls it.
 
 The videos are made here with PyAV (tests/test_video.py's `encode`) and decoded with
 mmlane.mm_worker.video's `decode_video`, as vLLM's loader samples them. The reference is the
 model's AutoProcessor: `videos=[frames]`, `return_tensors="pt"`, and for Qwen2.5-VL the
-decoder's metadata (less `do_sample_frames`), which is how vLLM calls it. transformers' video
+decoder's metadata (less `do_sample_frames`), which is how vLLM calls it: our uint8 pixels
+equal its output with rescale and normalise off (Qwen2-VL's call in vLLM), and once normalised
+its default output (LLaVA-OneVision's, one video a call). transformers' video
 processor needs torchvision: the tests that run it skip where it does not import (the main test
 environment has none; the vLLM environment has it: `.venv-vllm/bin/python -m pytest
 tests/test_video_render.py`).
@@ -34,9 +36,10 @@ from mmlane.mm_worker.video import (
 from mmlane.model import ModelDirError, Preprocessor, UnsupportedModelError, load_preprocessor
 from mmlane.model import normalize as normalise
 from mmlane.model.video import (
-    PROCESSOR_DEFAULTS,
+    LLAVA_ONEVISION_PROCESSOR_DEFAULTS,
+    QWEN2_VL_PROCESSOR_DEFAULTS,
+    Qwen2VLVideoSettings,
     VideoPreprocessor,
-    VideoSettings,
     load_video_preprocessor,
 )
 from mmlane.protocol.errors import RequestError
@@ -75,9 +78,21 @@ CASES = [
 ]
 
 
+ONEVISION_CASES = [
+    # vLLM's default loader for LLaVA-OneVision: 32 of 60 frames, evenly spaced.
+    Case(Video("h264-ntsc-32-frames", "libx264", 160, 90, 60, Fraction(30000, 1001)),
+         UniformSampling()),
+    # Already the tower's tile: no resize.
+    Case(Video("mpeg4-tile", "mpeg4", 384, 384, 6, Fraction(6)), UniformSampling(num_frames=3)),
+]
+ONEVISION_SIZES = ["mpeg4-4-frames", "h264-10fps-fps0.5", "mpeg4-5-frames", "mpeg4-1-frame",
+                   "mpeg4-over-max-pixels"]
+"""CASES that LLaVA-OneVision renders too: up- and downscaled, wide and tall, 1 to 5 frames."""
+
+
 @pytest.fixture(scope="module")
 def decoded() -> dict[str, DecodedVideo]:
-    return {case.name: case.decoded() for case in CASES}
+    return {case.name: case.decoded() for case in CASES + ONEVISION_CASES}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -184,7 +199,7 @@ def test_the_defaults_are_the_video_processors() -> None:
     pytest.importorskip("torchvision", reason="transformers' video processor needs torchvision")
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    for name, value in PROCESSOR_DEFAULTS.items():
+    for name, value in QWEN2_VL_PROCESSOR_DEFAULTS.items():
         assert getattr(Qwen2VLVideoProcessor, name) == value, name
 
 
@@ -228,6 +243,130 @@ def test_settings_are_read_as_the_processor_reads_them(model, decoded, tmp_path:
                                    max_tokens=NO_LIMIT)
         assert_equal_tensors(as_processor_output([item], video),
                              hf_call(processor, [decoded[case]], text=["<|video_pad|>"]))
+
+
+# ---------------------------------------------------------------- LLaVA-OneVision
+
+
+@pytest.fixture(scope="module")
+def onevision(model_dirs: dict[str, Path]) -> tuple[Path, Preprocessor, VideoPreprocessor]:
+    model_dir = model_dirs["llava_onevision"]
+    preprocessor = load_preprocessor(model_dir)
+    return model_dir, preprocessor, load_video_preprocessor(model_dir, preprocessor)
+
+
+def onevision_pixels(item: Any, video: VideoPreprocessor) -> torch.Tensor:
+    """A video's pixels as LlavaOnevisionProcessor returns them: normalised, a batch of one."""
+    pixels = torch.from_numpy(item.tensors["pixel_values_videos"])
+    return video.model_pixels(normalise(pixels, video.pixel_norm))
+
+
+@pytest.mark.parametrize("case", ONEVISION_SIZES + [case.name for case in ONEVISION_CASES])
+def test_onevision_tensors_tokens_and_prompt_are_the_processors(onevision, decoded,
+                                                               case: str) -> None:
+    """pixel_values_videos, normalised, are the processor's bit for bit (its default call, as
+    vLLM makes it for LLaVA-OneVision), the uint8 pixels its output with rescale and normalise
+    off; the prompt expands to its input ids: 196 pooled features a frame and a newline."""
+    model_dir, preprocessor, video = onevision
+    processor = hf_processor(model_dir)
+    decoded_video = decoded[case]
+    prompt = preprocessor.render_prompt(video_chat("video", "text"))
+    expected = hf_call(processor, [decoded_video], text=[prompt])
+
+    item = video.process_video(decoded_video.frames, decoded_video.hf_metadata(), index=0,
+                               max_tokens=NO_LIMIT)
+    assert set(item.tensors) == set(video.item_fields) == {"pixel_values_videos"}
+    assert torch.equal(onevision_pixels(item, video), expected["pixel_values_videos"])
+    uint8 = processor.video_processor(videos=[decoded_video.frames], do_rescale=False,
+                                      do_normalize=False, return_tensors="pt")
+    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"])[None],
+                       uint8["pixel_values_videos"])
+
+    [token_ids] = preprocessor.tokenize_batch([prompt])
+    input_ids = expected["input_ids"][0].tolist()
+    assert video.expand_placeholders(token_ids, [item]) == input_ids
+    frames, height, width = decoded_video.frames.shape[:3]
+    assert item.num_tokens == input_ids.count(video.video_token_id) == frames * 196 + 1 == \
+        video.count_tokens(frames, width, height)
+
+
+def test_a_onevision_chat_with_an_image_and_a_video_is_the_processors(onevision,
+                                                                      decoded) -> None:
+    """An image and a video in one processor call: its ids, both kinds of placeholder expanded
+    (the template puts a message's images before its videos)."""
+    model_dir, preprocessor, video = onevision
+    processor = hf_processor(model_dir)
+    clip = decoded["h264-ntsc-32-frames"]
+    image = make_image(200, 150, seed=3)
+    prompt = preprocessor.render_prompt(video_chat("video", "image", "text"))
+    expected = hf_call(processor, [clip], text=[prompt], images=[image])
+
+    item = video.process_video(clip.frames, clip.hf_metadata(), index=0, max_tokens=NO_LIMIT)
+    assert torch.equal(onevision_pixels(item, video), expected["pixel_values_videos"])
+    [token_ids] = preprocessor.tokenize_batch([prompt])
+    with_images = preprocessor.expand_placeholders(token_ids, [preprocessor.process_image(image)])
+    assert video.expand_placeholders(with_images, [item]) == expected["input_ids"][0].tolist()
+
+
+def test_the_onevision_defaults_are_the_video_processors() -> None:
+    pytest.importorskip("torchvision", reason="transformers' video processor needs torchvision")
+    from transformers.models.llava_onevision.video_processing_llava_onevision import (
+        LlavaOnevisionVideoProcessor,
+    )
+
+    for name, value in LLAVA_ONEVISION_PROCESSOR_DEFAULTS.items():
+        assert getattr(LlavaOnevisionVideoProcessor, name) == value, name
+
+
+def test_onevision_settings_are_read_as_the_processor_reads_them(onevision, decoded,
+                                                                 tmp_path: Path) -> None:
+    """A video processor file of its own, with the class's CLIP mean and std (a value of its
+    own for each channel; the tiny model's image processor file has 0.5 for all three)."""
+    model_dir, preprocessor, _ = onevision
+    model_dir = model_dir_with(model_dir, tmp_path, {"video_preprocessor_config.json": {
+        "video_processor_type": "LlavaOnevisionVideoProcessor",
+        "size": {"height": 384, "width": 384}}})
+    video = load_video_preprocessor(model_dir, preprocessor)
+    assert video.pixel_norm.mean != (0.5, 0.5, 0.5)
+    processor = hf_processor(model_dir)
+    for case in ("mpeg4-over-max-pixels", "mpeg4-5-frames"):
+        item = video.process_video(decoded[case].frames, decoded[case].hf_metadata(), index=0,
+                                   max_tokens=NO_LIMIT)
+        expected = hf_call(processor, [decoded[case]], text=["<video>"])
+        assert torch.equal(onevision_pixels(item, video), expected["pixel_values_videos"])
+
+
+@pytest.mark.parametrize(("settings", "refusal"), [
+    ({"resample": 2}, "bicubic resize"),
+    ({"size": {"height": 336, "width": 336}}, "takes frames of 384x384 pixels"),
+    ({"size": {"shortest_edge": 384}}, "takes frames of 384x384 pixels"),
+    ({"do_center_crop": True, "crop_size": {"height": 384, "width": 384}},
+     "do_center_crop True"),
+])
+def test_onevision_settings_it_does_not_reproduce_are_refused(onevision, tmp_path: Path,
+                                                              settings: dict,
+                                                              refusal: str) -> None:
+    model_dir, preprocessor, _ = onevision
+    model_dir = model_dir_with(model_dir, tmp_path,
+                               {"video_preprocessor_config.json": settings})
+    with pytest.raises(ModelDirError, match=refusal):
+        load_video_preprocessor(model_dir, preprocessor)
+
+
+def test_a_onevision_video_over_the_token_limit_is_refused_before_any_pixel_work(
+    onevision,
+) -> None:
+    _, _, video = onevision
+    frames = np.broadcast_to(np.uint8(0), (256, 1080, 1920, 3))  # never materialised
+    with pytest.raises(RequestError, match=r"^video 2: its 256 frames of 1920x1080 make 50177 "
+                                           r"tokens \(196 a frame and 1 newline\), more than "
+                                           r"the 32768 it may take$") as refused:
+        video.process_video(frames, {}, index=2, max_tokens=32768)
+    assert refused.value.code == "video_too_large"
+    two = np.stack([frame_image(i, 64, 48) for i in range(2)])
+    assert video.process_video(two, {}, index=0, max_tokens=393).num_tokens == 393
+    with pytest.raises(RequestError, match="video 0: .* make 393 tokens"):
+        video.process_video(two, {}, index=0, max_tokens=392)
 
 
 # ---------------------------------------------------------------- bounds and refusals
@@ -275,9 +414,13 @@ def test_qwen2_5_vl_needs_the_frame_rate(model_dirs: dict[str, Path]) -> None:
     assert refused.value.code == "invalid_video"
 
 
-def test_only_the_qwen2_vl_family_renders_videos(model_dirs: dict[str, Path]) -> None:
+def test_only_the_qwen2_vl_and_onevision_families_render_videos(
+    model_dirs: dict[str, Path],
+) -> None:
     llava = model_dirs["llava"]
-    with pytest.raises(UnsupportedModelError, match="Qwen2-VL and Qwen2.5-VL only, not the llava"):
+    with pytest.raises(UnsupportedModelError, match="mmlane renders videos for the qwen2_vl and "
+                                                    "llava_onevision families only, not the "
+                                                    "llava family"):
         load_video_preprocessor(llava, load_preprocessor(llava))
 
 
@@ -294,4 +437,4 @@ def test_settings_it_does_not_reproduce_are_refused(model, tmp_path: Path, setti
     model_dir = model_dir_with(model_dir, tmp_path,
                                {"preprocessor_config.json": {**stock, **settings}})
     with pytest.raises(ModelDirError, match=refusal):
-        VideoSettings.read(model_dir)
+        Qwen2VLVideoSettings.read(model_dir)

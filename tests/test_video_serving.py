@@ -51,7 +51,7 @@ from mmlane.launcher import Child, stop_all
 from mmlane.mm_worker.cache import ImageHasher, SenderCache
 from mmlane.mm_worker.jobs import JobRenderer, VideoRendering, video_sampling
 from mmlane.mm_worker.media import MediaPolicy
-from mmlane.mm_worker.video import Qwen2VLSampling
+from mmlane.mm_worker.video import Qwen2VLSampling, UniformSampling
 from mmlane.model import Preprocessor, load_model, load_preprocessor
 from mmlane.model.video import VideoPreprocessor, load_video_preprocessor
 from mmlane.protocol.errors import RequestError
@@ -122,12 +122,13 @@ class Rendering:
             video=VideoRendering(self.video, ImageHasher("blake3", self.pre.model_id, settings)))
 
     def job(self, *kinds: str, video: bytes = CLIP.data, fps: float | None = None,
-            max_tokens: int = 8) -> MMJob:
+            num_frames: int | None = None, max_tokens: int = 8) -> MMJob:
         return MMJob(
             request_id="r", reply_to="", prompt_token_ids=prompt_ids(self.pre, *kinds),
             images=[ImageUrl(url=jpeg_uri(64, 48)) for kind in kinds if kind == "image"],
             videos=[ImageUrl(url=video_uri(video)) for kind in kinds if kind == "video"],
-            sampling=SamplingParams(max_tokens=max_tokens), video_sampling=VideoSampling(fps=fps),
+            sampling=SamplingParams(max_tokens=max_tokens),
+            video_sampling=VideoSampling(fps=fps, num_frames=num_frames),
         )
 
     def sent(self, job: MMJob) -> EngineRequest:
@@ -186,22 +187,43 @@ def test_a_video_hash_covers_its_bytes_sampling_and_processor(rendering: Renderi
     assert hash_of(rendering.job("video", fps=1), renderer) != base
 
 
-@pytest.mark.parametrize(("asked", "message"), [
-    (VideoSampling(fps=0.0), r"^mm_processor_kwargs\.fps: must be above 0, got 0$"),
-    (VideoSampling(num_frames=1), r"^mm_processor_kwargs\.num_frames: must be 2 \(one temporal "
-                                  r"patch\) to 256 "),
-    (VideoSampling(num_frames=257), r"\(max_video_frames\), got 257$"),
+@pytest.fixture(scope="module")
+def video_processing(model_dirs: dict[str, Path]) -> dict[str, VideoPreprocessor]:
+    """The video processing of the tiny Qwen2-VL and LLaVA-OneVision."""
+    return {family: load_video_preprocessor(model_dirs[family],
+                                            load_preprocessor(model_dirs[family]))
+            for family in ("qwen2_vl", "llava_onevision")}
+
+
+@pytest.mark.parametrize(("family", "asked", "message"), [
+    ("qwen2_vl", VideoSampling(fps=0.0), r"^mm_processor_kwargs\.fps: must be above 0, got 0$"),
+    ("qwen2_vl", VideoSampling(num_frames=1),
+     r"^mm_processor_kwargs\.num_frames: must be 2 \(one temporal patch\) to 256 "),
+    ("qwen2_vl", VideoSampling(num_frames=257), r"\(max_video_frames\), got 257$"),
+    ("llava_onevision", VideoSampling(num_frames=0),
+     r"^mm_processor_kwargs\.num_frames: must be 1 to 256 \(max_video_frames\), got 0$"),
 ])
-def test_a_requests_sampling_is_bounded_by_the_servers(asked: VideoSampling,
-                                                       message: str) -> None:
+def test_a_requests_sampling_is_bounded_by_the_servers(
+    video_processing: dict[str, VideoPreprocessor], family: str, asked: VideoSampling,
+    message: str,
+) -> None:
     with pytest.raises(RequestError, match=message):
-        video_sampling(asked, 256, 2)
+        video_sampling(asked, 256, video_processing[family])
 
 
-def test_a_requests_sampling_sets_the_rate_and_caps_the_frames() -> None:
-    assert video_sampling(VideoSampling(), 256, 2) == Qwen2VLSampling()
-    assert video_sampling(VideoSampling(fps=4, num_frames=6), 256, 2) == \
+def test_a_requests_sampling_sets_the_rate_and_caps_the_frames(
+    video_processing: dict[str, VideoPreprocessor],
+) -> None:
+    qwen, onevision = video_processing["qwen2_vl"], video_processing["llava_onevision"]
+    assert video_sampling(VideoSampling(), 256, qwen) == Qwen2VLSampling()
+    assert video_sampling(VideoSampling(fps=4, num_frames=6), 256, qwen) == \
         Qwen2VLSampling(fps=4, max_frames=6)
+    # vLLM's default loader: 32 frames evenly spaced, fewer where a rate keeps fewer.
+    assert video_sampling(VideoSampling(), 256, onevision) == UniformSampling(num_frames=32)
+    assert video_sampling(VideoSampling(fps=1), 256, onevision) == \
+        UniformSampling(num_frames=32, fps=1)
+    assert video_sampling(VideoSampling(num_frames=8), 256, onevision) == \
+        UniformSampling(num_frames=8)
 
 
 # ---------------------------------------------------------------- the HF runner
@@ -210,20 +232,23 @@ def test_a_requests_sampling_sets_the_rate_and_caps_the_frames() -> None:
 def generate_greedy(model: Any, pre: Preprocessor, video: VideoPreprocessor,
                     request: EngineRequest) -> list[int]:
     """transformers' own `generate` on the request's ids and float tensors (the processor's
-    output: the uint8 pixels normalised as the processor normalises them)."""
+    output: the uint8 pixels normalised as the processor normalises them, a video's as the
+    model takes one)."""
     ids = torch.tensor([request.prompt_token_ids], device=model.device)
     inputs: dict[str, torch.Tensor] = {}
     for item in request.mm_items:
-        tensors = dict(item.tensors)
-        if "pixel_values_videos" in tensors:
-            tensors["pixel_values_videos"] = as_processor_output(
-                {"pixel_values": tensors["pixel_values_videos"]}, video.pixel_norm)["pixel_values"]
+        tensors = {name: torch.from_numpy(array) for name, array in item.tensors.items()}
+        if item.is_video:
+            pixels = as_processor_output({"pixel_values": item.tensors["pixel_values_videos"]},
+                                         video.pixel_norm)["pixel_values"]
+            tensors["pixel_values_videos"] = video.model_pixels(torch.from_numpy(pixels))
         else:
-            tensors = as_processor_output(tensors, pre.pixel_norm)
-        inputs.update({name: torch.from_numpy(array).to(model.device)
-                       for name, array in tensors.items()})
-    inputs["mm_token_type_ids"] = ((ids == pre.image_token_id).int()
-                                   + 2 * (ids == video.video_token_id).int())
+            tensors = {name: torch.from_numpy(array) for name, array
+                       in as_processor_output(item.tensors, pre.pixel_norm).items()}
+        inputs.update({name: tensor.to(model.device) for name, tensor in tensors.items()})
+    if pre.family.name == "qwen2_vl":  # get_rope_index's token types: text 0, image 1, video 2
+        inputs["mm_token_type_ids"] = ((ids == pre.image_token_id).int()
+                                       + 2 * (ids == video.video_token_id).int())
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=request.sampling.max_tokens, **inputs)
@@ -271,6 +296,40 @@ def test_greedy_video_output_equals_hf_generate(
     request = rendering.renderer.render(rendering.job(*kinds, fps=4, max_tokens=12))
     assert run_alone(runner, request) == generate_greedy(model, rendering.pre, rendering.video,
                                                          request)
+
+
+@pytest.mark.parametrize("kinds", [("video",), ("image", "video")], ids=["video", "mixed"])
+def test_greedy_onevision_video_output_equals_hf_generate(
+    model_dirs: dict[str, Path], references: dict[str, tuple[HFRunner, Any]],
+    kinds: tuple[str, ...],
+) -> None:
+    """LLaVA-OneVision's frames through the vision tower, pooled 2x2 and closed by the
+    image_newline, in place of its video tokens (beside an image's anyres tiles): the tokens
+    transformers makes."""
+    onevision = Rendering(model_dirs["llava_onevision"])
+    runner, model = _reference(onevision, model_dirs, references)
+    request = onevision.renderer.render(onevision.job(*kinds, num_frames=4, max_tokens=12))
+    video = next(item for item in request.mm_items if item.is_video)
+    assert video.tensors["pixel_values_videos"].shape == (4, 3, 384, 384)
+    assert video.length == 4 * 196 + 1
+    assert run_alone(runner, request) == generate_greedy(model, onevision.pre, onevision.video,
+                                                         request)
+
+
+def test_two_onevision_videos_side_by_side_are_taken(
+    model_dirs: dict[str, Path], references: dict[str, tuple[HFRunner, Any]],
+) -> None:
+    """The template puts a message's videos side by side. LLaVA-OneVision's features go where
+    each video's span is, so two touching videos are taken (Qwen2-VL's are refused: its M-RoPE
+    would read them as one)."""
+    onevision = Rendering(model_dirs["llava_onevision"])
+    runner, _ = _reference(onevision, model_dirs, references)
+    request = onevision.renderer.render(onevision.job("video", "video", num_frames=2))
+    first, second = request.mm_items
+    assert second.offset == first.offset + first.length
+    assert second.tensors == {}  # the same video again: sent as its hash, filled in as P1 would
+    validate_request(msgspec.structs.replace(request, mm_items=[
+        first, msgspec.structs.replace(second, tensors=first.tensors)]), runner.spec)
 
 
 def _tensors(change: Any) -> Any:
@@ -580,9 +639,9 @@ class Served:
 @pytest.fixture(scope="module")
 def served(module_run_dir: Path, model_dirs: dict[str, Path],
            media_dir: Path) -> Iterator[dict[str, Served]]:
-    """The tiny Qwen2-VL's, and LLaVA's (a family without video)."""
+    """The tiny Qwen2-VL's and LLaVA-OneVision's, and LLaVA's (a family without video)."""
     served = {family: Served(module_run_dir / f"api-{family}", model_dirs[family], media_dir)
-              for family in ("qwen2_vl", "llava")}
+              for family in ("qwen2_vl", "llava_onevision", "llava")}
     yield served
     for one in served.values():
         one.close()
@@ -607,18 +666,32 @@ def test_a_video_url_part_is_served_sampled_as_the_request_asks(
 ) -> None:
     qwen = served["qwen2_vl"]
     (media_dir / "clip.mp4").write_bytes(CLIP.data)
-    for url, fps, frames in [(video_uri(CLIP.data), None, 4),
-                             ((media_dir / "clip.mp4").as_uri(), 4, 8)]:
+    # 4 frames at 2 fps, 8 at 4: a 2x4x6 or 4x4x6 patch grid, a token per 2x2 patches
+    for url, fps, tokens in [(video_uri(CLIP.data), None, 12),
+                             ((media_dir / "clip.mp4").as_uri(), 4, 24)]:
         extra = {} if fps is None else {"extra_body": {"mm_processor_kwargs": {"fps": fps}}}
         call = qwen.chat([video_part(url), TEXT], **extra)
-        completion = _answered(qwen_engine, call, functools.partial(_answer, frames=frames))
+        completion = _answered(qwen_engine, call, functools.partial(_answer, tokens=tokens))
         assert completion.choices[0].finish_reason == "length"
 
 
-def _answer(request: EngineRequest, frames: int) -> Any:
-    """The stand-in engine's answer, once the request carries one video of `frames` frames."""
+def test_a_onevision_video_is_sampled_as_vllms_default_loader_samples_it(
+    served: dict[str, Served],
+) -> None:
+    """32 of the clip's 50 frames, or one a second where asked: each frame 196 tokens, and the
+    video a newline."""
+    onevision = served["llava_onevision"]
+    for extra, frames in [({}, 32), ({"extra_body": {"mm_processor_kwargs": {"fps": 1}}}, 2)]:
+        call = onevision.chat([video_part(video_uri(CLIP.data)), TEXT], **extra)
+        completion = _answered(onevision.engine, call,
+                               functools.partial(_answer, tokens=frames * 196 + 1))
+        assert completion.choices[0].finish_reason == "length"
+
+
+def _answer(request: EngineRequest, tokens: int) -> Any:
+    """The stand-in engine's answer, once the request carries one video of `tokens` tokens."""
     [item] = request.mm_items
-    assert item.tensors["video_grid_thw"].tolist() == [[frames // 2, 4, 6]]
+    assert item.is_video and item.length == tokens, item.length
     return EngineOutput(request_id=request.request_id, token_ids=[42], finished=True,
                         finish_reason="length", prompt_token_ids=request.prompt_token_ids)
 

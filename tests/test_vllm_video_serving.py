@@ -1,6 +1,7 @@
 """Videos on both vLLM backends: the items they hand vLLM are the ones vLLM's own processor makes,
 and `mmlane serve --backend vllm` (or `vllm-remote` in front of a `vllm serve`) answers a chat
-with videos as `vllm serve` alone does.
+with videos as `vllm serve` alone does: Qwen2-VL's and Qwen2.5-VL's on both, LLaVA-OneVision's on
+`--backend vllm` (vllm-remote takes no LLaVA-OneVision model yet).
 
 Runs where vLLM is installed (`.venv-vllm/bin/python -m pytest tests/test_vllm_video_serving.py`)
 and is skipped elsewhere. The videos are tests/test_video.py's, made here with PyAV; vLLM alone
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from test_video import BY_NAME
-from test_video_render import CASES, MODELS, NO_LIMIT, video_chat
+from test_video_render import CASES, MODELS, NO_LIMIT, ONEVISION_CASES, video_chat
 from test_video_serving import CLIP, Rendering, video_uri
 
 from bench.images import jpeg_uri
@@ -59,6 +60,7 @@ from test_vllm import (  # noqa: E402
     worst_logprob_difference,
 )
 from test_vllm_video import _vllm_load  # noqa: E402
+from vllm import envs  # noqa: E402
 from vllm.config import ModelConfig  # noqa: E402
 from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import (  # noqa: E402
     decode_mm_kwargs_item,
@@ -66,10 +68,11 @@ from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import (  # noqa: E4
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
 from vllm.multimodal.inputs import MultiModalKwargsItems  # noqa: E402
+from vllm.multimodal.video import get_video_loader_backend_for_processor  # noqa: E402
 
 from mmlane.client import Client, user_message  # noqa: E402
 from mmlane.engine.vllm.remote import load as load_remote  # noqa: E402
-from mmlane.engine.vllm.runner import _video_inputs, _video_tensors  # noqa: E402
+from mmlane.engine.vllm.runner import _VIDEO_INPUTS, _video_tensors  # noqa: E402
 from peers import counter, counters, wait_for_stats, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1500)  # each model's servers start in the first test of it
@@ -99,7 +102,7 @@ def processors(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> t
 
 def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, ...]) -> None:
     """Two videos in one prompt, from their frames: vLLM's processor's items (its kwargs for
-    the model) against the in-process runner's (`_video_tensors`, `_video_inputs`, split by
+    the model) against the in-process runner's (`_video_tensors`, `_VIDEO_INPUTS`, split by
     vLLM's fields as the runner splits them; pixels normalised there unless vLLM does it on
     the device) and the remote backend's (wire.py's encoding, decoded by vLLM's decoder; uint8,
     for vLLM's default): the same tensors, fields and dtypes, bit for bit. Qwen2.5-VL's
@@ -115,7 +118,8 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
             for index, case in enumerate(TWO_VIDEOS)]
 
     norm = None if on_device else video.pixel_norm
-    batch = _video_inputs([_video_tensors(item.tensors, dtype, norm) for item in ours])
+    batch = _VIDEO_INPUTS["qwen2_vl"]([_video_tensors(item.tensors, dtype, norm)
+                                       for item in ours])
     fields = vllm_processor._get_mm_fields_config(batch, {})
     built = MultiModalKwargsItems.from_hf_inputs(batch, fields)["video"]
     assert len(built) == len(expected) == 2
@@ -140,6 +144,49 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
                 received = {name: elem for name, elem in received.items()
                             if name != "second_per_grid_ts"}
         assert_same_vllm_item(sent, received)
+
+
+def test_onevision_video_items_are_the_ones_vllms_processor_makes(
+        model_dirs: dict[str, Path]) -> None:
+    """Two LLaVA-OneVision videos of other sizes and frame counts in one prompt (32 frames of
+    160x90, 3 of 384x384): vLLM's processor's items against the in-process runner's (frames
+    normalised there: vLLM 0.32 does not normalise this model on the device), bit for bit, in
+    float32 and bfloat16; and its prompt is ours."""
+    model_dir = model_dirs["llava_onevision"]
+    preprocessor = load_preprocessor(model_dir)
+    video = load_video_preprocessor(model_dir, preprocessor)
+    [prompt] = preprocessor.tokenize_batch([preprocessor.render_prompt(
+        video_chat("video", "video", "text"))])
+    loaded = [_vllm_load(case.video.data, case.sampling) for case in ONEVISION_CASES]
+    ours = [video.process_video(*_decoded(case, index), index=index, max_tokens=NO_LIMIT)
+            for index, case in enumerate(ONEVISION_CASES)]
+    for dtype in ("float32", "bfloat16"):
+        config = ModelConfig(model=str(model_dir), max_model_len=16384, dtype=dtype)
+        assert not config.get_multimodal_config().mm_device_do_normalize
+        vllm_processor = MULTIMODAL_REGISTRY.create_processor(config)
+        vllm = vllm_processor(list(prompt), vllm_processor.info.parse_mm_data({"video": loaded}))
+        batch = _VIDEO_INPUTS["llava_onevision"]([
+            _video_tensors(item.tensors, config.dtype, video.pixel_norm) for item in ours])
+        fields = vllm_processor._get_mm_fields_config(batch, {})
+        built = MultiModalKwargsItems.from_hf_inputs(batch, fields)["video"]
+        assert len(built) == len(vllm["mm_kwargs"]["video"]) == 2
+        for mine, theirs in zip(built, vllm["mm_kwargs"]["video"], strict=True):
+            assert_same_vllm_item(mine, theirs)
+        assert vllm["prompt_token_ids"] == video.expand_placeholders(list(prompt), ours)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision"])
+def test_the_frames_are_sampled_by_the_loader_vllm_picks(model_dirs: dict[str, Path],
+                                                         family: str) -> None:
+    """vLLM loads a video with the loader its model's video processor maps to (Qwen2-VL's
+    `qwen2_vl`; the default, `opencv`, for LLaVA-OneVision's): the sampling mmlane picks."""
+    from transformers import AutoProcessor
+
+    model_dir = model_dirs[family]
+    processor = type(AutoProcessor.from_pretrained(model_dir).video_processor).__name__
+    video = load_video_preprocessor(model_dir, load_preprocessor(model_dir))
+    assert (get_video_loader_backend_for_processor(processor)
+            or envs.VLLM_VIDEO_LOADER_BACKEND) == video.loader
 
 
 def _decoded(case: Any, index: int) -> tuple[np.ndarray, dict[str, Any]]:
@@ -269,6 +316,37 @@ def test_a_repeated_video_reaches_vllm_as_its_hash(servers: Servers) -> None:
         assert first.error is None and again.error is None
         assert again.token_ids == first.token_ids
         counter(run_dir, "engine", held, before + 1)
+
+
+@pytest.fixture(scope="module")
+def onevision_servers(module_run_dir: Path, model_dirs: dict[str, Path]
+                      ) -> Iterator[tuple[Path, int, tuple[Server, str, Path]]]:
+    """`vllm serve` alone and `mmlane serve --backend vllm` on the tiny LLaVA-OneVision: its
+    directory, vLLM alone's port, and mmlane's server, native endpoint and run directory."""
+    model_dir = model_dirs["llava_onevision"]
+    run_dir = module_run_dir / "llava_onevision"
+    run_dir.mkdir()
+    with serving(run_dir, model_dir) as (alone, ours):
+        yield model_dir, alone[1], ours
+
+
+TILE = video_uri(ONEVISION_CASES[1].video.data)  # 384x384, 6 frames: all kept
+TALL = video_uri(CASES[5].video.data)  # 48x100, 10 frames: all kept
+ONEVISION_CHATS: dict[str, Chat] = {
+    "one video": (None, "what happens?", [], [TILE]),
+    "an image and a video": ("Answer briefly.", "compare them", [jpeg_uri(160, 120, 7)], [TALL]),
+    "two videos side by side": (None, "which is longer?", [], [TALL, TILE]),
+}
+
+
+@pytest.mark.parametrize("chat", list(ONEVISION_CHATS))
+def test_a_onevision_chat_with_videos_gets_vllm_alone_s_tokens_and_logprobs(
+        onevision_servers: tuple[Path, int, tuple[Server, str, Path]], chat: str) -> None:
+    """--backend vllm on LLaVA-OneVision: the prompt's ids, the output's ids, logprobs and their
+    texts are vLLM alone's for the same videos (all their frames: 32 at most), natively and
+    over the HTTP API."""
+    model_dir, alone_port, ours = onevision_servers
+    assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, ONEVISION_CHATS[chat])
 
 
 @pytest.fixture(scope="module")

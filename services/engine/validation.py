@@ -133,7 +133,8 @@ def check_item_tensors(items: list[MMItem], spec: ModelSpec) -> None:
         else:
             _check_names(where, item, spec.video.item_fields, f"a {spec.model_id} video")
             spec.video.check_item(where, item.tensors)
-            _check_apart(items, index)
+            if spec.video.runs_apart:
+                _check_apart(items, index)
     spec.check_items(images)
 
 

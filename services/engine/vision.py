@@ -44,6 +44,7 @@ import torch
 
 from mmlane.common.lifecycle import lower_priority
 from mmlane.model import PixelNorm, Preprocessor, load_model, normalize
+from mmlane.model.video import VideoPreprocessor
 from mmlane.protocol.errors import FatalError, RetryableError
 from mmlane.protocol.messages import VIDEO_PIXELS
 
@@ -99,15 +100,17 @@ class VisionEncoder:
     `image_sizes`, so the tile grid, the unpadding and the image_newline are transformers' own;
     Idefics3's with the image's tiles as one sample, and no pixel_attention_mask: an image's own
     tiles are whole, the mask the model makes without one). These rows replace the image tokens
-    of the image's span. A video's (Qwen2-VL's, with `video_norm`) go through the model's
-    `get_video_features` with its `video_grid_thw`, and replace its video tokens."""
+    of the image's span. A video's (with `video`, the model's video processing) go through the
+    model's `get_video_features` with the tensors it names (Qwen2-VL's `video_grid_thw`; LLaVA-
+    OneVision's frames as a batch of one video, pooled and closed by the image_newline there),
+    and replace its video tokens."""
 
     def __init__(self, model: Any, family: str, pixel_norm: PixelNorm,
-                 video_norm: PixelNorm | None = None) -> None:
+                 video: VideoPreprocessor | None = None) -> None:
         self.model = model  # a transformers model (Any: its submodules are untyped)
         self._tiles_are_one_sample = family == "idefics3"
         self._pixel_norm = pixel_norm
-        self._video_norm = video_norm
+        self._video_processor = video
 
     def __call__(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
         if VIDEO_PIXELS in tensors:
@@ -124,13 +127,14 @@ class VisionEncoder:
         return torch.cat(list(output.pooler_output))
 
     def _video(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:
-        if self._video_norm is None:  # the engine's validation refuses videos then
+        video = self._video_processor
+        if video is None:  # the engine's validation refuses videos then
             raise RuntimeError("this vision encoder was built without video")
         pixels = to_device(tensors[VIDEO_PIXELS], self.model.device)
-        pixels = normalize(pixels, self._video_norm).to(self.model.dtype)
+        pixels = normalize(pixels, video.pixel_norm).to(self.model.dtype)
+        inputs = {name: self.to_device(tensors[name]) for name in video.vision_inputs}
         output = self.model.model.get_video_features(
-            pixel_values_videos=pixels, video_grid_thw=self.to_device(tensors["video_grid_thw"]),
-            return_dict=True)
+            pixel_values_videos=video.model_pixels(pixels), **inputs, return_dict=True)
         return torch.cat(list(output.pooler_output))
 
     def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:

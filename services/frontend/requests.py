@@ -23,7 +23,7 @@ from typing import cast
 
 from mmlane.model import Preprocessor
 from mmlane.model.grammar import check_grammar
-from mmlane.model.video import VIDEO_TOKEN, video_token_id
+from mmlane.model.video import VIDEO_FAMILIES, video_token_id
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import (
     ChatMessage,
@@ -176,7 +176,8 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
     video_token = video_token_id(pre)
     if checked.videos and video_token is None:
         raise RequestError(f"messages: this model ({pre.family.name} family) takes no video; "
-                           "mmlane renders videos for Qwen2-VL and Qwen2.5-VL")
+                           f"mmlane renders videos for the {' and '.join(VIDEO_FAMILIES)} "
+                           "families")
     token_ids = _token_ids(pre, checked)
     # Only the chat template may place placeholders; text and ids must not forge them.
     source = "messages: text" if checked.template_messages is not None else "prompt:"
@@ -185,7 +186,8 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
             f"{source} contains the reserved image token {pre.family.image_token!r}",
         )
     if video_token is not None and token_ids.count(video_token) != len(checked.videos):
-        raise RequestError(f"{source} contains the reserved video token {VIDEO_TOKEN!r}")
+        raise RequestError(f"{source} contains the reserved video token "
+                           f"{VIDEO_FAMILIES[pre.family.name].token!r}")
     prompt_tokens = len(token_ids)
     needed = prompt_tokens + checked.sampling.max_tokens
     if not checked.has_media and needed > pre.max_context:

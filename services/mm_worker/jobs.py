@@ -27,11 +27,11 @@ the request is sent (`SenderCache.commit`).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from msgspec.structs import replace
 
@@ -40,7 +40,7 @@ from mmlane.mm_worker.cache import ImageHasher, ItemInfo, SenderCache
 from mmlane.mm_worker.media import MediaPolicy, Medium, load_bytes
 from mmlane.mm_worker.pool import Processed, ProcessPool, VideoTask, process_image, process_video
 from mmlane.mm_worker.render import PreparedItem, check_job, render_request
-from mmlane.mm_worker.video import Qwen2VLSampling
+from mmlane.mm_worker.video import FrameSampling, Qwen2VLSampling, UniformSampling
 from mmlane.model import ImageItem, Preprocessor
 from mmlane.model.video import VideoItem, VideoPreprocessor
 from mmlane.protocol.errors import RequestError
@@ -63,7 +63,7 @@ class StartedJob:
     hashes: list[str]
     loaded: list[bytes | None]
     work: dict[int, concurrent.futures.Future[Item]]
-    sampling: Qwen2VLSampling | None = None
+    sampling: FrameSampling | None = None
     """How its videos' frames are sampled (None: it has none)."""
     received_at: float = 0.0
     """When the worker took the job off its socket (`time.monotonic()`)."""
@@ -176,16 +176,16 @@ class JobRenderer:
     def _video_token_id(self) -> int | None:
         return None if self.video is None else self.video.preprocessor.video_token_id
 
-    def _sampling(self, job: MMJob) -> Qwen2VLSampling | None:
-        """How the job's videos are sampled (None: it has none): the model's loader's rule
-        (Qwen2-VL's, vLLM's) with the request's `mm_processor_kwargs`, within the bounds."""
+    def _sampling(self, job: MMJob) -> FrameSampling | None:
+        """How the job's videos are sampled (None: it has none): the rule of the model's
+        loader in vLLM with the request's `mm_processor_kwargs`, within the bounds."""
         if not job.videos:
             return None
         if self.video is None:
             raise RequestError(f"this model ({self.preprocessor.family.name} family) takes no "
                                "video", code="invalid_request")
         return video_sampling(job.video_sampling, self.media.video_limits.max_video_frames,
-                              self.video.preprocessor.settings.temporal_patch_size)
+                              self.video.preprocessor)
 
     def _medium(self, job: MMJob, index: int) -> tuple[Medium, int]:
         """Item `index`'s kind, and its position among the job's items of that kind."""
@@ -212,7 +212,7 @@ class JobRenderer:
         return data
 
     def _hash(self, job: MMJob, index: int, data: bytes | None,
-              sampling: Qwen2VLSampling | None) -> str:
+              sampling: FrameSampling | None) -> str:
         if not self._hashing:
             return ""
         source = _source(job, index)
@@ -230,7 +230,7 @@ class JobRenderer:
         return self.cache.cache.capacity > 0
 
     def _start_item(self, job: MMJob, index: int, data: bytes,
-                    sampling: Qwen2VLSampling | None) -> concurrent.futures.Future[Item]:
+                    sampling: FrameSampling | None) -> concurrent.futures.Future[Item]:
         """Start processing one item: in the pool, or here and now."""
         if index < len(job.images):
             if self.pool is None:
@@ -289,23 +289,32 @@ class JobRenderer:
 
 
 def video_sampling(asked: VideoSampling, max_frames: int,
-                   temporal_patch_size: int) -> Qwen2VLSampling:
-    """Qwen2-VL's sampling (vLLM's defaults, the model's temporal patch) with a request's `fps`
-    and `num_frames` (at most that many frames kept, at least one temporal patch); RequestError
-    naming the field where one is out of bounds. However many frames a rate keeps, the decoder
-    refuses more than `max_frames` (video_too_large)."""
-    sampling = Qwen2VLSampling(temporal_patch_size=temporal_patch_size)
-    if asked.fps is not None:
-        if not (math.isfinite(asked.fps) and asked.fps > 0):
-            raise RequestError(f"mm_processor_kwargs.fps: must be above 0, got {asked.fps:g}")
-        sampling = dataclasses.replace(sampling, fps=asked.fps)
-    if asked.num_frames is not None:
-        if not temporal_patch_size <= asked.num_frames <= max_frames:
-            raise RequestError(f"mm_processor_kwargs.num_frames: must be {temporal_patch_size} "
-                               f"(one temporal patch) to {max_frames} (max_video_frames), got "
-                               f"{asked.num_frames}")
-        sampling = dataclasses.replace(sampling, max_frames=asked.num_frames)
-    return sampling
+                   video: VideoPreprocessor) -> FrameSampling:
+    """The sampling of the model's loader in vLLM (`VideoPreprocessor.loader`, with vLLM's
+    defaults) with a request's `fps` and `num_frames`; RequestError naming the field where one
+    is out of bounds. However many frames a rate keeps, the decoder refuses more than
+    `max_frames` (video_too_large).
+
+    Qwen2-VL's (`qwen2_vl`): frames at `fps`, at most `num_frames` of them, at least one
+    temporal patch. The default loader's (`opencv`, LLaVA-OneVision's): `num_frames` evenly
+    spaced, or one every 1/`fps` seconds where that keeps fewer, as vLLM's `media_io_kwargs`
+    set them (a request's `fps` alone keeps the default 32 frames at most)."""
+    least = video.frame_group
+    if asked.fps is not None and not (math.isfinite(asked.fps) and asked.fps > 0):
+        raise RequestError(f"mm_processor_kwargs.fps: must be above 0, got {asked.fps:g}")
+    if asked.num_frames is not None and not least <= asked.num_frames <= max_frames:
+        one = " (one temporal patch)" if least > 1 else ""
+        raise RequestError(f"mm_processor_kwargs.num_frames: must be {least}{one} to "
+                           f"{max_frames} (max_video_frames), got {asked.num_frames}")
+    if video.loader == "qwen2_vl":
+        return Qwen2VLSampling(temporal_patch_size=least,
+                               **_given(fps=asked.fps, max_frames=asked.num_frames))
+    return UniformSampling(**_given(fps=asked.fps, num_frames=asked.num_frames))
+
+
+def _given(**settings: float | None) -> dict[str, Any]:
+    """The settings a request gives (not None)."""
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def _count(job: MMJob) -> int:

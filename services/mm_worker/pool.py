@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from mmlane.mm_worker.media import MediaPolicy, configure_pillow, decode_image
-from mmlane.mm_worker.video import Qwen2VLSampling, decode_video
+from mmlane.mm_worker.video import FrameSampling, decode_video
 from mmlane.model import ImageItem, Preprocessor, load_preprocessor
 from mmlane.model.video import VideoItem, VideoPreprocessor, videos_of
 from mmlane.protocol import shm
@@ -118,7 +118,7 @@ class VideoTask:
 
     index: int
     data: bytes
-    sampling: Qwen2VLSampling
+    sampling: FrameSampling
     max_tokens: int
 
     @property

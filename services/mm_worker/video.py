@@ -6,7 +6,8 @@ become ours.
                         uint8 RGB array and vLLM's metadata for the HF video processor
     Qwen2VLSampling     vLLM's `qwen2_vl` loader: the one vLLM picks for Qwen2-VL and
                         Qwen2.5-VL (their video processor is `Qwen2VLVideoProcessor`)
-    UniformSampling     vLLM's default loader (`VLLM_VIDEO_LOADER_BACKEND=opencv`)
+    UniformSampling     vLLM's default loader (`VLLM_VIDEO_LOADER_BACKEND=opencv`): the one
+                        it picks for LLaVA-OneVision (and every model without a loader)
     VideoLimits         the bounds, each with a safe default (MMWorkerConfig.video's)
 
 Sampling. vLLM reads the source's frame count and rate through OpenCV (`CAP_PROP_FRAME_COUNT`:

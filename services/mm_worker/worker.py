@@ -224,7 +224,7 @@ class MMWorker:
             to_engine = self._shm_writer(self._reaped_tag(cache.sender),
                                          int(config.shm_transport_mb * 2**20))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
-                             {"video_processor": asdict(video.settings), "timed": video.timed})
+                             {type(video).__name__: asdict(video)})
         threads = None
         if pool is None:  # videos on threads of the lane's own, niced as the worker is
             threads = concurrent.futures.ThreadPoolExecutor(config.video_processes,

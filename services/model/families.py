@@ -342,14 +342,23 @@ def _llava_next_token_counter(model_dir: Path, config: Any, image_processor: Any
     return num_image_tokens
 
 
+def llava_onevision_tile_features(model_dir: Path, config: Any) -> int:
+    """A LLaVA-OneVision tile's features before any pooling: LlavaOnevisionProcessor's
+    `num_image_tokens` (processor_config.json), else the vision tower's patches."""
+    settings = _read_processor_config(model_dir)
+    vision = config.vision_config
+    tile_features: int = (settings.get("num_image_tokens")
+                          or (vision.image_size // vision.patch_size) ** 2)
+    return tile_features
+
+
 def _llava_onevision_token_counter(
     model_dir: Path, config: Any, image_processor: Any
 ) -> TokenCounter:
     """LlavaOnevisionProcessor's count: LLaVA-NeXT's, except that grid features beyond about
     `anyres_max_N` tiles' worth are pooled down (bilinear, in the model) to that many."""
     settings = _read_processor_config(model_dir)
-    vision = config.vision_config
-    base = settings.get("num_image_tokens") or (vision.image_size // vision.patch_size) ** 2
+    base = llava_onevision_tile_features(model_dir, config)
     strategy = (
         settings.get("vision_feature_select_strategy") or config.vision_feature_select_strategy
     )

@@ -127,8 +127,8 @@ LLAVA_NEXT_CHAT_TEMPLATE = (
 )
 
 # llava-onevision-qwen2-0.5b-ov-hf's chat_template.json: ChatML with the role, a space, the
-# message's images, then each text after a newline, and <|im_end|> with no newline after it;
-# plain-string content too.
+# message's images, then its videos, then each text after a newline, and <|im_end|> with no
+# newline after it; plain-string content too.
 LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + ' ' }}"
@@ -136,6 +136,8 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% else %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
     "{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}"
+    "{{ '<video>' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ '\n' + content['text'] }}{% endfor %}"
     "{% endif %}"

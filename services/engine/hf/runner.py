@@ -136,8 +136,7 @@ class HFRunner:
         family = preprocessor.family.name
         adapter = adapter_for(family, network)
         video = videos_of(model_dir, preprocessor)  # a family whose videos mmlane renders
-        encoder = VisionEncoder(network, family, preprocessor.pixel_norm,
-                                video.pixel_norm if video is not None else None)
+        encoder = VisionEncoder(network, family, preprocessor.pixel_norm, video)
         spec = ModelSpec.of(
             preprocessor, network.config, max_context=preprocessor.max_context,
             vocab_size=network.get_input_embeddings().num_embeddings, video=video,

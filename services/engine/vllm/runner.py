@@ -17,11 +17,13 @@ range whose span holds other tokens besides the image's marks its image tokens (
 vLLM's processors do. Pixels stay uint8 where vLLM normalises on the device (Qwen2-VL and
 Mistral 3 in vLLM 0.32); for a model where it does not, the runner normalises them as the HF
 processor would (services/model/pixels.py). Either way they go in the model's layout: a
-Qwen2-VL image, sent as one of its identical frames, is laid out as all of them. A Qwen2-VL or
-Qwen2.5-VL video's tensors are laid out as vLLM's processor makes them (`_video_inputs`):
-`pixel_values_videos` rows (uint8, or normalised as the video processor would where vLLM does
-not normalise), `video_grid_thw` and Qwen2.5-VL's `second_per_grid_ts`, its floating tensors
-cast to the model's dtype as vLLM casts its processor's outputs.
+Qwen2-VL image, sent as one of its identical frames, is laid out as all of them. A video's
+tensors are laid out as vLLM's processor makes them (`_VIDEO_INPUTS`): a Qwen2-VL or Qwen2.5-VL
+video's `pixel_values_videos` rows (uint8, or normalised as the video processor would where
+vLLM does not normalise), `video_grid_thw` and Qwen2.5-VL's `second_per_grid_ts`; a LLaVA-
+OneVision video's frames, normalised here (vLLM 0.32 does not normalise that model on the
+device), one batched entry a video; their floating tensors cast to the model's dtype as vLLM
+casts its processor's outputs.
 
 vLLM keeps its own mirrored cache of items: its processor cache (P0, in this process) tracks
 what its engine core's cache (P1) holds, and an item P0 holds goes to the engine core as its
@@ -348,7 +350,7 @@ class VLLMRunner(LoopRunner):
             layout = _VLLM_INPUTS if self._lane is None else _EMBEDS_INPUTS
             batch.update(layout[self._pre.family.name](images, self._pre.image_token_id))
         if videos:
-            batch.update(_video_inputs(videos))
+            batch.update(_VIDEO_INPUTS[self._pre.family.name](videos))
         if not batch:
             return []
         built = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))
@@ -387,13 +389,27 @@ def _writeable(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             for name, array in tensors.items()}
 
 
-def _video_inputs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _qwen2_vl_videos(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A prompt's Qwen2-VL or Qwen2.5-VL videos as its HF processor batches them: each tensor
     of the videos concatenated on its first axis (their pixel rows, their grids' rows, their
     seconds per grid step); one video's as they are (torch.cat would copy them)."""
     if len(items) == 1:
         return items[0]
     return {name: torch.cat([item[name] for item in items]) for name in items[0]}
+
+
+def _llava_onevision_videos(items: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """A prompt's LLaVA-OneVision videos as vLLM's processor keeps them: it calls the HF
+    processor once per video and lists each one's frames (their counts may differ)."""
+    return {VIDEO_PIXELS: [item[VIDEO_PIXELS] for item in items]}
+
+
+_VIDEO_INPUTS: dict[str, Callable[[list[dict[str, torch.Tensor]]], dict[str, Any]]] = {
+    "qwen2_vl": _qwen2_vl_videos,
+    "llava_onevision": _llava_onevision_videos,
+}
+"""The batch of a request's videos in the layout vLLM's own processor gives its model, by
+family; the videos of a family not here are refused (the runner's spec has no video)."""
 
 
 def _embeds_item(tensors: dict[str, np.ndarray], embeds: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -585,5 +601,6 @@ def load(config: EngineConfig, metrics: Metrics) -> VLLMRunner:
                          "enable_mm_embeds, which --vllm-arg turns off", code="bad_config")
     encoder = load_lane(config, model_dir, preprocessor, _EMBEDS_INPUTS)
     pids = leftovers.pids_file(default_run_dir(), config.ops.name)
-    return VLLMRunner(engine_args, preprocessor, metrics, pids, encoder, config.vision,
-                      videos_of(model_dir, preprocessor))
+    video = videos_of(model_dir, preprocessor) if preprocessor.family.name in _VIDEO_INPUTS \
+        else None
+    return VLLMRunner(engine_args, preprocessor, metrics, pids, encoder, config.vision, video)
