@@ -654,6 +654,12 @@ def qwen_engine(served: dict[str, Served]) -> StandInEngine:
     return served["qwen2_vl"].engine
 
 
+@pytest.fixture
+def onevision_engine(served: dict[str, Served]) -> StandInEngine:
+    """The LLaVA-OneVision frontend's stand-in engine, as `qwen_engine`."""
+    return served["llava_onevision"].engine
+
+
 def video_part(url: str) -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": url}}
 
@@ -676,14 +682,14 @@ def test_a_video_url_part_is_served_sampled_as_the_request_asks(
 
 
 def test_a_onevision_video_is_sampled_as_vllms_default_loader_samples_it(
-    served: dict[str, Served],
+    served: dict[str, Served], onevision_engine: StandInEngine,
 ) -> None:
     """32 of the clip's 50 frames, or one a second where asked: each frame 196 tokens, and the
     video a newline."""
     onevision = served["llava_onevision"]
     for extra, frames in [({}, 32), ({"extra_body": {"mm_processor_kwargs": {"fps": 1}}}, 2)]:
         call = onevision.chat([video_part(video_uri(CLIP.data)), TEXT], **extra)
-        completion = _answered(onevision.engine, call,
+        completion = _answered(onevision_engine, call,
                                functools.partial(_answer, tokens=frames * 196 + 1))
         assert completion.choices[0].finish_reason == "length"
 
