@@ -24,6 +24,9 @@ from typing import Any, NamedTuple
 from mmlane.common import cpu_wheels
 
 cpu_wheels.apply()  # before transformers loads: a vLLM CPU install needs it (cpu_wheels.py)
+# and so do the interpreters a test starts, vLLM's own among them (ModelConfig inspects a model
+# in a subprocess where its cache of models inspected is cold), as the roles' do (services/cli.py)
+os.environ.update(cpu_wheels.child_env())
 
 # isort: split
 import numpy as np
