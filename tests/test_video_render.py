@@ -155,19 +155,25 @@ def test_tensors_tokens_and_prompt_are_the_processors(model, decoded, case: str)
     """pixel_values_videos (normalised), video_grid_thw and, for Qwen2.5-VL, second_per_grid_ts
     are the processor's bit for bit; the uint8 pixels are its output with rescale and normalise
     off; the prompt expands to its input ids."""
+    video = model[2]
+    item, expected, uint8 = processed_alone(model, decoded[case])
+    assert_equal_tensors(as_processor_output([item], video), expected)
+    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"]), uint8)
+
+
+def processed_alone(model: tuple[Path, Any, VideoPreprocessor],
+                    decoded_video: Any) -> tuple[Any, Any, torch.Tensor]:
+    """One video in a chat, ours and the processor's: our item, the processor's output (its
+    default call) and its uint8 pixels (rescale and normalise off). Checks that the chat's ids
+    expand to the processor's, and the token count made before any pixel work."""
     model_dir, preprocessor, video = model
     processor = hf_processor(model_dir)
-    decoded_video = decoded[case]
     prompt = preprocessor.render_prompt(video_chat("video", "text"))
     expected = hf_call(processor, [decoded_video], text=[prompt])
-
     item = video.process_video(decoded_video.frames, decoded_video.hf_metadata(), index=0,
                                max_tokens=NO_LIMIT)
-    assert_equal_tensors(as_processor_output([item], video), expected)
     uint8 = processor.video_processor(videos=[decoded_video.frames], do_rescale=False,
                                       do_normalize=False, return_tensors="pt")
-    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"]),
-                       uint8["pixel_values_videos"])
 
     [token_ids] = preprocessor.tokenize_batch([prompt])
     input_ids = expected["input_ids"][0].tolist()
@@ -175,6 +181,7 @@ def test_tensors_tokens_and_prompt_are_the_processors(model, decoded, case: str)
     assert item.num_tokens == input_ids.count(video.video_token_id)
     frames, height, width = decoded_video.frames.shape[:3]
     assert video.count_tokens(frames, width, height) == item.num_tokens
+    return item, expected, uint8["pixel_values_videos"]
 
 
 def test_a_chat_with_images_and_videos_is_the_processors(model, decoded) -> None:
@@ -267,27 +274,13 @@ def test_onevision_tensors_tokens_and_prompt_are_the_processors(onevision, decod
     """pixel_values_videos, normalised, are the processor's bit for bit (its default call, as
     vLLM makes it for LLaVA-OneVision), the uint8 pixels its output with rescale and normalise
     off; the prompt expands to its input ids: 196 pooled features a frame and a newline."""
-    model_dir, preprocessor, video = onevision
-    processor = hf_processor(model_dir)
+    video = onevision[2]
     decoded_video = decoded[case]
-    prompt = preprocessor.render_prompt(video_chat("video", "text"))
-    expected = hf_call(processor, [decoded_video], text=[prompt])
-
-    item = video.process_video(decoded_video.frames, decoded_video.hf_metadata(), index=0,
-                               max_tokens=NO_LIMIT)
+    item, expected, uint8 = processed_alone(onevision, decoded_video)
     assert set(item.tensors) == set(video.item_fields) == {"pixel_values_videos"}
     assert torch.equal(onevision_pixels(item, video), expected["pixel_values_videos"])
-    uint8 = processor.video_processor(videos=[decoded_video.frames], do_rescale=False,
-                                      do_normalize=False, return_tensors="pt")
-    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"])[None],
-                       uint8["pixel_values_videos"])
-
-    [token_ids] = preprocessor.tokenize_batch([prompt])
-    input_ids = expected["input_ids"][0].tolist()
-    assert video.expand_placeholders(token_ids, [item]) == input_ids
-    frames, height, width = decoded_video.frames.shape[:3]
-    assert item.num_tokens == input_ids.count(video.video_token_id) == frames * 196 + 1 == \
-        video.count_tokens(frames, width, height)
+    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"])[None], uint8)
+    assert item.num_tokens == len(decoded_video.frames) * 196 + 1
 
 
 def test_a_onevision_chat_with_an_image_and_a_video_is_the_processors(onevision,
