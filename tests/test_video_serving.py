@@ -189,10 +189,10 @@ def test_a_video_hash_covers_its_bytes_sampling_and_processor(rendering: Renderi
 
 @pytest.fixture(scope="module")
 def video_processing(model_dirs: dict[str, Path]) -> dict[str, VideoPreprocessor]:
-    """The video processing of the tiny Qwen2-VL and LLaVA-OneVision."""
+    """The video processing of the tiny Qwen2-VL, LLaVA-OneVision and InternVL."""
     return {family: load_video_preprocessor(model_dirs[family],
                                             load_preprocessor(model_dirs[family]))
-            for family in ("qwen2_vl", "llava_onevision")}
+            for family in ("qwen2_vl", "llava_onevision", "internvl")}
 
 
 @pytest.mark.parametrize(("family", "asked", "message"), [
@@ -214,16 +214,19 @@ def test_a_requests_sampling_is_bounded_by_the_servers(
 def test_a_requests_sampling_sets_the_rate_and_caps_the_frames(
     video_processing: dict[str, VideoPreprocessor],
 ) -> None:
-    qwen, onevision = video_processing["qwen2_vl"], video_processing["llava_onevision"]
+    qwen = video_processing["qwen2_vl"]
     assert video_sampling(VideoSampling(), 256, qwen) == Qwen2VLSampling()
     assert video_sampling(VideoSampling(fps=4, num_frames=6), 256, qwen) == \
         Qwen2VLSampling(fps=4, max_frames=6)
-    # vLLM's default loader: 32 frames evenly spaced, fewer where a rate keeps fewer.
-    assert video_sampling(VideoSampling(), 256, onevision) == UniformSampling(num_frames=32)
-    assert video_sampling(VideoSampling(fps=1), 256, onevision) == \
-        UniformSampling(num_frames=32, fps=1)
-    assert video_sampling(VideoSampling(num_frames=8), 256, onevision) == \
-        UniformSampling(num_frames=8)
+    # vLLM's default loader (LLaVA-OneVision's and InternVL's): 32 frames evenly spaced, fewer
+    # where a rate keeps fewer.
+    for family in ("llava_onevision", "internvl"):
+        default = video_processing[family]
+        assert video_sampling(VideoSampling(), 256, default) == UniformSampling(num_frames=32)
+        assert video_sampling(VideoSampling(fps=1), 256, default) == \
+            UniformSampling(num_frames=32, fps=1)
+        assert video_sampling(VideoSampling(num_frames=8), 256, default) == \
+            UniformSampling(num_frames=8)
 
 
 # ---------------------------------------------------------------- the HF runner
