@@ -153,6 +153,9 @@ class VideoPreprocessor(ABC):
     video's sampling of that loader)."""
     vision_inputs: ClassVar[tuple[str, ...]] = ()
     """The tensors the model's `get_video_features` takes beside the pixels."""
+    model_features: ClassVar[tuple[str, str]] = ("get_video_features", VIDEO_PIXELS)
+    """The model's method that makes a video's features from its pixels, and the argument it
+    takes them as (InternVL has no video method: its frames go through the image one)."""
     runs_apart: ClassVar[bool] = False
     """Two videos' tokens must not touch: the model finds a video as a run of video tokens
     (Qwen2-VL's M-RoPE)."""
@@ -203,7 +206,7 @@ class VideoPreprocessor(ABC):
         return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
 
     def model_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """A video's pixels (normalised) as the model's `get_video_features` takes them."""
+        """A video's pixels (normalised) as the model's method (`model_features`) takes them."""
         return pixels
 
     def process_video(self, frames: np.ndarray, metadata: Mapping[str, Any], *, index: int,
@@ -606,6 +609,7 @@ class InternVLVideo(SquareFrameVideo):
     processor tokenizes it (`cached_encode`)."""
 
     token = "<video>"
+    model_features = ("get_image_features", "pixel_values")
 
     @classmethod
     def load(cls, model_dir: Path, preprocessor: Preprocessor,
