@@ -1,12 +1,13 @@
 """mmlane.model.video: a decoded video's tensors, token count and prompt for the tiny Qwen2-VL,
-Qwen2.5-VL and LLaVA-OneVision, against transformers' own processor as vLLM 0.32 calls it.
+Qwen2.5-VL, LLaVA-OneVision and InternVL, against transformers' own processor as vLLM 0.32 calls
+it.
 
 The videos are made here with PyAV (tests/test_video.py's `encode`) and decoded with
 mmlane.mm_worker.video's `decode_video`, as vLLM's loader samples them. The reference is the
 model's AutoProcessor: `videos=[frames]`, `return_tensors="pt"`, and for Qwen2.5-VL the
 decoder's metadata (less `do_sample_frames`), which is how vLLM calls it: our uint8 pixels
 equal its output with rescale and normalise off (Qwen2-VL's call in vLLM), and once normalised
-its default output (LLaVA-OneVision's, one video a call). transformers' video
+its default output (LLaVA-OneVision's and InternVL's, one video a call). transformers' video
 processor needs torchvision: the tests that run it skip where it does not import (the main test
 environment has none; the vLLM environment has it: `.venv-vllm/bin/python -m pytest
 tests/test_video_render.py`).
@@ -14,6 +15,7 @@ tests/test_video_render.py`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from fractions import Fraction
@@ -35,10 +37,12 @@ from mmlane.mm_worker.video import (
 )
 from mmlane.model import ModelDirError, Preprocessor, UnsupportedModelError, load_preprocessor
 from mmlane.model import normalize as normalise
+from mmlane.model.tiny import INTERNVL_IMAGE_PROCESSOR
 from mmlane.model.video import (
-    LLAVA_ONEVISION_PROCESSOR_DEFAULTS,
     QWEN2_VL_PROCESSOR_DEFAULTS,
+    SQUARE_FRAME_PROCESSOR_DEFAULTS,
     Qwen2VLVideoSettings,
+    SquareFrameVideo,
     VideoPreprocessor,
     load_video_preprocessor,
 )
@@ -85,9 +89,10 @@ ONEVISION_CASES = [
     # Already the tower's tile: no resize.
     Case(Video("mpeg4-tile", "mpeg4", 384, 384, 6, Fraction(6)), UniformSampling(num_frames=3)),
 ]
-ONEVISION_SIZES = ["mpeg4-4-frames", "h264-10fps-fps0.5", "mpeg4-5-frames", "mpeg4-1-frame",
+SQUARE_FRAME_SIZES = ["mpeg4-4-frames", "h264-10fps-fps0.5", "mpeg4-5-frames", "mpeg4-1-frame",
                    "mpeg4-over-max-pixels"]
-"""CASES that LLaVA-OneVision renders too: up- and downscaled, wide and tall, 1 to 5 frames."""
+"""CASES that LLaVA-OneVision and InternVL render too: up- and downscaled, wide and tall, 1 to 5
+frames."""
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +181,23 @@ def processed_alone(model: tuple[Path, Any, VideoPreprocessor],
                                       do_normalize=False, return_tensors="pt")
 
     [token_ids] = preprocessor.tokenize_batch([prompt])
-    input_ids = expected["input_ids"][0].tolist()
-    assert video.expand_placeholders(token_ids, [item]) == input_ids
-    assert item.num_tokens == input_ids.count(video.video_token_id)
+    expanded = video.expand_placeholders(token_ids, [item])
+    assert as_transformers_writes(expanded, preprocessor, video) == \
+        expected["input_ids"][0].tolist()
+    assert item.num_tokens == len(expanded) - len(token_ids) + 1
     frames, height, width = decoded_video.frames.shape[:3]
     assert video.count_tokens(frames, width, height) == item.num_tokens
     return item, expected, uint8["pixel_values_videos"]
+
+
+def as_transformers_writes(token_ids: list[int], preprocessor: Preprocessor,
+                           video: VideoPreprocessor) -> list[int]:
+    """Our ids (vLLM's) as transformers' processor writes them: InternVL's video features are
+    its image token there, where vLLM's processor writes the video token."""
+    if preprocessor.family.name != "internvl":
+        return token_ids
+    return [preprocessor.image_token_id if token == video.video_token_id else token
+            for token in token_ids]
 
 
 def test_a_chat_with_images_and_videos_is_the_processors(model, decoded) -> None:
@@ -268,7 +284,7 @@ def onevision_pixels(item: Any, video: VideoPreprocessor) -> torch.Tensor:
     return video.model_pixels(normalise(pixels, video.pixel_norm))
 
 
-@pytest.mark.parametrize("case", ONEVISION_SIZES + [case.name for case in ONEVISION_CASES])
+@pytest.mark.parametrize("case", SQUARE_FRAME_SIZES + [case.name for case in ONEVISION_CASES])
 def test_onevision_tensors_tokens_and_prompt_are_the_processors(onevision, decoded,
                                                                case: str) -> None:
     """pixel_values_videos, normalised, are the processor's bit for bit (its default call, as
@@ -301,14 +317,16 @@ def test_a_onevision_chat_with_an_image_and_a_video_is_the_processors(onevision,
     assert video.expand_placeholders(with_images, [item]) == expected["input_ids"][0].tolist()
 
 
-def test_the_onevision_defaults_are_the_video_processors() -> None:
+@pytest.mark.parametrize("processor", [
+    "llava_onevision.video_processing_llava_onevision.LlavaOnevisionVideoProcessor",
+    "internvl.video_processing_internvl.InternVLVideoProcessor",
+])
+def test_the_square_frame_defaults_are_the_video_processors(processor: str) -> None:
     pytest.importorskip("torchvision", reason="transformers' video processor needs torchvision")
-    from transformers.models.llava_onevision.video_processing_llava_onevision import (
-        LlavaOnevisionVideoProcessor,
-    )
-
-    for name, value in LLAVA_ONEVISION_PROCESSOR_DEFAULTS.items():
-        assert getattr(LlavaOnevisionVideoProcessor, name) == value, name
+    module, name = processor.rsplit(".", 1)
+    processor_class = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    for setting, value in SQUARE_FRAME_PROCESSOR_DEFAULTS.items():  # a setting it lacks: None
+        assert getattr(processor_class, setting, None) == value, setting
 
 
 def test_onevision_settings_are_read_as_the_processor_reads_them(onevision, decoded,
@@ -362,6 +380,123 @@ def test_a_onevision_video_over_the_token_limit_is_refused_before_any_pixel_work
         video.process_video(two, {}, index=0, max_tokens=392)
 
 
+# ---------------------------------------------------------------- InternVL
+
+
+@pytest.fixture(scope="module")
+def internvl(model_dirs: dict[str, Path]) -> tuple[Path, Preprocessor, VideoPreprocessor]:
+    model_dir = model_dirs["internvl"]
+    preprocessor = load_preprocessor(model_dir)
+    return model_dir, preprocessor, load_video_preprocessor(model_dir, preprocessor)
+
+
+def internvl_pixels(item: Any, video: VideoPreprocessor) -> torch.Tensor:
+    """A video's pixels as InternVLProcessor returns them: normalised, its frames among
+    `pixel_values` (an image's tiles' rows there)."""
+    return normalise(torch.from_numpy(item.tensors["pixel_values_videos"]), video.pixel_norm)
+
+
+@pytest.mark.parametrize("case", SQUARE_FRAME_SIZES + [case.name for case in ONEVISION_CASES])
+def test_internvl_tensors_tokens_and_prompt_are_the_processors(internvl, decoded,
+                                                              case: str) -> None:
+    """Each frame resized to the 448-pixel tile: the processor's pixel_values bit for bit once
+    normalised (its default call, as vLLM makes it), the uint8 pixels its video processor's
+    output with rescale and normalise off; the prompt expands to its input ids, each frame
+    "FrameN: <img>", its 256 features, "</img>" (vLLM's video token for each feature)."""
+    _, preprocessor, video = internvl
+    decoded_video = decoded[case]
+    item, expected, uint8 = processed_alone(internvl, decoded_video)
+    assert set(item.tensors) == set(video.item_fields) == {"pixel_values_videos"}
+    assert torch.equal(internvl_pixels(item, video), expected["pixel_values"])
+    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"])[None], uint8)
+    assert item.token_ids.count(video.video_token_id) == len(decoded_video.frames) * 256
+    assert preprocessor.image_token_id not in item.token_ids
+
+
+def test_an_internvl_chat_with_an_image_and_a_video_is_the_processors(internvl,
+                                                                     decoded) -> None:
+    """A video and an image in one processor call: its ids, both kinds of placeholder expanded,
+    and the video's frames where the processor puts them among pixel_values: in prompt order,
+    before the image's tiles."""
+    model_dir, preprocessor, video = internvl
+    processor = hf_processor(model_dir)
+    clip = decoded["h264-ntsc-32-frames"]
+    image = make_image(200, 150, seed=3)
+    prompt = preprocessor.render_prompt(video_chat("video", "image", "text"))
+    expected = hf_call(processor, [clip], text=[prompt], images=[image])
+
+    item = video.process_video(clip.frames, clip.hf_metadata(), index=0, max_tokens=NO_LIMIT)
+    assert torch.equal(internvl_pixels(item, video), expected["pixel_values"][:len(clip.frames)])
+    [token_ids] = preprocessor.tokenize_batch([prompt])
+    with_images = preprocessor.expand_placeholders(token_ids, [preprocessor.process_image(image)])
+    ours = video.expand_placeholders(with_images, [item])
+    assert as_transformers_writes(ours, preprocessor, video) == expected["input_ids"][0].tolist()
+
+
+def test_internvl_settings_are_read_as_the_processor_reads_them(internvl, decoded,
+                                                                tmp_path: Path) -> None:
+    """A video processor file of its own, with the class's CLIP mean and std (the tiny
+    model's image processor file has ImageNet's), and its size: vLLM's is the image
+    processor's, which the tiny model's is too."""
+    model_dir, preprocessor, _ = internvl
+    model_dir = model_dir_with(model_dir, tmp_path, {"video_preprocessor_config.json": {
+        "video_processor_type": "InternVLVideoProcessor", "size": {"height": 448, "width": 448}}})
+    video = load_video_preprocessor(model_dir, preprocessor)
+    assert video.pixel_norm.mean == (0.48145466, 0.4578275, 0.40821073)
+    processor = hf_processor(model_dir)
+    for case in ("mpeg4-over-max-pixels", "mpeg4-5-frames"):
+        item = video.process_video(decoded[case].frames, decoded[case].hf_metadata(), index=0,
+                                   max_tokens=NO_LIMIT)
+        expected = hf_call(processor, [decoded[case]], text=["<video>"])
+        assert torch.equal(internvl_pixels(item, video), expected["pixel_values"])
+
+
+def test_internvl_frames_take_the_image_processors_size(internvl, tmp_path: Path) -> None:
+    """vLLM gives InternVL's video processor the image processor's size over its own."""
+    model_dir, preprocessor, _ = internvl
+    model_dir = model_dir_with(model_dir, tmp_path, {"video_preprocessor_config.json": {
+        "size": {"height": 384, "width": 384}}})
+    video = load_video_preprocessor(model_dir, preprocessor)
+    assert isinstance(video, SquareFrameVideo)
+    assert video.settings.side == 448
+
+
+@pytest.mark.parametrize(("files", "refusal"), [
+    ({"video_preprocessor_config.json": {"resample": 2}}, "bicubic resize"),
+    ({"video_preprocessor_config.json": {"do_center_crop": True,
+                                         "crop_size": {"height": 448, "width": 448}}},
+     "do_center_crop True"),
+    ({"preprocessor_config.json": {**INTERNVL_IMAGE_PROCESSOR, "size": {"height": 336,
+                                                                        "width": 336}}},
+     "takes frames of 448x448 pixels"),
+])
+def test_internvl_settings_it_does_not_reproduce_are_refused(internvl, tmp_path: Path,
+                                                             files: dict, refusal: str) -> None:
+    model_dir = model_dir_with(internvl[0], tmp_path, files)
+    with pytest.raises(ModelDirError, match=refusal):
+        load_video_preprocessor(model_dir, load_preprocessor(model_dir))
+
+
+def test_an_internvl_video_over_the_token_limit_is_refused_before_any_pixel_work(
+    internvl,
+) -> None:
+    _, _, video = internvl
+    frames = np.broadcast_to(np.uint8(0), (128, 1080, 1920, 3))  # never materialised
+    tokens = video.count_tokens(128, 1920, 1080)
+    assert tokens > 128 * (256 + 2)  # "FrameN: " and the newlines too
+    with pytest.raises(RequestError, match=rf"^video 2: its 128 frames of 1920x1080 make "
+                                           rf"{tokens} tokens \(256 <video> a frame, each "
+                                           r"frame's between \"FrameN: <img>\" and \"</img>\"\), "
+                                           r"more than the 32768 it may take$") as refused:
+        video.process_video(frames, {}, index=2, max_tokens=32768)
+    assert refused.value.code == "video_too_large"
+    two = np.stack([frame_image(i, 64, 48) for i in range(2)])
+    fits = video.count_tokens(2, 64, 48)
+    assert video.process_video(two, {}, index=0, max_tokens=fits).num_tokens == fits
+    with pytest.raises(RequestError, match=f"video 0: .* make {fits} tokens"):
+        video.process_video(two, {}, index=0, max_tokens=fits - 1)
+
+
 # ---------------------------------------------------------------- bounds and refusals
 
 
@@ -407,13 +542,13 @@ def test_qwen2_5_vl_needs_the_frame_rate(model_dirs: dict[str, Path]) -> None:
     assert refused.value.code == "invalid_video"
 
 
-def test_only_the_qwen2_vl_and_onevision_families_render_videos(
+def test_only_the_qwen2_vl_onevision_and_internvl_families_render_videos(
     model_dirs: dict[str, Path],
 ) -> None:
     llava = model_dirs["llava"]
-    with pytest.raises(UnsupportedModelError, match="mmlane renders videos for the qwen2_vl and "
-                                                    "llava_onevision families only, not the "
-                                                    "llava family"):
+    with pytest.raises(UnsupportedModelError, match="mmlane renders videos for the qwen2_vl, "
+                                                    "llava_onevision, internvl families only, "
+                                                    "not the llava family"):
         load_video_preprocessor(llava, load_preprocessor(llava))
 
 

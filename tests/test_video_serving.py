@@ -10,6 +10,7 @@ stand-in where the roles run as processes (tests/peers.py), the real HF runner i
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -32,6 +33,7 @@ import zmq
 from test_http import _answered
 from test_mm_worker import RECV_TIMEOUT_S, Peers, start_worker
 from test_video import BY_NAME, HOSTILE, frame_image
+from test_video_render import as_transformers_writes
 
 from bench.images import jpeg_uri
 from conftest import (
@@ -189,10 +191,10 @@ def test_a_video_hash_covers_its_bytes_sampling_and_processor(rendering: Renderi
 
 @pytest.fixture(scope="module")
 def video_processing(model_dirs: dict[str, Path]) -> dict[str, VideoPreprocessor]:
-    """The video processing of the tiny Qwen2-VL and LLaVA-OneVision."""
+    """The video processing of the tiny Qwen2-VL, LLaVA-OneVision and InternVL."""
     return {family: load_video_preprocessor(model_dirs[family],
                                             load_preprocessor(model_dirs[family]))
-            for family in ("qwen2_vl", "llava_onevision")}
+            for family in ("qwen2_vl", "llava_onevision", "internvl")}
 
 
 @pytest.mark.parametrize(("family", "asked", "message"), [
@@ -214,16 +216,19 @@ def test_a_requests_sampling_is_bounded_by_the_servers(
 def test_a_requests_sampling_sets_the_rate_and_caps_the_frames(
     video_processing: dict[str, VideoPreprocessor],
 ) -> None:
-    qwen, onevision = video_processing["qwen2_vl"], video_processing["llava_onevision"]
+    qwen = video_processing["qwen2_vl"]
     assert video_sampling(VideoSampling(), 256, qwen) == Qwen2VLSampling()
     assert video_sampling(VideoSampling(fps=4, num_frames=6), 256, qwen) == \
         Qwen2VLSampling(fps=4, max_frames=6)
-    # vLLM's default loader: 32 frames evenly spaced, fewer where a rate keeps fewer.
-    assert video_sampling(VideoSampling(), 256, onevision) == UniformSampling(num_frames=32)
-    assert video_sampling(VideoSampling(fps=1), 256, onevision) == \
-        UniformSampling(num_frames=32, fps=1)
-    assert video_sampling(VideoSampling(num_frames=8), 256, onevision) == \
-        UniformSampling(num_frames=8)
+    # vLLM's default loader (LLaVA-OneVision's and InternVL's): 32 frames evenly spaced, fewer
+    # where a rate keeps fewer.
+    for family in ("llava_onevision", "internvl"):
+        default = video_processing[family]
+        assert video_sampling(VideoSampling(), 256, default) == UniformSampling(num_frames=32)
+        assert video_sampling(VideoSampling(fps=1), 256, default) == \
+            UniformSampling(num_frames=32, fps=1)
+        assert video_sampling(VideoSampling(num_frames=8), 256, default) == \
+            UniformSampling(num_frames=8)
 
 
 # ---------------------------------------------------------------- the HF runner
@@ -231,21 +236,26 @@ def test_a_requests_sampling_sets_the_rate_and_caps_the_frames(
 
 def generate_greedy(model: Any, pre: Preprocessor, video: VideoPreprocessor,
                     request: EngineRequest) -> list[int]:
-    """transformers' own `generate` on the request's ids and float tensors (the processor's
-    output: the uint8 pixels normalised as the processor normalises them, a video's as the
-    model takes one)."""
-    ids = torch.tensor([request.prompt_token_ids], device=model.device)
-    inputs: dict[str, torch.Tensor] = {}
+    """transformers' own `generate` on the request's ids (as the processor writes them) and
+    float tensors (the processor's output: the uint8 pixels normalised as the processor
+    normalises them, a video's as the model takes one; each name's items joined in prompt
+    order, so that InternVL's frames and image tiles are one `pixel_values`, as there)."""
+    ids = torch.tensor([as_transformers_writes(request.prompt_token_ids, pre, video)],
+                       device=model.device)
+    joined: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
     for item in request.mm_items:
-        tensors = {name: torch.from_numpy(array) for name, array in item.tensors.items()}
         if item.is_video:
-            pixels = as_processor_output({"pixel_values": item.tensors["pixel_values_videos"]},
+            arrays = dict(item.tensors)
+            pixels = as_processor_output({"pixel_values": arrays.pop("pixel_values_videos")},
                                          video.pixel_norm)["pixel_values"]
-            tensors["pixel_values_videos"] = video.model_pixels(torch.from_numpy(pixels))
+            tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
+            tensors[video.model_features[1]] = video.model_pixels(torch.from_numpy(pixels))
         else:
             tensors = {name: torch.from_numpy(array) for name, array
                        in as_processor_output(item.tensors, pre.pixel_norm).items()}
-        inputs.update({name: tensor.to(model.device) for name, tensor in tensors.items()})
+        for name, tensor in tensors.items():
+            joined[name].append(tensor)
+    inputs = {name: torch.cat(tensors).to(model.device) for name, tensors in joined.items()}
     if pre.family.name == "qwen2_vl":  # get_rope_index's token types: text 0, image 1, video 2
         inputs["mm_token_type_ids"] = ((ids == pre.image_token_id).int()
                                        + 2 * (ids == video.video_token_id).int())
@@ -330,6 +340,38 @@ def test_two_onevision_videos_side_by_side_are_taken(
     assert second.tensors == {}  # the same video again: sent as its hash, filled in as P1 would
     validate_request(msgspec.structs.replace(request, mm_items=[
         first, msgspec.structs.replace(second, tensors=first.tensors)]), runner.spec)
+
+
+@pytest.mark.parametrize("kinds", [("video",), ("image", "video"), ("video", "video")],
+                         ids=["video", "mixed", "two videos"])
+def test_greedy_internvl_video_output_equals_hf_generate(
+    model_dirs: dict[str, Path], references: dict[str, tuple[HFRunner, Any]],
+    kinds: tuple[str, ...],
+) -> None:
+    """InternVL's frames, each an image of one tile through get_image_features, in place of
+    the video tokens of their "FrameN: <img>...</img>" spans (beside an image's tiles, or
+    another video's frames): the tokens transformers makes, where the processor puts all of
+    them in one pixel_values with <IMG_CONTEXT> at every feature."""
+    internvl = Rendering(model_dirs["internvl"])
+    runner, model = _reference(internvl, model_dirs, references)
+    request = as_held(internvl.renderer.render(internvl.job(*kinds, num_frames=3,
+                                                           max_tokens=12)))
+    videos = [item for item in request.mm_items if item.is_video]
+    assert videos[0].tensors["pixel_values_videos"].shape == (3, 3, 448, 448)
+    assert videos[0].length == internvl.video.count_tokens(3, 448, 448) > 3 * 256
+    assert run_alone(runner, request) == generate_greedy(model, internvl.pre, internvl.video,
+                                                         request)
+
+
+def as_held(request: EngineRequest) -> EngineRequest:
+    """The request with each item sent as its hash alone (the same video again) given the
+    tensors of the item before it with that hash, as the engine's P1 fills it in."""
+    held: dict[str, dict[str, np.ndarray]] = {}
+    items = []
+    for item in request.mm_items:
+        items.append(msgspec.structs.replace(item, tensors=item.tensors or held[item.mm_hash]))
+        held[item.mm_hash] = items[-1].tensors
+    return msgspec.structs.replace(request, mm_items=items)
 
 
 def _tensors(change: Any) -> Any:
@@ -639,9 +681,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served(module_run_dir: Path, model_dirs: dict[str, Path],
            media_dir: Path) -> Iterator[dict[str, Served]]:
-    """The tiny Qwen2-VL's and LLaVA-OneVision's, and LLaVA's (a family without video)."""
+    """The tiny Qwen2-VL's, LLaVA-OneVision's and InternVL's, and LLaVA's (a family without
+    video)."""
     served = {family: Served(module_run_dir / f"api-{family}", model_dirs[family], media_dir)
-              for family in ("qwen2_vl", "llava_onevision", "llava")}
+              for family in ("qwen2_vl", "llava_onevision", "internvl", "llava")}
     yield served
     for one in served.values():
         one.close()
@@ -655,9 +698,10 @@ def qwen_engine(served: dict[str, Served]) -> StandInEngine:
 
 
 @pytest.fixture
-def onevision_engine(served: dict[str, Served]) -> StandInEngine:
-    """The LLaVA-OneVision frontend's stand-in engine, as `qwen_engine`."""
-    return served["llava_onevision"].engine
+def family_engine(served: dict[str, Served], family: str) -> StandInEngine:
+    """The stand-in engine of the frontend of the test's `family` (its parameter), as
+    `qwen_engine`."""
+    return served[family].engine
 
 
 def video_part(url: str) -> dict[str, Any]:
@@ -681,16 +725,19 @@ def test_a_video_url_part_is_served_sampled_as_the_request_asks(
         assert completion.choices[0].finish_reason == "length"
 
 
-def test_a_onevision_video_is_sampled_as_vllms_default_loader_samples_it(
-    served: dict[str, Served], onevision_engine: StandInEngine,
+@pytest.mark.parametrize("family", ["llava_onevision", "internvl"])
+def test_a_video_is_sampled_as_vllms_default_loader_samples_it(
+    served: dict[str, Served], video_processing: dict[str, VideoPreprocessor], family: str,
+    family_engine: StandInEngine,
 ) -> None:
-    """32 of the clip's 50 frames, or one a second where asked: each frame 196 tokens, and the
-    video a newline."""
-    onevision = served["llava_onevision"]
+    """LLaVA-OneVision's and InternVL's: 32 of the clip's 50 frames, or one a second where
+    asked (OneVision's each 196 tokens, and the video a newline; InternVL's each 256 in its
+    "FrameN: <img>...</img>")."""
+    model = served[family]
     for extra, frames in [({}, 32), ({"extra_body": {"mm_processor_kwargs": {"fps": 1}}}, 2)]:
-        call = onevision.chat([video_part(video_uri(CLIP.data)), TEXT], **extra)
-        completion = _answered(onevision_engine, call,
-                               functools.partial(_answer, tokens=frames * 196 + 1))
+        call = model.chat([video_part(video_uri(CLIP.data)), TEXT], **extra)
+        tokens = video_processing[family].count_tokens(frames, CLIP.width, CLIP.height)
+        completion = _answered(family_engine, call, functools.partial(_answer, tokens=tokens))
         assert completion.choices[0].finish_reason == "length"
 
 

@@ -1,7 +1,7 @@
 """Videos on both vLLM backends: the items they hand vLLM are the ones vLLM's own processor makes,
 and `mmlane serve --backend vllm` (or `vllm-remote` in front of a `vllm serve`) answers a chat
-with videos as `vllm serve` alone does: Qwen2-VL's and Qwen2.5-VL's on both, LLaVA-OneVision's on
-`--backend vllm` (vllm-remote takes no LLaVA-OneVision model yet).
+with videos as `vllm serve` alone does: Qwen2-VL's and Qwen2.5-VL's on both, LLaVA-OneVision's and
+InternVL's on `--backend vllm` (vllm-remote takes neither model yet).
 
 Runs where vLLM is installed (`.venv-vllm/bin/python -m pytest tests/test_vllm_video_serving.py`)
 and is skipped elsewhere. The videos are tests/test_video.py's, made here with PyAV; vLLM alone
@@ -119,7 +119,7 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
 
     norm = None if on_device else video.pixel_norm
     batch = _VIDEO_INPUTS["qwen2_vl"]([_video_tensors(item.tensors, dtype, norm)
-                                       for item in ours])
+                                       for item in ours], video.video_token_id)
     fields = vllm_processor._get_mm_fields_config(batch, {})
     built = MultiModalKwargsItems.from_hf_inputs(batch, fields)["video"]
     assert len(built) == len(expected) == 2
@@ -146,13 +146,15 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
         assert_same_vllm_item(sent, received)
 
 
-def test_onevision_video_items_are_the_ones_vllms_processor_makes(
-        model_dirs: dict[str, Path]) -> None:
-    """Two LLaVA-OneVision videos of other sizes and frame counts in one prompt (32 frames of
-    160x90, 3 of 384x384): vLLM's processor's items against the in-process runner's (frames
-    normalised there: vLLM 0.32 does not normalise this model on the device), bit for bit, in
-    float32 and bfloat16; and its prompt is ours."""
-    model_dir = model_dirs["llava_onevision"]
+@pytest.mark.parametrize("family", ["llava_onevision", "internvl"])
+def test_square_frame_video_items_are_the_ones_vllms_processor_makes(
+        model_dirs: dict[str, Path], family: str) -> None:
+    """Two LLaVA-OneVision or InternVL videos of other sizes and frame counts in one prompt (32
+    frames of 160x90, 3 of 384x384): vLLM's processor's items against the in-process runner's
+    (frames normalised there: vLLM 0.32 normalises neither model on the device), bit for bit,
+    in float32 and bfloat16; and its prompt is ours (InternVL's: each frame's span with the
+    video token, as vLLM's InternS1 processor rewrites the HF processor's)."""
+    model_dir = model_dirs[family]
     preprocessor = load_preprocessor(model_dir)
     video = load_video_preprocessor(model_dir, preprocessor)
     [prompt] = preprocessor.tokenize_batch([preprocessor.render_prompt(
@@ -165,8 +167,9 @@ def test_onevision_video_items_are_the_ones_vllms_processor_makes(
         assert not config.get_multimodal_config().mm_device_do_normalize
         vllm_processor = MULTIMODAL_REGISTRY.create_processor(config)
         vllm = vllm_processor(list(prompt), vllm_processor.info.parse_mm_data({"video": loaded}))
-        batch = _VIDEO_INPUTS["llava_onevision"]([
-            _video_tensors(item.tensors, config.dtype, video.pixel_norm) for item in ours])
+        batch = _VIDEO_INPUTS[family]([
+            _video_tensors(item.tensors, config.dtype, video.pixel_norm) for item in ours],
+            video.video_token_id)
         fields = vllm_processor._get_mm_fields_config(batch, {})
         built = MultiModalKwargsItems.from_hf_inputs(batch, fields)["video"]
         assert len(built) == len(vllm["mm_kwargs"]["video"]) == 2
@@ -175,11 +178,12 @@ def test_onevision_video_items_are_the_ones_vllms_processor_makes(
         assert vllm["prompt_token_ids"] == video.expand_placeholders(list(prompt), ours)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision", "internvl"])
 def test_the_frames_are_sampled_by_the_loader_vllm_picks(model_dirs: dict[str, Path],
                                                          family: str) -> None:
     """vLLM loads a video with the loader its model's video processor maps to (Qwen2-VL's
-    `qwen2_vl`; the default, `opencv`, for LLaVA-OneVision's): the sampling mmlane picks."""
+    `qwen2_vl`; the default, `opencv`, for LLaVA-OneVision's and InternVL's): the sampling
+    mmlane picks."""
     from transformers import AutoProcessor
 
     model_dir = model_dirs[family]
@@ -318,13 +322,15 @@ def test_a_repeated_video_reaches_vllm_as_its_hash(servers: Servers) -> None:
         counter(run_dir, "engine", held, before + 1)
 
 
-@pytest.fixture(scope="module")
-def onevision_servers(module_run_dir: Path, model_dirs: dict[str, Path]
-                      ) -> Iterator[tuple[Path, int, tuple[Server, str, Path]]]:
-    """`vllm serve` alone and `mmlane serve --backend vllm` on the tiny LLaVA-OneVision: its
-    directory, vLLM alone's port, and mmlane's server, native endpoint and run directory."""
-    model_dir = model_dirs["llava_onevision"]
-    run_dir = module_run_dir / "llava_onevision"
+@pytest.fixture(scope="module", params=["llava_onevision", "internvl"])
+def square_frame_servers(request: pytest.FixtureRequest, module_run_dir: Path,
+                         model_dirs: dict[str, Path]
+                         ) -> Iterator[tuple[Path, int, tuple[Server, str, Path]]]:
+    """`vllm serve` alone and `mmlane serve --backend vllm` on the tiny LLaVA-OneVision, then
+    InternVL: its directory, vLLM alone's port, and mmlane's server, native endpoint and run
+    directory."""
+    model_dir = model_dirs[request.param]
+    run_dir = module_run_dir / request.param
     run_dir.mkdir()
     with serving(run_dir, model_dir) as (alone, ours):
         yield model_dir, alone[1], ours
@@ -332,21 +338,21 @@ def onevision_servers(module_run_dir: Path, model_dirs: dict[str, Path]
 
 TILE = video_uri(ONEVISION_CASES[1].video.data)  # 384x384, 6 frames: all kept
 TALL = video_uri(CASES[5].video.data)  # 48x100, 10 frames: all kept
-ONEVISION_CHATS: dict[str, Chat] = {
+SQUARE_FRAME_CHATS: dict[str, Chat] = {
     "one video": (None, "what happens?", [], [TILE]),
     "an image and a video": ("Answer briefly.", "compare them", [jpeg_uri(160, 120, 7)], [TALL]),
     "two videos side by side": (None, "which is longer?", [], [TALL, TILE]),
 }
 
 
-@pytest.mark.parametrize("chat", list(ONEVISION_CHATS))
-def test_a_onevision_chat_with_videos_gets_vllm_alone_s_tokens_and_logprobs(
-        onevision_servers: tuple[Path, int, tuple[Server, str, Path]], chat: str) -> None:
-    """--backend vllm on LLaVA-OneVision: the prompt's ids, the output's ids, logprobs and their
-    texts are vLLM alone's for the same videos (all their frames: 32 at most), natively and
-    over the HTTP API."""
-    model_dir, alone_port, ours = onevision_servers
-    assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, ONEVISION_CHATS[chat])
+@pytest.mark.parametrize("chat", list(SQUARE_FRAME_CHATS))
+def test_a_square_frame_chat_with_videos_gets_vllm_alone_s_tokens_and_logprobs(
+        square_frame_servers: tuple[Path, int, tuple[Server, str, Path]], chat: str) -> None:
+    """--backend vllm on LLaVA-OneVision and InternVL (its frames' "FrameN: <img>...</img>"
+    spans): the prompt's ids, the output's ids, logprobs and their texts are vLLM alone's for
+    the same videos (all their frames: 32 at most), natively and over the HTTP API."""
+    model_dir, alone_port, ours = square_frame_servers
+    assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, SQUARE_FRAME_CHATS[chat])
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ it), an image by the family's checks."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -86,8 +87,8 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec)
                 f"mm_items[{index}] covers tokens that are not its {kind}'s span: not the "
                 f"{spec.family} expansion of its tensors"
             )
-        covered[kind] += len(expected) if kind == "video" else \
-            spec.count_image_tokens(item.tensors)
+        covered[kind] += int((expected == spec.video.video_token_id).sum()) \
+            if spec.video is not None and item.is_video else spec.count_image_tokens(item.tensors)
     tokens = {"image": spec.image_token_id}
     if spec.video is not None:
         tokens["video"] = spec.video.video_token_id
@@ -98,9 +99,9 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec)
                                f"mm_items cover {covered[kind]}")
 
 
-def _expansion(item: MMItem, spec: ModelSpec) -> list[int] | tuple[int, ...]:
+def _expansion(item: MMItem, spec: ModelSpec) -> Sequence[int]:
     if spec.video is not None and item.is_video:
-        return [spec.video.video_token_id] * spec.video.count_item_tokens(item.tensors)
+        return spec.video.expand_item(item.tensors)
     return tuple(spec.expand_image(item.tensors))
 
 

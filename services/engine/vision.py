@@ -101,9 +101,10 @@ class VisionEncoder:
     Idefics3's with the image's tiles as one sample, and no pixel_attention_mask: an image's own
     tiles are whole, the mask the model makes without one). These rows replace the image tokens
     of the image's span. A video's (with `video`, the model's video processing) go through the
-    model's `get_video_features` with the tensors it names (Qwen2-VL's `video_grid_thw`; LLaVA-
-    OneVision's frames as a batch of one video, pooled and closed by the image_newline there),
-    and replace its video tokens."""
+    model's method it names (`model_features`) with the tensors it names: `get_video_features`
+    (Qwen2-VL's with its `video_grid_thw`; LLaVA-OneVision's frames as a batch of one video,
+    pooled and closed by the image_newline there), or InternVL's `get_image_features` (each
+    frame an image of one tile), and replace its video tokens."""
 
     def __init__(self, model: Any, family: str, pixel_norm: PixelNorm,
                  video: VideoPreprocessor | None = None) -> None:
@@ -133,8 +134,9 @@ class VisionEncoder:
         pixels = to_device(tensors[VIDEO_PIXELS], self.model.device)
         pixels = normalize(pixels, video.pixel_norm).to(self.model.dtype)
         inputs = {name: self.to_device(tensors[name]) for name in video.vision_inputs}
-        output = self.model.model.get_video_features(
-            pixel_values_videos=video.model_pixels(pixels), **inputs, return_dict=True)
+        method, argument = video.model_features
+        output = getattr(self.model.model, method)(
+            **{argument: video.model_pixels(pixels)}, **inputs, return_dict=True)
         return torch.cat(list(output.pooler_output))
 
     def _pixels(self, tensors: Mapping[str, np.ndarray]) -> torch.Tensor:

@@ -176,7 +176,7 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
     video_token = video_token_id(pre)
     if checked.videos and video_token is None:
         raise RequestError(f"messages: this model ({pre.family.name} family) takes no video; "
-                           f"mmlane renders videos for the {' and '.join(VIDEO_FAMILIES)} "
+                           f"mmlane renders videos for the {', '.join(VIDEO_FAMILIES)} "
                            "families")
     token_ids = _token_ids(pre, checked)
     # Only the chat template may place placeholders; text and ids must not forge them.

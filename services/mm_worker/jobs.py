@@ -296,9 +296,10 @@ def video_sampling(asked: VideoSampling, max_frames: int,
     `max_frames` (video_too_large).
 
     Qwen2-VL's (`qwen2_vl`): frames at `fps`, at most `num_frames` of them, at least one
-    temporal patch. The default loader's (`opencv`, LLaVA-OneVision's): `num_frames` evenly
-    spaced, or one every 1/`fps` seconds where that keeps fewer, as vLLM's `media_io_kwargs`
-    set them (a request's `fps` alone keeps the default 32 frames at most)."""
+    temporal patch. The default loader's (`opencv`, LLaVA-OneVision's and InternVL's):
+    `num_frames` evenly spaced, or one every 1/`fps` seconds where that keeps fewer, as vLLM's
+    `media_io_kwargs` set them (a request's `fps` alone keeps the default 32 frames at
+    most)."""
     least = video.frame_group
     if asked.fps is not None and not (math.isfinite(asked.fps) and asked.fps > 0):
         raise RequestError(f"mm_processor_kwargs.fps: must be above 0, got {asked.fps:g}")

@@ -395,7 +395,7 @@ class ProcessPool:
                 task.future.set_exception(translate(exc, f"{task.work.name}'s pixels"))
                 return
             if isinstance(task.work, VideoTask):
-                item = VideoItem(adopted, num_tokens)
+                item = VideoItem(adopted, num_tokens, token_ids)
             else:
                 item = ImageItem(tensors=adopted, num_tokens=num_tokens, token_ids=token_ids)
             task.future.set_result(Processed(item, decode_s, process_s))
@@ -483,9 +483,8 @@ def _serve(tasks: Any, results: Any, model_dir: str, image_backend: str, media: 
                 info: ErrorInfo = translate(exc, task.name).to_info()
                 results.send(("err", info))
                 continue
-            token_ids = done.item.token_ids if isinstance(done.item, ImageItem) else ()
             results.send(("ok", _put(slots, done.item.tensors), done.item.num_tokens,
-                          token_ids, done.decode_s, done.process_s))
+                          done.item.token_ids, done.decode_s, done.process_s))
     finally:
         slots.close()
 

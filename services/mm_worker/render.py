@@ -32,12 +32,12 @@ class PreparedItem:
     nbytes: int
     tensors: dict[str, np.ndarray]
     token_ids: tuple[int, ...] = ()
-    """Its span where it is not the image token `num_tokens` times (ImageItem.token_ids)."""
+    """Its span where it is not its placeholder `num_tokens` times (ImageItem.token_ids,
+    VideoItem.token_ids)."""
 
     @classmethod
     def processed(cls, mm_hash: str, item: ImageItem | VideoItem) -> PreparedItem:
-        token_ids = item.token_ids if isinstance(item, ImageItem) else ()
-        return cls(mm_hash, item.num_tokens, item.nbytes, item.tensors, token_ids)
+        return cls(mm_hash, item.num_tokens, item.nbytes, item.tensors, item.token_ids)
 
     def by_hash(self) -> PreparedItem:
         """The same item sent as its hash alone."""

@@ -7,7 +7,8 @@ become ours.
     Qwen2VLSampling     vLLM's `qwen2_vl` loader: the one vLLM picks for Qwen2-VL and
                         Qwen2.5-VL (their video processor is `Qwen2VLVideoProcessor`)
     UniformSampling     vLLM's default loader (`VLLM_VIDEO_LOADER_BACKEND=opencv`): the one
-                        it picks for LLaVA-OneVision (and every model without a loader)
+                        it picks for LLaVA-OneVision and InternVL (and every model
+                        without a loader)
     VideoLimits         the bounds, each with a safe default (MMWorkerConfig.video's)
 
 Sampling. vLLM reads the source's frame count and rate through OpenCV (`CAP_PROP_FRAME_COUNT`:

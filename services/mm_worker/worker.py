@@ -55,7 +55,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict
 from pathlib import Path
 
 import zmq
@@ -224,7 +223,7 @@ class MMWorker:
             to_engine = self._shm_writer(self._reaped_tag(cache.sender),
                                          int(config.shm_transport_mb * 2**20))
         hasher = ImageHasher(config.mm_hash, self.preprocessor.model_id,
-                             {type(video).__name__: asdict(video)})
+                             {type(video).__name__: video.hashed_settings()})
         threads = None
         if pool is None:  # videos on threads of the lane's own, niced as the worker is
             threads = concurrent.futures.ThreadPoolExecutor(config.video_processes,

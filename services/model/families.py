@@ -502,23 +502,33 @@ def _split_internvl(image_processor: Any, batch: Tensors) -> list[dict[str, np.n
             for tiles, end in zip(batch["num_patches"], ends, strict=True)]
 
 
-def _internvl_tile_tokens(model_dir: Path, config: Any) -> int:
-    """The <IMG_CONTEXT> tokens of one tile (its features after the pixel shuffle)."""
-    return _read_processor_config(model_dir).get("image_seq_length") or config.image_seq_length
+def internvl_tile_tokens(model_dir: Path, config: Any) -> int:
+    """The features of one InternVL tile (after the pixel shuffle), each a token: the
+    processor's `image_seq_length` (processor_config.json), else the model config's."""
+    tokens: int = (_read_processor_config(model_dir).get("image_seq_length")
+                   or config.image_seq_length)
+    return tokens
+
+
+def internvl_image_text(token: str, features: int) -> str:
+    """InternVLProcessor's text for an image's (or a video frame's) `features`: <img>, the
+    feature `token` that many times, </img> (the tokenizer's start_image_token and
+    end_image_token, as published)."""
+    return f"<img>{token * features}</img>"
 
 
 def _internvl_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
     """InternVLProcessor's image tokens: each tile's <IMG_CONTEXT> tokens."""
-    return _tiles_of(_internvl_tile_tokens(model_dir, config))
+    return _tiles_of(internvl_tile_tokens(model_dir, config))
 
 
 def _internvl_placeholder_text(
     model_dir: Path, config: Any, image_processor: Any
 ) -> PlaceholderText:
-    """InternVLProcessor's text for one image: <img>, <IMG_CONTEXT> for each feature of each
-    tile, </img> (the tokenizer's start_image_token and end_image_token, as published)."""
-    per_tile = _internvl_tile_tokens(model_dir, config)
-    return lambda item: f"<img>{'<IMG_CONTEXT>' * (per_tile * len(item['pixel_values']))}</img>"
+    """InternVLProcessor's text for one image: <IMG_CONTEXT> for each feature of each tile."""
+    per_tile = internvl_tile_tokens(model_dir, config)
+    return lambda item: internvl_image_text(INTERNVL.image_token,
+                                            per_tile * len(item["pixel_values"]))
 
 
 def _internvl_item_checker(config: Any) -> ItemChecker:

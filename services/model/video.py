@@ -1,6 +1,6 @@
 """A decoded video's tensors and token count, family by family, as vLLM 0.32 gets them from
 transformers' video processors: `Qwen2VLVideoProcessor` for Qwen2-VL and Qwen2.5-VL,
-`LlavaOnevisionVideoProcessor` for LLaVA-OneVision.
+`LlavaOnevisionVideoProcessor` for LLaVA-OneVision, `InternVLVideoProcessor` for InternVL.
 
     load_video_preprocessor(model_dir, preprocessor)   -> its family's VideoPreprocessor
     videos_of(model_dir, preprocessor)                 the same, or None for another family
@@ -9,26 +9,28 @@ transformers' video processors: `Qwen2VLVideoProcessor` for Qwen2-VL and Qwen2.5
     VideoPreprocessor.process_video(frames, metadata)  -> VideoItem: its tensors, its tokens
     VideoPreprocessor.expand_placeholders(ids, items)  each placeholder to its video's tokens
     VideoPreprocessor.check_item(where, tensors)       the engine's check of a video's tensors
-    VideoPreprocessor.count_item_tokens(tensors)       the tokens a checked video's tensors make
+    VideoPreprocessor.expand_item(tensors)             the span a checked video's tensors make
 
 A family's video processing is a subclass of `VideoPreprocessor` (`VIDEO_FAMILIES`: `Qwen2VLVideo`,
-`LlavaOnevisionVideo`); the base class holds what they share: the bound before any pixel work,
-the placeholder's expansion, the settings files, the resize.
+`LlavaOnevisionVideo`, `InternVLVideo`); the base class holds what they share: the bound before
+any pixel work, the placeholder's expansion, the settings files, the resize. `SquareFrameVideo`
+holds what LLaVA-OneVision's and InternVL's share: frames resized to the tower's square tile.
 
 What vLLM calls. vLLM samples and decodes the frames itself with the loader its model's video
 processor maps to (`VideoPreprocessor.loader`; mmlane.mm_worker.video gives the same frames and
-metadata), then calls the model's HF processor with `videos=[frames, ...]` (LLaVA-OneVision's one
-video a call), `return_tensors="pt"` and nothing else unless the server is given
+metadata), then calls the model's HF processor with `videos=[frames, ...]` (LLaVA-OneVision's and
+InternVL's one video a call), `return_tensors="pt"` and nothing else unless the server is given
 `--mm-processor-kwargs`, but `do_rescale=False, do_normalize=False` where the model normalises on
 its device (its `mm_device_do_normalize`, on by default where the model can: Qwen2-VL and
-Qwen2.5-VL, not LLaVA-OneVision). So the video processor keeps its default
+Qwen2.5-VL, not LLaVA-OneVision nor InternVL). So the video processor keeps its default
 `do_sample_frames=False` and processes every frame it is given; vLLM casts the floating outputs
 to the model's dtype.
 
 The shared steps. The settings are read as transformers' AutoVideoProcessor reads them:
 `processor_config.json`'s `video_processor`, else `video_preprocessor_config.json`, else
 `preprocessor_config.json` (the image processor's file, the only one many model directories
-have), over the processor class's defaults; settings this does not reproduce (another resample
+have), over the processor class's defaults (InternVL's `size` is the image processor's: vLLM
+sets it so); settings this does not reproduce (another resample
 filter, no resize) are refused at load with a ModelDirError. Both processors are transformers'
 torchvision backend, which resizes all frames of a video at once with torch's antialiased bicubic
 interpolation, on uint8 (torchvision's native uint8 kernel on the CPU, where vLLM runs the
@@ -39,9 +41,9 @@ for images (services/model/pixels.py; `pixel_norm`, the torchvision backend's or
 element-wise, so doing them after the layout changes no bit: the pixels travel as uint8, and are
 the processor's bit for bit once normalised (tests/test_video_render.py,
 tests/test_vllm_video_render.py). The work is bounded before any pixel is touched: the token
-count follows from the frame count and size alone, and `process_video` refuses a video whose
-tokens exceed the caller's limit (the context left) with `video_too_large`, naming the video
-(`video 2: ...`) as the decoder does.
+count (the length of the video's span) follows from the frame count and size alone, and
+`process_video` refuses a video whose tokens exceed the caller's limit (the context left) with
+`video_too_large`, naming the video (`video 2: ...`) as the decoder does.
 
 Qwen2-VL and Qwen2.5-VL (`Qwen2VLVideo`, vLLM's `qwen2_vl` loader: frames by rate). Each frame
 is resized to `smart_resize`'s size (sides multiples of patch x merge, pixels within min and max
@@ -64,14 +66,26 @@ video item, and channel-major after the first axis, as the engine normalises). T
 each frame through its tower, pools each frame's features 2x2 (bilinear, to half the side
 rounded up) and appends one image_newline to the video: its tokens are frames x pooled features
 + 1, as LlavaOnevisionProcessor counts them (the side of its `num_image_tokens`, halved up).
+
+InternVL (`InternVLVideo`, the default `opencv` loader too: vLLM 0.32 serves
+InternVLForConditionalGeneration with its InternS1 model, whose video processor has no loader of
+its own). Each frame is resized as LLaVA-OneVision's, to the image processor's tile (448 pixels;
+vLLM gives the video processor that `size`): `pixel_values_videos` (frames, 3, side, side). The
+model has no video path: each frame is an image of one tile through `get_image_features`, its
+`image_seq_length` features (256) each a token. A video's span is InternVLProcessor's text, one
+"FrameN: <img>...</img>" a frame joined by newlines, tokenized alone, with vLLM's video token
+(`<video>`) for the features where transformers writes <IMG_CONTEXT> (vLLM's InternS1 processor
+rewrites them, so that images and videos stay apart): `VideoItem.token_ids`, as the span of an
+InternVL image.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -82,9 +96,12 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImage
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mmlane.model.families import (
+    INTERNVL,
     LLAVA_ONEVISION,
     QWEN2_VL,
     UnsupportedModelError,
+    internvl_image_text,
+    internvl_tile_tokens,
     llava_onevision_tile_features,
 )
 from mmlane.model.loading import (
@@ -113,6 +130,10 @@ class VideoItem:
     tensors: dict[str, np.ndarray]
     """`pixel_values_videos` as uint8, and the family's other tensors (`item_fields`)."""
     num_tokens: int
+    """The length of its span: all the tokens its placeholder becomes, video tokens or not."""
+    token_ids: tuple[int, ...] = ()
+    """The span itself where it is not the video token `num_tokens` times (InternVL's frames,
+    each "FrameN: <img>...</img>")."""
 
     @property
     def nbytes(self) -> int:
@@ -132,15 +153,19 @@ class VideoPreprocessor(ABC):
     video's sampling of that loader)."""
     vision_inputs: ClassVar[tuple[str, ...]] = ()
     """The tensors the model's `get_video_features` takes beside the pixels."""
+    model_features: ClassVar[tuple[str, str]] = ("get_video_features", VIDEO_PIXELS)
+    """The model's method that makes a video's features from its pixels, and the argument it
+    takes them as (InternVL has no video method: its frames go through the image one)."""
     runs_apart: ClassVar[bool] = False
     """Two videos' tokens must not touch: the model finds a video as a run of video tokens
     (Qwen2-VL's M-RoPE)."""
 
     @classmethod
     @abstractmethod
-    def load(cls, model_dir: Path, video_token_id: int) -> VideoPreprocessor:
-        """The family's video processing of the model in `model_dir`; ModelDirError for
-        settings this does not reproduce."""
+    def load(cls, model_dir: Path, preprocessor: Preprocessor,
+             video_token_id: int) -> VideoPreprocessor:
+        """The family's video processing of the model in `model_dir` (whose images and text
+        `preprocessor` processes); ModelDirError for settings this does not reproduce."""
 
     @property
     @abstractmethod
@@ -169,10 +194,19 @@ class VideoPreprocessor(ABC):
 
     @abstractmethod
     def count_item_tokens(self, tensors: Mapping[str, np.ndarray]) -> int:
-        """The video tokens a checked video's tensors make."""
+        """The length of the span a checked video's tensors make."""
+
+    def expand_item(self, tensors: Mapping[str, np.ndarray]) -> Sequence[int]:
+        """The span a checked video's tensors make: what its placeholder becomes."""
+        return (self.video_token_id,) * self.count_item_tokens(tensors)
+
+    def hashed_settings(self) -> dict[str, Any]:
+        """What decides its videos' tensors and spans, for the MM worker's hash: its fields
+        that compare (not InternVL's tokenizing, the model's, which the hash covers)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
 
     def model_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """A video's pixels (normalised) as the model's `get_video_features` takes them."""
+        """A video's pixels (normalised) as the model's method (`model_features`) takes them."""
         return pixels
 
     def process_video(self, frames: np.ndarray, metadata: Mapping[str, Any], *, index: int,
@@ -193,13 +227,18 @@ class VideoPreprocessor(ABC):
                 f"video {index}: its {count} frames of {width}x{height} make {tokens} tokens "
                 f"({self._token_layout(count, width, height)}), more than the {max_tokens} it "
                 "may take", code="video_too_large")
-        return VideoItem(self._tensors(frames, metadata, index), tokens)
+        return VideoItem(self._tensors(frames, metadata, index), tokens, self._span(count))
 
     def expand_placeholders(self, token_ids: list[int], items: Sequence[VideoItem]) -> list[int]:
-        """Replace the i-th video placeholder with items[i]'s tokens; image placeholders stay
+        """Replace the i-th video placeholder with items[i]'s span; image placeholders stay
         (Preprocessor.expand_placeholders expands those)."""
-        spans = [(self.video_token_id,) * item.num_tokens for item in items]
+        spans = [item.token_ids or (self.video_token_id,) * item.num_tokens for item in items]
         return expand_placeholder(token_ids, self.video_token_id, spans, "video")
+
+    def _span(self, frames: int) -> tuple[int, ...]:
+        """`VideoItem.token_ids` of a video of `frames` frames: none, its video token
+        repeated, unless the family puts other tokens among them."""
+        return ()
 
     @abstractmethod
     def _token_layout(self, frames: int, width: int, height: int) -> str:
@@ -309,7 +348,8 @@ class Qwen2VLVideo(VideoPreprocessor):
     runs_apart = True
 
     @classmethod
-    def load(cls, model_dir: Path, video_token_id: int) -> Qwen2VLVideo:
+    def load(cls, model_dir: Path, preprocessor: Preprocessor,
+             video_token_id: int) -> Qwen2VLVideo:
         model_type = read_json(model_dir / "config.json").get("model_type")
         return cls(video_token_id=video_token_id, settings=Qwen2VLVideoSettings.read(model_dir),
                    timed=model_type in TIMED_MODEL_TYPES)
@@ -421,10 +461,10 @@ class Qwen2VLVideo(VideoPreprocessor):
         return self.settings.temporal_patch_size / sampled_fps
 
 
-# ---------------------------------------------------------------- LLaVA-OneVision
+# ---------------------------------------------------------------- frames as the tower's tiles
 
 
-LLAVA_ONEVISION_PROCESSOR_DEFAULTS: Mapping[str, Any] = {
+SQUARE_FRAME_PROCESSOR_DEFAULTS: Mapping[str, Any] = {
     "size": {"height": 384, "width": 384},
     "resample": PILImageResampling.BICUBIC,
     "do_resize": True,
@@ -435,60 +475,50 @@ LLAVA_ONEVISION_PROCESSOR_DEFAULTS: Mapping[str, Any] = {
     "image_mean": OPENAI_CLIP_MEAN,
     "image_std": OPENAI_CLIP_STD,
 }
-"""transformers' `LlavaOnevisionVideoProcessor` class defaults that shape its output (compared
-with it where torchvision is installed, as Qwen2-VL's)."""
-
-POOL_STRIDE = 2
-"""LLaVA-OneVision pools a frame's features this many to one a side (the model's
-`apply_pooling`; vLLM's `spatial_pool_stride`)."""
-
-VIDEO_NEWLINES = 1
-"""The image_newline features the model appends to a video, after its last frame's."""
+"""The class defaults that shape the output of transformers' `LlavaOnevisionVideoProcessor` and
+`InternVLVideoProcessor` alike (compared with both where torchvision is installed, as
+Qwen2-VL's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlavaOnevisionVideoSettings:
-    """The video processor's and processor's settings that shape a LLaVA-OneVision video."""
+class SquareFrameSettings:
+    """The settings that shape a video whose frames are each resized to the vision tower's
+    square tile (LLaVA-OneVision's, InternVL's)."""
 
     side: int
-    """Each frame is resized to side x side pixels (`size`: the vision tower's tile)."""
+    """Each frame is resized to side x side pixels (the vision tower's tile)."""
     frame_tokens: int
-    """A frame's features once pooled: (ceil(features a side / POOL_STRIDE))², the side that of
-    the processor's `num_image_tokens` (`llava_onevision_tile_features`)."""
+    """A frame's features, each a video token (LLaVA-OneVision's once pooled, InternVL's
+    `image_seq_length`)."""
     norm: PixelNorm
     """The rescale and normalise the engine runs (the torchvision backend's order)."""
 
     @classmethod
-    def read(cls, model_dir: Path, config: Any) -> LlavaOnevisionVideoSettings:
-        """The settings as AutoVideoProcessor loads them from `model_dir` (the module docstring)
-        and the model's `config` (transformers'); ModelDirError where the model could not take
-        the frames they make."""
-        where, raw = _processor_settings(model_dir, LLAVA_ONEVISION_PROCESSOR_DEFAULTS)
-        _check_bicubic(where, raw, "LlavaOnevisionVideoProcessor")
-        size, tile = raw["size"], config.vision_config.image_size
+    def read(cls, model_dir: Path, *, family: str, processor: str, tile: int,
+             frame_tokens: int, size: Mapping[str, Any] | None = None) -> SquareFrameSettings:
+        """The settings as AutoVideoProcessor loads them from `model_dir` (the module
+        docstring), `size` where vLLM sets it over the file's, for a tower of `tile` pixels a
+        side; ModelDirError where the model could not take the frames they make."""
+        where, raw = _processor_settings(model_dir, SQUARE_FRAME_PROCESSOR_DEFAULTS)
+        _check_bicubic(where, raw, processor)
+        size = raw["size"] if size is None else size
         if raw["do_center_crop"] or size.get("height") != tile or size.get("width") != tile:
             raise ModelDirError(
-                f"{where}: LLaVA-OneVision's vision tower takes frames of {tile}x{tile} pixels; "
-                f"the video processor makes size {size}, do_center_crop {raw['do_center_crop']}")
-        features_a_side = int(math.sqrt(llava_onevision_tile_features(model_dir, config)))
-        pooled = -(-features_a_side // POOL_STRIDE)
-        return cls(side=tile, frame_tokens=pooled * pooled, norm=_torchvision_norm(raw))
+                f"{where}: {family}'s vision tower takes frames of {tile}x{tile} pixels; the "
+                f"video processor makes size {dict(size)}, do_center_crop "
+                f"{raw['do_center_crop']}")
+        return cls(side=tile, frame_tokens=frame_tokens, norm=_torchvision_norm(raw))
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
-class LlavaOnevisionVideo(VideoPreprocessor):
-    """A LLaVA-OneVision model's video processing."""
+class SquareFrameVideo(VideoPreprocessor):
+    """A video as its frames, each resized to the vision tower's square tile, whatever its
+    aspect ratio, and neither padded nor cut: `pixel_values_videos` (frames, 3, side, side),
+    sampled by vLLM's default loader. The subclasses say how the model reads them."""
 
-    settings: LlavaOnevisionVideoSettings
+    settings: SquareFrameSettings
 
-    token = "<video>"
     loader = "opencv"
-
-    @classmethod
-    def load(cls, model_dir: Path, video_token_id: int) -> LlavaOnevisionVideo:
-        config = AutoConfig.from_pretrained(model_dir)
-        return cls(video_token_id=video_token_id,
-                   settings=LlavaOnevisionVideoSettings.read(model_dir, config))
 
     @property
     def pixel_norm(self) -> PixelNorm:
@@ -511,6 +541,42 @@ class LlavaOnevisionVideo(VideoPreprocessor):
         return self.count_tokens(len(tensors[VIDEO_PIXELS]), self.settings.side,
                                  self.settings.side)
 
+    def _tensors(self, frames: np.ndarray, metadata: Mapping[str, Any],
+                 index: int) -> dict[str, np.ndarray]:
+        side = self.settings.side
+        return {VIDEO_PIXELS: _resized(frames, side, side).contiguous().numpy()}
+
+
+# ---------------------------------------------------------------- LLaVA-OneVision
+
+
+POOL_STRIDE = 2
+"""LLaVA-OneVision pools a frame's features this many to one a side (the model's
+`apply_pooling`; vLLM's `spatial_pool_stride`)."""
+
+VIDEO_NEWLINES = 1
+"""The image_newline features the model appends to a video, after its last frame's."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class LlavaOnevisionVideo(SquareFrameVideo):
+    """A LLaVA-OneVision model's video processing: a frame's tokens are its features pooled,
+    (ceil(features a side / POOL_STRIDE))², the side that of the processor's
+    `num_image_tokens` (`llava_onevision_tile_features`)."""
+
+    token = "<video>"
+
+    @classmethod
+    def load(cls, model_dir: Path, preprocessor: Preprocessor,
+             video_token_id: int) -> LlavaOnevisionVideo:
+        config = AutoConfig.from_pretrained(model_dir)
+        features_a_side = int(math.sqrt(llava_onevision_tile_features(model_dir, config)))
+        pooled = -(-features_a_side // POOL_STRIDE)
+        settings = SquareFrameSettings.read(
+            model_dir, family="LLaVA-OneVision", processor="LlavaOnevisionVideoProcessor",
+            tile=config.vision_config.image_size, frame_tokens=pooled * pooled)
+        return cls(video_token_id=video_token_id, settings=settings)
+
     def count_tokens(self, frames: int, width: int, height: int) -> int:
         if frames < 1:
             raise ValueError("a video needs at least one frame")
@@ -523,10 +589,73 @@ class LlavaOnevisionVideo(VideoPreprocessor):
     def _token_layout(self, frames: int, width: int, height: int) -> str:
         return f"{self.settings.frame_tokens} a frame and {VIDEO_NEWLINES} newline"
 
-    def _tensors(self, frames: np.ndarray, metadata: Mapping[str, Any],
-                 index: int) -> dict[str, np.ndarray]:
-        side = self.settings.side
-        return {VIDEO_PIXELS: _resized(frames, side, side).contiguous().numpy()}
+
+# ---------------------------------------------------------------- InternVL
+
+
+INTERNVL_FRAME_SEPARATOR = "\n"
+"""What InternVLProcessor puts between two frames' texts."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class InternVLVideo(SquareFrameVideo):
+    """An InternVL model's video processing. Each frame is an image of one tile: its span is
+    "FrameN: <img>", a video token for each of its `image_seq_length` features, "</img>", the
+    frames' spans joined by newlines (vLLM's processor's; transformers' has <IMG_CONTEXT> where
+    vLLM writes the video token)."""
+
+    spans: Callable[[int], tuple[int, ...]] = field(repr=False, compare=False)
+    """A video's span by its frame count: `internvl_video_text` tokenized alone, as vLLM's
+    processor tokenizes it (`cached_encode`)."""
+
+    token = "<video>"
+    model_features = ("get_image_features", "pixel_values")
+
+    @classmethod
+    def load(cls, model_dir: Path, preprocessor: Preprocessor,
+             video_token_id: int) -> InternVLVideo:
+        """The frames' size is the image processor's, as vLLM sets it over the video
+        processor's own."""
+        config = AutoConfig.from_pretrained(model_dir)
+        height, width = config.vision_config.image_size
+        if height != width:
+            raise ModelDirError(f"{model_dir}: InternVL's vision tower takes {width}x{height} "
+                                "tiles; mmlane renders videos for square ones only")
+        size = preprocessor.image_processor.size
+        settings = SquareFrameSettings.read(
+            model_dir, family="InternVL", processor="InternVLVideoProcessor", tile=height,
+            frame_tokens=internvl_tile_tokens(model_dir, config),
+            size={"height": size.height, "width": size.width})
+        backend = preprocessor.tokenizer.backend_tokenizer
+
+        @lru_cache(maxsize=64)  # a few frame counts recur: each tokenized once
+        def spans(frames: int) -> tuple[int, ...]:
+            text = internvl_video_text(cls.token, settings.frame_tokens, frames)
+            return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+        return cls(video_token_id=video_token_id, settings=settings, spans=spans)
+
+    def count_tokens(self, frames: int, width: int, height: int) -> int:
+        if frames < 1:
+            raise ValueError("a video needs at least one frame")
+        return len(self._span(frames))
+
+    def expand_item(self, tensors: Mapping[str, np.ndarray]) -> Sequence[int]:
+        return self._span(len(tensors[VIDEO_PIXELS]))
+
+    def _span(self, frames: int) -> tuple[int, ...]:
+        return self.spans(frames)
+
+    def _token_layout(self, frames: int, width: int, height: int) -> str:
+        return (f"{self.settings.frame_tokens} {self.token} a frame, each frame's between "
+                "\"FrameN: <img>\" and \"</img>\"")
+
+
+def internvl_video_text(token: str, features: int, frames: int) -> str:
+    """InternVLProcessor's text for a video of `frames` frames of `features` features each
+    (`token` for each feature: vLLM's video token; transformers' <IMG_CONTEXT>)."""
+    return INTERNVL_FRAME_SEPARATOR.join(f"Frame{number}: {internvl_image_text(token, features)}"
+                                         for number in range(1, frames + 1))
 
 
 # ---------------------------------------------------------------- loading, and the shared steps
@@ -535,6 +664,7 @@ class LlavaOnevisionVideo(VideoPreprocessor):
 VIDEO_FAMILIES: Mapping[str, type[VideoPreprocessor]] = {
     QWEN2_VL.name: Qwen2VLVideo,
     LLAVA_ONEVISION.name: LlavaOnevisionVideo,
+    INTERNVL.name: InternVLVideo,
 }
 """The families mmlane renders videos for, by name, and their video processing."""
 
@@ -558,12 +688,12 @@ def load_video_preprocessor(model_dir: str | Path, preprocessor: Preprocessor
     kind = VIDEO_FAMILIES.get(preprocessor.family.name)
     if kind is None:
         raise UnsupportedModelError(f"{model_dir}: mmlane renders videos for the "
-                                    f"{' and '.join(VIDEO_FAMILIES)} families only, not the "
+                                    f"{', '.join(VIDEO_FAMILIES)} families only, not the "
                                     f"{preprocessor.family.name} family")
     token_id = video_token_id(preprocessor)
     if token_id is None:
         raise ModelDirError(f"the tokenizer in {model_dir} lacks the video token {kind.token!r}")
-    return kind.load(model_dir, token_id)
+    return kind.load(model_dir, preprocessor, token_id)
 
 
 def videos_of(model_dir: str | Path, preprocessor: Preprocessor) -> VideoPreprocessor | None:

@@ -22,8 +22,10 @@ tensors are laid out as vLLM's processor makes them (`_VIDEO_INPUTS`): a Qwen2-V
 video's `pixel_values_videos` rows (uint8, or normalised as the video processor would where
 vLLM does not normalise), `video_grid_thw` and Qwen2.5-VL's `second_per_grid_ts`; a LLaVA-
 OneVision video's frames, normalised here (vLLM 0.32 does not normalise that model on the
-device), one batched entry a video; their floating tensors cast to the model's dtype as vLLM
-casts its processor's outputs.
+device), one batched entry a video; an InternVL video's frames, normalised here too, as rows of
+the flat `pixel_values_videos` with its `video_num_patches` (its frame count) and the shared
+`video_token_id`, whose tokens in the video's span take its features; their floating tensors
+cast to the model's dtype as vLLM casts its processor's outputs.
 
 vLLM keeps its own mirrored cache of items: its processor cache (P0, in this process) tracks
 what its engine core's cache (P1) holds, and an item P0 holds goes to the engine core as its
@@ -342,15 +344,16 @@ class VLLMRunner(LoopRunner):
         images = [self._item_tensors(item.tensors) if rows is None
                   else _embeds_item(item.tensors, rows)
                   for item, rows in zip(items, embeds, strict=True) if not item.is_video]
-        norm = self.spec.video.pixel_norm if self._normalize_pixels and self.spec.video else None
+        video = self.spec.video  # None: the engine refuses video items
+        norm = video.pixel_norm if self._normalize_pixels and video else None
         videos = [_video_tensors(item.tensors, self._dtype, norm)
                   for item in items if item.is_video]
         batch = BatchFeature({})
         if images:
             layout = _VLLM_INPUTS if self._lane is None else _EMBEDS_INPUTS
             batch.update(layout[self._pre.family.name](images, self._pre.image_token_id))
-        if videos:
-            batch.update(_VIDEO_INPUTS[self._pre.family.name](videos))
+        if videos and video is not None:
+            batch.update(_VIDEO_INPUTS[self._pre.family.name](videos, video.video_token_id))
         if not batch:
             return []
         built = MultiModalKwargsItems.from_hf_inputs(batch, self._fields(batch, {}))
@@ -387,29 +390,6 @@ def _writeable(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     and go as they are."""
     return {name: array if array.flags.writeable else array.copy()
             for name, array in tensors.items()}
-
-
-def _qwen2_vl_videos(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A prompt's Qwen2-VL or Qwen2.5-VL videos as its HF processor batches them: each tensor
-    of the videos concatenated on its first axis (their pixel rows, their grids' rows, their
-    seconds per grid step); one video's as they are (torch.cat would copy them)."""
-    if len(items) == 1:
-        return items[0]
-    return {name: torch.cat([item[name] for item in items]) for name in items[0]}
-
-
-def _llava_onevision_videos(items: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """A prompt's LLaVA-OneVision videos as vLLM's processor keeps them: it calls the HF
-    processor once per video and lists each one's frames (their counts may differ)."""
-    return {VIDEO_PIXELS: [item[VIDEO_PIXELS] for item in items]}
-
-
-_VIDEO_INPUTS: dict[str, Callable[[list[dict[str, torch.Tensor]]], dict[str, Any]]] = {
-    "qwen2_vl": _qwen2_vl_videos,
-    "llava_onevision": _llava_onevision_videos,
-}
-"""The batch of a request's videos in the layout vLLM's own processor gives its model, by
-family; the videos of a family not here are refused (the runner's spec has no video)."""
 
 
 def _embeds_item(tensors: dict[str, np.ndarray], embeds: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -500,6 +480,38 @@ _EMBEDS_INPUTS: dict[str, Callable[[Items, int], dict[str, Any]]] = {
 }
 """With the vision lane: the batch of a request's items as vLLM's embedding inputs (its
 models' `image_embeds` fields), from each item's embeddings and its other tensors."""
+
+
+def _qwen2_vl_videos(items: Items, video_token_id: int) -> dict[str, Any]:
+    """A prompt's Qwen2-VL or Qwen2.5-VL videos as its HF processor batches them: each tensor
+    of the videos concatenated on its first axis (their pixel rows, their grids' rows, their
+    seconds per grid step)."""
+    return _concatenated(*items[0])(items, video_token_id)
+
+
+def _llava_onevision_videos(items: Items, video_token_id: int) -> dict[str, Any]:
+    """A prompt's LLaVA-OneVision videos as vLLM's processor keeps them: it calls the HF
+    processor once per video and lists each one's frames (their counts may differ)."""
+    return {VIDEO_PIXELS: [item[VIDEO_PIXELS] for item in items]}
+
+
+def _internvl_videos(items: Items, video_token_id: int) -> dict[str, Any]:
+    """A prompt's InternVL videos as vLLM's InternS1 processor batches them (it calls the HF
+    processor once per video): their frames concatenated, each video's frame count, and the
+    video token, as an image's tiles, counts and token (`_internvl_inputs`)."""
+    return {**_concatenated(VIDEO_PIXELS)(items, video_token_id),
+            "video_num_patches": torch.tensor([len(item[VIDEO_PIXELS]) for item in items]),
+            "video_token_id": torch.tensor(video_token_id)}
+
+
+_VIDEO_INPUTS: dict[str, Callable[[Items, int], dict[str, Any]]] = {
+    "qwen2_vl": _qwen2_vl_videos,
+    "llava_onevision": _llava_onevision_videos,
+    "internvl": _internvl_videos,
+}
+"""The batch of a request's videos in the layout vLLM's own processor gives its model, from
+their tensors and the video token, by family; the videos of a family not here are refused
+(the runner's spec has no video)."""
 
 
 def _sampling_params(sampling: SamplingParams) -> Any:
