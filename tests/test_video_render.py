@@ -103,7 +103,11 @@ def decoded() -> dict[str, DecodedVideo]:
 @pytest.fixture(scope="module", params=MODELS)
 def model(request: pytest.FixtureRequest, model_dirs: dict[str, Path]
           ) -> tuple[Path, Preprocessor, VideoPreprocessor]:
-    model_dir = model_dirs[request.param]
+    return video_model(model_dirs[request.param])
+
+
+def video_model(model_dir: Path) -> tuple[Path, Preprocessor, VideoPreprocessor]:
+    """A model directory, its preprocessor and its video preprocessor."""
     preprocessor = load_preprocessor(model_dir)
     return model_dir, preprocessor, load_video_preprocessor(model_dir, preprocessor)
 
@@ -273,9 +277,7 @@ def test_settings_are_read_as_the_processor_reads_them(model, decoded, tmp_path:
 
 @pytest.fixture(scope="module")
 def onevision(model_dirs: dict[str, Path]) -> tuple[Path, Preprocessor, VideoPreprocessor]:
-    model_dir = model_dirs["llava_onevision"]
-    preprocessor = load_preprocessor(model_dir)
-    return model_dir, preprocessor, load_video_preprocessor(model_dir, preprocessor)
+    return video_model(model_dirs["llava_onevision"])
 
 
 def onevision_pixels(item: Any, video: VideoPreprocessor) -> torch.Tensor:
@@ -303,18 +305,25 @@ def test_a_onevision_chat_with_an_image_and_a_video_is_the_processors(onevision,
                                                                       decoded) -> None:
     """An image and a video in one processor call: its ids, both kinds of placeholder expanded
     (the template puts a message's images before its videos)."""
-    model_dir, preprocessor, video = onevision
+    video = onevision[2]
+    item, expected, ours = a_video_and_an_image(onevision, decoded["h264-ntsc-32-frames"])
+    assert torch.equal(onevision_pixels(item, video), expected["pixel_values_videos"])
+    assert ours == expected["input_ids"][0].tolist()
+
+
+def a_video_and_an_image(model: tuple[Path, Any, VideoPreprocessor],
+                         clip: Any) -> tuple[Any, Any, list[int]]:
+    """A chat of a video and an image, ours and the processor's (one call): our video's item,
+    the processor's output, and our prompt's ids with both kinds of placeholder expanded."""
+    model_dir, preprocessor, video = model
     processor = hf_processor(model_dir)
-    clip = decoded["h264-ntsc-32-frames"]
     image = make_image(200, 150, seed=3)
     prompt = preprocessor.render_prompt(video_chat("video", "image", "text"))
     expected = hf_call(processor, [clip], text=[prompt], images=[image])
-
     item = video.process_video(clip.frames, clip.hf_metadata(), index=0, max_tokens=NO_LIMIT)
-    assert torch.equal(onevision_pixels(item, video), expected["pixel_values_videos"])
     [token_ids] = preprocessor.tokenize_batch([prompt])
     with_images = preprocessor.expand_placeholders(token_ids, [preprocessor.process_image(image)])
-    assert video.expand_placeholders(with_images, [item]) == expected["input_ids"][0].tolist()
+    return item, expected, video.expand_placeholders(with_images, [item])
 
 
 @pytest.mark.parametrize("processor", [
@@ -385,9 +394,7 @@ def test_a_onevision_video_over_the_token_limit_is_refused_before_any_pixel_work
 
 @pytest.fixture(scope="module")
 def internvl(model_dirs: dict[str, Path]) -> tuple[Path, Preprocessor, VideoPreprocessor]:
-    model_dir = model_dirs["internvl"]
-    preprocessor = load_preprocessor(model_dir)
-    return model_dir, preprocessor, load_video_preprocessor(model_dir, preprocessor)
+    return video_model(model_dirs["internvl"])
 
 
 def internvl_pixels(item: Any, video: VideoPreprocessor) -> torch.Tensor:
@@ -418,18 +425,10 @@ def test_an_internvl_chat_with_an_image_and_a_video_is_the_processors(internvl,
     """A video and an image in one processor call: its ids, both kinds of placeholder expanded,
     and the video's frames where the processor puts them among pixel_values: in prompt order,
     before the image's tiles."""
-    model_dir, preprocessor, video = internvl
-    processor = hf_processor(model_dir)
+    _, preprocessor, video = internvl
     clip = decoded["h264-ntsc-32-frames"]
-    image = make_image(200, 150, seed=3)
-    prompt = preprocessor.render_prompt(video_chat("video", "image", "text"))
-    expected = hf_call(processor, [clip], text=[prompt], images=[image])
-
-    item = video.process_video(clip.frames, clip.hf_metadata(), index=0, max_tokens=NO_LIMIT)
+    item, expected, ours = a_video_and_an_image(internvl, clip)
     assert torch.equal(internvl_pixels(item, video), expected["pixel_values"][:len(clip.frames)])
-    [token_ids] = preprocessor.tokenize_batch([prompt])
-    with_images = preprocessor.expand_placeholders(token_ids, [preprocessor.process_image(image)])
-    ours = video.expand_placeholders(with_images, [item])
     assert as_transformers_writes(ours, preprocessor, video) == expected["input_ids"][0].tolist()
 
 
