@@ -674,55 +674,97 @@ def _metric(port: int, name: str) -> float:
                if line.startswith(name + "{"))
 
 
-@pytest.mark.parametrize("embeds", [None, torch.float32, torch.bfloat16],
-                         ids=["pixels", "float32 embeddings", "bfloat16 embeddings"])
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+WIRE_CASES = [*((family, None) for family in ("qwen2_vl", "llava", "llava_next",
+                                              "llava_onevision")),
+              *((family, dtype) for family in ("qwen2_vl", "llava")
+                for dtype in (torch.float32, torch.bfloat16))]
+
+
+@pytest.mark.parametrize(("family", "embeds"), WIRE_CASES,
+                         ids=[f"{family}-{'pixels' if dtype is None else f'{dtype} embeddings'}"
+                              for family, dtype in WIRE_CASES])
 def test_the_remote_wire_items_are_vllm_s_own(model_dirs: dict[str, Path], family: str,
                                               embeds: torch.dtype | None) -> None:
     """wire.py's encoding of an image (its pixels, or with --encoder-lane its embeddings, in a
-    dtype numpy has or one it lacks), decoded by vLLM's own decoder, is the item vLLM builds
-    from the same tensors, as vLLM's own encoding carries it: the same fields and the same
-    tensors, bit for bit."""
+    dtype numpy has or one it lacks), decoded by vLLM's own decoder, is the item the in-process
+    runner builds from the same tensors (its layout, split by the fields of vLLM's processor
+    for the model), as vLLM's own encoding carries it: the same fields and the same tensors,
+    bit for bit; its pixels uint8 where vLLM normalises them on the device by default, and
+    normalised where it does not. Every family wire.py writes."""
     from test_engine import make_request
-    from transformers import BatchFeature
+    from vllm.config import ModelConfig
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import (
         decode_mm_kwargs_item,
         encode_mm_kwargs_item,
     )
-    from vllm.model_executor.models.llava import LlavaMultiModalProcessor
-    from vllm.model_executor.models.qwen2_vl import _create_qwen2vl_field_factory
+    from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.inputs import MultiModalKwargsItems
 
     from mmlane.engine import wire
+    from mmlane.engine.vllm.runner import _EMBEDS_INPUTS, _VLLM_INPUTS, _embeds_item
     from mmlane.model import model_layout, normalize
 
+    assert set(wire.ITEMS) == {case[0] for case in WIRE_CASES}
+    assert set(wire.EMBEDS) == {case[0] for case in WIRE_CASES if case[1] is not None}
     model_dir = model_dirs[family]
     prep = load_preprocessor(model_dir, "auto")
     request = make_request(prep, "two of them", ((320, 240), (64, 48)))
-    config = json.loads((model_dir / "config.json").read_text())
-    if family == "qwen2_vl":
-        fields = _create_qwen2vl_field_factory(config["vision_config"]["spatial_merge_size"])
-    else:
-        fields = functools.partial(LlavaMultiModalProcessor._get_mm_fields_config, None,
-                                   hf_processor_mm_kwargs={})
+    config = ModelConfig(model=str(model_dir), max_model_len=4096, dtype="float32")
+    processor = MULTIMODAL_REGISTRY.create_processor(config)
+    on_device = config.get_multimodal_config().mm_device_do_normalize
     for item in request.mm_items:
         uint8 = torch.from_numpy(np.array(item.tensors["pixel_values"]))
         if embeds is None:
             ours = decode_mm_kwargs_item(wire.encode_item(
                 wire.ITEMS[family](item.tensors, prep.pixel_norm)))
-            batch = BatchFeature({"pixel_values": normalize(uint8, prep.pixel_norm)}
-                                 if family == "llava" else {
-                "pixel_values": model_layout(uint8, prep.pixel_norm),
-                "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
+            pixels = (model_layout(uint8, prep.pixel_norm) if on_device
+                      else normalize(uint8, prep.pixel_norm))
+            tensors = {name: torch.from_numpy(np.array(array))
+                       for name, array in item.tensors.items()}
+            batch = _VLLM_INPUTS[family]([{**tensors, "pixel_values": pixels}],
+                                         prep.image_token_id)
         else:
             rows = torch.randn(item.length, 32).to(embeds)
             ours = decode_mm_kwargs_item(wire.encode_item(
                 wire.EMBEDS[family](item.tensors, rows)))
-            batch = BatchFeature({"image_embeds": rows[None]} if family == "llava" else {
-                "image_embeds": rows,
-                "image_grid_thw": torch.from_numpy(np.array(item.tensors["image_grid_thw"]))})
-        [built] = MultiModalKwargsItems.from_hf_inputs(batch, fields(batch))["image"]
+            batch = _EMBEDS_INPUTS[family]([_embeds_item(item.tensors, rows)],
+                                           prep.image_token_id)
+        [built] = MultiModalKwargsItems.from_hf_inputs(
+            batch, processor._get_mm_fields_config(batch, {}))["image"]
         assert_same_vllm_item(ours, decode_mm_kwargs_item(encode_mm_kwargs_item(built)))
+
+
+@pytest.mark.parametrize("family", ["mistral3", "internvl", "idefics3"])
+def test_what_the_scale_out_api_cannot_mark_is_refused_by_name(model_dirs: dict[str, Path],
+                                                               family: str) -> None:
+    """The families whose image spans hold other tokens besides the image's: vllm-remote
+    refuses such a model at start, and the render API such a request, each saying why
+    (wire.NO_MASK: vLLM 0.32's placeholder ranges carry no is_embed)."""
+    import transformers
+    from test_engine import make_request
+
+    from mmlane.common.stats import Metrics
+    from mmlane.engine import wire
+    from mmlane.engine.config import VLLMConfig
+    from mmlane.engine.runner import ModelSpec
+    from mmlane.engine.vllm.remote import load as load_remote
+
+    model_dir = model_dirs[family]
+    config = EngineConfig(model=str(model_dir), backend="vllm-remote",
+                          vllm=VLLMConfig(vllm_url=[DEAD_REPLICA]))
+    with pytest.raises(FatalError, match=re.escape(
+            f"--backend vllm-remote cannot serve {family} models: {wire.NO_MASK}; it serves "
+            f"those of {', '.join(wire.ITEMS)}")) as refused:
+        load_remote(config, Metrics("engine", "engine"))
+    assert refused.value.code == "bad_config"
+    prep = load_preprocessor(model_dir, "auto")
+    spec = ModelSpec.of(prep, transformers.AutoConfig.from_pretrained(model_dir),
+                        vocab_size=len(prep.tokenizer), max_context=prep.max_context)
+    request = make_request(prep, "what is it?", ((320, 240),))
+    with pytest.raises(RequestError, match=re.escape(
+            f"images of {family} models cannot be written in vLLM's scale-out format: "
+            f"{wire.NO_MASK}")):
+        wire.generate_body(request, spec)
 
 
 def assert_same_vllm_item(ours: Any, theirs: Any) -> None:

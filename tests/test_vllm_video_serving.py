@@ -1,7 +1,7 @@
 """Videos on both vLLM backends: the items they hand vLLM are the ones vLLM's own processor makes,
 and `mmlane serve --backend vllm` (or `vllm-remote` in front of a `vllm serve`) answers a chat
-with videos as `vllm serve` alone does: Qwen2-VL's and Qwen2.5-VL's on both, LLaVA-OneVision's and
-InternVL's on `--backend vllm` (vllm-remote takes neither model yet).
+with videos as `vllm serve` alone does: Qwen2-VL's, Qwen2.5-VL's and LLaVA-OneVision's on both,
+InternVL's on `--backend vllm` (vllm-remote cannot serve InternVL: wire.NO_MASK).
 
 Runs where vLLM is installed (`.venv-vllm/bin/python -m pytest tests/test_vllm_video_serving.py`)
 and is skipped elsewhere. The videos are tests/test_video.py's, made here with PyAV; vLLM alone
@@ -133,7 +133,8 @@ def test_video_items_are_the_ones_vllms_processor_makes(processors: tuple[Any, .
     for item, video_loaded in zip(ours, loaded, strict=True):
         [theirs] = vllm_processor(list(one), vllm_processor.info.parse_mm_data(
             {"video": [video_loaded]}))["mm_kwargs"]["video"]
-        sent = decode_mm_kwargs_item(wire.encode_item(wire.VIDEOS["qwen2_vl"](item.tensors)))
+        sent = decode_mm_kwargs_item(wire.encode_item(wire.VIDEOS["qwen2_vl"](item.tensors,
+                                                                     video.pixel_norm)))
         received = decode_mm_kwargs_item(encode_mm_kwargs_item(theirs))
         if "second_per_grid_ts" in sent:
             seconds = sent["second_per_grid_ts"].data
@@ -153,7 +154,9 @@ def test_square_frame_video_items_are_the_ones_vllms_processor_makes(
     frames of 160x90, 3 of 384x384): vLLM's processor's items against the in-process runner's
     (frames normalised there: vLLM 0.32 normalises neither model on the device), bit for bit,
     in float32 and bfloat16; and its prompt is ours (InternVL's: each frame's span with the
-    video token, as vLLM's InternS1 processor rewrites the HF processor's)."""
+    video token, as vLLM's InternS1 processor rewrites the HF processor's). Each video alone in
+    a prompt, at float32: the remote backend's item (wire.py's, decoded by vLLM's decoder) is
+    vLLM's, for OneVision (vllm-remote takes no InternVL)."""
     model_dir = model_dirs[family]
     preprocessor = load_preprocessor(model_dir)
     video = load_video_preprocessor(model_dir, preprocessor)
@@ -176,6 +179,15 @@ def test_square_frame_video_items_are_the_ones_vllms_processor_makes(
         for mine, theirs in zip(built, vllm["mm_kwargs"]["video"], strict=True):
             assert_same_vllm_item(mine, theirs)
         assert vllm["prompt_token_ids"] == video.expand_placeholders(list(prompt), ours)
+        if family in wire.VIDEOS and dtype == "float32":  # the remote backend's, one a prompt
+            [one] = preprocessor.tokenize_batch([preprocessor.render_prompt(
+                video_chat("video", "text"))])
+            for item, video_loaded in zip(ours, loaded, strict=True):
+                [theirs] = vllm_processor(list(one), vllm_processor.info.parse_mm_data(
+                    {"video": [video_loaded]}))["mm_kwargs"]["video"]
+                sent = wire.encode_item(wire.VIDEOS[family](item.tensors, video.pixel_norm))
+                assert_same_vllm_item(decode_mm_kwargs_item(sent), decode_mm_kwargs_item(
+                    encode_mm_kwargs_item(theirs)))
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision", "internvl"])
@@ -353,6 +365,39 @@ def test_a_square_frame_chat_with_videos_gets_vllm_alone_s_tokens_and_logprobs(
     the same videos (all their frames: 32 at most), natively and over the HTTP API."""
     model_dir, alone_port, ours = square_frame_servers
     assert_the_same_tokens_as_vllm_alone(alone_port, ours, model_dir, SQUARE_FRAME_CHATS[chat])
+
+
+@pytest.fixture(scope="module")
+def square_frame_remote(square_frame_servers: tuple[Path, int, tuple[Server, str, Path]]
+                        ) -> Iterator[tuple[Server, str, Path]]:
+    """`mmlane serve --backend vllm-remote` in front of vLLM alone's server, for LLaVA-OneVision
+    (vllm-remote cannot serve InternVL: wire.NO_MASK)."""
+    model_dir, alone_port, ours = square_frame_servers
+    family = load_preprocessor(model_dir).family.name
+    if family not in wire.VIDEOS:
+        pytest.skip(f"vllm-remote cannot serve {family} models: {wire.NO_MASK}")
+    run_dir = ours[2].parent / "remote"
+    run_dir.mkdir()
+    with mmlane_serve(run_dir, model_dir, "--backend", "vllm-remote",
+                      "--vllm-url", f"http://127.0.0.1:{alone_port}") as remote:
+        yield remote
+
+
+def test_the_remote_backend_gives_vllm_alone_s_tokens_for_square_frame_videos(
+        square_frame_servers: tuple[Path, int, tuple[Server, str, Path]],
+        square_frame_remote: tuple[Server, str, Path]) -> None:
+    """--backend vllm-remote on LLaVA-OneVision, to vLLM alone's server's scale-out API: each
+    chat's tokens and top tokens are those vLLM's own chat API gives, logprobs within
+    REMOTE_LOGPROB_BOUND; and a render of a video with an image, posted to vLLM alone's
+    /inference/v1/generate, gives vLLM alone's tokens."""
+    model_dir, alone_port, ours = square_frame_servers
+    worst = worst_logprob_difference(alone_port, square_frame_remote[1], model_dir,
+                                     list(SQUARE_FRAME_CHATS.values()))
+    print(f"vllm-remote, {model_dir.name} videos: the largest logprob difference from vLLM "
+          f"alone: {worst:.3g}")
+    assert worst <= REMOTE_LOGPROB_BOUND
+    assert_a_render_generates_vllm_alone_s_tokens(alone_port, ours[0].http_port, model_dir,
+                                                  [jpeg_uri(200, 100, 9)], [TILE])
 
 
 @pytest.fixture(scope="module")

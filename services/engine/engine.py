@@ -264,8 +264,7 @@ class Engine:
         """Answer a render request with its GenerateRequest (wire.py): it takes no runner."""
         from mmlane.engine.wire import generate_body  # the model's pixels: torch, not at import
 
-        spec = self.runner.spec
-        body = msgspec.json.encode(generate_body(request, spec.family, spec.pixel_norm))
+        body = msgspec.json.encode(generate_body(request, self.runner.spec))
         self.metrics.counters["rendered_requests"] += 1
         self._replies.put((request.reply_to, EngineOutput(
             request_id=request.request_id, token_ids=[], finished=True, finish_reason="stop",

@@ -6,12 +6,12 @@ video in it as one `MultiModalKwargsItem` in `features.kwargs_data`
 `MsgpackEncoder` writes it with every tensor inline. `features` holds each modality's items
 apart ("image", "video"), each modality's in prompt order.
 
-    generate_body(request, family, norm[, kwargs_data])
+    generate_body(request, spec[, kwargs_data])
                                             the request's GenerateRequest, as a dict
     mm_hashes(request)                      its items' hashes, as vLLM takes them
     modality(item), by_modality(request, values)
                                             "image" or "video"; one value per item, grouped
-    item_tensors(request, family, norm[, embeds])
+    item_tensors(request, spec[, embeds])
                                             its items' tensors and fields
     encode_item(tensors)                    one item's encoding
     nbytes(tensors)                         an item's size in vLLM's processor caches
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -44,6 +44,9 @@ import torch
 from mmlane.model import PixelNorm, model_layout, normalize
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import VIDEO_PIXELS, EngineRequest, MMItem
+
+if TYPE_CHECKING:
+    from mmlane.engine.runner import ModelSpec
 
 RAW_VIEW = 3
 """vLLM's msgpack extension code for a tensor's bytes (`CUSTOM_TYPE_RAW_VIEW`)."""
@@ -87,6 +90,12 @@ def _tensor(array: Array) -> list[Any]:
     return [array.dtype.name, list(array.shape), msgspec.msgpack.Ext(RAW_VIEW, array.tobytes())]
 
 
+def _normalised(pixels: np.ndarray, norm: PixelNorm) -> torch.Tensor:
+    """uint8 pixels (a read-only view, as they come in a ZMQ frame) normalised as the processor
+    normalises them, float32, for a model vLLM 0.32 does not normalise on the device."""
+    return normalize(torch.from_numpy(np.array(pixels)), norm)
+
+
 def _qwen2_vl(tensors: Mapping[str, np.ndarray],
               norm: PixelNorm) -> dict[str, tuple[Array, Field]]:
     # uint8 pixels in the model's layout: vLLM 0.32 normalises Qwen2-VL's on the device.
@@ -104,7 +113,7 @@ def _qwen2_vl_embeds(tensors: Mapping[str, np.ndarray],
 def _llava(tensors: Mapping[str, np.ndarray], norm: PixelNorm) -> dict[str, tuple[Array, Field]]:
     # float32 pixels, normalised as vLLM's processor gives them (vLLM 0.32 does not normalise
     # LLaVA's on the device); the worker sends one image as a batch of one
-    pixels = normalize(torch.from_numpy(np.array(tensors["pixel_values"])), norm)
+    pixels = _normalised(tensors["pixel_values"], norm)
     return {"pixel_values": (pixels[0], batched())}
 
 
@@ -113,13 +122,34 @@ def _llava_embeds(tensors: Mapping[str, np.ndarray],
     return {"image_embeds": (embeds, batched())}
 
 
+def _llava_next(tensors: Mapping[str, np.ndarray],
+                norm: PixelNorm) -> dict[str, tuple[Array, Field]]:
+    # LLaVA-NeXT's and OneVision's: the image's own tiles, float32 and normalised (vLLM 0.32
+    # normalises neither on the device), with its size. vLLM's processor pads a prompt's images
+    # to the most tiles of any; the model drops a padded tile's features, so each item goes
+    # as its image alone makes it, whatever the request holds beside it.
+    pixels = _normalised(tensors["pixel_values"], norm)
+    return {"pixel_values": (pixels, batched()),
+            "image_sizes": (tensors["image_sizes"][0], batched(keep_on_cpu=True))}
+
+
 ITEMS: dict[str, Callable[[Mapping[str, np.ndarray], PixelNorm],
                           dict[str, tuple[Array, Field]]]] = {
     "qwen2_vl": _qwen2_vl,
     "llava": _llava,
+    "llava_next": _llava_next,
+    "llava_onevision": _llava_next,
 }
 """An image's tensors (as the MM worker sends them) as the tensors and fields of vLLM's item,
-by family."""
+by family. The families not here (Mistral 3, InternVL, Idefics3) cannot be served through
+vLLM 0.32's scale-out API: their image spans hold other tokens besides the image's (row breaks,
+<img>, row and column tokens), and its `PlaceholderRangeInfo` has no `is_embed` mask to mark
+which positions take the image's features (NO_MASK)."""
+
+NO_MASK = ("their image spans hold other tokens besides the image's, and vLLM 0.32's scale-out "
+           "API (/inference/v1/generate) takes a placeholder range without the mask that marks "
+           "them (is_embed)")
+"""Why the families ITEMS lacks cannot be sent to vLLM's scale-out API."""
 
 EMBEDS: dict[str, Callable[[Mapping[str, np.ndarray], torch.Tensor],
                            dict[str, tuple[Array, Field]]]] = {
@@ -130,7 +160,8 @@ EMBEDS: dict[str, Callable[[Mapping[str, np.ndarray], torch.Tensor],
 item of embedding inputs (`image_embeds`), by family."""
 
 
-def _qwen2_vl_video(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[Array, Field]]:
+def _qwen2_vl_video(tensors: Mapping[str, np.ndarray],
+                    norm: PixelNorm) -> dict[str, tuple[Array, Field]]:
     # uint8 pixels: vLLM 0.32 normalises Qwen2-VL's videos on the device too.
     pixels = tensors[VIDEO_PIXELS]
     item = {VIDEO_PIXELS: (pixels, flat(len(pixels))),
@@ -141,11 +172,21 @@ def _qwen2_vl_video(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[Array,
     return item
 
 
-VIDEOS: dict[str, Callable[[Mapping[str, np.ndarray]], dict[str, tuple[Array, Field]]]] = {
+def _llava_onevision_video(tensors: Mapping[str, np.ndarray],
+                          norm: PixelNorm) -> dict[str, tuple[Array, Field]]:
+    # Its frames, float32 and normalised (vLLM 0.32 does not normalise them on the device): one
+    # batched entry a video, as vLLM's processor lists a prompt's videos.
+    return {VIDEO_PIXELS: (_normalised(tensors[VIDEO_PIXELS], norm), batched())}
+
+
+VIDEOS: dict[str, Callable[[Mapping[str, np.ndarray], PixelNorm],
+                           dict[str, tuple[Array, Field]]]] = {
     "qwen2_vl": _qwen2_vl_video,
+    "llava_onevision": _llava_onevision_video,
 }
-"""A video's tensors (as the MM worker sends them) as the tensors and fields of vLLM's item, by
-family. With --encoder-lane too: videos go as pixels, and vLLM runs their vision pass."""
+"""A video's tensors (as the MM worker sends them) and the video processor's pixel norm as the
+tensors and fields of vLLM's item, by family. With --encoder-lane too: videos go as pixels, and
+vLLM runs their vision pass."""
 
 
 EMBEDS_HASH = "+embeds"
@@ -171,21 +212,24 @@ def image_indices(request: EngineRequest) -> list[int]:
     return [index for index, item in enumerate(request.mm_items) if not item.is_video]
 
 
-def item_tensors(request: EngineRequest, family: str, norm: PixelNorm,
+def item_tensors(request: EngineRequest, spec: ModelSpec,
                  embeds: list[torch.Tensor] | None = None) -> list[dict[str, tuple[Array, Field]]]:
     """The request's items as the tensors and fields of vLLM's items in the layout of the
-    model's `family`: their pixels, or with `embeds` (one per image, in order) its images'
-    embeddings and its videos' pixels (RequestError for a family whose layout is not written
-    here yet)."""
+    model's family (`spec`): their pixels, or with `embeds` (one per image, in order) its
+    images' embeddings and its videos' pixels (RequestError for a family whose layout is not
+    written here)."""
+    family = spec.family
     images: Mapping[str, object] = ITEMS if embeds is None else EMBEDS
     for kinds, layouts in (("images", images), ("videos", VIDEOS)):
         if family not in layouts and any(
                 item.is_video == (kinds == "videos") for item in request.mm_items):
+            reason = NO_MASK if family not in ITEMS else f"only those of {', '.join(layouts)}"
             raise RequestError(f"{kinds} of {family} models cannot be written in vLLM's "
-                               f"scale-out format yet (only {', '.join(layouts)})")
+                               f"scale-out format: {reason}")
+    video_norm = spec.video.pixel_norm if spec.video is not None else spec.pixel_norm
     rows = iter(embeds or ())
-    return [VIDEOS[family](one.tensors) if one.is_video
-            else ITEMS[family](one.tensors, norm) if embeds is None
+    return [VIDEOS[family](one.tensors, video_norm) if one.is_video
+            else ITEMS[family](one.tensors, spec.pixel_norm) if embeds is None
             else EMBEDS[family](one.tensors, next(rows)) for one in request.mm_items]
 
 
@@ -197,7 +241,7 @@ def by_modality(request: EngineRequest, values: list[Any]) -> dict[str, list[Any
     return grouped
 
 
-def generate_body(request: EngineRequest, family: str, norm: PixelNorm,
+def generate_body(request: EngineRequest, spec: ModelSpec,
                   kwargs_data: list[str | None] | None = None, *,
                   embeds: bool = False) -> dict[str, Any]:
     """`request` as vLLM's GenerateRequest: its prompt ids, its sampling fields (vLLM's names),
@@ -215,7 +259,7 @@ def generate_body(request: EngineRequest, family: str, norm: PixelNorm,
     if request.mm_items:
         if kwargs_data is None:
             kwargs_data = [encode_item(tensors)
-                           for tensors in item_tensors(request, family, norm)]
+                           for tensors in item_tensors(request, spec)]
         body["features"] = {
             "mm_hashes": by_modality(request, mm_hashes(request, embeds=embeds)),
             "mm_placeholders": by_modality(request, [

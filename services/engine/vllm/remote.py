@@ -2,8 +2,8 @@
 
 Each request goes to a replica's scale-out API (`vllm serve --enable-scale-out`): `POST
 /inference/v1/generate` with the prompt's token ids and, for a request with images or videos
-(Qwen2-VL and Qwen2.5-VL videos: vLLM 0.32's generate API takes a "video" modality beside
-"image" in `features`), `features`: mmlane's hash of each item (`mm_hashes`, so a repeated
+(vLLM 0.32's generate API takes a "video" modality beside "image" in `features`; the
+families wire.py writes), `features`: mmlane's hash of each item (`mm_hashes`, so a repeated
 image or video hits the replica's encoder and prefix caches), its placeholder range, and its
 tensors in full, as vLLM's own item encoding (services/engine/wire.py); an item the replica's
 engine core holds (vLLM's P1, which `Replica.images` mirrors, images and videos alike, as
@@ -58,7 +58,7 @@ from mmlane.engine.runner import ModelSpec, StepOutput
 from mmlane.engine.vision import VisionEncoder
 from mmlane.engine.vllm.lane import EncoderLane, load_lane
 from mmlane.engine.vllm.loop import FINISH_REASONS, LoopRunner, refusal
-from mmlane.model import Preprocessor, load_preprocessor, resolve_model_dir
+from mmlane.model import load_preprocessor, resolve_model_dir
 from mmlane.model.video import videos_of
 from mmlane.protocol.errors import (
     FatalError,
@@ -119,7 +119,7 @@ class Replica:
 class RemoteVLLMRunner(LoopRunner):
     """Runs requests on remote vLLM replicas (see the module docstring)."""
 
-    def __init__(self, urls: list[str], preprocessor: Preprocessor, spec: ModelSpec,
+    def __init__(self, urls: list[str], spec: ModelSpec,
                  metrics: Metrics, *, priority: bool, encoder: VisionEncoder | None = None,
                  vision: VisionConfig | None = None, mm_cache_bytes: int = 0,
                  max_body_bytes: int = 0) -> None:
@@ -127,13 +127,12 @@ class RemoteVLLMRunner(LoopRunner):
                           for url in dict.fromkeys(u.rstrip("/") for u in urls)]
         self._max_body_bytes = max_body_bytes
         """The replicas' body limit (--remote-max-body-mb; 0: none known)."""
-        self._pre = preprocessor
         self.spec = spec
         self.metrics = metrics
         self._priority = priority
         super().__init__("vllm-remote")
         self._lane = None if encoder is None else EncoderLane(
-            encoder, preprocessor.image_token_id, vision or VisionConfig(), self._loop, metrics)
+            encoder, spec.image_token_id, vision or VisionConfig(), self._loop, metrics)
         self._session: Any = self._call(self._open())
         for replica in self._replicas:
             self._loop.call_soon_threadsafe(self._watch, replica)
@@ -236,8 +235,7 @@ class RemoteVLLMRunner(LoopRunner):
                 self._outputs.put(StepOutput(handle, [], error=exc))
                 return
         try:  # once, however many replicas it goes to
-            images = _Images(request, wire.item_tensors(request, self._pre.family.name,
-                                                        self._pre.pixel_norm, embeds),
+            images = _Images(request, wire.item_tensors(request, self.spec, embeds),
                              embeds=embeds is not None)
         except Exception as exc:  # ours to fix, not a replica's failure: it is not sent
             self._outputs.put(StepOutput(handle, [], error=translate(
@@ -395,8 +393,7 @@ class RemoteVLLMRunner(LoopRunner):
 
     def _body(self, request: EngineRequest, kwargs_data: list[str | None], *,
               embeds: bool) -> bytes:
-        body = wire.generate_body(request, self._pre.family.name, self._pre.pixel_norm,
-                                  kwargs_data, embeds=embeds)
+        body = wire.generate_body(request, self.spec, kwargs_data, embeds=embeds)
         body["sampling_params"]["detokenize"] = False
         return msgspec.json.encode({**body, "stream": True, "output_mode": "tokens",
                                     "priority": 1 if self._priority and request.mm_items else 0})
@@ -514,14 +511,15 @@ def load(config: EngineConfig, metrics: Metrics) -> RemoteVLLMRunner:
     preprocessor = load_preprocessor(model_dir, "auto")
     family = preprocessor.family.name
     if family not in wire.ITEMS:
-        raise FatalError(f"--backend vllm-remote does not support {family} models yet, only "
-                         f"{', '.join(wire.ITEMS)}", code="bad_config")
+        raise FatalError(f"--backend vllm-remote cannot serve {family} models: {wire.NO_MASK}; "
+                         f"it serves those of {', '.join(wire.ITEMS)} (--backend vllm serves "
+                         f"every family)", code="bad_config")
     model_config = transformers.AutoConfig.from_pretrained(model_dir)
     spec = ModelSpec.of(preprocessor, model_config, max_context=preprocessor.max_context,
                         vocab_size=model_config.get_text_config().vocab_size,
                         video=videos_of(model_dir, preprocessor))
     encoder = load_lane(config, model_dir, preprocessor, wire.EMBEDS)
-    runner = RemoteVLLMRunner(config.vllm.vllm_url, preprocessor, spec, metrics,
+    runner = RemoteVLLMRunner(config.vllm.vllm_url, spec, metrics,
                               priority=config.vllm.remote_priority, encoder=encoder,
                               vision=config.vision, mm_cache_bytes=capacity_bytes(
                                   config.vllm.remote_mm_cache_gb, "remote_mm_cache_gb"),
