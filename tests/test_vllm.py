@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +167,23 @@ def _vllm_alone(run_dir: Path, model_dir: Path, engine_args: dict[str, Any], *se
         yield server, port
     finally:
         server.stop()
+
+
+@contextmanager
+def remote_in_front(run_dir: Path, model_dir: Path, alone_port: int,
+                    layouts: Collection[str]) -> Iterator[tuple[Server, str, Path]]:
+    """`mmlane serve --backend vllm-remote` in `run_dir` (made here) in front of vLLM alone's
+    server at `alone_port`, for a model of a family among `layouts` (wire.ITEMS, or wire.VIDEOS
+    for its videos); the test is skipped for another, saying why (wire.NO_MASK)."""
+    from mmlane.engine import wire
+
+    family = load_preprocessor(model_dir).family.name
+    if family not in layouts:
+        pytest.skip(f"vllm-remote cannot serve {family} models: {wire.NO_MASK}")
+    run_dir.mkdir()
+    with mmlane_serve(run_dir, model_dir, "--backend", "vllm-remote",
+                      "--vllm-url", f"http://127.0.0.1:{alone_port}") as remote:
+        yield remote
 
 
 @contextmanager

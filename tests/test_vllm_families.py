@@ -30,6 +30,7 @@ from test_vllm import (
     assert_tool_calls_are_vllm_alones,
     mmlane_serve,
     mmlane_serve_vllm,
+    remote_in_front,
     serving,
     worst_logprob_difference,
 )
@@ -121,13 +122,7 @@ def family_remote(family_servers: tuple[Path, int, tuple[Server, str, Path]]
     """`mmlane serve --backend vllm-remote` in front of the family's vLLM alone (its scale-out
     API), for the families the remote backend serves."""
     model_dir, port, ours = family_servers
-    family = load_preprocessor(model_dir).family.name
-    if family not in wire.ITEMS:
-        pytest.skip(f"vllm-remote does not serve {family} models yet")
-    run_dir = ours[2].parent / "remote"
-    run_dir.mkdir()
-    with mmlane_serve(run_dir, model_dir, "--backend", "vllm-remote",
-                 "--vllm-url", f"http://127.0.0.1:{port}") as remote:
+    with remote_in_front(ours[2].parent / "remote", model_dir, port, wire.ITEMS) as remote:
         yield remote
 
 

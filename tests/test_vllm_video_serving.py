@@ -56,6 +56,7 @@ from test_vllm import (  # noqa: E402
     assert_the_same_tokens_as_vllm_alone,
     mmlane_serve,
     mmlane_serve_vllm,
+    remote_in_front,
     serving,
     worst_logprob_difference,
 )
@@ -373,13 +374,7 @@ def square_frame_remote(square_frame_servers: tuple[Path, int, tuple[Server, str
     """`mmlane serve --backend vllm-remote` in front of vLLM alone's server, for LLaVA-OneVision
     (vllm-remote cannot serve InternVL: wire.NO_MASK)."""
     model_dir, alone_port, ours = square_frame_servers
-    family = load_preprocessor(model_dir).family.name
-    if family not in wire.VIDEOS:
-        pytest.skip(f"vllm-remote cannot serve {family} models: {wire.NO_MASK}")
-    run_dir = ours[2].parent / "remote"
-    run_dir.mkdir()
-    with mmlane_serve(run_dir, model_dir, "--backend", "vllm-remote",
-                      "--vllm-url", f"http://127.0.0.1:{alone_port}") as remote:
+    with remote_in_front(ours[2].parent / "remote", model_dir, alone_port, wire.VIDEOS) as remote:
         yield remote
 
 
