@@ -795,24 +795,26 @@ def assert_same_vllm_item(ours: Any, theirs: Any) -> None:
 
 
 def test_an_output_ending_inside_a_character_reads_as_vllm_alone_s(
-    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path], qwen_dir: Path,
+    vllm_alone: tuple[Server, int], mmlane_vllm: tuple[Server, str, Path],
+    mmlane_remote: tuple[Server, str, Path], qwen_dir: Path,
 ) -> None:
     """A logit bias makes the output the lead byte of a 3-byte character, three times: vLLM
     never shows bytes that do not end a character, so its text is empty, whole and streamed;
-    mmlane's is too (it was three U+FFFD)."""
+    mmlane's is too (it was three U+FFFD), on both vLLM backends."""
     lead = load_preprocessor(qwen_dir).tokenizer.encode("中", add_special_tokens=False)[0]
     body = {"messages": [{"role": "user", "content": "bytes"}], "max_tokens": 3,
             "logit_bias": {str(lead): 100}}
     answers = {}
     for name, port, model in (("alone", vllm_alone[1], str(qwen_dir)),
-                              ("mmlane", mmlane_vllm[0].http_port, qwen_dir.name)):
+                              ("vllm", mmlane_vllm[0].http_port, qwen_dir.name),
+                              ("vllm-remote", mmlane_remote[0].http_port, qwen_dir.name)):
         whole = _post(port, "chat/completions", {**body, "model": model})
         streamed = _streamed_text(port, {**body, "model": model})
         answers[name] = (whole["choices"][0]["message"]["content"], streamed,
                          whole["usage"]["completion_tokens"])
         if name == "alone":
             assert whole["choices"][0]["token_ids"] == [lead] * 3
-    assert answers["mmlane"] == answers["alone"] == ("", "", 3)
+    assert answers["vllm"] == answers["vllm-remote"] == answers["alone"] == ("", "", 3)
 
 
 def _streamed_text(port: int, body: dict[str, Any]) -> str:
