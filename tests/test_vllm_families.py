@@ -9,6 +9,8 @@ image spans hold other tokens too, which of the span's positions take the image'
 
 from __future__ import annotations
 
+import json
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from test_vllm import (
     TOOL_CHOICES,
     VLLM_ARGS,
     Server,
+    _openai_messages,
+    _post_json,
     assert_a_render_generates_vllm_alone_s_tokens,
     assert_the_same_tokens_as_vllm_alone,
     assert_tool_calls_are_vllm_alones,
@@ -107,13 +111,20 @@ def test_a_render_posted_to_vllms_generate_answers_as_vllm_alone(
     family_servers: tuple[Path, int, tuple[Server, str, Path]],
 ) -> None:
     """The render tier, for the families whose images wire.py writes in vLLM's scale-out
-    format."""
+    format; for the others, a 400 saying why (wire.NO_MASK), and a text chat renders."""
     model_dir, alone_port, ours = family_servers
-    family = load_preprocessor(model_dir).family.name
-    if family not in wire.ITEMS:
-        pytest.skip(f"images of {family} models cannot be rendered for vLLM's scale-out API yet")
-    assert_a_render_generates_vllm_alone_s_tokens(alone_port, ours[0].http_port, model_dir,
-                                                  [png_uri(make_image(96, 64, seed=5))])
+    image = png_uri(make_image(96, 64, seed=5))
+    if load_preprocessor(model_dir).family.name in wire.ITEMS:
+        assert_a_render_generates_vllm_alone_s_tokens(alone_port, ours[0].http_port, model_dir,
+                                                      [image])
+        return
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _post_json(f"http://127.0.0.1:{ours[0].http_port}/v1/chat/completions/render",
+                   {"model": model_dir.name, "max_tokens": 4,
+                    "messages": _openai_messages(None, "Describe it.", [image])})
+    assert refused.value.code == 400
+    assert wire.NO_MASK in json.loads(refused.value.read())["error"]["message"]
+    assert_a_render_generates_vllm_alone_s_tokens(alone_port, ours[0].http_port, model_dir, [])
 
 
 @pytest.fixture(scope="module")
