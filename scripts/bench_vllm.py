@@ -94,8 +94,9 @@ def main() -> int:
                         help="which to run: vllm, mmlane, mmlane-priority, mmlane-lane "
                         "(priority, and --encoder-lane: vLLM gets image embeddings), "
                         "mmlane-remote (--backend vllm-remote in front of a `vllm serve "
-                        "--enable-scale-out`), mmlane-remote-lane (that, with --encoder-lane and "
-                        "priority), mmlane-hf (the embedded engine instead of vLLM) "
+                        "--enable-scale-out`), mmlane-remote-priority (that, with --remote-"
+                        "priority, the replica scheduling by priority), mmlane-remote-lane (that, "
+                        "with --encoder-lane too), mmlane-hf (the embedded engine instead of vLLM) "
                         "(comma-separated)")
     parser.add_argument("--mmlane-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to every mmlane server's `mmlane serve` "
@@ -163,16 +164,18 @@ def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str
                   "--served-model-name", model.name, *vllm_args]
     if server == "vllm":
         command = [*vllm_serve, "--port", str(port)]
-    elif server in ("mmlane-remote", "mmlane-remote-lane"):  # mmlane in front of `vllm serve`
+    elif server.startswith("mmlane-remote"):  # mmlane in front of `vllm serve`
         replica = free_tcp_port()
         mmlane = [sys.executable, "-m", "mmlane.cli", "serve", "--backend", "vllm-remote",
                   "--vllm-url", f"http://127.0.0.1:{replica}", "--model", str(model),
                   "--port", str(free_tcp_port()), "--http-port", str(port),
                   "--run-dir", str(out / f"run-{server}"), *mmlane_args]
         vllm_serve += ["--port", str(replica), "--enable-scale-out"]
-        if server == "mmlane-remote-lane":
-            mmlane += ["--encoder-lane", "--remote-priority"]
+        if server in ("mmlane-remote-priority", "mmlane-remote-lane"):
+            mmlane.append("--remote-priority")
             vllm_serve.append("--scheduling-policy=priority")
+        if server == "mmlane-remote-lane":
+            mmlane.append("--encoder-lane")
         # One process above both (its CPU figures count both); SIGTERM stops both.
         script = (f"{shlex.join(vllm_serve)} &"
                   f" V=$!; {shlex.join(mmlane)} & M=$!;"
@@ -192,7 +195,7 @@ def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str
         command = [sys.executable, "-m", "mmlane.cli", "serve", "--backend", "vllm", *args,
                    "--model", str(model), "--port", str(free_tcp_port()),
                    "--http-port", str(port), "--run-dir", str(out / f"run-{server}")]
-    if server not in ("vllm", "mmlane-remote", "mmlane-remote-lane"):
+    if not server.startswith(("vllm", "mmlane-remote")):
         command += mmlane_args
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=cpu_wheels.child_env())
