@@ -198,7 +198,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What runs the model: 'hf' (transformers and torch in this process), 'vllm' (vLLM's
     AsyncLLM, which runs its engine core and workers in processes of its own; needs the vllm
     extra: see README, "Serving with vLLM") or 'vllm-remote' (vLLM servers of their own, at
-    --vllm-url; needs the vllm-remote extra, not vLLM)."""
+    --vllm-url; needs the vllm-remote extra, not vLLM; every family but Mistral 3, InternVL
+    and Idefics3, whose image spans vLLM's scale-out API cannot mark)."""
     hf: HFConfig = msgspec.field(default_factory=HFConfig)
     """The 'hf' backend's settings."""
     vision: VisionConfig = msgspec.field(default_factory=VisionConfig)
