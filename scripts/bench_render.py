@@ -1,7 +1,7 @@
 """The render tier against vLLM's own: `POST /v1/chat/completions/render`, mmlane against
 `vllm launch render` on the same model directory, one after the other on the same cores.
 
-    .venv-vllm/bin/python scripts/bench_render.py [--seconds 30] [--clients 4]
+    .venv-vllm/bin/python scripts/bench_render.py [--seconds 30] [--clients 4] [--model M]
 
 For each server and each load (a 1024x1024 JPEG, a 4032x3024 JPEG, text only), CLIENTS clients
 post renders back to back for SECONDS, each image one of 24 distinct photo-like JPEGs (a new
@@ -43,8 +43,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--model", default=None,
+                        help="the model directory (e.g. a tiny model under $MMLANE_HOME); "
+                        "default: the embedded tiny Qwen2-VL")
     args = parser.parse_args()
-    model = resolve_model_dir(None)
+    model = resolve_model_dir(args.model)
     images = {name: [data_uri(encode(make_image(*size, seed=seed), quality=90))
                      for seed in range(DISTINCT)] for name, size in SIZES.items()}
     out = Path(tempfile.mkdtemp(prefix="bench-render-"))
