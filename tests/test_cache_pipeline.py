@@ -65,6 +65,10 @@ class Cluster:
         assert endpoint is not None
         self.endpoint = endpoint
         self.stopped: list[Child] = []
+        # Until the frontend has heard the engine's cache epoch, the MM worker caches nothing
+        # (P0 has no receiver to mirror): a first request sent sooner would not count as cached.
+        wait_for_stats(run_dir, lambda s: s.role == "frontend" and s.epoch != 0,
+                       "the frontend knows the engine's cache epoch")
 
     def kill(self, role: str) -> None:
         """kill -9, then the same role again on the same addresses (logging elsewhere)."""
