@@ -41,6 +41,7 @@ from test_vllm import (
 
 from bench.images import jpeg_uri, make_image, png_uri
 from mmlane.engine import wire
+from mmlane.engine.vllm.lane import NO_EMBEDS
 from mmlane.engine.vllm.runner import _EMBEDS_INPUTS
 from mmlane.model import load_preprocessor
 
@@ -156,7 +157,7 @@ def family_lanes(family_servers: tuple[Path, int, tuple[Server, str, Path]]
     model_dir, port, ours = family_servers
     family = load_preprocessor(model_dir).family.name
     if family not in _EMBEDS_INPUTS or family not in wire.EMBEDS:
-        pytest.skip(f"--encoder-lane does not serve {family} models yet")
+        pytest.skip(f"--encoder-lane does not serve {family} models: {NO_EMBEDS}")
     run_dir = ours[2].parent
     (run_dir / "lane").mkdir()
     (run_dir / "remote-lane").mkdir()

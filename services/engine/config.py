@@ -131,7 +131,9 @@ class VLLMConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     steps then run only the language model, and a text request no longer waits in a step
     behind an image's encoder pass. Opt-in: the encoder is transformers' implementation, not
     vLLM's, so logprobs may differ from `vllm serve`'s in the last digits (README, "Serving
-    with vLLM"). Qwen2-VL, Qwen2.5-VL and LLaVA models, so far; videos still go as pixels."""
+    with vLLM"). Qwen2-VL, Qwen2.5-VL and LLaVA models (vLLM 0.32 cannot take the other
+    families' image embeddings: services/engine/vllm/lane.py, NO_EMBEDS); videos still go as
+    pixels."""
     encoder_device: str = "auto"
     """Where --encoder-lane runs the vision encoder: 'auto' (CUDA when available, else CPU),
     'cpu' or 'cuda[:N]' (another GPU than vLLM's keeps the two apart)."""

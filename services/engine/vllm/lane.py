@@ -42,9 +42,17 @@ def load_lane(config: EngineConfig, model_dir: Path, preprocessor: Preprocessor,
         return None
     family = preprocessor.family.name
     if family not in families:
-        raise FatalError(f"--encoder-lane does not support {family} models yet, only "
-                         f"{', '.join(families)}", code="bad_config")
+        raise FatalError(f"--encoder-lane does not support {family} models: {NO_EMBEDS}; it "
+                         f"supports those of {', '.join(families)}", code="bad_config")
     return load_encoder(model_dir, preprocessor, config.vllm.encoder_device)
+
+
+NO_EMBEDS = ("vLLM 0.32 cannot take their images' embeddings: its Mistral 3 reads none, and its "
+             "LLaVA-NeXT, LLaVA-OneVision, InternVL and Idefics3 check that the embeddings of "
+             "the images one step encodes all have one length, which theirs (sized by each "
+             "image's tiles) do not, and end the engine core where they differ")
+"""Why the families the lane lacks cannot be served with it (measured on vLLM 0.32 CPU: two
+images of other tile counts in one request, 'data contains inconsistent shapes')."""
 
 
 @dataclass
