@@ -2,12 +2,15 @@
 `vllm launch render` on the same model directory, one after the other on the same cores.
 
     .venv-vllm/bin/python scripts/bench_render.py [--seconds 30] [--clients 4] [--model M]
+        [--mm-processes 0[,N...]] [--loads 1024x1024,4032x3024,text]
 
 For each server and each load (a 1024x1024 JPEG, a 4032x3024 JPEG, text only), CLIENTS clients
 post renders back to back for SECONDS, each image one of 24 distinct photo-like JPEGs (a new
 one each time, so no cache answers: vLLM's render is started with --mm-processor-cache-gb 0 and
 mmlane's with --mm-cache-gb 0). It prints requests/s and p50/p99 latency, then text render
-latency alone and under two clients of 12 MP renders. Run it alone: it measures the machine.
+latency alone and under two clients of 12 MP renders. `--mm-processes`: one mmlane server for
+each value (its MM worker's --mm-processes; 0, the default, is one per 4 cores, at least 1).
+Run it alone: it measures the machine.
 """
 
 from __future__ import annotations
@@ -46,27 +49,36 @@ def main() -> int:
     parser.add_argument("--model", default=None,
                         help="the model directory (e.g. a tiny model under $MMLANE_HOME); "
                         "default: the embedded tiny Qwen2-VL")
+    parser.add_argument("--mm-processes", default="0",
+                        help="comma-separated: an mmlane server with each as its MM worker's "
+                        "--mm-processes (default: %(default)s, its own default)")
+    parser.add_argument("--loads", default=",".join([*SIZES, "text"]),
+                        help="comma-separated loads to time (default: %(default)s)")
     args = parser.parse_args()
     model = resolve_model_dir(args.model)
     images = {name: [data_uri(encode(make_image(*size, seed=seed), quality=90))
                      for seed in range(DISTINCT)] for name, size in SIZES.items()}
+    loads = [(name, uris) for name, uris in [*images.items(), ("text", [])]
+             if name in args.loads.split(",")]
     out = Path(tempfile.mkdtemp(prefix="bench-render-"))
     print(f"model {model}; {args.clients} clients, {args.seconds:g} s a load; logs in {out}")
-    for server in ("vllm", "mmlane"):
+    servers = ["vllm", *(f"mmlane-mm{count}" if int(count) else "mmlane"
+                         for count in args.mm_processes.split(","))]
+    for server in servers:
         port = free_tcp_port()
         process = _start(server, model, port, out)
         try:
             _wait_ready(port, model.name, process, out / f"{server}.log")
-            for name, uris in [*images.items(), ("text", [])]:
+            for name, uris in loads:
                 count, latencies, seconds = _load(port, model.name, uris, args.clients,
                                                   args.seconds)
-                print(f"{server:<7} {name:<10} {count / seconds:8.1f} req/s   "
+                print(f"{server:<10} {name:<10} {count / seconds:8.1f} req/s   "
                       f"p50 {percentile(latencies, 50):7.1f} ms   "
                       f"p99 {percentile(latencies, 99):7.1f} ms   (n={count})")
             idle = _text_probe(port, model.name, 40)
             with _background(port, model.name, images["4032x3024"], 2):
                 loaded = _text_probe(port, model.name, 40)
-            print(f"{server:<7} text render p50 idle {percentile(idle, 50):.1f} ms, under two "
+            print(f"{server:<10} text render p50 idle {percentile(idle, 50):.1f} ms, under two "
                   f"12 MP streams {percentile(loaded, 50):.1f} ms "
                   f"(x{percentile(loaded, 50) / percentile(idle, 50):.1f})")
         finally:
@@ -87,7 +99,8 @@ def _start(server: str, model: Path, port: int, out: Path) -> subprocess.Popen:
         command = [sys.executable, "-m", "mmlane.cli", "serve", "--model", str(model),
                    "--backend", "vllm-remote", "--vllm-url", f"http://127.0.0.1:{free_tcp_port()}",
                    "--port", str(free_tcp_port()), "--http-port", str(port),
-                   "--mm-cache-gb", "0", "--run-dir", str(out / "run")]
+                   "--mm-cache-gb", "0", "--run-dir", str(out / f"run-{server}"),
+                   "--mm-processes", server.removeprefix("mmlane").removeprefix("-mm") or "0"]
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env=cpu_wheels.child_env())
 

@@ -134,8 +134,14 @@ def serve_config(values: dict[str, Any]) -> ServeConfig:
     sockets in its run dir."""
     port = values.get("frontend", {}).get("port", DEFAULT_PORT)
     run_dir = values.get("run_dir") or str(default_run_dir() / f"serve-{port}")
+    engine = values.get("engine", {})
+    mm_worker = values.get("mm_worker", {})
+    if engine.get("backend") == "vllm-remote" and not engine.get("vllm", {}).get(
+            "encoder_lane") and not mm_worker.get("mm_processes"):
+        # No model on this host: its cores are the preprocessing tier's (image work niced).
+        mm_worker = {**mm_worker, "mm_processes": len(os.sched_getaffinity(0))}
     with run_dir_defaults(Path(run_dir)):
-        return load_config(ServeConfig, {**values, "run_dir": run_dir})
+        return load_config(ServeConfig, {**values, "mm_worker": mm_worker, "run_dir": run_dir})
 
 
 class Child:

@@ -279,6 +279,20 @@ def test_serve_hands_jpeg_draft_to_its_mm_worker() -> None:
     assert serve_config(SERVE_SETTINGS.parse(["--jpeg-draft"])).mm_worker.jpeg_draft
 
 
+def test_serve_gives_a_host_without_a_model_one_mm_process_per_core() -> None:
+    """--backend vllm-remote (no model on the host, no encoder lane): the MM worker's default is
+    a process per core, not one per 4; a count given, and the other backends, stay as they are."""
+    cores = len(os.sched_getaffinity(0))
+    remote = ["--backend", "vllm-remote", "--vllm-url", "http://127.0.0.1:9"]
+
+    def processes(*argv: str) -> int:
+        return serve_config(SERVE_SETTINGS.parse(list(argv))).mm_worker.mm_processes
+
+    assert processes(*remote) == cores
+    assert processes(*remote, "--mm-processes", "1") == 1
+    assert processes(*remote, "--encoder-lane") == processes() == max(1, cores // 4)
+
+
 def _commands() -> dict[str, argparse.ArgumentParser]:
     """The subcommands `mmlane --help` lists, and `python -m bench`."""
     parser = build_parser()

@@ -98,7 +98,9 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     vLLM choose; else pil), pil (the reference; no torchvision needed) or torchvision."""
     mm_processes: int = 0
     """Processes that decode and process images for this worker, in order all the same (1: the
-    worker's own thread does it); 0: one per 4 cores this process may use, at least 1."""
+    worker's own thread does it); 0: one per 4 cores this process may use, at least 1, but one
+    per core under `mmlane serve --backend vllm-remote` without --encoder-lane (no model on the
+    host: its cores are the preprocessing tier's, image work niced below text)."""
     video_processes: int = 0
     """How many videos are decoded and processed at once: in that many of the `mm_processes`
     pool processes (images go first to whichever process is free, so a stream of videos delays
