@@ -96,7 +96,8 @@ def main() -> int:
                         "mmlane-remote (--backend vllm-remote in front of a `vllm serve "
                         "--enable-scale-out`), mmlane-remote-priority (that, with --remote-"
                         "priority, the replica scheduling by priority), mmlane-remote-lane (that, "
-                        "with --encoder-lane too), mmlane-hf (the embedded engine instead of vLLM) "
+                        "with --encoder-lane too), mmlane-remote-mm1 (mmlane-remote with "
+                        "--mm-processes 1 in place of its default), mmlane-hf (the embedded engine instead of vLLM) "
                         "(comma-separated)")
     parser.add_argument("--mmlane-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to every mmlane server's `mmlane serve` "
@@ -176,6 +177,8 @@ def _start(server: str, model: Path, port: int, out: Path, mmlane_args: list[str
             vllm_serve.append("--scheduling-policy=priority")
         if server == "mmlane-remote-lane":
             mmlane.append("--encoder-lane")
+        if server == "mmlane-remote-mm1":
+            mmlane.append("--mm-processes=1")
         # One process above both (its CPU figures count both); SIGTERM stops both.
         script = (f"{shlex.join(vllm_serve)} &"
                   f" V=$!; {shlex.join(mmlane)} & M=$!;"
