@@ -9,7 +9,8 @@ post renders back to back for SECONDS, each image one of 24 distinct photo-like 
 one each time, so no cache answers: vLLM's render is started with --mm-processor-cache-gb 0 and
 mmlane's with --mm-cache-gb 0). It prints requests/s and p50/p99 latency, then text render
 latency alone and under two clients of 12 MP renders. `--mm-processes`: one mmlane server for
-each value (its MM worker's --mm-processes; 0, the default, is one per 4 cores, at least 1).
+each value (its MM worker's --mm-processes; 0, the default, is one per core under
+`--backend vllm-remote`, which these servers run).
 Run it alone: it measures the machine.
 """
 

@@ -97,8 +97,8 @@ def main() -> int:
                         "--enable-scale-out`), mmlane-remote-priority (that, with --remote-"
                         "priority, the replica scheduling by priority), mmlane-remote-lane (that, "
                         "with --encoder-lane too), mmlane-remote-mm1 (mmlane-remote with "
-                        "--mm-processes 1 in place of its default), mmlane-hf (the embedded engine instead of vLLM) "
-                        "(comma-separated)")
+                        "--mm-processes 1 in place of its default), mmlane-hf (the embedded "
+                        "engine instead of vLLM) (comma-separated)")
     parser.add_argument("--mmlane-arg", action="append", default=[], metavar="ARG",
                         help="an argument added to every mmlane server's `mmlane serve` "
                         "(repeatable; e.g. --mmlane-arg=--mm-processes=2)")
