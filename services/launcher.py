@@ -51,6 +51,7 @@ from mmlane.common.config import (
     ipc,
     load_config,
     run_dir_defaults,
+    usable_cores,
 )
 from mmlane.common.lifecycle import RESTARTS_ENV, setup_logging
 from mmlane.common.model_dir import resolve_model_dir
@@ -139,7 +140,7 @@ def serve_config(values: dict[str, Any]) -> ServeConfig:
     if engine.get("backend") == "vllm-remote" and not engine.get("vllm", {}).get(
             "encoder_lane") and not mm_worker.get("mm_processes"):
         # No model on this host: its cores are the preprocessing tier's (image work niced).
-        mm_worker = {**mm_worker, "mm_processes": len(os.sched_getaffinity(0))}
+        mm_worker = {**mm_worker, "mm_processes": usable_cores()}
     with run_dir_defaults(Path(run_dir)):
         return load_config(ServeConfig, {**values, "mm_worker": mm_worker, "run_dir": run_dir})
 

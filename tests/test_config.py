@@ -25,7 +25,7 @@ from bench.cli import BENCH_SETTINGS, bench_parser
 from bench.cli import main as bench_main
 from conftest import REPO, pool_pids, processes
 from mmlane.cli import ROLE_SETTINGS, build_parser, config_from_argv, main, role_config
-from mmlane.common.config import default_of
+from mmlane.common.config import default_of, usable_cores
 from mmlane.common.settings import Settings, flag_name
 from mmlane.engine.config import EngineConfig
 from mmlane.frontend.config import FrontendConfig
@@ -291,6 +291,26 @@ def test_serve_gives_a_host_without_a_model_one_mm_process_per_core() -> None:
     assert processes(*remote) == cores
     assert processes(*remote, "--mm-processes", "1") == 1
     assert processes(*remote, "--encoder-lane") == processes() == max(1, cores // 4)
+
+
+def test_the_cores_defaults_count_are_the_affinity_s_within_a_cgroup_quota(
+        tmp_path: Path) -> None:
+    """A container's CPU limit (cgroup v2's cpu.max, or v1's CFS quota) bounds the cores the
+    defaults count (MM processes, tokenizer threads, torch threads), rounded up; no quota, an
+    unlimited one or an unreadable one leaves the affinity's."""
+    cores = len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path) == cores  # no cgroup files
+    cpu_max = tmp_path / "cpu.max"
+    for text, expected in (("max 100000\n", cores), ("150000 100000\n", min(cores, 2)),
+                           ("50000 100000\n", 1), ("nonsense", cores)):
+        cpu_max.write_text(text)
+        assert usable_cores(tmp_path) == expected, text
+    cpu_max.unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    for quota, expected in (("-1\n", cores), ("300000\n", min(cores, 3))):
+        (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text(quota)
+        assert usable_cores(tmp_path) == expected, quota
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:

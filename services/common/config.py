@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import os
 import socket
 import sys
@@ -29,6 +30,36 @@ C = TypeVar("C", bound=msgspec.Struct)
 
 DEFAULT_HOST = "127.0.0.1"
 """Where a listener binds unless told otherwise: loopback, reachable from this machine only."""
+
+
+CGROUP = Path("/sys/fs/cgroup")
+"""Where this process's cgroup shows (a container's own, under a cgroup namespace)."""
+
+
+def usable_cores(cgroup: Path = CGROUP) -> int:
+    """The cores this process may use, which the defaults sized by cores count: those its
+    affinity allows, at most its cgroup's CPU quota rounded up (a container's CPU limit, e.g.
+    `docker run --cpus 4` on a larger host, which the affinity does not show); at least 1."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cpu_quota(cgroup)
+    return max(1, cores if quota is None else min(cores, math.ceil(quota)))
+
+
+def _cpu_quota(cgroup: Path) -> float | None:
+    """The CPUs' worth of time the cgroup may use (cgroup v2's cpu.max, else v1's CFS quota and
+    period); None where no quota is set or none can be read."""
+    for files, unlimited in (((cgroup / "cpu.max",), "max"),
+                             ((cgroup / "cpu" / "cpu.cfs_quota_us",
+                               cgroup / "cpu" / "cpu.cfs_period_us"), "-1")):
+        try:
+            words = " ".join(path.read_text() for path in files).split()
+            if words[0] == unlimited:
+                return None
+            quota, period = int(words[0]), int(words[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        return quota / period if quota > 0 and period > 0 else None
+    return None
 
 
 _RUN_DIR: ContextVar[Path | None] = ContextVar("run_dir", default=None)

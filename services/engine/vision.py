@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
@@ -42,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from mmlane.common.config import usable_cores
 from mmlane.common.lifecycle import lower_priority
 from mmlane.model import PixelNorm, Preprocessor, load_model, normalize
 from mmlane.model.video import VideoPreprocessor
@@ -70,7 +70,7 @@ def pick_device(setting: str) -> str:
 def torch_threads(setting: int) -> int:
     """0 is every core this process may run on but two (an MM worker's and a frontend's), and
     at least one."""
-    return setting or max(1, len(os.sched_getaffinity(0)) - 2)
+    return setting or max(1, usable_cores() - 2)
 
 
 def synchronize(device: torch.device) -> None:

@@ -58,6 +58,7 @@ import zmq
 from msgspec.structs import replace
 from zmq.utils.monitor import recv_monitor_message
 
+from mmlane.common.config import usable_cores
 from mmlane.common.feature_cache import is_epoch
 from mmlane.common.lifecycle import (
     Stop,
@@ -201,7 +202,7 @@ class Frontend:
         # with a word cache of its own (docs/ARCHITECTURE.md, "Memory"): no more threads than
         # the tokenizer workers, set before its first batch starts them.
         os.environ.setdefault("RAYON_NUM_THREADS", str(
-            min(config.tokenizer_workers, len(os.sched_getaffinity(0)))))
+            min(config.tokenizer_workers, usable_cores())))
         self._pre = _with_template(load_preprocessor(resolve_model_dir(config.model)),
                                    config.template())
         self._pre.bound_word_cache(config.tokenizer_cache_words)

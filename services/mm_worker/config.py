@@ -3,7 +3,6 @@ without loading the image stack."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +18,7 @@ from mmlane.common.config import (
     check_nice,
     ipc,
     process_name,
+    usable_cores,
 )
 from mmlane.common.feature_cache import capacity_bytes
 
@@ -146,7 +146,7 @@ class MMWorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.mm_processes < 0:
             raise ValueError(f"mm_processes must be 0 (by the cores) or more, got "
                              f"{self.mm_processes}")
-        self.mm_processes = self.mm_processes or max(1, len(os.sched_getaffinity(0)) // 4)
+        self.mm_processes = self.mm_processes or max(1, usable_cores() // 4)
         pooled = self.mm_processes > 1
         if self.video_processes < 0 or (pooled and self.video_processes > self.mm_processes):
             raise ValueError(f"video_processes must be 0 (the default) or more, at most "
