@@ -282,7 +282,7 @@ def test_serve_hands_jpeg_draft_to_its_mm_worker() -> None:
 def test_serve_gives_a_host_without_a_model_one_mm_process_per_core() -> None:
     """--backend vllm-remote (no model on the host, no encoder lane): the MM worker's default is
     a process per core, not one per 4; a count given, and the other backends, stay as they are."""
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()  # the affinity's, within a container's CPU limit where one is set
     remote = ["--backend", "vllm-remote", "--vllm-url", "http://127.0.0.1:9"]
 
     def processes(*argv: str) -> int:

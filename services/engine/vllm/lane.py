@@ -51,8 +51,10 @@ NO_EMBEDS = ("vLLM 0.32 cannot take their images' embeddings: its Mistral 3 read
              "LLaVA-NeXT, LLaVA-OneVision, InternVL and Idefics3 check that the embeddings of "
              "the images one step encodes all have one length, which theirs (sized by each "
              "image's tiles) do not, and end the engine core where they differ")
-"""Why the families the lane lacks cannot be served with it (measured on vLLM 0.32 CPU: two
-images of other tile counts in one request, 'data contains inconsistent shapes')."""
+"""Why the families the lane lacks cannot be served with it. Measured on vLLM 0.32 CPU for
+Mistral 3 ('Required field pixel_values is missing'), and for InternVL, Idefics3 and LLaVA-NeXT
+(two images of other tile counts in one request: 'data contains inconsistent shapes');
+LLaVA-OneVision's embedding schema is LLaVA-NeXT's, (bn, ifs, hs) without a dynamic dimension."""
 
 
 @dataclass
