@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "tiny-qwen2-vl"
-BUILDER_VERSION = 6
+BUILDER_VERSION = 7
 """services/model/tiny.py's version: bump it whenever the files it builds change. It is part of
 the default model's path, so a changed builder never reuses a stale build."""
 

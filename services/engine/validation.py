@@ -73,7 +73,10 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec)
     """Each item's span must be its image's or video's expansion (from its checked tensors),
     and the prompt's image and video tokens must be the items' features, none outside the
     spans."""
-    covered = {"image": 0, "video": 0}
+    tokens = {"image": spec.image_token_id}
+    if spec.video is not None:
+        tokens["video"] = spec.video.video_token_id
+    covered = dict.fromkeys(tokens.values(), 0)  # by token: a SmolVLM video's are image tokens
     for index, item in enumerate(items):
         kind = "video" if item.is_video else "image"
         expected = np.asarray(_expansion(item, spec), dtype=np.int64)
@@ -87,16 +90,16 @@ def check_image_tokens(prompt: np.ndarray, items: list[MMItem], spec: ModelSpec)
                 f"mm_items[{index}] covers tokens that are not its {kind}'s span: not the "
                 f"{spec.family} expansion of its tensors"
             )
-        covered[kind] += int((expected == spec.video.video_token_id).sum()) \
-            if spec.video is not None and item.is_video else spec.count_image_tokens(item.tensors)
-    tokens = {"image": spec.image_token_id}
-    if spec.video is not None:
-        tokens["video"] = spec.video.video_token_id
+        if spec.video is not None and item.is_video:
+            feature = spec.video.feature_token_id
+            covered[feature] += int((expected == feature).sum())
+        else:
+            covered[spec.image_token_id] += spec.count_image_tokens(item.tensors)
     for kind, token in tokens.items():
         positions = int((prompt == token).sum())
-        if positions != covered[kind]:
+        if positions != covered[token]:
             raise RequestError(f"prompt_token_ids has {positions} {kind}-token positions but "
-                               f"mm_items cover {covered[kind]}")
+                               f"mm_items cover {covered[token]}")
 
 
 def _expansion(item: MMItem, spec: ModelSpec) -> Sequence[int]:

@@ -40,9 +40,14 @@ from mmlane.mm_worker.cache import ImageHasher, ItemInfo, SenderCache
 from mmlane.mm_worker.media import MediaPolicy, Medium, load_bytes
 from mmlane.mm_worker.pool import Processed, ProcessPool, VideoTask, process_image, process_video
 from mmlane.mm_worker.render import PreparedItem, check_job, render_request
-from mmlane.mm_worker.video import FrameSampling, Qwen2VLSampling, UniformSampling
+from mmlane.mm_worker.video import (
+    FrameSampling,
+    Qwen2VLSampling,
+    SmolVLMSampling,
+    UniformSampling,
+)
 from mmlane.model import ImageItem, Preprocessor
-from mmlane.model.video import VideoItem, VideoPreprocessor
+from mmlane.model.video import SmolVLMVideo, VideoItem, VideoPreprocessor
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import EngineRequest, ImageUrl, MMJob, VideoSampling
 
@@ -299,7 +304,8 @@ def video_sampling(asked: VideoSampling, max_frames: int,
     temporal patch. The default loader's (`opencv`, LLaVA-OneVision's and InternVL's):
     `num_frames` evenly spaced, or one every 1/`fps` seconds where that keeps fewer, as vLLM's
     `media_io_kwargs` set them (a request's `fps` alone keeps the default 32 frames at
-    most)."""
+    most). SmolVLM's (transformers' own): frames at `fps`, at most `num_frames`, the model's
+    `video_sampling` by default (its most within `max_frames`)."""
     least = video.frame_group
     if asked.fps is not None and not (math.isfinite(asked.fps) and asked.fps > 0):
         raise RequestError(f"mm_processor_kwargs.fps: must be above 0, got {asked.fps:g}")
@@ -310,6 +316,10 @@ def video_sampling(asked: VideoSampling, max_frames: int,
     if video.loader == "qwen2_vl":
         return Qwen2VLSampling(temporal_patch_size=least,
                                **_given(fps=asked.fps, max_frames=asked.num_frames))
+    if isinstance(video, SmolVLMVideo):
+        return SmolVLMSampling(fps=video.fps if asked.fps is None else asked.fps,
+                               max_frames=min(video.max_frames, max_frames)
+                               if asked.num_frames is None else asked.num_frames)
     return UniformSampling(**_given(fps=asked.fps, num_frames=asked.num_frames))
 
 

@@ -11,7 +11,7 @@ they are in prompt order, as the engine takes them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,7 +75,16 @@ def render_request(job: MMJob, items: list[PreparedItem], model: Preprocessor,
     """The job's prompt with each placeholder expanded, and each item (its images, then its
     videos) placed at its tokens."""
     images, videos = items[: len(job.images)], items[len(job.images):]
-    prompt = model.expand_placeholders(job.prompt_token_ids, [
+    prompt = job.prompt_token_ids
+    if video_token_id is not None and videos:  # a span's text edges join the prompt's text
+        merged, spans = model.merge_text_edges(
+            prompt, video_token_id, [video.expansion(video_token_id) for video in videos])
+        if merged is not prompt:
+            prompt = merged
+            videos = [replace(video, num_tokens=len(span), token_ids=tuple(span))
+                      for video, span in zip(videos, spans, strict=True)]
+    placeholders = prompt
+    prompt = model.expand_placeholders(placeholders, [
         ImageItem(image.tensors, image.num_tokens, image.token_ids) for image in images])
     if video_token_id is not None:
         prompt = expand_placeholder(prompt, video_token_id,
@@ -85,7 +94,7 @@ def render_request(job: MMJob, items: list[PreparedItem], model: Preprocessor,
     kinds = {model.image_token_id: images}
     if video_token_id is not None:
         kinds[video_token_id] = videos
-    offsets = placeholder_offsets(job.prompt_token_ids, {
+    offsets = placeholder_offsets(placeholders, {
         placeholder: [item.num_tokens for item in kind] for placeholder, kind in kinds.items()})
     placed = [(offset, kinds[placeholder][index], placeholder)
               for offset, placeholder, index in offsets]

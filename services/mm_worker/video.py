@@ -9,6 +9,7 @@ become ours.
     UniformSampling     vLLM's default loader (`VLLM_VIDEO_LOADER_BACKEND=opencv`): the one
                         it picks for LLaVA-OneVision and InternVL (and every model
                         without a loader)
+    SmolVLMSampling     transformers' own for SmolVLM, which vLLM 0.32 takes no video of
     VideoLimits         the bounds, each with a safe default (MMWorkerConfig.video's)
 
 Sampling. vLLM reads the source's frame count and rate through OpenCV (`CAP_PROP_FRAME_COUNT`:
@@ -160,7 +161,40 @@ class UniformSampling:
         return [int(i) for i in np.linspace(0, total - 1, count, dtype=int)]
 
 
-FrameSampling = Qwen2VLSampling | UniformSampling
+@dataclass(frozen=True, kw_only=True)
+class SmolVLMSampling:
+    """transformers' `SmolVLMVideoProcessor.sample_frames` (vLLM 0.32 serves no SmolVLM
+    video): `round(fps * duration)` frames, at most `max_frames`, at least one, evenly spaced
+    (`linspace` truncated, repeats dropped) over the whole video, or over all but its first and
+    last `skip_secs` seconds where the video lasts more than `max_frames * fps` seconds beyond
+    them. The model's defaults are its `video_sampling` (SmolVLMVideo)."""
+
+    fps: float
+    max_frames: int
+    skip_secs: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_number("fps", self.fps)
+        _check_count("max_frames", self.max_frames, minimum=1)
+
+    def indices(self, source: VideoSource, index: int) -> list[int]:
+        """The frame indices to keep, ascending; raises RequestError naming the video."""
+        if source.fps <= 0:
+            raise _invalid(index, "its frame rate is unknown (variable or missing); "
+                                  "SmolVLM's sampling needs one")
+        total, duration = source.total_frames, source.duration
+        count = max(1, min(int(round(self.fps * duration)), self.max_frames))
+        start, end = 0, total - 1
+        if self.skip_secs > 0 and duration - 2 * self.skip_secs > self.max_frames * self.fps:
+            start = int(self.skip_secs * source.fps)
+            end = int(total - self.skip_secs * source.fps)
+        start, end = max(0, start), min(end, total - 1)
+        if start >= end:
+            start, end = 0, total - 1
+        return [int(i) for i in np.unique(np.linspace(start, end, count, dtype=int))]
+
+
+FrameSampling = Qwen2VLSampling | UniformSampling | SmolVLMSampling
 
 
 @dataclass(frozen=True, kw_only=True)

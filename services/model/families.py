@@ -581,7 +581,7 @@ def _split_idefics3(image_processor: Any, batch: Tensors) -> list[dict[str, np.n
     return items
 
 
-def _idefics3_image_seq_len(model_dir: Path, config: Any) -> int:
+def idefics3_image_seq_len(model_dir: Path, config: Any) -> int:
     """Image tokens a tile makes: processor_config.json's image_seq_len, else the model's
     (the tile's patches, pixel-shuffled by scale_factor)."""
     settings = _read_processor_config(model_dir)
@@ -591,7 +591,7 @@ def _idefics3_image_seq_len(model_dir: Path, config: Any) -> int:
 
 
 def _idefics3_token_counter(model_dir: Path, config: Any, image_processor: Any) -> TokenCounter:
-    return _tiles_of(_idefics3_image_seq_len(model_dir, config))
+    return _tiles_of(idefics3_image_seq_len(model_dir, config))
 
 
 def _idefics3_placeholder_text(
@@ -601,7 +601,7 @@ def _idefics3_placeholder_text(
     image tokens after <fake_token_around_image> and its <row_R_col_C>, a newline after each
     row of tiles, then a newline and the whole image's tokens after <global-img>, closed by
     <fake_token_around_image>."""
-    image = "<image>" * _idefics3_image_seq_len(model_dir, config)
+    image = "<image>" * idefics3_image_seq_len(model_dir, config)
     around = "<fake_token_around_image>"
 
     def text(item: Tensors) -> str:

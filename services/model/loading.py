@@ -14,7 +14,7 @@ wrong in mmlane's terms:
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -176,6 +176,58 @@ class Preprocessor:
         """Replace the i-th image placeholder with items[i]'s expansion."""
         spans = [item.token_ids or (self.image_token_id,) * item.num_tokens for item in items]
         return expand_placeholder(token_ids, self.image_token_id, spans, "image")
+
+    def merge_text_edges(self, token_ids: list[int], placeholder: int,
+                         spans: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+        """Where a span (the i-th `placeholder`'s expansion) begins or ends with text, not an
+        added token (SmolVLM's video: its words before the first frame and after the last),
+        that text belongs with the prompt's text around the placeholder: the processor
+        tokenizes the prompt with the span's text in it, and added tokens alone split what it
+        tokenizes. Returns the prompt with each such run of text tokenized together (the
+        placeholders kept) and the spans without their text edges; the prompt as it is where
+        no span has any."""
+        added = self._added_token_ids
+        edges = []
+        for span in spans:
+            marks = [at for at, token in enumerate(span) if token in added]
+            first, last = (marks[0], marks[-1] + 1) if marks else (0, len(span))
+            edges.append((list(span[:first]), list(span[first:last]), list(span[last:])))
+        if not any(lead or tail for lead, _, tail in edges):
+            return token_ids, [core for _, core, _ in edges]
+        backend = self.tokenizer.backend_tokenizer
+        merged: list[int] = []
+        text: list[int] = []  # the run of text tokens since the last added token
+        before = ""  # the text the previous placeholder's span ends with
+
+        def flush(after: str = "") -> None:
+            nonlocal before
+            if before or after:
+                joined = before + backend.decode(text, skip_special_tokens=False) + after
+                merged.extend(backend.encode(joined, add_special_tokens=False).ids)
+            else:
+                merged.extend(text)
+            text.clear()
+            before = ""
+
+        next_edges = iter(edges)
+        for token in token_ids:
+            if token not in added:
+                text.append(token)
+            elif token == placeholder:
+                lead, _, tail = next(next_edges)
+                flush(backend.decode(lead, skip_special_tokens=False))
+                merged.append(token)
+                before = backend.decode(tail, skip_special_tokens=False)
+            else:
+                flush()
+                merged.append(token)
+        flush()
+        return merged, [core for _, core, _ in edges]
+
+    @cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        """The ids the tokenizer splits text at before tokenizing it (special or not)."""
+        return frozenset(self.tokenizer.backend_tokenizer.get_added_tokens_decoder())
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return cast(str, self.tokenizer.decode(token_ids,

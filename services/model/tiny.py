@@ -216,9 +216,9 @@ INTERNVL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 def _utterance_template(start: str) -> str:
-    """Idefics3-8B-Llama3's and SmolVLM's template ("User:<image>...<end_of_utterance>\n
-    Assistant:"), after the `start` token each writes itself; like LLAVA_CHAT_TEMPLATE it also
-    accepts plain-string content."""
+    """Idefics3-8B-Llama3's and SmolVLM2's template ("User:<image>...<end_of_utterance>\n
+    Assistant:"), after the `start` token each writes itself (a video part is SmolVLM2's
+    `<video>`); like LLAVA_CHAT_TEMPLATE it also accepts plain-string content."""
     return (
         start + "{% for message in messages %}{{ message['role'] | capitalize }}"
         "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
@@ -226,7 +226,8 @@ def _utterance_template(start: str) -> str:
         "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
         "{% for line in message['content'] %}"
         "{% if line['type'] == 'text' %}{{ line['text'] }}"
-        "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+        "{% elif line['type'] == 'image' %}{{ '<image>' }}"
+        "{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}"
         "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
         "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
     )
@@ -383,14 +384,16 @@ IDEFICS3_IMAGE_PROCESSOR = {
 }
 IDEFICS3_PROCESSOR = {"image_seq_len": 169, "processor_class": "Idefics3Processor"}
 # Stock HuggingFaceTB/SmolVLM-256M-Instruct preprocessor_config.json and processor_config.json,
-# with the smolvlm classes (SmolVLM2's): the longest edge resized to 2048 (4 tiles), 512-pixel
-# tiles (64 tokens each) beside the whole image.
+# with the smolvlm classes and the video sampling of SmolVLM2-256M-Video-Instruct: the longest
+# edge resized to 2048 (4 tiles), 512-pixel tiles (64 tokens each) beside the whole image; a
+# video's frames at 1 fps, 64 at most, each one 512-pixel tile.
 SMOLVLM_IMAGE_PROCESSOR = {
     **IDEFICS3_IMAGE_PROCESSOR,
     "image_processor_type": "SmolVLMImageProcessor",
     "max_image_size": {"longest_edge": 512},
     "processor_class": "SmolVLMProcessor",
     "size": {"longest_edge": 4 * 512},
+    "video_sampling": {"fps": 1, "max_frames": 64, "video_size": {"longest_edge": 512}},
 }
 SMOLVLM_PROCESSOR = {"image_seq_len": 64, "processor_class": "SmolVLMProcessor"}
 IDEFICS3_MAX_POSITIONS = 32768
@@ -545,7 +548,7 @@ IDEFICS3_TOKENS = _Tokens(
     eos="<end_of_utterance>", pad="<|end_of_text|>",
 )
 SMOLVLM_TOKENS = _Tokens(
-    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IDEFICS3_IMAGE_TOKENS],
+    special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IDEFICS3_IMAGE_TOKENS, "<video>"],
     eos="<end_of_utterance>", pad="<|im_end|>",
 )
 

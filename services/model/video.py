@@ -85,21 +85,32 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from num2words import num2words
 from transformers import AutoConfig
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
+from transformers.image_utils import (
+    IMAGENET_STANDARD_MEAN,
+    IMAGENET_STANDARD_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    PILImageResampling,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+from transformers.models.smolvlm import processing_smolvlm as smolvlm_text
 
 from mmlane.model.families import (
+    IDEFICS3,
     INTERNVL,
     LLAVA_ONEVISION,
     QWEN2_VL,
     UnsupportedModelError,
+    idefics3_image_seq_len,
     internvl_image_text,
     internvl_tile_tokens,
     llava_onevision_tile_features,
@@ -160,6 +171,9 @@ class VideoPreprocessor(ABC):
     """Two videos' tokens must not touch: the model finds a video as a run of video tokens
     (Qwen2-VL's M-RoPE)."""
 
+    model_types: ClassVar[tuple[str, ...]] = ()
+    """The family's model types that take videos; () for every one."""
+
     @classmethod
     @abstractmethod
     def load(cls, model_dir: Path, preprocessor: Preprocessor,
@@ -196,6 +210,12 @@ class VideoPreprocessor(ABC):
     def count_item_tokens(self, tensors: Mapping[str, np.ndarray]) -> int:
         """The length of the span a checked video's tensors make."""
 
+    @property
+    def feature_token_id(self) -> int:
+        """The token its features replace in its span: the video token, unless the family
+        writes a video's frames as images (SmolVLM)."""
+        return self.video_token_id
+
     def expand_item(self, tensors: Mapping[str, np.ndarray]) -> Sequence[int]:
         """The span a checked video's tensors make: what its placeholder becomes."""
         return (self.video_token_id,) * self.count_item_tokens(tensors)
@@ -222,12 +242,14 @@ class VideoPreprocessor(ABC):
         except ValueError as exc:  # no frame; smart_resize's aspect ratio bound
             raise RequestError(f"video {index}: its {count} frames of {width}x{height} cannot "
                                f"be processed: {exc}", code="invalid_video") from exc
+        span = self._span(count, metadata)
+        tokens = len(span) or tokens
         if tokens > max_tokens:
             raise RequestError(
                 f"video {index}: its {count} frames of {width}x{height} make {tokens} tokens "
                 f"({self._token_layout(count, width, height)}), more than the {max_tokens} it "
                 "may take", code="video_too_large")
-        return VideoItem(self._tensors(frames, metadata, index), tokens, self._span(count))
+        return VideoItem(self._tensors(frames, metadata, index), tokens, span)
 
     def expand_placeholders(self, token_ids: list[int], items: Sequence[VideoItem]) -> list[int]:
         """Replace the i-th video placeholder with items[i]'s span; image placeholders stay
@@ -235,9 +257,9 @@ class VideoPreprocessor(ABC):
         spans = [item.token_ids or (self.video_token_id,) * item.num_tokens for item in items]
         return expand_placeholder(token_ids, self.video_token_id, spans, "video")
 
-    def _span(self, frames: int) -> tuple[int, ...]:
-        """`VideoItem.token_ids` of a video of `frames` frames: none, its video token
-        repeated, unless the family puts other tokens among them."""
+    def _span(self, frames: int, metadata: Mapping[str, Any]) -> tuple[int, ...]:
+        """`VideoItem.token_ids` of a video of `frames` frames with this metadata: none, its
+        video token repeated, unless the family puts other tokens among them."""
         return ()
 
     @abstractmethod
@@ -638,12 +660,12 @@ class InternVLVideo(SquareFrameVideo):
     def count_tokens(self, frames: int, width: int, height: int) -> int:
         if frames < 1:
             raise ValueError("a video needs at least one frame")
-        return len(self._span(frames))
+        return len(self.spans(frames))
 
     def expand_item(self, tensors: Mapping[str, np.ndarray]) -> Sequence[int]:
-        return self._span(len(tensors[VIDEO_PIXELS]))
+        return self.spans(len(tensors[VIDEO_PIXELS]))
 
-    def _span(self, frames: int) -> tuple[int, ...]:
+    def _span(self, frames: int, metadata: Mapping[str, Any]) -> tuple[int, ...]:
         return self.spans(frames)
 
     def _token_layout(self, frames: int, width: int, height: int) -> str:
@@ -658,6 +680,200 @@ def internvl_video_text(token: str, features: int, frames: int) -> str:
                                          for number in range(1, frames + 1))
 
 
+# ---------------------------------------------------------------- SmolVLM
+
+
+SMOLVLM_PROCESSOR_DEFAULTS: Mapping[str, Any] = {
+    "size": {"longest_edge": 4 * 364},
+    "max_image_size": {"longest_edge": 364},
+    "resample": PILImageResampling.LANCZOS,
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": IMAGENET_STANDARD_MEAN,
+    "image_std": IMAGENET_STANDARD_STD,
+}
+"""transformers' `SmolVLMVideoProcessor` class defaults."""
+
+SMOLVLM_SAMPLING_DEFAULTS = {"fps": 1, "max_frames": 64}
+"""The frames kept where the model directory has no `video_sampling`: SmolVLM2's."""
+
+SMOLVLM_MAX_SIDE = 4096
+"""The video processor's first resize takes the longest edge to at most this (MAX_IMAGE_SIZE)."""
+
+_SMOLVLM_RESIZE = {PILImageResampling.LANCZOS: "lanczos", PILImageResampling.BICUBIC: "bicubic"}
+"""The resample filters the processor's torchvision backend runs natively on uint8, as torch's
+interpolation modes."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class SmolVLMVideo(VideoPreprocessor):
+    """A SmolVLM (SmolVLM2) model's video processing, transformers' own (vLLM 0.32 has none:
+    `--backend vllm` takes no SmolVLM video). Frames are sampled by `SmolVLMVideoProcessor.
+    sample_frames` (mmlane.mm_worker.video's `SmolVLMSampling`), resized twice as the processor
+    does (the longest edge to `longest_edge`, sides even, then to the square `side`), with its
+    filter (LANCZOS: torchvision 0.27's uint8 kernel, torch's `lanczos` mode; where torchvision
+    is older transformers falls back to bicubic, and so would its pixels), and are images of
+    one tile each: a frame is "<fake_token_around_image><global-img>", `image_seq_len` image
+    tokens and "<fake_token_around_image>", through the model's `get_image_features`.
+
+    SmolVLMProcessor writes a video as text around those frames: "You are provided the
+    following series of {count in words} frames from a {H:MM:SS} [H:MM:SS] video.\n", then per
+    frame "\nFrame from {MM:SS}:" and the frame, then "\n\n". It tokenizes that text with the
+    prompt's, so the words before the first frame and after the last merge with the prompt's
+    own text around the placeholder. `VideoItem.token_ids` holds them tokenized alone around the
+    span; the MM worker tokenizes each with its neighbours (`Preprocessor.merge_text_edges`),
+    and the span the engine checks is the frames and their timestamps (`expand_item`, from
+    `frame_seconds`: each kept frame's whole second)."""
+
+    image_token_id: int
+    side: int
+    """Frames end as side x side pixels (`max_image_size`'s longest edge)."""
+    longest_edge: int
+    """The first resize's longest edge (`size`'s, which overrides `video_sampling`'s
+    `video_size` as the processor's constructor does)."""
+    resize: str
+    """torch's interpolation mode for the processor's filter."""
+    norm: PixelNorm
+    fps: float
+    """Frames kept a second, by default (`video_sampling`'s)."""
+    max_frames: int
+    """Frames kept at most, by default (`video_sampling`'s)."""
+    frame: tuple[int, ...]
+    """A frame's tokens: "<fake_token_around_image><global-img>", the image tokens, and
+    "<fake_token_around_image>"."""
+    encode: Callable[[str], tuple[int, ...]] = field(repr=False, compare=False)
+    """Text tokenized alone (no special tokens added), as the processor's tokenizer does."""
+
+    token = "<video>"
+    loader = "smolvlm"
+    model_types = ("smolvlm",)
+    model_features = ("get_image_features", "pixel_values")
+
+    @classmethod
+    def load(cls, model_dir: Path, preprocessor: Preprocessor,
+             video_token_id: int) -> SmolVLMVideo:
+        where, raw = _processor_settings(model_dir, SMOLVLM_PROCESSOR_DEFAULTS)
+        resize = _SMOLVLM_RESIZE.get(raw["resample"])
+        if not raw["do_resize"] or resize is None:
+            raise ModelDirError(f"{where}: mmlane renders SmolVLM videos with the processor's "
+                                f"LANCZOS or bicubic resize (do_resize true, resample 1 or 3), "
+                                f"got do_resize {raw['do_resize']}, resample {raw['resample']}")
+        sampling = raw.get("video_sampling") or {}
+        size = raw["size"] if "size" in raw and "video_sampling" in raw else \
+            sampling.get("video_size", raw["size"])
+        side, longest = raw["max_image_size"].get("longest_edge"), size.get("longest_edge")
+        config = AutoConfig.from_pretrained(model_dir)
+        if side != config.vision_config.image_size or not longest:
+            raise ModelDirError(
+                f"{where}: SmolVLM's vision tower takes frames of {config.vision_config.image_size}"
+                f" pixels a side; the video processor makes max_image_size "
+                f"{dict(raw['max_image_size'])}, size {dict(size)}")
+        backend = preprocessor.tokenizer.backend_tokenizer
+        around = backend.token_to_id("<fake_token_around_image>")
+        image = backend.token_to_id("<global-img>")
+        seq_len = idefics3_image_seq_len(model_dir, config)
+
+        @lru_cache(maxsize=256)  # the timestamps recur: each tokenized once
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+        return cls(video_token_id=video_token_id, image_token_id=preprocessor.image_token_id,
+                   side=side, longest_edge=min(longest, SMOLVLM_MAX_SIDE), resize=resize,
+                   norm=_torchvision_norm(raw),
+                   fps=sampling.get("fps", SMOLVLM_SAMPLING_DEFAULTS["fps"]),
+                   max_frames=sampling.get("max_frames", SMOLVLM_SAMPLING_DEFAULTS["max_frames"]),
+                   frame=(around, image, *(preprocessor.image_token_id,) * seq_len, around),
+                   encode=encode)
+
+    @property
+    def pixel_norm(self) -> PixelNorm:
+        return self.norm
+
+    @property
+    def item_fields(self) -> tuple[str, ...]:
+        return (VIDEO_PIXELS, "frame_seconds")
+
+    @property
+    def feature_token_id(self) -> int:
+        return self.image_token_id
+
+    def model_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The frames as one sample's images: (1, frames, 3, side, side)."""
+        return pixels[None]
+
+    def count_tokens(self, frames: int, width: int, height: int) -> int:
+        """The frames' tokens alone (the timestamps' and the words' come with the metadata)."""
+        if frames < 1:
+            raise ValueError("a video needs at least one frame")
+        return frames * len(self.frame)
+
+    def check_item(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
+        pixels, seconds = tensors[VIDEO_PIXELS], tensors["frame_seconds"]
+        frame = (RGB, self.side, self.side)
+        if pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1:] != frame or \
+                not len(pixels):
+            raise RequestError(f"{where}.pixel_values_videos is {pixels.dtype} {pixels.shape}, "
+                               f"the model takes uint8 (frames, {', '.join(map(str, frame))}) "
+                               "with at least one frame")
+        if seconds.dtype != np.int64 or seconds.shape != (len(pixels),) or \
+                np.any(seconds < 0) or np.any(np.diff(seconds) < 0):
+            raise RequestError(f"{where}.frame_seconds is {seconds.dtype} {seconds.shape}, "
+                               f"needs int64 ({len(pixels)},): each frame's second, ascending "
+                               "from 0 up")
+
+    def count_item_tokens(self, tensors: Mapping[str, np.ndarray]) -> int:
+        return len(self.expand_item(tensors))
+
+    def expand_item(self, tensors: Mapping[str, np.ndarray]) -> Sequence[int]:
+        """Its frames, each after the one before by its timestamp (the first's timestamp is
+        among the words before the span: `_span`)."""
+        span: list[int] = list(self.frame)
+        for second in tensors["frame_seconds"][1:].tolist():
+            span += self.encode(_smolvlm_timestamp(second)) + self.frame
+        return span
+
+    def _span(self, frames: int, metadata: Mapping[str, Any]) -> tuple[int, ...]:
+        seconds = _frame_seconds(metadata)
+        duration = metadata.get("duration")
+        words = smolvlm_text.DEFAULT_VIDEO_INTRO.format(
+            frame_count=num2words(frames),
+            video_duration=str(timedelta(seconds=int(duration if duration is not None
+                                                     else seconds[-1]))))
+        frames_span = self.expand_item({"frame_seconds": np.array(seconds, np.int64)})
+        return (*self.encode(words + _smolvlm_timestamp(seconds[0])), *frames_span,
+                *self.encode(smolvlm_text.DEFAULT_MEDIA_OUTTRO))
+
+    def _token_layout(self, frames: int, width: int, height: int) -> str:
+        return f"{len(self.frame)} a frame, and its timestamp"
+
+    def _tensors(self, frames: np.ndarray, metadata: Mapping[str, Any],
+                 index: int) -> dict[str, np.ndarray]:
+        import torch
+        from transformers.models.smolvlm.video_processing_smolvlm import (
+            get_resize_output_image_size,
+        )
+
+        video = torch.from_numpy(frames).permute(0, 3, 1, 2)
+        height, width = get_resize_output_image_size(video, self.longest_edge)
+        video = _resized(video, height, width, self.resize)
+        return {VIDEO_PIXELS: _resized(video, self.side, self.side, self.resize)
+                .contiguous().numpy(),
+                "frame_seconds": np.array(_frame_seconds(metadata), np.int64)}
+
+
+def _frame_seconds(metadata: Mapping[str, Any]) -> list[int]:
+    """Each kept frame's whole second, as SmolVLMProcessor's timestamps count them (its index
+    over the source's rate)."""
+    return [int(index / metadata["fps"]) for index in metadata["frames_indices"]]
+
+
+def _smolvlm_timestamp(second: int) -> str:
+    minutes, seconds = divmod(second, 60)
+    return smolvlm_text.FRAME_TIMESTAMP_MESSAGE.format(timestamp=f"{minutes:02d}:{seconds:02d}")
+
+
 # ---------------------------------------------------------------- loading, and the shared steps
 
 
@@ -665,6 +881,7 @@ VIDEO_FAMILIES: Mapping[str, type[VideoPreprocessor]] = {
     QWEN2_VL.name: Qwen2VLVideo,
     LLAVA_ONEVISION.name: LlavaOnevisionVideo,
     INTERNVL.name: InternVLVideo,
+    IDEFICS3.name: SmolVLMVideo,
 }
 """The families mmlane renders videos for, by name, and their video processing."""
 
@@ -690,6 +907,12 @@ def load_video_preprocessor(model_dir: str | Path, preprocessor: Preprocessor
         raise UnsupportedModelError(f"{model_dir}: mmlane renders videos for the "
                                     f"{', '.join(VIDEO_FAMILIES)} families only, not the "
                                     f"{preprocessor.family.name} family")
+    if kind.model_types:
+        model_type = AutoConfig.from_pretrained(model_dir).model_type
+        if model_type not in kind.model_types:
+            raise UnsupportedModelError(f"{model_dir}: of the {preprocessor.family.name} family "
+                                        f"mmlane renders videos for model_type "
+                                        f"{', '.join(kind.model_types)} only, not {model_type}")
     token_id = video_token_id(preprocessor)
     if token_id is None:
         raise ModelDirError(f"the tokenizer in {model_dir} lacks the video token {kind.token!r}")
@@ -733,15 +956,18 @@ def _torchvision_norm(raw: Mapping[str, Any]) -> PixelNorm:
     return PixelNorm.of(SimpleNamespace(**{**raw, "backend": "torchvision"}))
 
 
-def _resized(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
-    """A video's frames ((n, h, w, 3) uint8) resized as the torchvision backend resizes them
-    (the module docstring): (n, 3, height, width) uint8."""
+def _resized(frames: np.ndarray | torch.Tensor, height: int, width: int,
+             mode: str = "bicubic") -> torch.Tensor:
+    """A video's frames ((n, h, w, 3) uint8, or a result of this) resized as the torchvision
+    backend resizes them (the module docstring; `mode` "lanczos": torchvision 0.27's native
+    uint8 kernel, which is torch's): (n, 3, height, width) uint8."""
     import torch  # the MM worker's: the frontend loads this module without torch
 
     # (n, h, w, 3) viewed as (n, 3, h, w): channels-last in memory, which torch's uint8 kernel
     # resizes without the processor's contiguous copy, to the same values.
-    video = torch.from_numpy(frames).permute(0, 3, 1, 2)
+    video = frames if isinstance(frames, torch.Tensor) else \
+        torch.from_numpy(frames).permute(0, 3, 1, 2)
     if (height, width) == tuple(video.shape[2:]):  # torchvision returns a same-size frame
         return video
-    return torch.nn.functional.interpolate(video, size=(height, width), mode="bicubic",
+    return torch.nn.functional.interpolate(video, size=(height, width), mode=mode,
                                            align_corners=False, antialias=True)

@@ -212,7 +212,7 @@ class HFRunner:
         in order (its whole span, unless the family puts structure tokens among them)."""
         token = self.spec.image_token_id
         if self.spec.video is not None and item.is_video:
-            token = self.spec.video.video_token_id
+            token = self.spec.video.feature_token_id
         span = prompt[0, item.offset : item.offset + item.length]
         return item.offset + torch.nonzero(span == token).squeeze(1)
 
