@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,20 +30,25 @@ import torch
 from test_video import Video, frame_image
 
 from bench.images import make_image
+from mmlane.mm_worker.render import PreparedItem
 from mmlane.mm_worker.video import (
     DecodedVideo,
     FrameSampling,
     Qwen2VLSampling,
+    SmolVLMSampling,
     UniformSampling,
+    VideoSource,
     decode_video,
 )
 from mmlane.model import ModelDirError, Preprocessor, UnsupportedModelError, load_preprocessor
 from mmlane.model import normalize as normalise
+from mmlane.model.loading import expand_placeholder
 from mmlane.model.tiny import INTERNVL_IMAGE_PROCESSOR
 from mmlane.model.video import (
     QWEN2_VL_PROCESSOR_DEFAULTS,
     SQUARE_FRAME_PROCESSOR_DEFAULTS,
     Qwen2VLVideoSettings,
+    SmolVLMVideo,
     SquareFrameVideo,
     VideoPreprocessor,
     load_video_preprocessor,
@@ -89,6 +96,18 @@ ONEVISION_CASES = [
     # Already the tower's tile: no resize.
     Case(Video("mpeg4-tile", "mpeg4", 384, 384, 6, Fraction(6)), UniformSampling(num_frames=3)),
 ]
+SMOLVLM_CASES = [
+    # SmolVLM2's sampling (1 fps, 64 frames at most) of a 2 s clip: its first and last frame.
+    # The first resize takes the longest edge up to 2048 (the stock `size`), the second down to
+    # the 512-pixel tile.
+    Case(Video("h264-ntsc-smolvlm", "libx264", 160, 90, 60, Fraction(30000, 1001)),
+         SmolVLMSampling(fps=1, max_frames=64)),
+    Case(Video("mpeg4-tall-smolvlm", "mpeg4", 48, 100, 30, Fraction(10)),
+         SmolVLMSampling(fps=2, max_frames=5)),
+    # 75 s: the first and last second skipped, timestamps past a minute, 64 frames.
+    Case(Video("mpeg4-75s-smolvlm", "mpeg4", 64, 48, 150, Fraction(2)),
+         SmolVLMSampling(fps=1, max_frames=64)),
+]
 SQUARE_FRAME_SIZES = ["mpeg4-4-frames", "h264-10fps-fps0.5", "mpeg4-5-frames", "mpeg4-1-frame",
                    "mpeg4-over-max-pixels"]
 """CASES that LLaVA-OneVision and InternVL render too: up- and downscaled, wide and tall, 1 to 5
@@ -97,7 +116,7 @@ frames."""
 
 @pytest.fixture(scope="module")
 def decoded() -> dict[str, DecodedVideo]:
-    return {case.name: case.decoded() for case in CASES + ONEVISION_CASES}
+    return {case.name: case.decoded() for case in CASES + ONEVISION_CASES + SMOLVLM_CASES}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -541,14 +560,180 @@ def test_qwen2_5_vl_needs_the_frame_rate(model_dirs: dict[str, Path]) -> None:
     assert refused.value.code == "invalid_video"
 
 
-def test_only_the_qwen2_vl_onevision_and_internvl_families_render_videos(
+# ---------------------------------------------------------------- SmolVLM
+
+
+@pytest.fixture(scope="module")
+def smolvlm(model_dirs: dict[str, Path]) -> tuple[Path, Preprocessor, VideoPreprocessor]:
+    return video_model(model_dirs["smolvlm"])
+
+
+def smolvlm_prompt(preprocessor: Preprocessor, video: VideoPreprocessor, text: str,
+                   items: list[Any]) -> list[int]:
+    """A chat of the videos and `text`, expanded as the MM worker expands it: the spans' words
+    tokenized with the prompt's text around them, then the frames in place."""
+    content = [{"type": "video"} for _ in items] + [{"type": "text", "text": text}]
+    [token_ids] = preprocessor.tokenize_batch([preprocessor.render_prompt(
+        [{"role": "user", "content": content}])])
+    merged, spans = preprocessor.merge_text_edges(
+        token_ids, video.video_token_id,
+        [PreparedItem.processed("", item).expansion(video.video_token_id) for item in items])
+    return expand_placeholder(merged, video.video_token_id, spans, "video")
+
+
+SMOLVLM_TEXTS = ["what happens?", " what happens?", "\n\nwhat happens?"]
+"""What follows the video in the chat: its words before the first frame follow the template's
+": ", its "\n\n" after the last frame merges with a newline or a word."""
+
+
+@pytest.mark.parametrize("text", SMOLVLM_TEXTS)
+@pytest.mark.parametrize("case", [case.name for case in SMOLVLM_CASES])
+def test_smolvlm_tensors_and_prompt_are_the_processors(smolvlm, decoded, case: str,
+                                                       text: str) -> None:
+    """The frames resized twice with LANCZOS: the processor's pixel_values bit for bit once
+    normalised, the uint8 pixels its video processor's output with rescale and normalise off;
+    the prompt is its input ids, each frame a one-tile image after its timestamp, between the
+    words SmolVLMProcessor writes, tokenized with the chat's text."""
+    model_dir, preprocessor, video = smolvlm
+    processor = hf_processor(model_dir)
+    from transformers.video_utils import VideoMetadata
+
+    clip = decoded[case]
+    item = video.process_video(clip.frames, clip.hf_metadata(), index=0, max_tokens=NO_LIMIT)
+    metadata = VideoMetadata(**{k: v for k, v in clip.hf_metadata().items()
+                                if k != "do_sample_frames"})
+    prompt = preprocessor.render_prompt(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}])
+    expected = processor(text=[prompt], videos=[[clip.frames]], video_metadata=[[metadata]],
+                         return_tensors="pt")
+    assert smolvlm_prompt(preprocessor, video, text, [item]) == \
+        expected["input_ids"][0].tolist()
+    pixels = normalise(torch.from_numpy(item.tensors["pixel_values_videos"]), video.pixel_norm)
+    assert torch.equal(video.model_pixels(pixels), expected["pixel_values"])
+    uint8 = processor.video_processor(videos=[clip.frames], do_rescale=False, do_normalize=False,
+                                      return_tensors="pt")
+    assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"])[None],
+                       uint8["pixel_values"])
+
+
+@pytest.mark.parametrize("case", [case.name for case in SMOLVLM_CASES])
+def test_smolvlm_prompt_is_the_processors_text_tokenized(smolvlm, decoded, case: str) -> None:
+    """Without torchvision too: SmolVLMProcessor's own text for the video (its
+    `replace_video_token`) in place of the placeholder, the chat tokenized whole, is our
+    expansion; the engine's span (the frames and their timestamps) is in it, as `expand_item`
+    makes it from the tensors; two videos side by side, their words merged between them."""
+    from transformers.models.smolvlm.processing_smolvlm import SmolVLMProcessor
+    from transformers.video_utils import VideoMetadata
+
+    _, preprocessor, video = smolvlm
+    clip = decoded[case]
+    item = video.process_video(clip.frames, clip.hf_metadata(), index=0, max_tokens=NO_LIMIT)
+    metadata = VideoMetadata(**{k: v for k, v in clip.hf_metadata().items()
+                                if k != "do_sample_frames"})
+    tokens = SimpleNamespace(image_seq_len=64, image_token="<image>",
+                             fake_image_token="<fake_token_around_image>",
+                             global_image_token="<global-img>")
+    words = SmolVLMProcessor.replace_video_token(tokens, {  # transformers 5.19 counts pixels
+        "video_metadata": [metadata], "pixel_values": np.empty((1, len(clip.frames)))}, 0)
+    for count in (1, 2):
+        text = " what happens?"
+        prompt = preprocessor.render_prompt([{"role": "user", "content": [
+            *[{"type": "video"}] * count, {"type": "text", "text": text}]}])
+        [expected] = preprocessor.tokenize_batch([prompt.replace("<video>", words)])
+        ours = smolvlm_prompt(preprocessor, video, text, [item] * count)
+        assert ours == expected
+    span = list(video.expand_item(item.tensors))
+    assert len(span) < item.num_tokens
+    assert any(ours[at:at + len(span)] == span for at in range(len(ours)))
+    assert item.tensors["frame_seconds"].tolist() == [int(i / clip.source.fps)
+                                                      for i in clip.frames_indices]
+
+
+def test_smolvlm_sampling_is_the_processors() -> None:
+    """transformers' `SmolVLMVideoProcessor.sample_frames`, index for index, over frame counts,
+    rates and settings drawn at random (the long videos skip their first and last second)."""
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        source = VideoSource(total_frames=int(rng.integers(1, 5000)),
+                             fps=float(rng.choice([0.5, 7.5, 24, 30000 / 1001, 30, 60])))
+        fps, most = float(rng.choice([0.1, 0.5, 1, 2, 3.3])), int(rng.integers(1, 100))
+        expected = SmolVLMVideoProcessor.sample_frames(
+            SimpleNamespace(), VideoMetadata(total_num_frames=source.total_frames,
+                                             fps=source.fps, duration=source.duration),
+            num_frames=most, fps=fps)
+        assert SmolVLMSampling(fps=fps, max_frames=most).indices(source, 0) == \
+            expected.tolist()
+    with pytest.raises(RequestError, match="frame rate is unknown"):
+        SmolVLMSampling(fps=1, max_frames=8).indices(VideoSource(total_frames=10, fps=0), 3)
+
+
+@pytest.mark.parametrize(("settings", "longest_edge"), [
+    ({}, 2048),  # the stock file: its `size` overrides video_sampling's video_size
+    ({"size": None}, 512),  # video_size alone
+    ({"size": {"longest_edge": 9000}}, 4096),  # the processor's bound
+])
+def test_smolvlm_settings_are_read_as_the_processor_reads_them(smolvlm, decoded, tmp_path: Path,
+                                                              settings: dict,
+                                                              longest_edge: int) -> None:
+    model_dir, preprocessor, _ = smolvlm
+    stock = json.loads((model_dir / "preprocessor_config.json").read_text())
+    files = {"preprocessor_config.json": {k: v for k, v in {**stock, **settings}.items()
+                                          if v is not None}}
+    copy = model_dir_with(model_dir, tmp_path, files)
+    video = load_video_preprocessor(copy, preprocessor)
+    assert isinstance(video, SmolVLMVideo)
+    assert (video.longest_edge, video.side, video.fps, video.max_frames) == \
+        (longest_edge, 512, 1, 64)
+    if importlib.util.find_spec("torchvision") is not None:
+        hf = hf_processor(copy).video_processor
+        clip = decoded["mpeg4-tall-smolvlm"]
+        item = video.process_video(clip.frames, clip.hf_metadata(), index=0, max_tokens=NO_LIMIT)
+        uint8 = hf(videos=[clip.frames], do_rescale=False, do_normalize=False,
+                   return_tensors="pt")
+        assert torch.equal(torch.from_numpy(item.tensors["pixel_values_videos"])[None],
+                           uint8["pixel_values"])
+
+
+@pytest.mark.parametrize(("settings", "refusal"), [
+    ({"resample": 2}, "LANCZOS or bicubic resize"),
+    ({"max_image_size": {"longest_edge": 384}}, "takes frames of 512 pixels a side"),
+])
+def test_smolvlm_settings_it_does_not_reproduce_are_refused(smolvlm, tmp_path: Path,
+                                                           settings: dict, refusal: str) -> None:
+    model_dir, preprocessor, _ = smolvlm
+    stock = json.loads((model_dir / "preprocessor_config.json").read_text())
+    copy = model_dir_with(model_dir, tmp_path, {"preprocessor_config.json": {**stock, **settings}})
+    with pytest.raises(ModelDirError, match=refusal):
+        load_video_preprocessor(copy, preprocessor)
+
+
+def test_a_smolvlm_video_over_the_token_limit_is_refused_before_any_pixel_work(smolvlm) -> None:
+    _, _, video = smolvlm
+    frames = np.zeros((4, 1, 1, 3), np.uint8)
+    metadata = {"fps": 1.0, "duration": 4.0, "frames_indices": [0, 1, 2, 3]}
+    taken = video.process_video(frames[:, :, :, :], metadata, index=0, max_tokens=NO_LIMIT)
+    with pytest.raises(RequestError, match=r"^video 1: its 4 frames of 1x1 make \d+ tokens "
+                                           r"\(67 a frame, and its timestamp\)") as refused:
+        video.process_video(frames, metadata, index=1, max_tokens=taken.num_tokens - 1)
+    assert refused.value.code == "video_too_large"
+
+
+def test_only_the_qwen2_vl_onevision_internvl_and_smolvlm_models_render_videos(
     model_dirs: dict[str, Path],
 ) -> None:
     llava = model_dirs["llava"]
-    with pytest.raises(UnsupportedModelError, match="mmlane renders videos for the qwen2_vl, "
-                                                    "llava_onevision, internvl families only, "
-                                                    "not the llava family"):
+    with pytest.raises(UnsupportedModelError, match=re.escape(
+            "mmlane renders videos for the qwen2_vl, llava_onevision, internvl, idefics3 "
+            "(smolvlm only) families only, not the llava family")):
         load_video_preprocessor(llava, load_preprocessor(llava))
+    idefics3 = model_dirs["idefics3"]  # SmolVLM's family: its processor has no video
+    with pytest.raises(UnsupportedModelError, match="of the idefics3 family mmlane renders "
+                                                    "videos for model_type smolvlm only, not "
+                                                    "idefics3"):
+        load_video_preprocessor(idefics3, load_preprocessor(idefics3))
 
 
 @pytest.mark.parametrize(("settings", "refusal"), [

@@ -53,7 +53,7 @@ from mmlane.launcher import Child, stop_all
 from mmlane.mm_worker.cache import ImageHasher, SenderCache
 from mmlane.mm_worker.jobs import JobRenderer, VideoRendering, video_sampling
 from mmlane.mm_worker.media import MediaPolicy
-from mmlane.mm_worker.video import Qwen2VLSampling, UniformSampling
+from mmlane.mm_worker.video import Qwen2VLSampling, SmolVLMSampling, UniformSampling
 from mmlane.model import Preprocessor, load_model, load_preprocessor
 from mmlane.model.video import VideoPreprocessor, load_video_preprocessor
 from mmlane.protocol.errors import RequestError
@@ -118,7 +118,7 @@ class Rendering:
         self.cache.see_engine_epoch(new_epoch())
         media = MediaPolicy(allowed_media_dir=None, max_image_bytes=1 << 26,
                             max_image_pixels=1 << 26)
-        settings = {"video": repr(self.video.settings)}
+        settings = {type(self.video).__name__: self.video.hashed_settings()}
         self.renderer = JobRenderer(
             self.pre, media, self.cache, ImageHasher("blake3", self.pre.model_id, {}),
             video=VideoRendering(self.video, ImageHasher("blake3", self.pre.model_id, settings)))
@@ -191,10 +191,10 @@ def test_a_video_hash_covers_its_bytes_sampling_and_processor(rendering: Renderi
 
 @pytest.fixture(scope="module")
 def video_processing(model_dirs: dict[str, Path]) -> dict[str, VideoPreprocessor]:
-    """The video processing of the tiny Qwen2-VL, LLaVA-OneVision and InternVL."""
+    """The video processing of the tiny Qwen2-VL, LLaVA-OneVision, InternVL and SmolVLM."""
     return {family: load_video_preprocessor(model_dirs[family],
                                             load_preprocessor(model_dirs[family]))
-            for family in ("qwen2_vl", "llava_onevision", "internvl")}
+            for family in ("qwen2_vl", "llava_onevision", "internvl", "smolvlm")}
 
 
 @pytest.mark.parametrize(("family", "asked", "message"), [
@@ -229,6 +229,13 @@ def test_a_requests_sampling_sets_the_rate_and_caps_the_frames(
             UniformSampling(num_frames=32, fps=1)
         assert video_sampling(VideoSampling(num_frames=8), 256, default) == \
             UniformSampling(num_frames=8)
+    # SmolVLM's own (transformers'): the model's video_sampling by default, its most frames
+    # within the server's.
+    smolvlm = video_processing["smolvlm"]
+    assert video_sampling(VideoSampling(), 256, smolvlm) == SmolVLMSampling(fps=1, max_frames=64)
+    assert video_sampling(VideoSampling(), 16, smolvlm) == SmolVLMSampling(fps=1, max_frames=16)
+    assert video_sampling(VideoSampling(fps=2, num_frames=6), 256, smolvlm) == \
+        SmolVLMSampling(fps=2, max_frames=6)
 
 
 # ---------------------------------------------------------------- the HF runner
@@ -246,6 +253,7 @@ def generate_greedy(model: Any, pre: Preprocessor, video: VideoPreprocessor,
     for item in request.mm_items:
         if item.is_video:
             arrays = dict(item.tensors)
+            arrays.pop("frame_seconds", None)  # SmolVLM's timestamps: its prompt's, not the model's
             pixels = as_processor_output({"pixel_values": arrays.pop("pixel_values_videos")},
                                          video.pixel_norm)["pixel_values"]
             tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
@@ -360,6 +368,26 @@ def test_greedy_internvl_video_output_equals_hf_generate(
     assert videos[0].tensors["pixel_values_videos"].shape == (3, 3, 448, 448)
     assert videos[0].length == internvl.video.count_tokens(3, 448, 448) > 3 * 256
     assert run_alone(runner, request) == generate_greedy(model, internvl.pre, internvl.video,
+                                                         request)
+
+
+@pytest.mark.parametrize("kinds", [("video",), ("video", "video")], ids=["video", "two videos"])
+def test_greedy_smolvlm_video_output_equals_hf_generate(
+    model_dirs: dict[str, Path], references: dict[str, tuple[HFRunner, Any]],
+    kinds: tuple[str, ...],
+) -> None:
+    """SmolVLM's frames, each an image of one tile through get_image_features, in place of the
+    image tokens of their spans, each after its timestamp, the words SmolVLMProcessor writes
+    around them tokenized with the chat's text: the tokens transformers makes (its processor
+    takes a chat's images or its videos, not both)."""
+    smolvlm = Rendering(model_dirs["smolvlm"])
+    runner, model = _reference(smolvlm, model_dirs, references)
+    request = as_held(smolvlm.renderer.render(smolvlm.job(*kinds, fps=2, max_tokens=12)))
+    videos = [item for item in request.mm_items if item.is_video]
+    assert videos[0].tensors["pixel_values_videos"].shape == (4, 3, 512, 512)
+    assert videos[0].tensors["frame_seconds"].tolist() == [0, 0, 1, 1]
+    assert videos[0].length > 4 * 67  # the frames, and the 3 timestamps between them
+    assert run_alone(runner, request) == generate_greedy(model, smolvlm.pre, smolvlm.video,
                                                          request)
 
 

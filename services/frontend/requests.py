@@ -23,7 +23,7 @@ from typing import cast
 
 from mmlane.model import Preprocessor
 from mmlane.model.grammar import check_grammar
-from mmlane.model.video import VIDEO_FAMILIES, video_token_id
+from mmlane.model.video import VIDEO_FAMILIES, VIDEO_MODELS, video_token_id
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import (
     ChatMessage,
@@ -176,8 +176,7 @@ def prompt_token_ids(pre: Preprocessor, checked: CheckedRequest) -> list[int]:
     video_token = video_token_id(pre)
     if checked.videos and video_token is None:
         raise RequestError(f"messages: this model ({pre.family.name} family) takes no video; "
-                           f"mmlane renders videos for the {', '.join(VIDEO_FAMILIES)} "
-                           "families")
+                           f"mmlane renders videos for the {VIDEO_MODELS} families")
     token_ids = _token_ids(pre, checked)
     # Only the chat template may place placeholders; text and ids must not forge them.
     source = "messages: text" if checked.template_messages is not None else "prompt:"

@@ -754,15 +754,15 @@ class SmolVLMVideo(VideoPreprocessor):
     @classmethod
     def load(cls, model_dir: Path, preprocessor: Preprocessor,
              video_token_id: int) -> SmolVLMVideo:
-        where, raw = _processor_settings(model_dir, SMOLVLM_PROCESSOR_DEFAULTS)
+        where, own = _processor_settings(model_dir, {})
+        raw = {**SMOLVLM_PROCESSOR_DEFAULTS, **own}
         resize = _SMOLVLM_RESIZE.get(raw["resample"])
         if not raw["do_resize"] or resize is None:
             raise ModelDirError(f"{where}: mmlane renders SmolVLM videos with the processor's "
                                 f"LANCZOS or bicubic resize (do_resize true, resample 1 or 3), "
                                 f"got do_resize {raw['do_resize']}, resample {raw['resample']}")
-        sampling = raw.get("video_sampling") or {}
-        size = raw["size"] if "size" in raw and "video_sampling" in raw else \
-            sampling.get("video_size", raw["size"])
+        sampling = own.get("video_sampling") or {}
+        size = own.get("size") or sampling.get("video_size") or raw["size"]
         side, longest = raw["max_image_size"].get("longest_edge"), size.get("longest_edge")
         config = AutoConfig.from_pretrained(model_dir)
         if side != config.vision_config.image_size or not longest:
@@ -885,6 +885,10 @@ VIDEO_FAMILIES: Mapping[str, type[VideoPreprocessor]] = {
 }
 """The families mmlane renders videos for, by name, and their video processing."""
 
+VIDEO_MODELS = ", ".join(f"{name} ({', '.join(kind.model_types)} only)" if kind.model_types
+                         else name for name, kind in VIDEO_FAMILIES.items())
+"""Those families, for a refusal's message: "qwen2_vl, ..., idefics3 (smolvlm only)"."""
+
 
 def video_token_id(preprocessor: Preprocessor) -> int | None:
     """The id of the video placeholder of the model `preprocessor` loaded; None where mmlane
@@ -905,7 +909,7 @@ def load_video_preprocessor(model_dir: str | Path, preprocessor: Preprocessor
     kind = VIDEO_FAMILIES.get(preprocessor.family.name)
     if kind is None:
         raise UnsupportedModelError(f"{model_dir}: mmlane renders videos for the "
-                                    f"{', '.join(VIDEO_FAMILIES)} families only, not the "
+                                    f"{VIDEO_MODELS} families only, not the "
                                     f"{preprocessor.family.name} family")
     if kind.model_types:
         model_type = AutoConfig.from_pretrained(model_dir).model_type
