@@ -709,10 +709,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served(module_run_dir: Path, model_dirs: dict[str, Path],
            media_dir: Path) -> Iterator[dict[str, Served]]:
-    """The tiny Qwen2-VL's, LLaVA-OneVision's and InternVL's, and LLaVA's (a family without
-    video)."""
+    """The tiny Qwen2-VL's, LLaVA-OneVision's, InternVL's and SmolVLM's, and LLaVA's (a
+    family without video)."""
     served = {family: Served(module_run_dir / f"api-{family}", model_dirs[family], media_dir)
-              for family in ("qwen2_vl", "llava_onevision", "internvl", "llava")}
+              for family in ("qwen2_vl", "llava_onevision", "internvl", "smolvlm", "llava")}
     yield served
     for one in served.values():
         one.close()
@@ -765,6 +765,23 @@ def test_a_video_is_sampled_as_vllms_default_loader_samples_it(
     for extra, frames in [({}, 32), ({"extra_body": {"mm_processor_kwargs": {"fps": 1}}}, 2)]:
         call = model.chat([video_part(video_uri(CLIP.data)), TEXT], **extra)
         tokens = video_processing[family].count_tokens(frames, CLIP.width, CLIP.height)
+        completion = _answered(family_engine, call, functools.partial(_answer, tokens=tokens))
+        assert completion.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", ["smolvlm"])
+def test_a_smolvlm_video_is_sampled_as_its_processor_samples_it(
+    served: dict[str, Served], video_processing: dict[str, VideoPreprocessor], family: str,
+    family_engine: StandInEngine,
+) -> None:
+    """SmolVLM's (transformers' sample_frames): the model's 1 fps keeps the 2 s clip's first
+    and last frame, 2 fps four; the engine's span is the frames and the timestamps between
+    them (the words around them are the prompt's)."""
+    model, smolvlm = served["smolvlm"], video_processing["smolvlm"]
+    for extra, seconds in [({}, [0, 1]),
+                           ({"extra_body": {"mm_processor_kwargs": {"fps": 2}}}, [0, 0, 1, 1])]:
+        call = model.chat([video_part(video_uri(CLIP.data)), TEXT], **extra)
+        tokens = len(smolvlm.expand_item({"frame_seconds": np.array(seconds)}))
         completion = _answered(family_engine, call, functools.partial(_answer, tokens=tokens))
         assert completion.choices[0].finish_reason == "length"
 

@@ -157,7 +157,8 @@ class JobRenderer:
         self.follow_engine_epoch(job.engine_epoch)
         found = self.cache.lookup(started.hashes, job.mm_cache_invalidate)
         items = self._prepare(started, found)
-        request = render_request(job, items, self.preprocessor, self._video_token_id)
+        request = render_request(job, items, self.preprocessor,
+                                 None if self.video is None else self.video.preprocessor)
         return replace(request, mm_cache=self.cache.header(job.mm_cache_invalidate))
 
     def follow_engine_epoch(self, engine_epoch: int) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from mmlane.model import ImageItem, Preprocessor
 from mmlane.model.loading import expand_placeholder
-from mmlane.model.video import VideoItem
+from mmlane.model.video import VideoItem, VideoPreprocessor
 from mmlane.protocol.errors import MMLaneError, RequestError
 from mmlane.protocol.messages import EngineRequest, MMItem, MMJob
 
@@ -71,24 +71,26 @@ def check_job(job: MMJob, *, image_token_id: int, video_token_id: int | None,
 
 
 def render_request(job: MMJob, items: list[PreparedItem], model: Preprocessor,
-                   video_token_id: int | None) -> EngineRequest:
+                   video: VideoPreprocessor | None) -> EngineRequest:
     """The job's prompt with each placeholder expanded, and each item (its images, then its
-    videos) placed at its tokens."""
+    videos) placed at its tokens. `video`: the model's video processing (None: no video)."""
     images, videos = items[: len(job.images)], items[len(job.images):]
+    video_token_id = None if video is None else video.video_token_id
     prompt = job.prompt_token_ids
-    if video_token_id is not None and videos:  # a span's text edges join the prompt's text
+    if video is not None and video.text_joins_prompt and videos:
         merged, spans = model.merge_text_edges(
-            prompt, video_token_id, [video.expansion(video_token_id) for video in videos])
+            prompt, video.video_token_id,
+            [item.expansion(video.video_token_id) for item in videos])
         if merged is not prompt:
             prompt = merged
-            videos = [replace(video, num_tokens=len(span), token_ids=tuple(span))
-                      for video, span in zip(videos, spans, strict=True)]
+            videos = [replace(item, num_tokens=len(span), token_ids=tuple(span))
+                      for item, span in zip(videos, spans, strict=True)]
     placeholders = prompt
     prompt = model.expand_placeholders(placeholders, [
         ImageItem(image.tensors, image.num_tokens, image.token_ids) for image in images])
     if video_token_id is not None:
         prompt = expand_placeholder(prompt, video_token_id,
-                                    [video.expansion(video_token_id) for video in videos], "video")
+                                    [item.expansion(video_token_id) for item in videos], "video")
     if len(prompt) > model.max_context:
         raise _too_long(len(prompt), model.max_context, _after_expanding(len(images), len(videos)))
     kinds = {model.image_token_id: images}

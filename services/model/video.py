@@ -167,6 +167,10 @@ class VideoPreprocessor(ABC):
     model_features: ClassVar[tuple[str, str]] = ("get_video_features", VIDEO_PIXELS)
     """The model's method that makes a video's features from its pixels, and the argument it
     takes them as (InternVL has no video method: its frames go through the image one)."""
+    text_joins_prompt: ClassVar[bool] = False
+    """The text its span begins or ends with is tokenized with the prompt's text around its
+    placeholder (`Preprocessor.merge_text_edges`), as transformers' processor tokenizes the
+    whole prompt (SmolVLM's); else its span is tokenized alone, as vLLM's processors do."""
     runs_apart: ClassVar[bool] = False
     """Two videos' tokens must not touch: the model finds a video as a run of video tokens
     (Qwen2-VL's M-RoPE)."""
@@ -749,6 +753,7 @@ class SmolVLMVideo(VideoPreprocessor):
     token = "<video>"
     loader = "smolvlm"
     model_types = ("smolvlm",)
+    text_joins_prompt = True
     model_features = ("get_image_features", "pixel_values")
 
     @classmethod
