@@ -6,13 +6,14 @@ frame, and image latency while videos stream against idle.
                                   [--processes 2,4] [--decode-fps 2,0.5] [--decode-repeats 3]
                                   [--mm-processes 4] [--image-size 1024x768]
                                   [--image-requests 30] [--video-clients 2]
+                                  [--model DIR] [--parts 1,2,3]
 
 The test video is made here with PyAV (libx264, a keyframe every `--keyframe-every` frames, the
 first value): a window panning across a generated photo, `--seconds` long at `--rate` frames/s.
 
 1. Videos/s per core of the MM lane (decode + render): one `mmlane mm-worker` alone, this script
    standing in for the engine socket (as scripts/bench_pipeline.py does), is pushed `--videos`
-   jobs of the video (sampled at `--fps`, Qwen2-VL's rule) at once and timed until the last
+   jobs of the video (sampled at `--fps` by the model's rule) at once and timed until the last
    EngineRequest leaves it. `--mm-processes 1` (no pool: the video lane's own thread), then a
    pool of N processes for each of `--processes`, all of them free for videos
    (`--video-processes N`). The jobs carry no engine epoch, so every one is decoded.
@@ -23,9 +24,10 @@ first value): a window panning across a generated photo, `--seconds` long at `--
    keyframe interval of `--keyframe-every` and sampling rate of `--decode-fps`. Median of
    `--decode-repeats` runs.
 3. Image p50 latency while videos stream, against idle: `mmlane serve --mm-processes N` (hf
-   backend, the embedded model; videos in half the pool, the default); `--image-requests` image
+   backend, the model; videos in half the pool, the default); `--image-requests` image
    requests of a `--image-size` JPEG one at a time (a new uuid each: every one decoded), idle,
    then while `--video-clients` clients keep a video request each in flight back to back.
+Parts 1 and 3 run `--model` (the embedded tiny Qwen2-VL by default); `--parts` picks the parts.
 Prints the figures; it asserts nothing. Run it alone on the machine: it measures cores.
 """
 
@@ -120,9 +122,10 @@ def worker_videos_per_s(run_dir: Path, model_dir: Path, url: str, args: argparse
 
 
 def bench_videos_per_core(args: argparse.Namespace, run_dir: Path, data: bytes) -> None:
-    model_dir = resolve_model_dir(None)
+    model_dir = resolve_model_dir(args.model)
     url = video_uri(data)
-    print(f"\n1. MM lane, decode + render, {args.videos} videos sampled at {args.fps:g} fps")
+    print(f"\n1. MM lane, decode + render, {args.videos} videos sampled at {args.fps:g} fps, "
+          f"{model_dir.name}")
     print(f"{'design':<36} {'videos/s':>9} {'per core':>9}")
     for processes in [1, *args.processes]:
         rate = worker_videos_per_s(run_dir / f"lane-{processes}", model_dir, url, args,
@@ -200,7 +203,8 @@ def bench_images_while_videos_stream(args: argparse.Namespace, run_dir: Path,
                                      data: bytes) -> None:
     width, height = args.image_size.width, args.image_size.height
     image = data_uri(encode(make_image(width, height, seed=2), quality=90))
-    serve = ["--mm-processes", str(args.mm_processes)]
+    serve = ["--mm-processes", str(args.mm_processes),
+             *(["--model", args.model] if args.model else [])]
     with serving(run_dir / "serve", *serve, log_dir=run_dir / "serve-logs") as endpoint:
         image_latencies(endpoint, image, 3)  # warm up
         idle = image_latencies(endpoint, image, args.image_requests)
@@ -240,6 +244,10 @@ def main() -> None:
     parser.add_argument("--image-size", type=parse_size, default="1024x768")
     parser.add_argument("--image-requests", type=int, default=30)
     parser.add_argument("--video-clients", type=int, default=2)
+    parser.add_argument("--model", help="the model directory of parts 1 and 3 (default: the "
+                        "embedded tiny Qwen2-VL)")
+    parser.add_argument("--parts", type=numbers(int), default="1,2,3",
+                        help="the parts to run")
     args = parser.parse_args()
     width, height = args.size.width, args.size.height
     videos = {every: make_video(width, height, args.seconds, args.rate, every)
@@ -248,9 +256,12 @@ def main() -> None:
     print(f"test video: {width}x{height}, {args.seconds:g} s at {args.rate} fps, H.264, "
           f"{len(data) / 1e6:.1f} MB (a keyframe every {args.keyframe_every[0]} frames)")
     with tempfile.TemporaryDirectory(prefix="mmv-") as tmp:
-        bench_videos_per_core(args, Path(tmp), data)
-        bench_kept_frames(args, videos)
-        bench_images_while_videos_stream(args, Path(tmp), data)
+        if 1 in args.parts:
+            bench_videos_per_core(args, Path(tmp), data)
+        if 2 in args.parts:
+            bench_kept_frames(args, videos)
+        if 3 in args.parts:
+            bench_images_while_videos_stream(args, Path(tmp), data)
 
 
 if __name__ == "__main__":

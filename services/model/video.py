@@ -1,6 +1,8 @@
 """A decoded video's tensors and token count, family by family, as vLLM 0.32 gets them from
 transformers' video processors: `Qwen2VLVideoProcessor` for Qwen2-VL and Qwen2.5-VL,
-`LlavaOnevisionVideoProcessor` for LLaVA-OneVision, `InternVLVideoProcessor` for InternVL.
+`LlavaOnevisionVideoProcessor` for LLaVA-OneVision, `InternVLVideoProcessor` for InternVL; and
+for SmolVLM, which vLLM 0.32 takes no video of, as transformers' own `SmolVLMProcessor` makes
+them (`SmolVLMVideo`'s docstring).
 
     load_video_preprocessor(model_dir, preprocessor)   -> its family's VideoPreprocessor
     videos_of(model_dir, preprocessor)                 the same, or None for another family
@@ -12,7 +14,7 @@ transformers' video processors: `Qwen2VLVideoProcessor` for Qwen2-VL and Qwen2.5
     VideoPreprocessor.expand_item(tensors)             the span a checked video's tensors make
 
 A family's video processing is a subclass of `VideoPreprocessor` (`VIDEO_FAMILIES`: `Qwen2VLVideo`,
-`LlavaOnevisionVideo`, `InternVLVideo`); the base class holds what they share: the bound before
+`LlavaOnevisionVideo`, `InternVLVideo`, `SmolVLMVideo`); the base class holds what they share: the bound before
 any pixel work, the placeholder's expansion, the settings files, the resize. `SquareFrameVideo`
 holds what LLaVA-OneVision's and InternVL's share: frames resized to the tower's square tile.
 
