@@ -14,9 +14,10 @@ them (`SmolVLMVideo`'s docstring).
     VideoPreprocessor.expand_item(tensors)             the span a checked video's tensors make
 
 A family's video processing is a subclass of `VideoPreprocessor` (`VIDEO_FAMILIES`: `Qwen2VLVideo`,
-`LlavaOnevisionVideo`, `InternVLVideo`, `SmolVLMVideo`); the base class holds what they share: the bound before
-any pixel work, the placeholder's expansion, the settings files, the resize. `SquareFrameVideo`
-holds what LLaVA-OneVision's and InternVL's share: frames resized to the tower's square tile.
+`LlavaOnevisionVideo`, `InternVLVideo`, `SmolVLMVideo`); the base class holds what they share:
+the bound before any pixel work, the placeholder's expansion, the settings files, the resize.
+`SquareFrameVideo` holds what LLaVA-OneVision's and InternVL's share: frames resized to the
+tower's square tile.
 
 What vLLM calls. vLLM samples and decodes the frames itself with the loader its model's video
 processor maps to (`VideoPreprocessor.loader`; mmlane.mm_worker.video gives the same frames and
@@ -785,6 +786,13 @@ class SmolVLMVideo(VideoPreprocessor):
         @lru_cache(maxsize=256)  # the timestamps recur: each tokenized once
         def encode(text: str) -> tuple[int, ...]:
             return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+        # merge_text_edges decodes the prompt's text tokens to tokenize them again with the
+        # span's words: exact where decoding gives the text back (byte-level BPE, SmolVLM's).
+        probe = "User: You are provided\n\nFrame from 00:01: what happens?"
+        if backend.decode(list(encode(probe)), skip_special_tokens=False) != probe:
+            raise ModelDirError(f"the tokenizer in {model_dir} does not decode its tokens back "
+                                "to their text; mmlane renders SmolVLM videos with one that does")
 
         return cls(video_token_id=video_token_id, image_token_id=preprocessor.image_token_id,
                    side=side, longest_edge=min(longest, SMOLVLM_MAX_SIDE), resize=resize,
