@@ -558,13 +558,7 @@ class SquareFrameVideo(VideoPreprocessor):
         return (VIDEO_PIXELS,)
 
     def check_item(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
-        pixels = tensors[VIDEO_PIXELS]
-        frame = (RGB, self.settings.side, self.settings.side)
-        if pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1:] != frame or \
-                not len(pixels):
-            raise RequestError(f"{where}.pixel_values_videos is {pixels.dtype} {pixels.shape}, "
-                               f"the model takes uint8 (frames, {', '.join(map(str, frame))}) "
-                               "with at least one frame")
+        _check_square_frames(where, tensors[VIDEO_PIXELS], self.settings.side)
 
     def count_item_tokens(self, tensors: Mapping[str, np.ndarray]) -> int:
         return self.count_tokens(len(tensors[VIDEO_PIXELS]), self.settings.side,
@@ -826,12 +820,7 @@ class SmolVLMVideo(VideoPreprocessor):
 
     def check_item(self, where: str, tensors: Mapping[str, np.ndarray]) -> None:
         pixels, seconds = tensors[VIDEO_PIXELS], tensors["frame_seconds"]
-        frame = (RGB, self.side, self.side)
-        if pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1:] != frame or \
-                not len(pixels):
-            raise RequestError(f"{where}.pixel_values_videos is {pixels.dtype} {pixels.shape}, "
-                               f"the model takes uint8 (frames, {', '.join(map(str, frame))}) "
-                               "with at least one frame")
+        _check_square_frames(where, pixels, self.side)
         if seconds.dtype != np.int64 or seconds.shape != (len(pixels),) or \
                 np.any(seconds < 0) or np.any(np.diff(seconds) < 0):
             raise RequestError(f"{where}.frame_seconds is {seconds.dtype} {seconds.shape}, "
@@ -967,6 +956,17 @@ def _check_bicubic(where: Path, raw: Mapping[str, Any], processor: str) -> None:
         raise ModelDirError(f"{where}: mmlane renders videos as {processor} does with its "
                             f"bicubic resize (do_resize true, resample 3), got do_resize "
                             f"{raw['do_resize']}, resample {raw['resample']}")
+
+
+def _check_square_frames(where: str, pixels: np.ndarray, side: int) -> None:
+    """RequestError naming `where` unless a video's pixel_values_videos are uint8 frames of
+    (3, side, side), at least one."""
+    frame = (RGB, side, side)
+    if pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1:] != frame or \
+            not len(pixels):
+        raise RequestError(f"{where}.pixel_values_videos is {pixels.dtype} {pixels.shape}, "
+                           f"the model takes uint8 (frames, {', '.join(map(str, frame))}) "
+                           "with at least one frame")
 
 
 def _torchvision_norm(raw: Mapping[str, Any]) -> PixelNorm:
