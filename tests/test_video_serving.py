@@ -444,6 +444,37 @@ def test_the_engine_refuses_a_malformed_video_item_by_name(
         validate_request(rendering.renderer.render(rendering.job("video")), without_video)
 
 
+BAD_SMOLVLM_VIDEOS = {
+    "seconds descending": (lambda t: t.update(frame_seconds=np.array([1, 0], "i8")),
+                           r"^mm_items\[0\]\.frame_seconds is int64 \(2,\), needs int64 \(2,\)"),
+    "seconds not int64": (lambda t: t.update(frame_seconds=t["frame_seconds"].astype("f8")),
+                          r"^mm_items\[0\]\.frame_seconds is float64 \(2,\)"),
+    "frames not the tile": (lambda t: t.update(
+        pixel_values_videos=t["pixel_values_videos"][:, :, :256]),
+        r"^mm_items\[0\]\.pixel_values_videos is uint8 \(2, 3, 256, 512\), the model takes "
+        r"uint8 \(frames, 3, 512, 512\)"),
+    # Another timestamp than the span's ("01:15" for "00:01"): another span, one token shorter.
+    "seconds not the span's": (lambda t: t.update(frame_seconds=np.array([0, 75], "i8")),
+                               r"^mm_items\[0\]\.length is 145 but its tensors make 144 "
+                               r"tokens$"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SMOLVLM_VIDEOS))
+def test_the_engine_refuses_a_malformed_smolvlm_video_item_by_name(
+    model_dirs: dict[str, Path], references: dict[str, tuple[HFRunner, Any]], name: str,
+) -> None:
+    """SmolVLM's frames must be its tile; its `frame_seconds` (from which the engine rebuilds
+    the span's timestamps) one int64 a frame, ascending, and the span's."""
+    smolvlm = Rendering(model_dirs["smolvlm"])
+    runner, _ = _reference(smolvlm, model_dirs, references)
+    change, message = BAD_SMOLVLM_VIDEOS[name]
+    request = smolvlm.renderer.render(smolvlm.job("video"))
+    validate_request(request, runner.spec)
+    with pytest.raises(RequestError, match=message):
+        validate_request(_tensors(change)(request), runner.spec)
+
+
 # ---------------------------------------------------------------- the MM worker's lanes
 
 
