@@ -70,6 +70,10 @@ def main() -> int:
         process = _start(server, model, port, out)
         try:
             _wait_ready(port, model.name, process, out / f"{server}.log")
+            # Its HTTP port answers text before every process is up (mmlane's MM worker and its
+            # pool start after the frontend): one image render each, not timed, so that no
+            # load below waits for a start.
+            _render(port, model.name, images["1024x1024"][0])
             for name, uris in loads:
                 count, latencies, seconds = _load(port, model.name, uris, args.clients,
                                                   args.seconds)
