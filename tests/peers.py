@@ -152,11 +152,23 @@ class Inbox:
             message = self.codec.decode(frames)
             if not isinstance(message, Hello):
                 return message, len(frames)
-            if self._hello_replies is None:
-                self._hello_replies = ReplySockets(self.sock.context)
-            reply = HelloReply(peer=message.peer, started=self.started)
-            self._hello_replies.send(message.reply_to, Codec(FrontendInput).encode(reply))
+            self._answer(message)
         return None
+
+    def greet(self, timeout_s: float = PATIENCE_S) -> None:
+        """Answer the Hello a frontend sends first on connecting, as the peer does (its /health
+        waits for the engine's answer)."""
+        assert self.sock.poll(int(timeout_s * 1000)), \
+            f"no Hello at {self.endpoint} within {timeout_s:g} s"
+        message = self.codec.decode(self.sock.recv_multipart(copy=False))
+        assert isinstance(message, Hello), message
+        self._answer(message)
+
+    def _answer(self, hello: Hello) -> None:
+        if self._hello_replies is None:
+            self._hello_replies = ReplySockets(self.sock.context)
+        reply = HelloReply(peer=hello.peer, started=self.started)
+        self._hello_replies.send(hello.reply_to, Codec(FrontendInput).encode(reply))
 
     def take(self, timeout_s: float = PATIENCE_S) -> Any:
         """The next message (kept in `received`)."""

@@ -1130,10 +1130,11 @@ def test_a_streaming_client_that_goes_away_is_no_error(server: Server) -> None:
 
 @contextmanager
 def frontend_with_silent_engine(
-    run_dir: Path, qwen_dir: Path, *args: str
+    run_dir: Path, qwen_dir: Path, *args: str, greet: bool = True
 ) -> Iterator[tuple[Child, str, StandInEngine]]:
     """A frontend (HTTP API on, ARGS added) whose engine is this test's socket: it receives and
-    answers only when the test does. Yields the frontend, its HTTP base URL and that socket."""
+    answers only when the test does (its Hello at once, unless not `greet`). Yields the
+    frontend, its HTTP base URL and that socket."""
     engine = StandInEngine.at(zmq.Context.instance(), f"ipc://{run_dir}/engine.sock")
     http_port = free_port()  # not port 0: an HTTP port 0 turns the API off
     frontend = start_role("frontend", [
@@ -1141,6 +1142,8 @@ def frontend_with_silent_engine(
         "--mm-worker-endpoint", f"ipc://{run_dir}/mm.sock", "--port", "0",
         "--output-endpoint", f"ipc://{run_dir}/out.sock", "--http-port", str(http_port), *args,
     ], run_dir, log_dir=run_dir / "logs")
+    if greet:
+        engine.greet()
     try:
         yield frontend, f"http://127.0.0.1:{http_port}/v1", engine
     finally:
@@ -1175,6 +1178,8 @@ def test_a_draining_frontend_leaves_its_shared_port_to_the_others(
         "--output-endpoint", f"ipc://{run_dir}/out-{name}.sock", "--http-port", str(port),
         "--http-reuse-port", "--name", name,
     ], run_dir, log_dir=run_dir / name) for name in ("first", "second")]
+    for _ in frontends:
+        engine.greet()
     body = json.dumps({"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -1544,6 +1549,18 @@ def _health(base_url: str) -> tuple[int, dict[str, Any]]:
             return r.status, json.load(r)
     except urllib.error.HTTPError as exc:
         return exc.code, json.load(exc)
+
+
+def test_health_answers_503_until_the_engine_has_answered(run_dir: Path, qwen_dir: Path) -> None:
+    """A readiness probe on /health sends nothing to a frontend whose engine has not answered
+    yet (a vLLM engine loads its model first), as `vllm serve` is not up before its engine."""
+    with frontend_with_silent_engine(run_dir, qwen_dir, greet=False) as (_, base_url, engine):
+        status, body = _health(base_url)
+        assert status == 503 and body["error"]["code"] == "peer_restarted", body
+        assert body["error"]["message"] == "the engine has not answered yet (it is starting)"
+        engine.greet()
+        assert wait_until(lambda: _health_if(base_url, 200), "/health answering 200") == (
+            200, {"status": "ok"})
 
 
 def _health_if(base_url: str, status: int) -> tuple[int, dict[str, Any]] | None:

@@ -43,9 +43,11 @@ the MM worker's feature cache answers its later copies (with the cache off, each
 fetched and processed again). `stop` strings are the frontend's (see `ChatRequest.stop`), so
 they work with every engine backend.
 
-While the frontend drains (after SIGTERM), /health answers 503 so that load balancers send no
-more, and new chat requests get the I/O thread's refusal (503, code `peer_restarted`); the
-requests in flight are answered as usual.
+/health answers 503 until the engine has answered the frontend (a vLLM engine loads its model
+first: a load balancer or a readiness probe sends nothing before it serves, as with `vllm serve`),
+and while the frontend drains (after SIGTERM), so that load balancers send no more; new chat
+requests then get the I/O thread's refusal (503, code `peer_restarted`), and the requests in
+flight are answered as usual.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ class HttpApi:
     def __init__(
         self, config: FrontendConfig, *, ctx: zmq.Context, client_endpoint: str,
         model_names: list[str], pre: Preprocessor, tokenizers: Executor,
-        alive: Callable[[], bool], draining: Callable[[], bool], metrics: Metrics,
+        alive: Callable[[], bool], draining: Callable[[], bool],
+        engine_answered: Callable[[], bool], metrics: Metrics,
     ) -> None:
         self.model_names = model_names
         self.model_id = model_names[0]
@@ -173,6 +176,7 @@ class HttpApi:
         self._client_endpoint = client_endpoint
         self._alive = alive
         self._draining = draining
+        self._engine_answered = engine_answered
         self._ctx = zmq.asyncio.Context.shadow(ctx)  # inproc needs the frontend's context
         self._codec: Codec[Any] = Codec(ClientRequest)
         self._reply_codec: Codec[Any] = Codec(ClientReply)
@@ -401,6 +405,9 @@ class HttpApi:
     async def _health(self, _: web.Request) -> web.Response:
         if self._draining():
             return _error_response(ApiError("the frontend is stopping (draining)", DRAINING_CODE))
+        if not self._engine_answered():
+            return _error_response(ApiError(
+                "the engine has not answered yet (it is starting)", DRAINING_CODE))
         if self._alive():
             return web.json_response({"status": "ok"})
         return _error_response(ApiError("the frontend's I/O loop is not turning", "overloaded"))

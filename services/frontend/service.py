@@ -239,7 +239,9 @@ class Frontend:
                 config, ctx=self._ctx, client_endpoint=self._http_endpoint,
                 model_names=model_names, pre=self._pre, tokenizers=self._pool,
                 alive=lambda: time.monotonic() - self._last_turn < _STALLED_S,
-                draining=lambda: self._stop.is_set(), metrics=self.metrics,
+                draining=lambda: self._stop.is_set(),
+                engine_answered=lambda: bool(self._peers["engine"].started),
+                metrics=self.metrics,
             )
             try:
                 self.http.start()
