@@ -9,6 +9,7 @@ model takes (the engine checks every request against them, whatever its backend)
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -178,11 +179,27 @@ def processor_uint8(image_processor: Any, image: Image.Image,
     `settings` of the call). Its resize works in uint8, so the values it returns (float32 for
     some families) are whole 0-255."""
     batch = image_processor(
-        images=[image], do_rescale=False, do_normalize=False, return_tensors="np", **settings
+        images=[_as_input(image_processor, image)], do_rescale=False, do_normalize=False,
+        return_tensors="np", **settings,
     )
     tensors = dict(batch)
     tensors["pixel_values"] = np.asarray(tensors["pixel_values"]).astype(np.uint8, copy=False)
     return tensors
+
+
+def _as_input(image_processor: Any, image: Image.Image) -> Any:
+    """What the processor is handed: an RGB image as the tensor its torchvision backend makes
+    of it (`pil_to_tensor`: the image's bytes, channel-first over a channel-last buffer) less
+    that conversion's second copy of a full-size image; the same values and strides, so the
+    same resize. Any other image, or backend, as it is."""
+    if getattr(image_processor, "backend", "pil") != "torchvision" or image.mode != "RGB":
+        return image
+    import torch  # a torchvision backend's: the frontend loads this module without torch
+
+    with warnings.catch_warnings():  # read, never written
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        pixels = torch.from_numpy(np.asarray(image))
+    return pixels.permute(2, 0, 1)
 
 
 def _qwen2_vl_resized_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
