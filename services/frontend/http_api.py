@@ -406,8 +406,8 @@ class HttpApi:
         if self._draining():
             return _error_response(ApiError("the frontend is stopping (draining)", DRAINING_CODE))
         if not self._engine_answered():
-            return _error_response(ApiError(
-                "the engine has not answered yet (it is starting)", DRAINING_CODE))
+            return _error_response(ApiError(  # retryable: the code of a peer (re)starting
+                "the engine has not answered yet (it is starting)", "peer_restarted"))
         if self._alive():
             return web.json_response({"status": "ok"})
         return _error_response(ApiError("the frontend's I/O loop is not turning", "overloaded"))
