@@ -9,11 +9,10 @@ model takes (the engine checks every request against them, whatever its backend)
 
 import json
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -28,6 +27,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from mmlane.protocol.errors import RequestError
 from mmlane.protocol.messages import MMItem
+
+if TYPE_CHECKING:
+    import torch
 
 Tensors = Mapping[str, np.ndarray]
 TokenCounter = Callable[[Tensors], int]
@@ -173,33 +175,18 @@ def _qwen2_vl_item_checker(config: Any) -> ItemChecker:
 
     return check_items
 
-def processor_uint8(image_processor: Any, image: Image.Image,
+def processor_uint8(image_processor: Any, image: "Image.Image | torch.Tensor",
                     **settings: Any) -> dict[str, np.ndarray]:
     """Any family: the processor itself with its rescale and normalise turned off (and any
-    `settings` of the call). Its resize works in uint8, so the values it returns (float32 for
-    some families) are whole 0-255."""
+    `settings` of the call), on an image as the processor takes it (a torchvision backend's:
+    also as its tensor). Its resize works in uint8, so the values it returns (float32 for some
+    families) are whole 0-255."""
     batch = image_processor(
-        images=[_as_input(image_processor, image)], do_rescale=False, do_normalize=False,
-        return_tensors="np", **settings,
+        images=[image], do_rescale=False, do_normalize=False, return_tensors="np", **settings
     )
     tensors = dict(batch)
     tensors["pixel_values"] = np.asarray(tensors["pixel_values"]).astype(np.uint8, copy=False)
     return tensors
-
-
-def _as_input(image_processor: Any, image: Image.Image) -> Any:
-    """What the processor is handed: an RGB image as the tensor its torchvision backend makes
-    of it (`pil_to_tensor`: the image's bytes, channel-first over a channel-last buffer) less
-    that conversion's second copy of a full-size image; the same values and strides, so the
-    same resize. Any other image, or backend, as it is."""
-    if getattr(image_processor, "backend", "pil") != "torchvision" or image.mode != "RGB":
-        return image
-    import torch  # a torchvision backend's: the frontend loads this module without torch
-
-    with warnings.catch_warnings():  # read, never written
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        pixels = torch.from_numpy(np.asarray(image))
-    return pixels.permute(2, 0, 1)
 
 
 def _qwen2_vl_resized_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ wrong in mmlane's terms:
 """
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -157,9 +158,9 @@ class Preprocessor:
         try:
             if self.image_backend == "pil":
                 batch = self.family.uint8_pixels(self.image_processor, image)
-            else:
+            else:  # torchvision
                 [batch] = self.family.split_items(self.image_processor, processor_uint8(
-                    self.image_processor, image, **self.family.one_frame()))
+                    self.image_processor, _torchvision_input(image), **self.family.one_frame()))
         except (ValueError, OSError) as exc:
             raise ImageError(f"cannot process a {image.width}x{image.height} image: {exc}") from exc
         tensors = {field: batch[field] for field in self.family.item_fields}
@@ -345,6 +346,21 @@ def _load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     if not hasattr(tokenizer, "backend_tokenizer"):
         raise ModelDirError(f"{model_dir} needs a fast tokenizer (tokenizer.json)")
     return tokenizer
+
+
+def _torchvision_input(image: Image.Image) -> "Image.Image | torch.Tensor":
+    """An RGB image as the tensor a torchvision backend's processor makes of it
+    (`pil_to_tensor`: the image's bytes, channel-first over a channel-last buffer) less that
+    conversion's second copy of a full-size image; the same values and strides, so the same
+    resize. Any other image as it is: the processor converts it to RGB its own way."""
+    if image.mode != "RGB":
+        return image
+    import torch  # a role that renders images: the frontend loads this module without torch
+
+    with warnings.catch_warnings():  # read, never written
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        pixels = torch.from_numpy(np.asarray(image))
+    return pixels.permute(2, 0, 1)
 
 
 def _pick_image_backend(setting: ImageBackend) -> str:
